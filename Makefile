@@ -1,0 +1,30 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# Each installs what is missing into .venv first. torch is pinned to the CPU build here only;
+# pyproject.toml keeps the loose range users need.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.distckpt-installed
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test,s3,data]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) launch/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

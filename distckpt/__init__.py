@@ -1,0 +1,23 @@
+"""distckpt: exact-resume checkpoints for torchrun jobs, on local disk or any fsspec URL."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .capture import CheckpointWarning, PerRank, per_rank
+from .dist import DistInfo, init_distributed, shutdown_distributed
+from .errors import (AsyncSaveError, CheckpointExistsError, ConfigError, CoordinationError,
+                     CorruptCheckpointError, DistCkptError, IncompatibleCheckpointError,
+                     MissingFileError, RankDisagreementError, StorageError, UnstorableValueError)
+from .manager import CheckpointManager
+from .protocol import CheckpointFallbackWarning, Progress
+from .rng import RngRestoreWarning
+from .workers import with_worker_rng
+
+__all__ = [
+    "AsyncSaveError", "CheckpointExistsError", "CheckpointFallbackWarning", "CheckpointManager",
+    "CheckpointWarning", "ConfigError", "CoordinationError", "CorruptCheckpointError", "DistCkptError",
+    "DistInfo", "IncompatibleCheckpointError", "MissingFileError", "PerRank", "Progress",
+    "RankDisagreementError", "RngRestoreWarning", "StorageError", "UnstorableValueError",
+    "__version__", "init_distributed", "per_rank", "shutdown_distributed", "with_worker_rng",
+]

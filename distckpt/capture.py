@@ -1,0 +1,324 @@
+"""What each entry of `state` is, and how its state is captured and restored on one rank.
+
+Entries are classified once, by their type:
+
+* per rank by nature: `torch.Generator`, NumPy `Generator`, samplers, data loaders with
+  `state_dict` (torchdata's `StatefulDataLoader`), and anything wrapped in :func:`per_rank`;
+* replicated (written once, from rank 0): modules (with every submodule's `training` flag),
+  optimizers, schedulers and anything else with `state_dict`/`load_state_dict`, tensors,
+  plain values, and `config` (compared with the resuming run, never overwritten).
+
+This module never touches storage or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from .errors import IncompatibleCheckpointError, UnstorableValueError
+from .serialize import key_path
+
+log = logging.getLogger("distckpt")
+
+REPLICATED = "replicated"
+PER_RANK = "per_rank"
+CONFIG_KEY = "config"
+
+
+class CheckpointWarning(UserWarning):
+    """Something in a load deserves attention but did not stop it (extra entries, config)."""
+
+
+@dataclass(frozen=True)
+class PerRank:
+    """Marks a `state` entry as per rank: every rank saves and restores its own copy."""
+
+    obj: Any
+
+
+def per_rank(obj: Any) -> PerRank:
+    """Mark `obj` as per rank: each rank stores its own copy instead of rank 0's."""
+    return PerRank(obj)
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    scope: str   # REPLICATED or PER_RANK
+    kind: str    # module, stateful, loader, sampler, generator, np_generator, tensor, value, config
+    target: Any  # the object state is captured from and restored into
+
+
+def classify(state: dict[str, Any]) -> list[Entry]:
+    """Classify every top-level entry of `state` (a dict with str keys)."""
+    if not isinstance(state, dict):
+        raise UnstorableValueError(f"state must be a dict of entries, got {type(state).__name__}")
+    entries = []
+    for key, obj in state.items():
+        if not isinstance(key, str):
+            raise UnstorableValueError(f"state key {key!r} must be a str")
+        forced = isinstance(obj, PerRank)
+        target = obj.obj if forced else obj
+        kind, natural_scope = _kind_of(key, target)
+        entries.append(Entry(key, PER_RANK if forced else natural_scope, kind, target))
+    return entries
+
+
+def _kind_of(key: str, obj: Any) -> tuple[str, str]:
+    if key == CONFIG_KEY and not hasattr(obj, "state_dict"):
+        return "config", REPLICATED
+    if isinstance(obj, torch.Generator):
+        return "generator", PER_RANK
+    if isinstance(obj, np.random.Generator):
+        return "np_generator", PER_RANK
+    if isinstance(obj, torch.utils.data.DataLoader) and _has_state_dict(obj):
+        return "loader", PER_RANK
+    if isinstance(obj, torch.utils.data.DataLoader):
+        raise UnstorableValueError(
+            f"state[{key!r}] is a DataLoader without state_dict(): its position cannot be "
+            "saved; use torchdata.stateful_dataloader.StatefulDataLoader (a drop-in "
+            "replacement), or leave the loader out and store its sampler and generator")
+    if isinstance(obj, torch.utils.data.Sampler):
+        return "sampler", PER_RANK
+    if isinstance(obj, nn.Module):
+        return "module", REPLICATED
+    if _has_state_dict(obj):
+        return "stateful", REPLICATED
+    if isinstance(obj, torch.Tensor):
+        return "tensor", REPLICATED
+    return "value", REPLICATED
+
+
+def _has_state_dict(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def unwrap_module(module: nn.Module) -> nn.Module:
+    """The bare module under DDP / DataParallel / torch.compile wrappers."""
+    while True:
+        if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            module = module.module
+        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
+            module = module._orig_mod
+        else:
+            return module
+
+
+# -- capture ----------------------------------------------------------------------------------
+
+def capture_entry(entry: Entry) -> dict[str, Any]:
+    """The entry's state as a tree of tensors and plain values (tagged with its kind)."""
+    return {"kind": entry.kind, "state": _CAPTURE[entry.kind](entry.target)}
+
+
+def _capture_module(module: nn.Module) -> dict[str, Any]:
+    bare = unwrap_module(module)
+    sd = bare.state_dict()
+    metadata = getattr(sd, "_metadata", None) or {}
+    return {"state_dict": dict(sd),
+            "metadata": {k: dict(v) for k, v in metadata.items()},
+            "training": {name: m.training for name, m in bare.named_modules()}}
+
+
+def _capture_sampler(sampler: Any) -> dict[str, Any]:
+    if _has_state_dict(sampler):
+        return {"type": type(sampler).__name__, "state_dict": sampler.state_dict()}
+    out: dict[str, Any] = {"type": type(sampler).__name__}
+    if isinstance(sampler, torch.utils.data.DistributedSampler):
+        out.update(epoch=sampler.epoch, seed=sampler.seed, shuffle=sampler.shuffle,
+                   drop_last=sampler.drop_last, num_replicas=sampler.num_replicas, rank=sampler.rank)
+    generator = getattr(sampler, "generator", None)
+    if isinstance(generator, torch.Generator):
+        out["generator"] = generator.get_state()
+    inner = getattr(sampler, "sampler", None)  # BatchSampler and friends
+    if isinstance(inner, torch.utils.data.Sampler):
+        out["inner"] = _capture_sampler(inner)
+    return out
+
+
+def _capture_np_generator(gen: np.random.Generator) -> Any:
+    return _numpy_to_plain(gen.bit_generator.state)
+
+
+def _numpy_to_plain(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, dict):
+        return {k: _numpy_to_plain(v) for k, v in value.items()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _plain_to_numpy(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"ndarray", "dtype"}:
+        return np.asarray(value["ndarray"], dtype=value["dtype"])
+    if isinstance(value, dict):
+        return {k: _plain_to_numpy(v) for k, v in value.items()}
+    return value
+
+
+def _capture_plain(value: Any) -> Any:
+    return dict(value) if isinstance(value, dict) else value
+
+
+_CAPTURE: dict[str, Callable[[Any], Any]] = {
+    "module": _capture_module,
+    "stateful": lambda obj: obj.state_dict(),
+    "loader": lambda obj: obj.state_dict(),
+    "sampler": _capture_sampler,
+    "generator": lambda g: {"state": g.get_state(), "device": str(g.device)},
+    "np_generator": _capture_np_generator,
+    "tensor": lambda t: t,
+    "value": _capture_plain,
+    "config": _capture_plain,
+}
+
+
+# -- validation (before anything is changed) ------------------------------------------------
+
+def validate_entry(entry: Entry, saved: dict[str, Any], world: tuple[int, int]) -> None:
+    """Raise IncompatibleCheckpointError if `saved` cannot be restored into `entry` whole."""
+    where = f"state[{entry.key!r}]"
+    if saved.get("kind") != entry.kind:
+        raise IncompatibleCheckpointError(
+            f"{where} is a {entry.kind} entry here but a {saved.get('kind')} entry in the checkpoint")
+    state = saved["state"]
+    if entry.kind == "module":
+        _validate_module(unwrap_module(entry.target), state, where)
+    elif entry.kind == "stateful" and isinstance(entry.target, torch.optim.Optimizer):
+        _validate_optimizer(entry.target, state, where)
+    elif entry.kind == "sampler":
+        _validate_sampler(entry.target, state, where, world)
+    elif entry.kind == "tensor":
+        _validate_tensor(entry.target, state, where)
+
+
+def _validate_module(module: nn.Module, saved: dict[str, Any], where: str) -> None:
+    current = module.state_dict()
+    stored = saved["state_dict"]
+    missing = [k for k in current if k not in stored]
+    unexpected = [k for k in stored if k not in current]
+    wrong = [f"{k}: {tuple(stored[k].shape)} in checkpoint, {tuple(v.shape)} here"
+             for k, v in current.items()
+             if k in stored and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(stored[k].shape)]
+    names = {name for name, _ in module.named_modules()}
+    if missing or unexpected or wrong or set(saved["training"]) != names:
+        raise IncompatibleCheckpointError(
+            f"{where} does not match the checkpoint: missing keys {missing[:5]}, unexpected keys "
+            f"{unexpected[:5]}, shape mismatches {wrong[:5]}, submodules "
+            f"{sorted(set(saved['training']) ^ names)[:5]}; build the same model as the run that saved")
+
+
+def _validate_optimizer(opt: torch.optim.Optimizer, saved: Any, where: str) -> None:
+    groups = saved.get("param_groups", []) if isinstance(saved, dict) else []
+    here = [len(g["params"]) for g in opt.param_groups]
+    there = [len(g.get("params", [])) for g in groups]
+    if here != there:
+        raise IncompatibleCheckpointError(
+            f"{where}: the optimizer has parameter groups of sizes {here} but the checkpoint has "
+            f"{there}; build the optimizer over the same parameters as the run that saved")
+
+
+def _validate_sampler(sampler: Any, saved: dict[str, Any], where: str, world: tuple[int, int]) -> None:
+    if saved.get("type") != type(sampler).__name__:
+        raise IncompatibleCheckpointError(
+            f"{where} is a {type(sampler).__name__} but the checkpoint holds a {saved.get('type')}")
+    if "num_replicas" in saved and (saved["num_replicas"], saved["rank"]) != (sampler.num_replicas, sampler.rank):
+        raise IncompatibleCheckpointError(
+            f"{where}: DistributedSampler was saved as rank {saved['rank']} of {saved['num_replicas']} "
+            f"but is rank {sampler.rank} of {sampler.num_replicas} here")
+
+
+def _validate_tensor(target: torch.Tensor, saved: torch.Tensor, where: str) -> None:
+    if target.shape != saved.shape or target.dtype != saved.dtype:
+        raise IncompatibleCheckpointError(
+            f"{where}: tensor {tuple(saved.shape)} {saved.dtype} in the checkpoint, "
+            f"{tuple(target.shape)} {target.dtype} here")
+
+
+# -- restore ----------------------------------------------------------------------------------
+
+def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any]) -> list[str]:
+    """Restore one validated entry in place; returns notes for the caller (config diffs)."""
+    kind, value = entry.kind, saved["state"]
+    if kind == "module":
+        _restore_module(unwrap_module(entry.target), value)
+    elif kind in ("stateful", "loader"):
+        entry.target.load_state_dict(value)
+    elif kind == "sampler":
+        _restore_sampler(entry.target, value)
+    elif kind == "generator":
+        entry.target.set_state(value["state"])
+    elif kind == "np_generator":
+        entry.target.bit_generator.state = _plain_to_numpy(value)
+    elif kind == "tensor":
+        with torch.no_grad():
+            entry.target.copy_(value)
+    elif kind == "config":
+        return config_differences(value, entry.target)
+    elif isinstance(entry.target, dict) and isinstance(value, dict):
+        entry.target.clear()
+        entry.target.update(value)
+    elif isinstance(entry.target, list) and isinstance(value, list):
+        entry.target[:] = value
+    else:
+        state[entry.key] = PerRank(value) if entry.scope == PER_RANK and isinstance(state[entry.key], PerRank) else value
+    return []
+
+
+def _restore_module(module: nn.Module, saved: dict[str, Any]) -> None:
+    from collections import OrderedDict
+
+    sd = OrderedDict(saved["state_dict"])
+    sd._metadata = OrderedDict((k, dict(v)) for k, v in saved["metadata"].items())  # type: ignore[attr-defined]
+    module.load_state_dict(sd, strict=True)
+    flags = saved["training"]
+    for name, sub in module.named_modules():
+        sub.training = bool(flags[name])  # set each flag itself: .train() would overwrite children
+
+
+def _restore_sampler(sampler: Any, saved: dict[str, Any]) -> None:
+    if "state_dict" in saved:
+        sampler.load_state_dict(saved["state_dict"])
+        return
+    if "epoch" in saved:
+        sampler.set_epoch(saved["epoch"])
+        sampler.seed = saved["seed"]
+    if "generator" in saved:
+        sampler.generator.set_state(saved["generator"])
+    if "inner" in saved:
+        _restore_sampler(sampler.sampler, saved["inner"])
+
+
+def config_differences(saved: Any, current: Any, path: tuple[Any, ...] = ("config",)) -> list[str]:
+    """Key-by-key differences between the checkpoint's config and this run's."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        out: list[str] = []
+        for k in list(saved) + [k for k in current if k not in saved]:
+            if k not in current:
+                out.append(f"{key_path(path + (k,))}: {saved[k]!r} in the checkpoint, absent here")
+            elif k not in saved:
+                out.append(f"{key_path(path + (k,))}: absent in the checkpoint, {current[k]!r} here")
+            else:
+                out.extend(config_differences(saved[k], current[k], path + (k,)))
+        return out
+    same = (saved == current) if not isinstance(saved, torch.Tensor) else torch.equal(saved, current)
+    if isinstance(current, tuple) and isinstance(saved, tuple):
+        same = list(saved) == list(current)
+    return [] if same else [f"{key_path(path)}: {saved!r} in the checkpoint, {current!r} here"]
+
+
+def warn_extra_entries(saved_keys: set[str], state_keys: set[str], where: str) -> None:
+    extra = sorted(saved_keys - state_keys)
+    if extra:
+        message = f"{where}: entries {extra} are in the checkpoint but not in `state`; they were not restored"
+        log.warning(message)
+        warnings.warn(message, CheckpointWarning, stacklevel=4)

@@ -1,0 +1,157 @@
+"""Coordination between ranks: bounded object collectives, and one outcome for all ranks.
+
+Object collectives run on a dedicated gloo group (so jobs whose default group is NCCL work
+too), created with the manager's timeout, so a dead or stopped peer turns into an error, never
+a hang. Every phase ends in :func:`agree`: each rank contributes an :class:`Outcome`, all
+ranks see all outcomes, and if any rank failed every rank raises the same error.
+
+This module never imports storage.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+from . import errors
+from .errors import CoordinationError, DistCkptError
+
+log = logging.getLogger("distckpt")
+
+
+class Coordinator(Protocol):
+    rank: int
+    world_size: int
+
+    def all_gather(self, obj: Any, phase: str) -> list[Any]: ...
+
+    def gather(self, obj: Any, phase: str) -> list[Any] | None: ...
+
+    def broadcast(self, obj: Any, phase: str) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class SingleProcess:
+    """World of one: no process group (notebooks, scripts)."""
+
+    rank = 0
+    world_size = 1
+
+    def all_gather(self, obj: Any, phase: str) -> list[Any]:
+        return [obj]
+
+    def gather(self, obj: Any, phase: str) -> list[Any] | None:
+        return [obj]
+
+    def broadcast(self, obj: Any, phase: str) -> Any:
+        return obj
+
+    def close(self) -> None:
+        pass
+
+
+class GlooCoordinator:
+    """Object collectives on a private gloo group bounded by `timeout_s` (call on every rank)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def _run(self, phase: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception as e:  # gloo reports peers' deaths and timeouts as RuntimeError
+            raise CoordinationError(
+                f"rank {self.rank}: collective {phase!r} failed within the {self.timeout_s:g}s "
+                f"timeout: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Another "
+                "rank has probably died, stopped, or is not calling the same distckpt method; "
+                "see its log") from e
+
+    def all_gather(self, obj: Any, phase: str) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        self._run(phase, lambda: self._dist.all_gather_object(out, obj, group=self._group))
+        return out
+
+    def gather(self, obj: Any, phase: str) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        self._run(phase, lambda: self._dist.gather_object(obj, out, dst=0, group=self._group))
+        return out
+
+    def broadcast(self, obj: Any, phase: str) -> Any:
+        box = [obj if self.rank == 0 else None]
+        self._run(phase, lambda: self._dist.broadcast_object_list(box, src=0, group=self._group))
+        return box[0]
+
+    def close(self) -> None:
+        try:
+            self._dist.destroy_process_group(self._group)
+        except Exception as e:  # the default group may already be gone at interpreter exit
+            log.debug("destroying the distckpt gloo group failed: %s", e)
+
+
+def make_coordinator(timeout_s: float) -> Coordinator:
+    """A gloo coordinator when a process group is initialised with >1 rank, else a world of one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return GlooCoordinator(timeout_s)
+    return SingleProcess()
+
+
+@dataclass
+class Outcome:
+    """What one rank reports at the end of a phase."""
+
+    rank: int
+    error_type: str | None = None
+    message: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error_type is None
+
+    @classmethod
+    def failure(cls, rank: int, exc: BaseException, **info: Any) -> "Outcome":
+        return cls(rank, type(exc).__name__, str(exc), info)
+
+
+def agree(coord: Coordinator, outcome: Outcome, phase: str, what: str,
+          local_exc: BaseException | None = None) -> list[Outcome]:
+    """Exchange outcomes; if any rank failed, raise the same error on every rank."""
+    outcomes = coord.all_gather(outcome, phase)
+    raise_if_failed(outcomes, what, coord.rank, local_exc)
+    return outcomes
+
+
+def raise_if_failed(outcomes: list[Outcome], what: str, rank: int,
+                    local_exc: BaseException | None = None) -> None:
+    failed = [o for o in outcomes if not o.ok]
+    if not failed:
+        return
+    if len(outcomes) == 1 and local_exc is not None:
+        raise local_exc  # a world of one: the original error, untouched
+    lines = "; ".join(f"rank {o.rank}: {o.error_type}: {o.message}" for o in failed)
+    cls = _error_class(failed[0].error_type)
+    raise cls(f"{what} failed on rank(s) {[o.rank for o in failed]} — {lines}") from local_exc
+
+
+def _error_class(name: str | None) -> type[DistCkptError]:
+    """The distckpt class a peer raised, so every rank raises the same type; else CoordinationError."""
+    cls = getattr(errors, name or "", None)
+    if isinstance(cls, type) and issubclass(cls, DistCkptError):
+        return cls
+    return CoordinationError
+
+
+def hostname() -> str:
+    return socket.gethostname()

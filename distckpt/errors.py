@@ -1,0 +1,67 @@
+"""Errors raised by distckpt.
+
+Every error derives from :class:`DistCkptError`, so ``except distckpt.DistCkptError`` catches
+everything the library raises on purpose. Storage failures also derive from the matching
+builtin, so code that already handles ``OSError`` keeps working::
+
+    DistCkptError(Exception)
+    ├── ConfigError(ValueError)            a constructor or call argument is invalid
+    ├── UnstorableValueError(TypeError)    a value in `state` cannot be stored (save time)
+    ├── StorageError(OSError)              reading or writing storage failed
+    │   ├── CheckpointExistsError(FileExistsError)  the step is already committed
+    │   └── MissingFileError(FileNotFoundError)     a file that should be there is not
+    ├── CorruptCheckpointError             a file's size/checksum/structure is wrong
+    ├── IncompatibleCheckpointError        the checkpoint does not fit this run
+    │                                      (world size, keys, shapes, devices)
+    ├── CoordinationError(RuntimeError)    a rank failed, disagreed or timed out;
+    │   │                                  raised identically on every rank
+    │   └── RankDisagreementError          ranks hold different step/epoch/digest
+    └── AsyncSaveError(RuntimeError)       a background save failed (surfaced at the
+                                           next save/wait/close, on every rank)
+"""
+
+from __future__ import annotations
+
+
+class DistCkptError(Exception):
+    """Root of every error distckpt raises on purpose."""
+
+
+class ConfigError(DistCkptError, ValueError):
+    """An argument is invalid; the message names the field and the reason."""
+
+
+class UnstorableValueError(DistCkptError, TypeError):
+    """A value in `state` is neither a tensor nor a plain value; names its key path."""
+
+
+class StorageError(DistCkptError, OSError):
+    """Reading or writing the storage failed."""
+
+
+class CheckpointExistsError(StorageError, FileExistsError):
+    """A committed checkpoint already exists for this step."""
+
+
+class MissingFileError(StorageError, FileNotFoundError):
+    """A file the checkpoint names is not in storage."""
+
+
+class CorruptCheckpointError(DistCkptError):
+    """A checkpoint file is missing, truncated, or fails its checksum or structure check."""
+
+
+class IncompatibleCheckpointError(DistCkptError):
+    """The checkpoint is intact but does not fit the state it is loaded into."""
+
+
+class CoordinationError(DistCkptError, RuntimeError):
+    """A rank failed, disagreed or timed out; every rank raises the same message."""
+
+
+class RankDisagreementError(CoordinationError):
+    """Ranks hold different (step, epoch, manifest digest)."""
+
+
+class AsyncSaveError(DistCkptError, RuntimeError):
+    """A background save failed; surfaced on every rank at the next save/wait/close."""

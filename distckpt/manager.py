@@ -1,0 +1,206 @@
+"""CheckpointManager: the public entry point. Its methods delegate to the protocol's phases."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+from .async_writer import AsyncWriter
+from .capture import classify
+from .config import ManagerConfig
+from .coord import make_coordinator
+from .ddp import install_bucket_warmup
+from .errors import AsyncSaveError, ConfigError, DistCkptError
+from .protocol import Progress, StagedSave, list_committed, load, share_outcome, stage_save, write_and_commit
+from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed
+from .storage import open_storage
+from .versions import collect_versions
+
+log = logging.getLogger("distckpt")
+
+
+class CheckpointManager:
+    """Saves and loads exact-resume checkpoints under one root URL.
+
+    Construction, `save`, `load_latest`, `load`, `wait` and `close` are collective: call them on
+    every rank, in the same order. Without an initialised process group (or with one rank) it
+    works as a world of one.
+
+    A checkpoint is committed only when its COMMITTED marker is written, after every file is
+    durable; a failed or interrupted save never changes an earlier checkpoint.
+    """
+
+    def __init__(self, url: str, *, keep_last: int | None = None, keep_best: int | None = None,
+                 best_mode: str = "min", async_save: bool = False,
+                 storage_options: dict[str, Any] | None = None, timeout: float = 600.0,
+                 leftover_grace_s: float = 3600.0) -> None:
+        if not isinstance(url, str) or not url:
+            raise ConfigError(f"url={url!r}: must be a local path or an fsspec URL such as s3://bucket/prefix")
+        self.config = ManagerConfig(keep_last, keep_best, best_mode, async_save, float(timeout), leftover_grace_s)
+        self.url = url
+        self.storage = open_storage(url, storage_options)
+        self._coord = make_coordinator(self.config.timeout)
+        self.rank, self.world_size = self._coord.rank, self._coord.world_size
+        self.run_id = self._coord.broadcast(uuid.uuid4().hex, "init/run-id")
+        self._versions = collect_versions() if self.rank == 0 else {}
+        self._writer = AsyncWriter()
+        self._pending_step: int | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.storage!r}, rank={self.rank}, world_size={self.world_size})"
+
+    # -- save -----------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any], *, epoch: int | None = None,
+             metric: float | None = None) -> None:
+        """Save `state` as checkpoint `step` (collective).
+
+        Returns once committed, or with ``async_save`` once the state is staged in host memory
+        (the write then runs in the background; its failure is raised on every rank by the
+        next save/wait/close). Raises UnstorableValueError naming the key path of a value that
+        cannot be stored, CheckpointExistsError if `step` is already committed, and the same
+        error on every rank when any rank fails.
+        """
+        self._check_open()
+        metric = _check_save_args(step, epoch, metric)
+        self._finish_pending()
+        entries = classify(state)
+        staged = stage_save(self._coord, self.storage, entries, step, epoch, metric, self.run_id,
+                            copy_tensors=self.config.async_save)
+        if self.config.async_save:
+            if staged is not None:
+                self._writer.submit(lambda: self._write(staged), f"step {step}")
+            self._pending_step = step
+            return
+        exc = None
+        if staged is not None:
+            try:
+                self._write(staged)
+            except Exception as e:
+                exc = e
+        share_outcome(self._coord, exc, "save/commit", f"save of step {step}")
+
+    def _write(self, staged: StagedSave) -> None:
+        start = time.perf_counter()
+        write_and_commit(self.storage, staged, self._versions)
+        self._retain(staged.step)
+        t = staged.timings
+        log.info("rank 0: committed step %d at %s in %.3fs (capture %.3fs, gather %.3fs, write %.3fs, "
+                 "commit %.3fs), %d payload bytes", staged.step, self.storage.url,
+                 time.perf_counter() - start + t["capture_s"] + t["gather_s"], t["capture_s"],
+                 t["gather_s"], t["write_s"], t["commit_s"], staged.replicated.payload_bytes)
+
+    def _retain(self, just_committed: int) -> None:
+        """Retention and leftover collection; failures here never undo the commit."""
+        try:
+            committed = read_committed(self.storage, list_committed(self.storage))
+            for step in plan_retention(committed, self.config.keep_last, self.config.keep_best,
+                                       self.config.best_mode):
+                if step != just_committed:
+                    delete_checkpoint(self.storage, step)
+                    log.info("rank 0: retention removed step %d", step)
+            collect_leftovers(self.storage, self.config.leftover_grace_s)
+        except (OSError, DistCkptError) as e:
+            log.warning("rank 0: retention after step %d failed (the checkpoint is committed): %s",
+                        just_committed, e)
+
+    def _finish_pending(self) -> None:
+        """Share the outcome of the background save in flight with every rank (collective)."""
+        if self._pending_step is None:
+            return
+        step, self._pending_step = self._pending_step, None
+        _, err = self._writer.wait()
+        exc = None
+        if err is not None:
+            exc = AsyncSaveError(f"background save of step {step} failed: {type(err).__name__}: {err}")
+            exc.__cause__ = err
+        share_outcome(self._coord, exc, "save/async-outcome", f"background save of step {step}")
+
+    # -- load -----------------------------------------------------------------------------
+
+    def load_latest(self, state: dict[str, Any]) -> Progress | None:
+        """Restore `state` from the newest committed checkpoint that verifies (collective).
+
+        Returns None on a fresh start (nothing committed), else Progress(step, epoch, ...).
+        A damaged newest checkpoint is skipped with a warning; all ranks must agree on
+        (step, epoch, manifest digest) or all raise. Nothing is changed unless every rank
+        read and checked everything first.
+        """
+        return self._load(state, None)
+
+    def load(self, state: dict[str, Any], step: int) -> Progress:
+        """Restore `state` from committed checkpoint `step` (collective); no fallback."""
+        progress = self._load(state, step)
+        assert progress is not None  # load(step=...) raises rather than returning None
+        return progress
+
+    def _load(self, state: dict[str, Any], step: int | None) -> Progress | None:
+        self._check_open()
+        self._finish_pending()
+        entries = classify(state)
+        progress = load(self._coord, self.storage, entries, state, step)
+        for entry in entries:
+            if entry.kind == "module":
+                install_bucket_warmup(entry.target)
+        if progress is not None:
+            for line in progress.config_diff:
+                log.warning("rank %d: config differs from the checkpoint's: %s", self.rank, line)
+            log.info("rank %d: resumed from %s (step %d, epoch %s)", self.rank, progress.url,
+                     progress.step, progress.epoch)
+        return progress
+
+    def committed_steps(self) -> list[int]:
+        """Committed steps, newest first (reads storage; not collective)."""
+        return list_committed(self.storage)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Wait for the save in flight and raise its failure on every rank (collective)."""
+        self._check_open()
+        self._finish_pending()
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release the manager's process group (collective)."""
+        if self._closed:
+            return
+        try:
+            self._finish_pending()
+        finally:
+            self._closed = True
+            self._coord.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as close_error:  # keep the error that is already propagating
+            log.error("rank %d: closing after an error also failed: %s", self.rank, close_error)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this CheckpointManager is closed; create a new one")
+
+
+def _check_save_args(step: Any, epoch: Any, metric: Any) -> float | None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"step={step!r}: must be an int >= 0")
+    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
+        raise ConfigError(f"epoch={epoch!r}: must be an int >= 0 or None")
+    if metric is not None:
+        try:
+            metric = float(metric)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"metric={metric!r}: must be a number (e.g. the validation loss)") from e
+        if not math.isfinite(metric):
+            raise ConfigError(f"metric={metric!r}: must be finite to rank checkpoints by it")
+    return metric

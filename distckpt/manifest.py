@@ -1,0 +1,122 @@
+"""The step directory layout, the manifest, the commit marker and checksums.
+
+    <root>/step-000000100/
+        replicated/state.safetensors   replicated entries (tree in the safetensors metadata)
+        ranks/rank-00000.safetensors   per-rank state of each rank
+        manifest.json                  every file with size and xxh3-64, versions, ranks
+        COMMITTED                      written last: the manifest's digest and the run id
+
+A step exists if and only if COMMITTED exists and its digest matches manifest.json.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import xxhash
+
+from .errors import CorruptCheckpointError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MARKER = "COMMITTED"
+REPLICATED_FILE = "replicated/state.safetensors"
+_STEP_RE = re.compile(r"step-(\d{9,})")
+_MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = _STEP_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def rank_file(rank: int) -> str:
+    return f"ranks/rank-{rank:05d}.safetensors"
+
+
+class Checksum:
+    """Counts and hashes chunks as they stream past (xxh3-64: several GB/s on one core)."""
+
+    algorithm = "xxh3_64"
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+        self.size = 0
+
+    def wrap(self, chunks: Iterable[memoryview | bytes]) -> Iterator[memoryview | bytes]:
+        for chunk in chunks:
+            self._h.update(chunk)
+            self.size += memoryview(chunk).nbytes
+            yield chunk
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def checksum_of(data: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def verify_file(data: bytes, record: dict[str, Any], where: str) -> None:
+    if len(data) != record["size"]:
+        raise CorruptCheckpointError(f"{where}: {len(data)} bytes, the manifest says {record['size']} (truncated or replaced)")
+    actual = checksum_of(data)
+    if actual != record["xxh3_64"]:
+        raise CorruptCheckpointError(f"{where}: checksum {actual} does not match the manifest's {record['xxh3_64']} (damaged)")
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    return json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode()
+
+
+@dataclass(frozen=True)
+class Marker:
+    step: int
+    manifest_digest: str
+    run_id: str
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": FORMAT_VERSION, "step": self.step,
+                           "manifest_xxh3_64": self.manifest_digest, "run_id": self.run_id}).encode()
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> "Marker":
+        try:
+            d = json.loads(data[:4096])
+            return cls(int(d["step"]), str(d["manifest_xxh3_64"]), str(d["run_id"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptCheckpointError(f"{where}: unreadable commit marker: {e}") from e
+
+
+def parse_manifest(data: bytes, marker: Marker, where: str) -> dict[str, Any]:
+    """Check the manifest against its marker and its own structure."""
+    if len(data) > _MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{where}: manifest of {len(data)} bytes is larger than any we write")
+    if checksum_of(data) != marker.manifest_digest:
+        raise CorruptCheckpointError(f"{where}: manifest does not match its COMMITTED marker (damaged or replaced)")
+    try:
+        manifest = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: manifest is not JSON: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{where}: manifest format {manifest.get('format') if isinstance(manifest, dict) else '?'} is not {FORMAT_VERSION}")
+    for path in manifest.get("files", {}):
+        check_relative_path(path, where)
+    if manifest.get("step") != marker.step:
+        raise CorruptCheckpointError(f"{where}: manifest step {manifest.get('step')} differs from the marker's {marker.step}")
+    return manifest
+
+
+def check_relative_path(path: str, where: str) -> None:
+    """A manifest may only name files inside its own step directory."""
+    parts = path.split("/")
+    if (not path or path.startswith("/") or "\\" in path or "\x00" in path or "::" in path
+            or "://" in path or any(p in ("", ".", "..") for p in parts)):
+        raise CorruptCheckpointError(f"{where}: manifest names an unsafe path {path!r}")

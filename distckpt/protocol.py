@@ -1,0 +1,331 @@
+"""The save and load protocols, as short functions of named phases.
+
+Save(step)
+    capture   every rank: RNG first, then its per-rank entries; rank 0 also the replicated ones
+    agree     all ranks: everyone captured, and all hold the same step and epoch
+    gather    per-rank files (bytes) to rank 0
+    write     rank 0: replicated file, rank files, manifest — each atomic
+    commit    rank 0: COMMITTED, exclusive create, last
+    share     rank 0's outcome to every rank, so a failed save fails everywhere
+
+Load
+    choose    rank 0 lists committed steps, newest first, and broadcasts the list
+    read      every rank: marker, manifest, replicated file and its own rank file, verified by
+              checksum and checked against `state` before anything is changed; a damaged
+              candidate makes all ranks move to the previous one together, with a warning
+    agree     all ranks hold the same (step, epoch, manifest digest), or all raise
+    apply     every rank restores its entries, RNG last; outcomes exchanged once more
+
+Every phase ends in `coord.agree`, so every rank takes the same branch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import manifest as mf
+from .capture import (PER_RANK, REPLICATED, Entry, capture_entry, restore_entry,
+                      validate_entry, warn_extra_entries)
+from .coord import Coordinator, Outcome, agree, hostname, raise_if_failed
+from .errors import (CheckpointExistsError, CorruptCheckpointError, DistCkptError,
+                     IncompatibleCheckpointError, MissingFileError, RankDisagreementError)
+from .rng import capture_process_rng, restore_process_rng
+from .serialize import EncodedTree, encode_tree, load_tree_file, safetensors_chunks
+from .storage import Storage
+
+log = logging.getLogger("distckpt")
+
+
+class CheckpointFallbackWarning(UserWarning):
+    """The newest committed checkpoint was damaged; an older one was loaded instead."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a loaded checkpoint left off. `config_diff` lists config keys that differ."""
+
+    step: int
+    epoch: int | None
+    metric: float | None = None
+    url: str = ""
+    config_diff: tuple[str, ...] = ()
+
+
+@dataclass
+class StagedSave:
+    """Everything rank 0 needs to write one checkpoint, detached from live training state."""
+
+    step: int
+    epoch: int | None
+    metric: float | None
+    run_id: str
+    replicated: EncodedTree
+    rank_files: list[bytes]
+    ranks: list[dict[str, Any]]
+    entries: dict[str, dict[str, str]]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+# -- save -------------------------------------------------------------------------------------
+
+def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
+               epoch: int | None, metric: float | None, run_id: str, copy_tensors: bool) -> StagedSave | None:
+    """Phases capture, agree and gather (call on every rank). Rank 0 gets the StagedSave."""
+    t0 = time.perf_counter()
+    local, exc = _capture_phase(coord, storage, entries, step, epoch, copy_tensors)
+    info = {"step": step, "epoch": epoch, "host": hostname(), "pid": os.getpid()}
+    outcome = Outcome.failure(coord.rank, exc, **info) if exc else Outcome(coord.rank, info=info)
+    outcomes = agree(coord, outcome, "save/capture", f"save of step {step}", exc)
+    _check_same_progress([o.info for o in outcomes], f"save of step {step}")
+    t1 = time.perf_counter()
+    rank_file, replicated = local
+    gathered = coord.gather(rank_file, "save/gather")
+    if coord.rank != 0:
+        return None
+    assert gathered is not None and replicated is not None  # rank 0 invariant, not user input
+    kinds = {e.key: {"scope": e.scope, "kind": e.kind} for e in entries}
+    return StagedSave(step, epoch, metric, run_id, replicated, gathered,
+                      [o.info for o in outcomes], kinds,
+                      {"capture_s": t1 - t0, "gather_s": time.perf_counter() - t1})
+
+
+def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
+                   epoch: int | None, copy_tensors: bool) -> tuple[tuple[bytes, EncodedTree | None], BaseException | None]:
+    try:
+        rng = capture_process_rng()  # first: nothing below may draw before it is recorded
+        if coord.rank == 0 and storage.exists(f"{mf.step_dir(step)}/{mf.MARKER}"):
+            raise CheckpointExistsError(
+                f"step {step} is already committed at {storage.url}/{mf.step_dir(step)}; "
+                "resume with load_latest() so steps continue after it, or use another directory")
+        own = {"step": step, "epoch": epoch, "rank": coord.rank, "world_size": coord.world_size,
+               "rng": rng,
+               "entries": {e.key: capture_entry(e) for e in entries if e.scope == PER_RANK}}
+        rank_tree = encode_tree(own, ("per-rank state",), stage=True)
+        rank_file = b"".join(bytes(c) for c in safetensors_chunks(rank_tree))
+        replicated = None
+        if coord.rank == 0:
+            tree = {"step": step, "epoch": epoch,
+                    "entries": {e.key: capture_entry(e) for e in entries if e.scope == REPLICATED}}
+            replicated = _encode_replicated(tree, copy_tensors)
+        return (rank_file, replicated), None
+    except Exception as e:  # reported to every rank by `agree`
+        return (b"", None), e
+
+
+def _encode_replicated(tree: dict[str, Any], copy_tensors: bool) -> EncodedTree:
+    # Key paths in errors read state['model']..., not state['entries']['model']['state']...
+    for key, captured in tree["entries"].items():
+        encode_tree(captured["state"], (key,))  # validation only: cheap, no copies
+    return encode_tree(tree, ("replicated",), stage=copy_tensors)
+
+
+def _check_same_progress(infos: list[dict[str, Any]], what: str) -> None:
+    views = {(i["step"], i["epoch"]) for i in infos}
+    if len(views) > 1:
+        table = ", ".join(f"rank {r}: step {i['step']} epoch {i['epoch']}" for r, i in enumerate(infos))
+        raise RankDisagreementError(f"{what}: ranks disagree on (step, epoch) — {table}; "
+                                    "every rank must call save() with the same step and epoch")
+
+
+def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any]) -> str:
+    """Phases write and commit (rank 0). Returns the manifest digest. Never touches other steps."""
+    t0 = time.perf_counter()
+    base = mf.step_dir(staged.step)
+    if storage.list_dir(base):
+        log.info("removing the uncommitted leftover %s before rewriting it", base)
+        storage.remove_tree(base)
+    files = {mf.REPLICATED_FILE: _write(storage, f"{base}/{mf.REPLICATED_FILE}",
+                                        safetensors_chunks(staged.replicated))}
+    for rank, data in enumerate(staged.rank_files):
+        files[mf.rank_file(rank)] = _write(storage, f"{base}/{mf.rank_file(rank)}", [data])
+    t1 = time.perf_counter()
+    manifest = {
+        "format": mf.FORMAT_VERSION, "step": staged.step, "epoch": staged.epoch,
+        "metric": staged.metric, "run_id": staged.run_id, "created_unix": time.time(),
+        "world_size": len(staged.rank_files), "ranks": staged.ranks, "entries": staged.entries,
+        "files": files, "payload_bytes": staged.replicated.payload_bytes, "versions": versions,
+    }
+    data = mf.manifest_bytes(manifest)
+    storage.write_file(f"{base}/{mf.MANIFEST}", [data])
+    digest = mf.checksum_of(data)
+    storage.create_exclusive(f"{base}/{mf.MARKER}", mf.Marker(staged.step, digest, staged.run_id).to_bytes())
+    staged.timings.update(write_s=t1 - t0, commit_s=time.perf_counter() - t1)
+    return digest
+
+
+def _write(storage: Storage, path: str, chunks: Any) -> dict[str, Any]:
+    check = mf.Checksum()
+    storage.write_file(path, check.wrap(chunks))
+    return {"size": check.size, "xxh3_64": check.hexdigest()}
+
+
+def share_outcome(coord: Coordinator, exc: BaseException | None, phase: str, what: str) -> None:
+    """Broadcast rank 0's outcome of a write; every rank raises the same error if it failed."""
+    mine = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
+    outcome = coord.broadcast(mine, phase)
+    raise_if_failed([outcome], what, coord.rank, exc)
+
+
+# -- load -------------------------------------------------------------------------------------
+
+def list_committed(storage: Storage) -> list[int]:
+    """Committed steps, newest first: a step directory with a COMMITTED marker."""
+    steps = [s for s in (mf.parse_step_dir(n) for n in storage.list_dir("")) if s is not None]
+    return sorted((s for s in steps if storage.exists(f"{mf.step_dir(s)}/{mf.MARKER}")), reverse=True)
+
+
+@dataclass
+class ReadCheckpoint:
+    step: int
+    digest: str
+    manifest: dict[str, Any]
+    replicated: dict[str, Any]
+    own: dict[str, Any]
+
+
+def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int) -> ReadCheckpoint:
+    """Read and verify what this rank needs of one committed step. Raises CorruptCheckpointError."""
+    base = mf.step_dir(step)
+    where = f"{storage.url}/{base}"
+    try:
+        marker = mf.Marker.parse(storage.read_bytes(f"{base}/{mf.MARKER}"), where)
+        manifest = mf.parse_manifest(storage.read_bytes(f"{base}/{mf.MANIFEST}"), marker, where)
+    except MissingFileError as e:
+        raise CorruptCheckpointError(f"{where}: {e}") from e
+    if manifest["world_size"] != world_size:
+        raise IncompatibleCheckpointError(
+            f"{where} was written by {manifest['world_size']} ranks, this job has {world_size}: "
+            "per-rank state (RNG streams, sampler and loader positions) cannot be mapped to "
+            f"another world size; relaunch with --nproc-per-node/--nnodes giving {manifest['world_size']} ranks")
+    replicated = _read_tree(storage, base, mf.REPLICATED_FILE, manifest, where)
+    own = _read_tree(storage, base, mf.rank_file(rank), manifest, where)
+    return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own)
+
+
+def _read_tree(storage: Storage, base: str, name: str, manifest: dict[str, Any], where: str) -> Any:
+    record = manifest["files"].get(name)
+    if record is None:
+        raise CorruptCheckpointError(f"{where}: the manifest lists no {name}")
+    try:
+        data = storage.read_bytes(f"{base}/{name}")
+    except MissingFileError as e:
+        raise CorruptCheckpointError(f"{where}/{name} is missing") from e
+    mf.verify_file(data, record, f"{where}/{name}")
+    return load_tree_file(data, f"{where}/{name}")
+
+
+def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict[str, Any],
+         step: int | None = None) -> Progress | None:
+    """The load protocol (call on every rank). None when nothing is committed yet."""
+    candidates = _choose_phase(coord, storage, step)
+    if not candidates:
+        return None
+    chosen = _read_phase(coord, storage, entries, candidates, explicit=step is not None)
+    notes = _apply_phase(coord, entries, state, chosen)
+    return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.get("metric"),
+                    f"{storage.url}/{mf.step_dir(chosen.step)}", tuple(notes))
+
+
+def _choose_phase(coord: Coordinator, storage: Storage, step: int | None) -> list[int]:
+    exc: BaseException | None = None
+    steps: list[int] = []
+    if coord.rank == 0:
+        try:
+            steps = list_committed(storage)
+            if step is not None:
+                if step not in steps:
+                    raise IncompatibleCheckpointError(
+                        f"step {step} is not committed at {storage.url} (committed: {steps[:10]})")
+                steps = [step]
+        except Exception as e:
+            exc = e
+    mine = Outcome.failure(0, exc) if exc else Outcome(0, info={"steps": steps})
+    outcome = coord.broadcast(mine if coord.rank == 0 else None, "load/choose")
+    raise_if_failed([outcome], "choosing a checkpoint to load", coord.rank, exc)
+    return list(outcome.info["steps"])
+
+
+def _read_phase(coord: Coordinator, storage: Storage, entries: list[Entry], candidates: list[int],
+                explicit: bool) -> ReadCheckpoint:
+    for step in candidates:
+        read, exc = _try_read(coord, storage, entries, step)
+        if exc is None:
+            info = {"step": read.step, "epoch": read.own["epoch"], "digest": read.digest}
+            outcome = Outcome(coord.rank, info=info)
+        else:
+            outcome = Outcome.failure(coord.rank, exc)
+        outcomes = coord.all_gather(outcome, f"load/read step {step}")
+        damaged = [o for o in outcomes if o.error_type == CorruptCheckpointError.__name__]
+        if damaged and len(damaged) == len([o for o in outcomes if not o.ok]) and not explicit:
+            _warn_fallback(step, damaged, coord.rank)
+            continue
+            raise_if_failed(outcomes, f"loading step {step}", coord.rank, exc)
+        _check_agreement(outcomes, step)
+        assert read is not None  # every rank succeeded
+        return read
+    raise CorruptCheckpointError(
+        f"no committed checkpoint at {storage.url} verifies (tried steps {candidates}); "
+        "see the warnings above for each damaged file; `distckpt verify` lists them")
+
+
+def _try_read(coord: Coordinator, storage: Storage, entries: list[Entry],
+              step: int) -> tuple[ReadCheckpoint | None, BaseException | None]:
+    try:
+        read = read_checkpoint(storage, step, coord.rank, coord.world_size)
+        _validate_against_state(entries, read, (coord.rank, coord.world_size))
+        return read, None
+    except Exception as e:
+        return None, e
+
+
+def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: tuple[int, int]) -> None:
+    saved = {**read.replicated["entries"], **read.own["entries"]}
+    for entry in entries:
+        if entry.key not in saved:
+            raise IncompatibleCheckpointError(
+                f"state[{entry.key!r}] is not in the checkpoint of step {read.step} (it holds "
+                f"{sorted(saved)}); remove it from `state` or start a new run directory")
+        validate_entry(entry, saved[entry.key], world)
+    if read.own.get("rank") != world[0]:
+        raise CorruptCheckpointError(f"step {read.step}: the file for rank {world[0]} holds rank {read.own.get('rank')}")
+
+
+def _warn_fallback(step: int, damaged: list[Outcome], rank: int) -> None:
+    detail = "; ".join(f"rank {o.rank}: {o.message}" for o in damaged)
+    message = f"rank {rank}: committed step {step} is damaged and was skipped — {detail}; loading the previous committed step"
+    log.warning(message)
+    warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
+
+
+def _check_agreement(outcomes: list[Outcome], step: int) -> None:
+    views = {(o.info["step"], o.info["epoch"], o.info["digest"]) for o in outcomes}
+    if len(views) > 1:
+        table = ", ".join(f"rank {o.rank}: step {o.info['step']} epoch {o.info['epoch']} "
+                          f"manifest {o.info['digest']}" for o in outcomes)
+        raise RankDisagreementError(f"loading step {step}: ranks disagree — {table}; "
+                                    "the checkpoint's per-rank files do not belong together")
+
+
+def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any],
+                 read: ReadCheckpoint) -> list[str]:
+    notes: list[str] = []
+    exc: BaseException | None = None
+    try:
+        saved = {**read.replicated["entries"], **read.own["entries"]}
+        warn_extra_entries(set(saved), {e.key for e in entries}, f"step {read.step}")
+        for entry in entries:
+            notes.extend(restore_entry(entry, saved[entry.key], state))
+        restore_process_rng(read.own["rng"], f"rank {coord.rank}, step {read.step}")  # last
+    except DistCkptError as e:
+        exc = e
+    except Exception as e:
+        exc = IncompatibleCheckpointError(f"rank {coord.rank}: restoring step {read.step} failed: {type(e).__name__}: {e}")
+        exc.__cause__ = e
+    outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
+    agree(coord, outcome, "load/apply", f"restoring step {read.step}", exc)
+    return notes

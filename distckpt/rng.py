@@ -1,0 +1,108 @@
+"""Process-wide random streams of one rank: capture and restore, for every device family.
+
+`torch.get_rng_state()` covers only torch's CPU default generator. A training step also
+reads Python's `random`, NumPy's global generator and each accelerator's generators; all of
+them are captured here, and a stream that cannot be put back is a loud warning, never silence.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger("distckpt")
+
+
+class RngRestoreWarning(UserWarning):
+    """A random stream in the checkpoint could not be restored exactly on this rank."""
+
+
+def capture_process_rng() -> dict[str, Any]:
+    """Every process-wide stream of this rank, as tensors and plain values."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": _numpy_global_state(),
+        "torch_cpu": torch.get_rng_state(),
+        "cuda": _cuda_states(),
+    }
+    if _mps_available():
+        state["mps"] = torch.mps.get_rng_state()
+    if _xpu_available():
+        state["xpu"] = [torch.xpu.get_rng_state(i) for i in range(torch.xpu.device_count())]
+    return state
+
+
+def restore_process_rng(state: dict[str, Any], where: str) -> None:
+    """Put back what capture_process_rng captured; warn for any stream that cannot be."""
+    random.setstate(_as_python_state(state["python"]))
+    _set_numpy_global_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    _restore_device_list("CUDA", state.get("cuda", []), _cuda_count(), _set_cuda_state, where)
+    if "mps" in state or _mps_available():
+        saved = [state["mps"]] if "mps" in state else []
+        _restore_device_list("MPS", saved, 1 if _mps_available() else 0,
+                             lambda i, s: torch.mps.set_rng_state(s), where)
+    if "xpu" in state or _xpu_available():
+        count = torch.xpu.device_count() if _xpu_available() else 0
+        _restore_device_list("XPU", state.get("xpu", []), count,
+                             lambda i, s: torch.xpu.set_rng_state(s, i), where)
+
+
+def _restore_device_list(family: str, saved: list[Any], present: int, setter: Any, where: str) -> None:
+    for index in range(min(len(saved), present)):
+        setter(index, saved[index])
+    if len(saved) != present:
+        message = (
+            f"{where}: the checkpoint holds {len(saved)} {family} RNG state(s) but this rank has "
+            f"{present} {family} device(s); "
+            + (f"{family} generators beyond the first {min(len(saved), present)} keep their "
+               "current state" if present > len(saved) else
+               f"{len(saved) - present} saved {family} stream(s) are dropped")
+            + ". Random draws on those devices will not continue the saved run bit for bit.")
+        log.warning(message)
+        warnings.warn(message, RngRestoreWarning, stacklevel=3)
+
+
+def _numpy_global_state() -> dict[str, Any]:
+    st = np.random.get_state(legacy=False)
+    st["state"] = {"key": st["state"]["key"].tolist(), "pos": int(st["state"]["pos"])}
+    st["gauss"] = float(st["gauss"])
+    st["has_gauss"] = int(st["has_gauss"])
+    return st
+
+
+def _set_numpy_global_state(st: dict[str, Any]) -> None:
+    restored = dict(st)
+    restored["state"] = {"key": np.asarray(st["state"]["key"], dtype=np.uint32),
+                         "pos": st["state"]["pos"]}
+    np.random.set_state(restored)
+
+
+def _as_python_state(st: Any) -> tuple[Any, ...]:
+    version, internal, gauss = st
+    return (version, tuple(internal), gauss)
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _cuda_states() -> list[torch.Tensor]:
+    return torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+
+
+def _set_cuda_state(index: int, state: torch.Tensor) -> None:
+    torch.cuda.set_rng_state(state, index)
+
+
+def _mps_available() -> bool:
+    return hasattr(torch, "mps") and hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+
+
+def _xpu_available() -> bool:
+    return hasattr(torch, "xpu") and torch.xpu.is_available()

@@ -1,0 +1,245 @@
+"""Turning state into bytes and back, with no pickle in either direction.
+
+A state tree is made of tensors and plain values (None, bool, int, float, str, list, tuple,
+dict with str or int keys). It is stored as one file in the safetensors format: the tensors
+are the file's tensors, and the tree, with every tensor replaced by a reference to its name,
+is JSON in the file's ``__metadata__`` (so the file is self-describing and any safetensors
+reader opens it).
+
+Tree encoding (JSON): None/bool/int/str and finite floats are themselves; every container is
+tagged so that types survive the round trip exactly::
+
+    {"d": [[key, value], ...]}   dict (keys str or int, order kept)
+    {"l": [...]}                 list
+    {"t": [...]}                 tuple
+    {"T": "name"}                tensor stored under `name`
+    {"f": "nan" | "inf" | "-inf"} non-finite float
+
+Tensors are written as their own bytes: a view of a large buffer costs only its elements, a
+non-contiguous tensor is written in row-major order, and tensors that share the same storage
+region (tied weights) are written once and come back as one tensor object.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from .errors import CorruptCheckpointError, UnstorableValueError
+
+TREE_METADATA_KEY = "distckpt.tree"
+FORMAT_METADATA_KEY = "format"
+FORMAT_NAME = "distckpt-tree-v1"
+# A header larger than this is not one we wrote; refuse before parsing it.
+MAX_HEADER_BYTES = 256 * 1024 * 1024
+
+_DTYPE_TO_ST: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
+                     ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):
+        _DTYPE_TO_ST[getattr(torch, _name)] = _code
+_ST_TO_DTYPE = {code: dtype for dtype, code in _DTYPE_TO_ST.items()}
+
+
+def key_path(path: tuple[Any, ...], root: str = "state") -> str:
+    """`("config", "lr")` -> `state['config']['lr']`, the form used in every error message."""
+    return root + "".join(f"[{p!r}]" for p in path)
+
+
+@dataclass
+class EncodedTree:
+    """A tree ready to write: JSON-able nodes plus the tensors they reference by name."""
+
+    node: Any
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class _Encoder:
+    def __init__(self, stage: bool) -> None:
+        self.stage = stage
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._by_region: dict[tuple[Any, ...], str] = {}
+
+    def encode(self, value: Any, path: tuple[Any, ...]) -> Any:
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int):
+            return int(value)  # int subclasses (IntEnum) become plain ints
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {"f": repr(float(value))}
+        if isinstance(value, torch.Tensor):
+            return {"T": self._add_tensor(value, path)}
+        if isinstance(value, dict):
+            return {"d": [[self._check_key(k, path), self.encode(v, path + (k,))]
+                          for k, v in value.items()]}
+        if isinstance(value, list):
+            return {"l": [self.encode(v, path + (i,)) for i, v in enumerate(value)]}
+        if isinstance(value, tuple):
+            return {"t": [self.encode(v, path + (i,)) for i, v in enumerate(value)]}
+        raise UnstorableValueError(
+            f"{key_path(path)} is {_describe(value)}: store tensors and plain values only "
+            "(None, bool, int, float, str, list, tuple, dict); convert it, or give its owner "
+            "state_dict()/load_state_dict()")
+
+    @staticmethod
+    def _check_key(key: Any, path: tuple[Any, ...]) -> str | int:
+        if isinstance(key, bool) or not isinstance(key, (str, int)):
+            raise UnstorableValueError(
+                f"{key_path(path)} has a key {key!r} of type {type(key).__name__}: "
+                "dict keys must be str or int")
+        return key if isinstance(key, str) else int(key)
+
+    def _add_tensor(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> str:
+        if type(tensor).__name__ == "DTensor" or tensor.is_sparse or tensor.is_quantized:
+            raise UnstorableValueError(
+                f"{key_path(path)} is a {type(tensor).__name__} with layout {tensor.layout}: "
+                "only dense tensors are stored; convert it (e.g. .to_dense() / .full_tensor())")
+        if tensor.dtype not in _DTYPE_TO_ST:
+            raise UnstorableValueError(
+                f"{key_path(path)} has dtype {tensor.dtype}, which the safetensors format "
+                "cannot hold; convert it (complex: torch.view_as_real)")
+        region = _region_key(tensor)
+        if region is not None and region in self._by_region:
+            return self._by_region[region]
+        name = self._unique_name(path)
+        self.tensors[name] = _detach_for_write(tensor, self.stage)
+        if region is not None:
+            self._by_region[region] = name
+        return name
+
+    def _unique_name(self, path: tuple[Any, ...]) -> str:
+        base = "/".join(str(p) for p in path) or "tensor"
+        name, n = base, 1
+        while name in self.tensors:
+            name, n = f"{base}#{n}", n + 1
+        return name
+
+
+def _region_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """Tensors with equal keys are the same bytes (tied weights); None: never shared."""
+    if tensor.numel() == 0:
+        return None
+    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+            tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+
+
+def _detach_for_write(tensor: torch.Tensor, stage: bool) -> torch.Tensor:
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        return t.to("cpu", copy=True).contiguous()
+    if stage:
+        # A snapshot for a background write: training may change the original in place.
+        return t.clone(memory_format=torch.contiguous_format)
+    return t.contiguous()  # no copy when already contiguous (a view keeps only its extent)
+
+
+def _describe(value: Any) -> str:
+    if callable(value) and not isinstance(value, type):
+        return "a function" if hasattr(value, "__code__") else f"a callable {type(value).__name__}"
+    return f"a {type(value).__module__}.{type(value).__qualname__}"
+
+
+def encode_tree(value: Any, path: tuple[Any, ...] = (), *, stage: bool = False) -> EncodedTree:
+    """Check and encode a tree; raises UnstorableValueError naming the key path of a bad value.
+
+    With ``stage=True`` every CPU tensor is copied, so the result no longer aliases live state.
+    """
+    encoder = _Encoder(stage)
+    node = encoder.encode(value, path)
+    return EncodedTree(node, encoder.tensors)
+
+
+def decode_tree(node: Any, tensors: dict[str, torch.Tensor], where: str = "tree") -> Any:
+    """Inverse of encode_tree; a node we never write is a CorruptCheckpointError."""
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if isinstance(node, dict) and len(node) == 1:
+        (tag, body), = node.items()
+        if tag == "d" and isinstance(body, list):
+            return {_pair(p, where)[0]: decode_tree(_pair(p, where)[1], tensors, where) for p in body}
+        if tag == "l" and isinstance(body, list):
+            return [decode_tree(v, tensors, where) for v in body]
+        if tag == "t" and isinstance(body, list):
+            return tuple(decode_tree(v, tensors, where) for v in body)
+        if tag == "T" and isinstance(body, str) and body in tensors:
+            return tensors[body]
+        if tag == "f" and body in ("nan", "inf", "-inf"):
+            return float(body)
+    raise CorruptCheckpointError(f"{where}: unexpected node {str(node)[:80]!r}")
+
+
+def _pair(p: Any, where: str) -> tuple[Any, Any]:
+    if isinstance(p, list) and len(p) == 2 and isinstance(p[0], (str, int)):
+        return p[0], p[1]
+    raise CorruptCheckpointError(f"{where}: malformed dict entry {str(p)[:80]!r}")
+
+
+# -- the safetensors container -------------------------------------------------------------
+
+def safetensors_chunks(tree: EncodedTree) -> Iterator[memoryview]:
+    """Yield the bytes of a safetensors file holding the tree, without building it in memory.
+
+    Hand-written because safetensors' own `save`/`save_file` first assemble the whole file in
+    one buffer (a second copy of the state) and give no way to checksum while writing.
+    """
+    header: dict[str, Any] = {"__metadata__": {
+        FORMAT_METADATA_KEY: FORMAT_NAME,
+        TREE_METADATA_KEY: json.dumps(tree.node, allow_nan=False, separators=(",", ":")),
+    }}
+    offset = 0
+    for name, t in tree.tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_TO_ST[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns the data section to 8 bytes
+    yield memoryview(struct.pack("<Q", len(raw)) + raw)
+    for t in tree.tensors.values():
+        if t.numel():
+            yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def read_header(data: bytes | memoryview, where: str) -> tuple[dict[str, Any], int]:
+    """Parse the safetensors header; returns (header, data_start). Bounded before parsing."""
+    if len(data) < 8:
+        raise CorruptCheckpointError(f"{where}: {len(data)} bytes is too short for a header")
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
+    if n > MAX_HEADER_BYTES or 8 + n > len(data):
+        raise CorruptCheckpointError(f"{where}: header length {n} exceeds the file ({len(data)} bytes)")
+    try:
+        header = json.loads(bytes(data[8:8 + n]))
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: header is not valid JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{where}: header is not a JSON object")
+    return header, 8 + n
+
+
+def load_tree_file(data: bytes, where: str) -> Any:
+    """Decode the bytes of a tree file (already checksum-verified) into the original tree."""
+    header, _ = read_header(data, where)
+    meta = header.get("__metadata__") or {}
+    if meta.get(FORMAT_METADATA_KEY) != FORMAT_NAME or TREE_METADATA_KEY not in meta:
+        raise CorruptCheckpointError(f"{where}: not a {FORMAT_NAME} file")
+    from safetensors.torch import load as st_load  # parses bounds and dtypes for us
+
+    try:
+        tensors = st_load(bytes(data))
+        node = json.loads(meta[TREE_METADATA_KEY])
+    except Exception as e:  # the safetensors parser raises its own SafetensorError type
+        raise CorruptCheckpointError(f"{where}: cannot parse: {e}") from e
+    return decode_tree(node, tensors, where)

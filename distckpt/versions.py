@@ -1,0 +1,43 @@
+"""The environment a checkpoint was written in: costs bytes, saves guessing later."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def collect_versions() -> dict[str, Any]:
+    from . import __version__
+
+    return {
+        "distckpt": __version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "git_commit": _git_commit(),
+    }
+
+
+def _git_commit() -> str | None:
+    """The commit of the training code (the directory of the main script), where it is a git tree."""
+    main = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else os.getcwd()
+    where = os.path.dirname(main) if os.path.isfile(main) else os.getcwd()
+    try:
+        out = subprocess.run(["git", "-C", where, "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, timeout=5, check=False).stdout.strip()
+    return out.stdout.strip() + ("-dirty" if dirty else "")
