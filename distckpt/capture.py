@@ -251,8 +251,11 @@ def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any]) ->
     kind, value = entry.kind, saved["state"]
     if kind == "module":
         _restore_module(unwrap_module(entry.target), value)
-    elif kind in ("stateful", "loader"):
+    elif kind == "stateful":
         entry.target.load_state_dict(value)
+    elif kind == "loader":
+        entry.target.load_state_dict(value)
+        _undo_generator_draws_of_next_iter(entry.target)
     elif kind == "sampler":
         _restore_sampler(entry.target, value)
     elif kind == "generator":
@@ -283,6 +286,29 @@ def _restore_module(module: nn.Module, saved: dict[str, Any]) -> None:
     flags = saved["training"]
     for name, sub in module.named_modules():
         sub.training = bool(flags[name])  # set each flag itself: .train() would overwrite children
+
+
+def _undo_generator_draws_of_next_iter(loader: Any) -> None:
+    """Keep the loader's generator where the checkpoint left it across the resumed iterator.
+
+    Creating an iterator always draws a base seed from `loader.generator` (torch's
+    `_BaseDataLoaderIter.__init__`), even when `StatefulDataLoader` then replaces it with the
+    restored one. Without this, the generator is one draw ahead after a resume and the next
+    epoch's worker seeds and shuffle differ from the uninterrupted run.
+    """
+    generator = getattr(loader, "generator", None)
+    if not isinstance(generator, torch.Generator) or "_get_iterator" in vars(loader):
+        return
+    original = loader._get_iterator
+
+    def get_iterator_once() -> Any:
+        del loader._get_iterator  # one shot: later iterators are created as usual
+        before = generator.get_state()
+        iterator = original()
+        generator.set_state(before)
+        return iterator
+
+    loader._get_iterator = get_iterator_once
 
 
 def _restore_sampler(sampler: Any, saved: dict[str, Any]) -> None:

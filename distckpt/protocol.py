@@ -28,6 +28,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import faults
 from . import manifest as mf
 from .capture import (PER_RANK, REPLICATED, Entry, capture_entry, restore_entry,
                       validate_entry, warn_extra_entries)
@@ -78,6 +79,7 @@ def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step:
     """Phases capture, agree and gather (call on every rank). Rank 0 gets the StagedSave."""
     t0 = time.perf_counter()
     local, exc = _capture_phase(coord, storage, entries, step, epoch, copy_tensors)
+    faults.point("save/captured", step=step, rank=coord.rank)
     info = {"step": step, "epoch": epoch, "host": hostname(), "pid": os.getpid()}
     outcome = Outcome.failure(coord.rank, exc, **info) if exc else Outcome(coord.rank, info=info)
     outcomes = agree(coord, outcome, "save/capture", f"save of step {step}", exc)
@@ -135,14 +137,17 @@ def _check_same_progress(infos: list[dict[str, Any]], what: str) -> None:
 def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any]) -> str:
     """Phases write and commit (rank 0). Returns the manifest digest. Never touches other steps."""
     t0 = time.perf_counter()
+    faults.point("save/gathered", step=staged.step, rank=0)
     base = mf.step_dir(staged.step)
     if storage.list_dir(base):
         log.info("removing the uncommitted leftover %s before rewriting it", base)
         storage.remove_tree(base)
     files = {mf.REPLICATED_FILE: _write(storage, f"{base}/{mf.REPLICATED_FILE}",
                                         safetensors_chunks(staged.replicated))}
+    faults.point("save/replicated-written", step=staged.step, rank=0)
     for rank, data in enumerate(staged.rank_files):
         files[mf.rank_file(rank)] = _write(storage, f"{base}/{mf.rank_file(rank)}", [data])
+    faults.point("save/rank-files-written", step=staged.step, rank=0)
     t1 = time.perf_counter()
     manifest = {
         "format": mf.FORMAT_VERSION, "step": staged.step, "epoch": staged.epoch,
@@ -153,8 +158,10 @@ def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, A
     data = mf.manifest_bytes(manifest)
     storage.write_file(f"{base}/{mf.MANIFEST}", [data])
     digest = mf.checksum_of(data)
+    faults.point("save/manifest-written", step=staged.step, rank=0)
     storage.create_exclusive(f"{base}/{mf.MARKER}", mf.Marker(staged.step, digest, staged.run_id).to_bytes())
     staged.timings.update(write_s=t1 - t0, commit_s=time.perf_counter() - t1)
+    faults.point("save/committed", step=staged.step, rank=0)
     return digest
 
 
@@ -278,6 +285,7 @@ def _try_read(coord: Coordinator, storage: Storage, entries: list[Entry],
     try:
         read = read_checkpoint(storage, step, coord.rank, coord.world_size)
         _validate_against_state(entries, read, (coord.rank, coord.world_size))
+        faults.point("load/read", step=step, rank=coord.rank)
         return read, None
     except Exception as e:
         return None, e
@@ -321,6 +329,7 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
         for entry in entries:
             notes.extend(restore_entry(entry, saved[entry.key], state))
         restore_process_rng(read.own["rng"], f"rank {coord.rank}, step {read.step}")  # last
+        faults.point("load/applied", step=read.step, rank=coord.rank)
     except DistCkptError as e:
         exc = e
     except Exception as e:

@@ -1,0 +1,34 @@
+"""Named points in the save and load protocols where a test can inject a fault.
+
+`point(name, **context)` is a no-op unless a hook is registered; a fault-injection harness (a
+test, or a training script under test) registers one with `on_point` to raise, stall, or
+SIGKILL its own process at exactly that point. Names: see POINTS.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+POINTS = (
+    "save/captured",        # every rank, after capture, before the agreement collective
+    "save/gathered",        # rank 0, per-rank files in hand, nothing written
+    "save/replicated-written",
+    "save/rank-files-written",
+    "save/manifest-written",  # data and manifest durable, marker not yet written
+    "save/committed",        # rank 0, marker written, before retention
+    "load/read",             # every rank, files read and verified, nothing restored
+    "load/applied",          # every rank, state restored, before the final agreement
+)
+
+_hooks: list[Callable[[str, dict[str, Any]], None]] = []
+
+
+def on_point(hook: Callable[[str, dict[str, Any]], None]) -> Callable[[], None]:
+    """Register `hook(name, context)`; returns a function that unregisters it."""
+    _hooks.append(hook)
+    return lambda: _hooks.remove(hook)
+
+
+def point(name: str, **context: Any) -> None:
+    for hook in list(_hooks):
+        hook(name, context)
