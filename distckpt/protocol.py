@@ -271,7 +271,7 @@ def _read_phase(coord: Coordinator, storage: Storage, entries: list[Entry], cand
         if damaged and len(damaged) == len([o for o in outcomes if not o.ok]) and not explicit:
             _warn_fallback(step, damaged, coord.rank)
             continue
-            raise_if_failed(outcomes, f"loading step {step}", coord.rank, exc)
+        raise_if_failed(outcomes, f"loading step {step}", coord.rank, exc)
         _check_agreement(outcomes, step)
         assert read is not None  # every rank succeeded
         return read

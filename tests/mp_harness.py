@@ -1,0 +1,98 @@
+"""Run a function on N real processes joined by a real gloo process group.
+
+`run_world("module:function", world_size, **kwargs)` spawns one process per rank, initialises
+`torch.distributed` (gloo, TCP store on a free loopback port), calls the function with
+`(rank, world_size, **kwargs)` and returns one RankResult per rank: its return value, the
+error it raised (type name and message) and how long it took, or that it died (exit code).
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class RankResult:
+    rank: int
+    value: Any = None
+    error_type: str | None = None
+    error: str | None = None
+    elapsed: float = 0.0
+    exitcode: int | None = None
+
+    @property
+    def died(self) -> bool:
+        return self.exitcode is not None and self.exitcode < 0 and self.error_type is None and self.value is None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(target: str, rank: int, world: int, port: int, results: Any, kwargs: dict[str, Any]) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    start = time.monotonic()
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        module, name = target.split(":")
+        value = getattr(importlib.import_module(module), name)(rank, world, **kwargs)
+        results.put((rank, "ok", value, None, time.monotonic() - start))
+    except BaseException as e:  # reported to the test, which asserts on it
+        results.put((rank, type(e).__name__, None, f"{e}\n{traceback.format_exc()}", time.monotonic() - start))
+    finally:
+        os._exit(0)  # skip gloo teardown: a peer may be dead on purpose
+
+
+def run_world(target: str, world_size: int, timeout: float = 120.0, **kwargs: Any) -> list[RankResult]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(target, r, world_size, port, results, kwargs))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out = {r: RankResult(r) for r in range(world_size)}
+    deadline = time.monotonic() + timeout
+    pending = set(range(world_size))
+    while pending and time.monotonic() < deadline:
+        try:
+            rank, status, value, err, elapsed = results.get(timeout=0.2)
+        except queue.Empty:
+            for r in list(pending):
+                if not procs[r].is_alive() and procs[r].exitcode not in (None, 0):
+                    out[r].exitcode = procs[r].exitcode
+                    pending.discard(r)
+            continue
+        res = out[rank]
+        res.elapsed = elapsed
+        if status == "ok":
+            res.value = value
+        else:
+            res.error_type, res.error = status, err
+        pending.discard(rank)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if pending:
+        raise TimeoutError(f"ranks {sorted(pending)} neither returned nor died within {timeout}s (a hang)")
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,368 @@
+"""CheckpointManager on local disk in a world of one: pitfalls, commit protocol, retention."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+import distckpt
+from distckpt import storage as storage_mod
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.BatchNorm1d(8), nn.Linear(8, 1))
+
+
+def trained_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+    return {"model": model, "optimizer": opt, "scheduler": sched, "config": {"lr": 1e-2}}
+
+
+def fresh_state() -> dict:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return {"model": model, "optimizer": opt, "scheduler": torch.optim.lr_scheduler.StepLR(opt, 2),
+            "config": {"lr": 1e-2}}
+
+
+def same_params(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_fresh_start_returns_none(ckpt_dir):
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.load_latest(fresh_state()) is None
+
+
+def test_save_then_load_restores_everything(ckpt_dir):
+    state = trained_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(7, state, epoch=2, metric=0.5)
+    other = fresh_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        progress = mgr.load_latest(other)
+    assert (progress.step, progress.epoch, progress.metric) == (7, 2, 0.5)
+    assert same_params(state["model"], other["model"])
+    assert other["scheduler"].state_dict() == state["scheduler"].state_dict()
+    a, b = state["optimizer"].state_dict(), other["optimizer"].state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
+
+
+def test_training_flag_travels_per_submodule(ckpt_dir):
+    """Seed pitfall: `training` is not in state_dict; a fresh model reports True."""
+    state = trained_state()
+    state["model"].eval()
+    state["model"][1].train()  # a mixed pattern: only the dropout in training mode
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, state)
+    other = fresh_state()
+    assert all(m.training for m in other["model"].modules())
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.load_latest(other)
+    assert [m.training for m in other["model"].modules()] == [False, False, True, False, False]
+
+
+def test_sampler_epoch_travels(ckpt_dir):
+    """Seed pitfall: DistributedSampler's epoch only moves on set_epoch; a resume at epoch 0
+    replays the first epoch's order."""
+    data = list(range(16))
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
+    sampler.set_epoch(5)
+    expected = list(sampler)
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, {"sampler": sampler}, epoch=5)
+    resumed = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=3)
+    assert list(resumed) != expected  # epoch 0's order: what a resume without it replays
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.load_latest({"sampler": resumed}).epoch == 5
+    assert resumed.epoch == 5 and list(resumed) == expected
+
+
+def test_sampler_of_another_rank_is_refused(ckpt_dir):
+    data = list(range(16))
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, {"sampler": DistributedSampler(data, num_replicas=2, rank=0)})
+    with distckpt.CheckpointManager(ckpt_dir) as mgr, pytest.raises(distckpt.IncompatibleCheckpointError, match="rank 0 of 2"):
+        mgr.load_latest({"sampler": DistributedSampler(data, num_replicas=4, rank=0)})
+
+
+def test_config_differences_are_reported_key_by_key(ckpt_dir, caplog):
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, {"config": {"lr": 0.1, "bs": 32, "sched": {"warmup": 10}}})
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        current = {"config": {"lr": 0.2, "bs": 32, "sched": {"warmup": 10, "decay": "cos"}}}
+        progress = mgr.load_latest(current)
+    assert progress.config_diff == (
+        "state['config']['lr']: 0.1 in the checkpoint, 0.2 here",
+        "state['config']['sched']['decay']: absent in the checkpoint, 'cos' here")
+    assert current["config"]["lr"] == 0.2  # reported, never overwritten
+    assert "state['config']['lr']" in caplog.text
+
+
+def test_unstorable_value_is_refused_at_save_time_and_nothing_is_written(ckpt_dir):
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        with pytest.raises(distckpt.UnstorableValueError, match=r"state\['config'\]\['schedule'\] is a function"):
+            mgr.save(1, {"config": {"schedule": lambda step: step}})
+        assert mgr.committed_steps() == []
+    assert not os.path.exists(os.path.join(ckpt_dir, "step-000000001"))
+
+
+def test_layout_and_manifest(ckpt_dir):
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(3, trained_state(), epoch=1, metric=2.0)
+    base = os.path.join(ckpt_dir, "step-000000003")
+    assert sorted(os.listdir(base)) == ["COMMITTED", "manifest.json", "ranks", "replicated"]
+    manifest = json.load(open(os.path.join(base, "manifest.json")))
+    assert set(manifest["files"]) == {"replicated/state.safetensors", "ranks/rank-00000.safetensors"}
+    for rel, record in manifest["files"].items():
+        assert os.path.getsize(os.path.join(base, rel)) == record["size"] and len(record["xxh3_64"]) == 16
+    assert manifest["world_size"] == 1 and manifest["ranks"][0]["step"] == 3 and manifest["ranks"][0]["epoch"] == 1
+    assert manifest["ranks"][0]["host"] and manifest["versions"]["torch"] == torch.__version__
+    assert {"python", "cuda", "git_commit"} <= set(manifest["versions"])
+    assert manifest["entries"]["model"] == {"scope": "replicated", "kind": "module"}
+    marker = json.load(open(os.path.join(base, "COMMITTED")))
+    assert marker["step"] == 3 and marker["run_id"] == manifest["run_id"]
+
+
+def test_an_uncommitted_step_is_invisible(ckpt_dir):
+    state = trained_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state)
+    os.remove(os.path.join(ckpt_dir, "step-000000002", "COMMITTED"))  # a save that never committed
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.load_latest(fresh_state()).step == 1
+
+
+def test_saving_a_committed_step_again_is_refused(ckpt_dir):
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, {"x": 1})
+        with pytest.raises(distckpt.CheckpointExistsError, match="already committed"):
+            mgr.save(1, {"x": 2})
+        assert mgr.committed_steps() == [1]
+
+
+def test_keep_last_and_keep_best(ckpt_dir):
+    metrics = {1: 0.9, 2: 0.1, 3: 0.5, 4: 0.7, 5: 0.8}
+    with distckpt.CheckpointManager(ckpt_dir, keep_last=2, keep_best=1, best_mode="min") as mgr:
+        for step, metric in metrics.items():
+            mgr.save(step, {"x": step}, metric=metric)
+        assert mgr.committed_steps() == [5, 4, 2]
+    assert sorted(os.listdir(ckpt_dir)) == ["step-000000002", "step-000000004", "step-000000005"]
+    with distckpt.CheckpointManager(ckpt_dir, keep_last=1, keep_best=1, best_mode="max") as mgr:
+        mgr.save(6, {"x": 6}, metric=0.95)
+        assert mgr.committed_steps() == [6]
+
+
+def test_retention_deletes_the_marker_first(ckpt_dir, monkeypatch):
+    with distckpt.CheckpointManager(ckpt_dir, keep_last=1) as mgr:
+        mgr.save(1, {"x": 1})
+
+        def tree_removal_fails(self, path):
+            raise distckpt.StorageError(errno.EIO, "disk gone while deleting")
+
+        monkeypatch.setattr(storage_mod.LocalStorage, "remove_tree", tree_removal_fails)
+        mgr.save(2, {"x": 2})  # committed; retention of step 1 fails halfway
+        assert mgr.committed_steps() == [2]
+    assert os.path.isdir(os.path.join(ckpt_dir, "step-000000001"))
+    assert not os.path.exists(os.path.join(ckpt_dir, "step-000000001", "COMMITTED"))
+
+
+def test_leftovers_of_uncommitted_saves_are_collected(ckpt_dir):
+    leftover = os.path.join(ckpt_dir, "step-000000009", "replicated")
+    os.makedirs(leftover)
+    open(os.path.join(leftover, "state.safetensors"), "wb").write(b"partial")
+    with distckpt.CheckpointManager(ckpt_dir, leftover_grace_s=3600) as mgr:
+        mgr.save(1, {"x": 1})
+    assert os.path.isdir(leftover)  # young: could be a save in progress
+    with distckpt.CheckpointManager(ckpt_dir, leftover_grace_s=0) as mgr:
+        mgr.save(2, {"x": 1})
+    assert not os.path.exists(os.path.dirname(leftover))
+
+
+class FullDisk:
+    """A file object that raises ENOSPC on the Nth write across all files (N=None: counts)."""
+
+    def __init__(self, fail_at: int | None):
+        self.fail_at, self.writes = fail_at, 0
+
+    def open(self, path, mode="r", *args, **kwargs):
+        f = open(path, mode, *args, **kwargs)
+        if "w" not in mode:
+            return f
+        disk = self
+
+        class Dying:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                f.close()
+
+            def write(self, chunk):
+                disk.writes += 1
+                if disk.writes == disk.fail_at:
+                    f.write(bytes(memoryview(chunk)[: len(memoryview(chunk)) // 2]))  # a torn write
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return f.write(chunk)
+
+            def fileno(self):
+                return f.fileno()
+
+        return Dying()
+
+
+def tree_bytes(root: str) -> dict[str, bytes]:
+    out = {}
+    for d, _, files in os.walk(root):
+        for name in files:
+            out[os.path.relpath(os.path.join(d, name), root)] = open(os.path.join(d, name), "rb").read()
+    return out
+
+
+def test_a_full_disk_at_every_write_never_damages_the_previous_checkpoint(ckpt_dir, monkeypatch):
+    """Seed pitfall: torch.save onto the old name tears the only checkpoint on a full disk."""
+    state = trained_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(10, state, epoch=0)
+    before = tree_bytes(os.path.join(ckpt_dir, "step-000000010"))
+    counter = FullDisk(None)
+    monkeypatch.setattr(storage_mod, "open", counter.open, raising=False)
+    probe = os.path.join(os.path.dirname(ckpt_dir), "probe")
+    with distckpt.CheckpointManager(probe) as mgr:
+        mgr.save(20, state)
+    total = counter.writes
+    assert total >= 4  # replicated, rank file, manifest, marker
+    for n in range(1, total + 1):
+        disk = FullDisk(n)
+        monkeypatch.setattr(storage_mod, "open", disk.open, raising=False)
+        with distckpt.CheckpointManager(ckpt_dir) as mgr:
+            with pytest.raises(distckpt.StorageError) as info:
+                mgr.save(20, state, epoch=1)
+            assert info.value.errno == errno.ENOSPC
+        monkeypatch.setattr(storage_mod, "open", open, raising=False)
+        assert tree_bytes(os.path.join(ckpt_dir, "step-000000010")) == before
+        other = fresh_state()
+        with distckpt.CheckpointManager(ckpt_dir) as mgr:
+            assert mgr.load_latest(other).step == 10
+        assert same_params(other["model"], state["model"])
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:  # the disk has room again
+        mgr.save(20, state, epoch=1)
+        assert mgr.committed_steps() == [20, 10]
+
+
+def test_a_damaged_newest_checkpoint_falls_back_with_a_warning(ckpt_dir):
+    state = trained_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, state)
+        state["model"][0].weight.data.add_(1.0)
+        mgr.save(2, state)
+    payload = os.path.join(ckpt_dir, "step-000000002", "replicated", "state.safetensors")
+    data = bytearray(open(payload, "rb").read())
+    data[-3] ^= 0x01  # one flipped bit in a committed file
+    open(payload, "wb").write(bytes(data))
+    other = fresh_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        with pytest.warns(distckpt.CheckpointFallbackWarning, match="state.safetensors: checksum"):
+            assert mgr.load_latest(other).step == 1
+        with pytest.raises(distckpt.CorruptCheckpointError, match="checksum"):
+            mgr.load(fresh_state(), step=2)
+    os.remove(os.path.join(ckpt_dir, "step-000000001", "ranks", "rank-00000.safetensors"))
+    with distckpt.CheckpointManager(ckpt_dir) as mgr, pytest.warns(distckpt.CheckpointFallbackWarning):
+        with pytest.raises(distckpt.CorruptCheckpointError, match="no committed checkpoint"):
+            mgr.load_latest(fresh_state())
+
+
+def test_a_failed_load_changes_nothing(ckpt_dir):
+    state = trained_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, state)
+    wider = {"model": nn.Sequential(nn.Linear(4, 9)), "optimizer": state["optimizer"]}
+    other = fresh_state()
+    target = {"optimizer": other["optimizer"], "model": wider["model"]}
+    before_opt = other["optimizer"].state_dict()
+    before_rng = torch.get_rng_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        with pytest.raises(distckpt.IncompatibleCheckpointError, match="missing keys"):
+            mgr.load_latest(target)
+    assert other["optimizer"].state_dict() == before_opt and torch.equal(torch.get_rng_state(), before_rng)
+
+
+def test_plain_and_per_rank_entries_are_restored_in_place(ckpt_dir):
+    counters = {"seen": 5}
+    history = [1, 2]
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, {"counters": distckpt.per_rank(counters), "history": history, "best": 0.25,
+                     "ema": torch.arange(3.0)})
+    counters2, history2, ema = {"seen": 0}, [], torch.zeros(3)
+    state = {"counters": distckpt.per_rank(counters2), "history": history2, "best": None, "ema": ema}
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.load_latest(state)
+    assert counters2 == {"seen": 5} and history2 == [1, 2] and state["best"] == 0.25
+    assert torch.equal(ema, torch.arange(3.0))
+
+
+def test_async_save_is_a_consistent_snapshot(ckpt_dir):
+    state = trained_state()
+    expected = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    with distckpt.CheckpointManager(ckpt_dir, async_save=True) as mgr:
+        mgr.save(1, state)
+        with torch.no_grad():  # the next training step, while the write is in flight
+            for p in state["model"].parameters():
+                p.add_(100.0)
+    other = fresh_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.load_latest(other)
+    assert all(torch.equal(other["model"].state_dict()[k], v) for k, v in expected.items())
+
+
+def test_async_save_failure_surfaces_at_the_next_call(ckpt_dir, monkeypatch):
+    disk = FullDisk(1)
+    with distckpt.CheckpointManager(ckpt_dir, async_save=True) as mgr:
+        monkeypatch.setattr(storage_mod, "open", disk.open, raising=False)
+        mgr.save(1, {"x": torch.ones(3)})
+        with pytest.raises(distckpt.AsyncSaveError, match="background save of step 1 failed.*No space"):
+            mgr.wait()
+        monkeypatch.setattr(storage_mod, "open", open, raising=False)
+        mgr.save(2, {"x": torch.ones(3)})
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.committed_steps() == [2]
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"keep_last": 0}, "keep_last"), ({"keep_best": -1}, "keep_best"),
+    ({"best_mode": "lowest"}, "best_mode"), ({"timeout": 0}, "timeout")])
+def test_bad_settings_name_the_field(ckpt_dir, kwargs, field):
+    with pytest.raises(distckpt.ConfigError, match=field):
+        distckpt.CheckpointManager(ckpt_dir, **kwargs)
+
+
+def test_memory_filesystem_url():
+    url = f"memory://distckpt-test-{random.random()}"
+    gen = torch.Generator().manual_seed(3)
+    with distckpt.CheckpointManager(url, keep_last=1) as mgr:
+        mgr.save(1, {"gen": gen, "np": np.random.default_rng(1)})
+        mgr.save(2, {"gen": gen, "np": np.random.default_rng(1)})
+        assert mgr.committed_steps() == [2]
+    expected = torch.rand(2, generator=gen)
+    with distckpt.CheckpointManager(url) as mgr:
+        mgr.load_latest({"gen": gen, "np": np.random.default_rng(5)})
+    assert torch.equal(torch.rand(2, generator=gen), expected)

@@ -1,0 +1,73 @@
+"""Seed pitfall: one RNG entry claims the loop has one stream. Every stream must travel."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import distckpt
+from distckpt.rng import capture_process_rng, restore_process_rng
+
+
+def draws(gen: torch.Generator, np_gen: np.random.Generator) -> tuple[float, ...]:
+    return (torch.randn(1).item(), torch.randn(1, generator=gen).item(), random.random(),
+            float(np.random.rand()), float(np_gen.random()))
+
+
+def seeded():
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    return torch.Generator().manual_seed(0), np.random.default_rng(0)
+
+
+def test_torch_get_rng_state_alone_restores_one_stream_of_five():
+    """The seed's measurement: restoring torch's CPU state leaves the other streams moved on."""
+    gen, np_gen = seeded()
+    saved = torch.get_rng_state()
+    first = draws(gen, np_gen)
+    torch.set_rng_state(saved)
+    again = draws(gen, np_gen)
+    assert [a == b for a, b in zip(first, again)] == [True, False, False, False, False]
+
+
+def test_manager_restores_every_stream(ckpt_dir):
+    gen, np_gen = seeded()
+    state = {"gen": gen, "np_gen": np_gen}
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, state)
+    first = draws(gen, np_gen)
+    draws(gen, np_gen)  # move every stream further
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.load_latest(state).step == 1
+    assert draws(gen, np_gen) == first
+
+
+def test_saving_does_not_advance_any_stream(ckpt_dir):
+    gen, np_gen = seeded()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, {"gen": gen, "np_gen": np_gen})
+    after_save = draws(gen, np_gen)
+    gen2, np_gen2 = seeded()
+    assert draws(gen2, np_gen2) == after_save
+
+
+def test_missing_cuda_streams_are_a_loud_warning():
+    state = capture_process_rng()
+    state["cuda"] = [torch.zeros(16, dtype=torch.uint8)]  # written on a host with one GPU
+    with pytest.warns(distckpt.RngRestoreWarning, match="1 CUDA RNG state.*0 CUDA device"):
+        restore_process_rng(state, "test")
+
+
+def test_numpy_bit_generators_of_every_kind_roundtrip(ckpt_dir):
+    gens = {name: np.random.Generator(getattr(np.random, name)(7)) for name in ("PCG64", "MT19937", "Philox", "SFC64")}
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(0, dict(gens))
+    expected = {k: g.random(3).tolist() for k, g in gens.items()}
+    fresh = {name: np.random.Generator(getattr(np.random, name)(99)) for name in gens}
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.load_latest(fresh)
+    assert {k: g.random(3).tolist() for k, g in fresh.items()} == expected

@@ -1,0 +1,171 @@
+"""Serialization: plain values and tensors only, no pickle, views as their own bytes."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+import distckpt
+from distckpt.serialize import encode_tree, load_tree_file, safetensors_chunks
+
+
+def roundtrip(value):
+    data = b"".join(bytes(c) for c in safetensors_chunks(encode_tree(value)))
+    return load_tree_file(data, "test"), data
+
+
+def test_plain_values_keep_their_types():
+    value = {"none": None, "t": True, "i": -3, "big": 2**80, "f": 0.1, "nan": float("nan"),
+             "inf": float("inf"), "ninf": float("-inf"), "s": "é\n", "l": [1, (2, 3.0)],
+             "tup": (), 7: {"nested": [[], {}]}, -1: "int keys"}
+    back, _ = roundtrip(value)
+    assert back.keys() == value.keys() and list(back) == list(value)
+    assert math.isnan(back["nan"]) and back["inf"] == math.inf and back["ninf"] == -math.inf
+    back["nan"] = value["nan"] = None
+    assert back == value
+    assert type(back["l"][1]) is tuple and type(back["i"]) is int and type(back["f"]) is float
+    assert 7 in back and "7" not in back
+
+
+@pytest.mark.parametrize("bad,path", [
+    ({"config": {"schedule": lambda s: s}}, "state['config']['schedule'] is a function"),
+    ({"obj": object()}, "state['obj'] is a builtins.object"),
+    ({"d": {True: 1}}, "state['d'] has a key True"),
+    ({"s": {1, 2}}, "state['s'] is a builtins.set"),
+    ({"c": torch.zeros(2, dtype=torch.complex64)}, "state['c'] has dtype torch.complex64"),
+])
+def test_unstorable_values_are_refused_with_their_key_path(bad, path):
+    with pytest.raises(distckpt.UnstorableValueError, match=path.replace("[", r"\[").replace("]", r"\]")):
+        encode_tree(bad)
+
+
+def test_view_costs_its_own_bytes_not_its_storage():
+    flat = torch.zeros(1_000_000)
+    head = flat[:10]
+    tree = encode_tree({"head": head})
+    assert tree.payload_bytes == 40
+    back, data = roundtrip({"head": head})
+    assert len(data) < 1_000  # the seed's torch.save of the same view: 4,001,101 bytes
+    assert torch.equal(back["head"], head)
+    assert back["head"].untyped_storage().nbytes() == 40
+
+
+def test_tied_tensors_are_stored_once_and_retied():
+    emb = nn.Embedding(50, 8)
+    head = nn.Linear(8, 50, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, head)
+    sd = model.state_dict()
+    tree = encode_tree(dict(sd))
+    assert len(tree.tensors) == 1 and tree.payload_bytes == 50 * 8 * 4
+    back, _ = roundtrip(dict(sd))
+    assert back["0.weight"] is back["1.weight"]
+
+
+def test_non_contiguous_and_odd_tensors_roundtrip():
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    values = {"t": base.t(), "strided": base[:, ::2], "scalar": torch.tensor(3.5),
+              "empty": torch.zeros(0, 3), "bf16": torch.randn(5).to(torch.bfloat16),
+              "bool": torch.tensor([True, False]), "i8": torch.tensor([-1, 2], dtype=torch.int8),
+              "param": nn.Parameter(torch.ones(2))}
+    back, _ = roundtrip(values)
+    for k, v in values.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape
+        assert torch.equal(back[k], v.detach()), k
+    assert back["t"].is_contiguous()
+
+
+def test_the_file_opens_with_the_safetensors_library(tmp_path):
+    values = {"a": torch.randn(3, 4), "b": [torch.arange(5)]}
+    _, data = roundtrip(values)
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(data)
+    with safe_open(str(path), framework="pt") as f:
+        names = set(f.keys())
+        assert names == {"a", "b/0"}
+        assert torch.equal(f.get_tensor("a"), values["a"])
+        assert f.metadata()["format"] == "distckpt-tree-v1"
+
+
+def test_optimizer_and_scheduler_state_roundtrip_exactly():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.1}],
+                            lr=1e-3, betas=(0.8, 0.9))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=10)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        sched.step()
+    for sd in (opt.state_dict(), sched.state_dict()):
+        back, _ = roundtrip(sd)
+        assert _deep_equal(back, sd)
+    opt2 = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.1}])
+    opt2.load_state_dict(roundtrip(opt.state_dict())[0])
+    assert _deep_equal(opt2.state_dict(), opt.state_dict())
+
+
+def test_stateful_dataloader_state_roundtrips():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(list(range(40)), batch_size=4, shuffle=True,
+                                generator=torch.Generator().manual_seed(0))
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    sd = loader.state_dict()
+    back, _ = roundtrip(sd)
+    assert _deep_equal(back, sd)
+    expected = [b.tolist() for b in it]
+    resumed = StatefulDataLoader(list(range(40)), batch_size=4, shuffle=True,
+                                 generator=torch.Generator().manual_seed(0))
+    resumed.load_state_dict(back)
+    assert [b.tolist() for b in resumed] == expected
+
+
+def test_loading_never_unpickles(tmp_path):
+    canary = tmp_path / "canary"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(canary), "w"))
+
+    import pickle
+
+    with pytest.raises(distckpt.CorruptCheckpointError):
+        load_tree_file(pickle.dumps({"x": Evil()}), "hostile")
+    torch.save({"x": torch.ones(1)}, tmp_path / "t.pt")
+    with pytest.raises(distckpt.CorruptCheckpointError):
+        load_tree_file((tmp_path / "t.pt").read_bytes(), "torch.save file")
+    assert not canary.exists()
+
+
+def test_no_code_path_unpickles():
+    pkg = os.path.dirname(distckpt.__file__)
+    offenders = []
+    for root, _, files in os.walk(pkg):
+        for name in files:
+            if name.endswith(".py"):
+                text = open(os.path.join(root, name)).read()
+                for bad in ("pickle.load", "torch.load(", "weights_only=False", "import pickle", "cPickle"):
+                    if bad in text:
+                        offenders.append(f"{name}: {bad}")
+    assert offenders == []
+
+
+def _deep_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_deep_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_deep_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return type(a) is type(b) and a == b
