@@ -121,24 +121,25 @@ class Outcome:
         return self.error_type is None
 
     @classmethod
-    def failure(cls, rank: int, exc: BaseException, **info: Any) -> "Outcome":
-        return cls(rank, type(exc).__name__, str(exc), info)
+    def failure(cls, rank: int, exc: BaseException, info: dict[str, Any] | None = None) -> "Outcome":
+        return cls(rank, type(exc).__name__, str(exc), dict(info or {}))
 
 
 def agree(coord: Coordinator, outcome: Outcome, phase: str, what: str,
           local_exc: BaseException | None = None) -> list[Outcome]:
     """Exchange outcomes; if any rank failed, raise the same error on every rank."""
     outcomes = coord.all_gather(outcome, phase)
-    raise_if_failed(outcomes, what, coord.rank, local_exc)
+    raise_if_failed(coord, outcomes, what, local_exc)
     return outcomes
 
 
-def raise_if_failed(outcomes: list[Outcome], what: str, rank: int,
+def raise_if_failed(coord: Coordinator, outcomes: list[Outcome], what: str,
                     local_exc: BaseException | None = None) -> None:
+    """Raise one error, built the same way on every rank, if any outcome is a failure."""
     failed = [o for o in outcomes if not o.ok]
     if not failed:
         return
-    if len(outcomes) == 1 and local_exc is not None:
+    if coord.world_size == 1 and local_exc is not None:
         raise local_exc  # a world of one: the original error, untouched
     lines = "; ".join(f"rank {o.rank}: {o.error_type}: {o.message}" for o in failed)
     cls = _error_class(failed[0].error_type)

@@ -80,8 +80,9 @@ def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step:
     t0 = time.perf_counter()
     local, exc = _capture_phase(coord, storage, entries, step, epoch, copy_tensors)
     faults.point("save/captured", step=step, rank=coord.rank)
-    info = {"step": step, "epoch": epoch, "host": hostname(), "pid": os.getpid()}
-    outcome = Outcome.failure(coord.rank, exc, **info) if exc else Outcome(coord.rank, info=info)
+    info = {"rank": coord.rank, "step": step, "epoch": epoch, "host": hostname(), "pid": os.getpid(),
+            "per_rank_entries": sorted(e.key for e in entries if e.scope == PER_RANK)}
+    outcome = Outcome.failure(coord.rank, exc, info) if exc else Outcome(coord.rank, info=info)
     outcomes = agree(coord, outcome, "save/capture", f"save of step {step}", exc)
     _check_same_progress([o.info for o in outcomes], f"save of step {step}")
     t1 = time.perf_counter()
@@ -107,23 +108,24 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
         own = {"step": step, "epoch": epoch, "rank": coord.rank, "world_size": coord.world_size,
                "rng": rng,
                "entries": {e.key: capture_entry(e) for e in entries if e.scope == PER_RANK}}
+        _check_storable(own["entries"])
         rank_tree = encode_tree(own, ("per-rank state",), stage=True)
         rank_file = b"".join(bytes(c) for c in safetensors_chunks(rank_tree))
         replicated = None
         if coord.rank == 0:
             tree = {"step": step, "epoch": epoch,
                     "entries": {e.key: capture_entry(e) for e in entries if e.scope == REPLICATED}}
-            replicated = _encode_replicated(tree, copy_tensors)
+            _check_storable(tree["entries"])
+            replicated = encode_tree(tree, ("replicated",), stage=copy_tensors)
         return (rank_file, replicated), None
     except Exception as e:  # reported to every rank by `agree`
         return (b"", None), e
 
 
-def _encode_replicated(tree: dict[str, Any], copy_tensors: bool) -> EncodedTree:
-    # Key paths in errors read state['model']..., not state['entries']['model']['state']...
-    for key, captured in tree["entries"].items():
-        encode_tree(captured["state"], (key,))  # validation only: cheap, no copies
-    return encode_tree(tree, ("replicated",), stage=copy_tensors)
+def _check_storable(captured: dict[str, Any]) -> None:
+    """Refuse unstorable values with the user's key path (state['config'][...]), not ours."""
+    for key, entry in captured.items():
+        encode_tree(entry["state"], (key,))  # validation only: no tensor is copied
 
 
 def _check_same_progress(infos: list[dict[str, Any]], what: str) -> None:
@@ -175,7 +177,7 @@ def share_outcome(coord: Coordinator, exc: BaseException | None, phase: str, wha
     """Broadcast rank 0's outcome of a write; every rank raises the same error if it failed."""
     mine = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
     outcome = coord.broadcast(mine, phase)
-    raise_if_failed([outcome], what, coord.rank, exc)
+    raise_if_failed(coord, [outcome], what, exc)
 
 
 # -- load -------------------------------------------------------------------------------------
@@ -253,7 +255,7 @@ def _choose_phase(coord: Coordinator, storage: Storage, step: int | None) -> lis
             exc = e
     mine = Outcome.failure(0, exc) if exc else Outcome(0, info={"steps": steps})
     outcome = coord.broadcast(mine if coord.rank == 0 else None, "load/choose")
-    raise_if_failed([outcome], "choosing a checkpoint to load", coord.rank, exc)
+    raise_if_failed(coord, [outcome], "choosing a checkpoint to load", exc)
     return list(outcome.info["steps"])
 
 
@@ -271,7 +273,7 @@ def _read_phase(coord: Coordinator, storage: Storage, entries: list[Entry], cand
         if damaged and len(damaged) == len([o for o in outcomes if not o.ok]) and not explicit:
             _warn_fallback(step, damaged, coord.rank)
             continue
-        raise_if_failed(outcomes, f"loading step {step}", coord.rank, exc)
+        raise_if_failed(coord, outcomes, f"loading step {step}", exc)
         _check_agreement(outcomes, step)
         assert read is not None  # every rank succeeded
         return read

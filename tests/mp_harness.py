@@ -58,6 +58,8 @@ def _child(target: str, rank: int, world: int, port: int, results: Any, kwargs: 
     except BaseException as e:  # reported to the test, which asserts on it
         results.put((rank, type(e).__name__, None, f"{e}\n{traceback.format_exc()}", time.monotonic() - start))
     finally:
+        results.close()
+        results.join_thread()  # flush the result before leaving
         os._exit(0)  # skip gloo teardown: a peer may be dead on purpose
 
 

@@ -1,0 +1,115 @@
+"""Functions run on every rank by mp_harness.run_world (real gloo process groups)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+import distckpt
+from distckpt import faults
+
+
+def _state(rank: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+            "gen": torch.Generator().manual_seed(100 + rank)}
+
+
+def _draws(state: dict) -> list[float]:
+    return [random.random(), float(np.random.rand()), torch.rand(1).item(),
+            torch.rand(1, generator=state["gen"]).item()]
+
+
+def save_and_resume(rank: int, world: int, url: str) -> dict:
+    random.seed(rank)
+    np.random.seed(rank)
+    torch.manual_seed(rank)
+    state = _state(rank)
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.save(5, state, epoch=1)
+        expected = _draws(state)
+        _draws(state)
+        progress = mgr.load_latest(state)
+    return {"progress": (progress.step, progress.epoch), "expected": expected, "got": _draws(state)}
+
+
+def save_with_disagreement(rank: int, world: int, url: str) -> None:
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.save(5, _state(rank), epoch=1 if rank == 0 else 2)
+
+
+def raise_during_save(rank: int, world: int, url: str) -> None:
+    state = _state(rank)
+    if rank == 1:
+        state["gen"] = distckpt.per_rank({"bad": object()})
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.save(5, state)
+
+
+def raise_during_write(rank: int, world: int, url: str) -> None:
+    def fail(name: str, context: dict) -> None:
+        if name == "save/rank-files-written":
+            raise OSError(28, "No space left on device")
+
+    faults.on_point(fail)
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.save(5, _state(rank))
+
+
+def raise_during_load(rank: int, world: int, url: str) -> str:
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.save(5, _state(rank))
+        if rank == 1:
+            def fail(name: str, context: dict) -> None:
+                if name == "load/read":
+                    raise RuntimeError("injected read failure on rank 1")
+            faults.on_point(fail)
+        mgr.load_latest(_state(rank))
+    return "loaded"
+
+
+def die_during_save(rank: int, world: int, url: str, point: str, timeout_s: float) -> None:
+    if rank == 1:
+        faults.on_point(lambda name, ctx: os.kill(os.getpid(), signal.SIGKILL) if name == point else None)
+    with distckpt.CheckpointManager(url, timeout=timeout_s) as mgr:
+        mgr.save(5, _state(rank))
+
+
+def stop_during_save(rank: int, world: int, url: str, timeout_s: float) -> None:
+    if rank == 1:
+        faults.on_point(lambda name, ctx: time.sleep(timeout_s + 8) if name == "save/captured" else None)
+    with distckpt.CheckpointManager(url, timeout=timeout_s) as mgr:
+        mgr.save(5, _state(rank))
+
+
+def save_only(rank: int, world: int, url: str) -> None:
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.save(5, _state(rank), epoch=0)
+
+
+def load_only(rank: int, world: int, url: str) -> tuple[int, int | None]:
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        p = mgr.load_latest(_state(rank))
+    return (p.step, p.epoch)
+
+
+def async_failure_everywhere(rank: int, world: int, url: str) -> str:
+    def fail(name: str, context: dict) -> None:
+        if name == "save/manifest-written":
+            raise OSError(5, "Input/output error")
+
+    faults.on_point(fail)
+    with distckpt.CheckpointManager(url, timeout=30, async_save=True) as mgr:
+        mgr.save(5, _state(rank))
+        try:
+            mgr.wait()
+        except distckpt.AsyncSaveError as e:
+            return f"AsyncSaveError: {e}"
+    return "no error"

@@ -1,0 +1,87 @@
+"""The protocol across real processes joined by gloo: agreement, failures, timeouts."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from mp_harness import run_world
+
+W = "dist_workers"
+
+
+def test_each_rank_restores_its_own_streams(ckpt_dir):
+    results = run_world(f"{W}:save_and_resume", 3, url=ckpt_dir)
+    for r in results:
+        assert r.error is None, r.error
+        assert r.value["progress"] == (5, 1)
+        assert r.value["got"] == r.value["expected"]
+    assert len({tuple(r.value["got"]) for r in results}) == 3  # per-rank streams differ
+    manifest = json.load(open(os.path.join(ckpt_dir, "step-000000005", "manifest.json")))
+    assert manifest["world_size"] == 3 and [x["rank"] for x in manifest["ranks"]] == [0, 1, 2]
+    assert len(manifest["files"]) == 4
+
+
+def _same_error_everywhere(results, error_type, *needles):
+    messages = set()
+    for r in results:
+        assert r.error_type == error_type, (r.rank, r.error_type, r.error)
+        first_line = r.error.splitlines()[0]
+        for needle in needles:
+            assert needle in first_line, (needle, first_line)
+        messages.add(first_line)
+    return messages
+
+
+def test_disagreement_on_epoch_fails_on_every_rank(ckpt_dir):
+    results = run_world(f"{W}:save_with_disagreement", 2, url=ckpt_dir)
+    msgs = _same_error_everywhere(results, "RankDisagreementError", "rank 0: step 5 epoch 1", "rank 1: step 5 epoch 2")
+    assert len(msgs) == 1
+    assert not os.path.exists(os.path.join(ckpt_dir, "step-000000005"))
+
+
+def test_a_rank_raising_during_capture_fails_every_rank(ckpt_dir):
+    results = run_world(f"{W}:raise_during_save", 2, url=ckpt_dir)
+    msgs = _same_error_everywhere(results, "UnstorableValueError", "rank(s) [1]", "state['gen']['bad']")
+    assert len(msgs) == 1
+
+
+def test_a_write_failure_on_rank_0_fails_every_rank(ckpt_dir):
+    results = run_world(f"{W}:raise_during_write", 2, url=ckpt_dir)
+    _same_error_everywhere(results, "CoordinationError", "rank(s) [0]", "No space left on device")
+    assert not os.path.exists(os.path.join(ckpt_dir, "step-000000005", "COMMITTED"))
+
+
+def test_a_rank_raising_during_load_fails_every_rank(ckpt_dir):
+    results = run_world(f"{W}:raise_during_load", 2, url=ckpt_dir)
+    _same_error_everywhere(results, "CoordinationError", "rank(s) [1]", "injected read failure on rank 1")
+
+
+def test_a_rank_killed_during_a_collective_is_an_error_not_a_hang(ckpt_dir):
+    results = run_world(f"{W}:die_during_save", 2, timeout=90, url=ckpt_dir, point="save/captured", timeout_s=20)
+    assert results[1].died and results[1].exitcode == -9
+    assert results[0].error_type == "CoordinationError", results[0].error
+    assert "save/capture" in results[0].error and results[0].elapsed < 25
+    assert not os.path.exists(os.path.join(ckpt_dir, "step-000000005", "COMMITTED"))
+
+
+def test_a_stopped_rank_times_out(ckpt_dir):
+    results = run_world(f"{W}:stop_during_save", 2, timeout=60, url=ckpt_dir, timeout_s=5)
+    assert results[0].error_type == "CoordinationError", results[0].error
+    assert "within the 5s timeout" in results[0].error and results[0].elapsed < 20
+
+
+def test_another_world_size_is_refused(ckpt_dir):
+    assert all(r.error is None for r in run_world(f"{W}:save_only", 2, url=ckpt_dir))
+    results = run_world(f"{W}:load_only", 3, url=ckpt_dir)
+    _same_error_everywhere(results, "IncompatibleCheckpointError", "written by 2 ranks, this job has 3")
+    assert [r.value for r in run_world(f"{W}:load_only", 2, url=ckpt_dir)] == [(5, 0), (5, 0)]
+
+
+def test_a_background_failure_surfaces_on_every_rank(ckpt_dir):
+    results = run_world(f"{W}:async_failure_everywhere", 2, url=ckpt_dir)
+    for r in results:
+        assert r.error is None, r.error
+        assert r.value.startswith("AsyncSaveError") and "Input/output error" in r.value
