@@ -1,0 +1,64 @@
+"""The public API of DESIGN.md §4 is a contract: pin its surface, and the layering of modules."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+
+import distckpt
+
+
+def test_public_names():
+    for name in ("CheckpointManager", "Progress", "per_rank", "with_worker_rng", "init_distributed",
+                 "DistCkptError"):
+        assert hasattr(distckpt, name), name
+    assert set(distckpt.__all__) <= set(dir(distckpt))
+
+
+def test_manager_signature():
+    sig = inspect.signature(distckpt.CheckpointManager)
+    params = sig.parameters
+    assert list(params)[0] == "url"
+    for name, default in (("keep_last", None), ("keep_best", None), ("best_mode", "min"),
+                          ("async_save", False), ("storage_options", None)):
+        assert params[name].default == default and params[name].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "timeout" in params
+    save = inspect.signature(distckpt.CheckpointManager.save).parameters
+    assert list(save)[:3] == ["self", "step", "state"]
+    assert save["epoch"].kind is save["metric"].kind is inspect.Parameter.KEYWORD_ONLY
+    for method in ("load_latest", "wait", "close", "__enter__", "__exit__"):
+        assert callable(getattr(distckpt.CheckpointManager, method))
+    assert {"step", "epoch"} <= set(distckpt.Progress.__dataclass_fields__)
+
+
+def test_errors_form_one_tree():
+    for name in dir(distckpt):
+        obj = getattr(distckpt, name)
+        if isinstance(obj, type) and issubclass(obj, BaseException) and not issubclass(obj, Warning):
+            assert issubclass(obj, distckpt.DistCkptError) and issubclass(obj, Exception), name
+    assert issubclass(distckpt.StorageError, OSError)
+
+
+LEAVES = {"capture", "rng", "serialize", "manifest", "storage", "errors", "async_writer", "workers",
+          "config", "faults", "versions"}
+
+
+def _imports(path: str) -> set[str]:
+    tree = ast.parse(open(path).read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add(("." * node.level) + (node.module or ""))
+    return names
+
+
+def test_layering():
+    pkg = os.path.dirname(distckpt.__file__)
+    for leaf in LEAVES:
+        names = _imports(os.path.join(pkg, f"{leaf}.py"))
+        assert not any(n.startswith("torch.distributed") for n in names), leaf
+        assert not names & {".manager", ".protocol", ".coord", ".cli"}, leaf
+    assert not {".storage", ".manifest"} & _imports(os.path.join(pkg, "coord.py"))
