@@ -85,3 +85,30 @@ def test_a_background_failure_surfaces_on_every_rank(ckpt_dir):
     for r in results:
         assert r.error is None, r.error
         assert r.value.startswith("AsyncSaveError") and "Input/output error" in r.value
+
+
+def _rewrite_rank_epoch(ckpt_dir: str, rank: int, epoch: int) -> None:
+    """Forge a checkpoint whose files all verify but whose ranks disagree on the epoch."""
+    from distckpt import manifest as mf
+    from distckpt.serialize import encode_tree, load_tree_file, safetensors_chunks
+
+    base = os.path.join(ckpt_dir, "step-000000005")
+    path = os.path.join(base, "ranks", f"rank-{rank:05d}.safetensors")
+    tree = load_tree_file(open(path, "rb").read(), path)
+    tree["epoch"] = epoch
+    data = b"".join(bytes(c) for c in safetensors_chunks(encode_tree(tree)))
+    open(path, "wb").write(data)
+    manifest = json.load(open(os.path.join(base, "manifest.json")))
+    manifest["files"][f"ranks/rank-{rank:05d}.safetensors"] = {"size": len(data), "xxh3_64": mf.checksum_of(data)}
+    raw = mf.manifest_bytes(manifest)
+    open(os.path.join(base, "manifest.json"), "wb").write(raw)
+    marker = json.load(open(os.path.join(base, "COMMITTED")))
+    open(os.path.join(base, "COMMITTED"), "wb").write(
+        mf.Marker(5, mf.checksum_of(raw), marker["run_id"]).to_bytes())
+
+
+def test_ranks_disagreeing_at_load_all_abort_listing_each_view(ckpt_dir):
+    assert all(r.error is None for r in run_world(f"{W}:save_only", 2, url=ckpt_dir))
+    _rewrite_rank_epoch(ckpt_dir, rank=1, epoch=3)
+    results = run_world(f"{W}:load_only", 2, url=ckpt_dir)
+    _same_error_everywhere(results, "RankDisagreementError", "rank 0: step 5 epoch 0", "rank 1: step 5 epoch 3")
