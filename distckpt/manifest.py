@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 import xxhash
@@ -81,16 +82,17 @@ class Marker:
     step: int
     manifest_digest: str
     run_id: str
+    nonce: str = field(default_factory=lambda: uuid.uuid4().hex)  # tells our write from another's
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": FORMAT_VERSION, "step": self.step,
-                           "manifest_xxh3_64": self.manifest_digest, "run_id": self.run_id}).encode()
+        return json.dumps({"format": FORMAT_VERSION, "step": self.step, "manifest_xxh3_64":
+                           self.manifest_digest, "run_id": self.run_id, "nonce": self.nonce}).encode()
 
     @classmethod
     def parse(cls, data: bytes, where: str) -> "Marker":
         try:
             d = json.loads(data[:4096])
-            return cls(int(d["step"]), str(d["manifest_xxh3_64"]), str(d["run_id"]))
+            return cls(int(d["step"]), str(d["manifest_xxh3_64"]), str(d["run_id"]), str(d.get("nonce", "")))
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptCheckpointError(f"{where}: unreadable commit marker: {e}") from e
 

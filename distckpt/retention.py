@@ -64,11 +64,13 @@ def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None
     for name in storage.list_dir(""):
         if mf.parse_step_dir(name) is None or storage.exists(f"{name}/{mf.MARKER}"):
             continue
-        ages = [storage.mtime(f"{name}/{child}") for child in storage.list_dir(name)] or [storage.mtime(name)]
-        newest = max((a for a in ages if a is not None), default=None)
+        newest = storage.newest_mtime(name)
         if newest is not None and now - newest < grace_s:
             continue
         log.info("collecting %s/%s: an uncommitted save", storage.url, name)
         storage.remove_tree(name)
         removed.append(name)
+    aborted = storage.collect_abandoned_uploads(grace_s)
+    if aborted:
+        log.info("aborted %d abandoned multipart upload(s) under %s", aborted, storage.url)
     return removed

@@ -13,3 +13,34 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture
 def ckpt_dir(tmp_path):
     return str(tmp_path / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real SeaweedFS S3 server on free loopback ports, for the whole session."""
+    from s3server import SeaweedS3
+
+    server = SeaweedS3(str(tmp_path_factory.mktemp("seaweedfs"))).start()
+    server.make_bucket("ckpt")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_url(s3_server, request):
+    """A fresh prefix in the test bucket."""
+    import re
+    import uuid
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40]
+    return f"s3://ckpt/{name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def proxy(s3_server):
+    """A fault-injecting HTTP proxy in front of the session's S3 server."""
+    from faultproxy import FaultProxy
+
+    p = FaultProxy(s3_server.s3_port).start()
+    yield p
+    p.stop()

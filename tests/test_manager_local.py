@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 import distckpt
-from distckpt import storage as storage_mod
+from distckpt.storage import local as storage_mod
 
 
 def make_model() -> nn.Module:

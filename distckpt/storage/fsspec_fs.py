@@ -1,0 +1,109 @@
+"""Any fsspec filesystem (memory://, gcs://, …): each file is sent whole with one call.
+
+Every filesystem call goes through `_call`, the one place where errors become StorageError
+(FileNotFoundError becomes MissingFileError) and where a subclass bounds the call's duration.
+"""
+
+from __future__ import annotations
+
+import errno
+import posixpath
+from typing import Any, Iterable
+
+from ..errors import CheckpointExistsError, MissingFileError, StorageError
+
+
+def _join(root: str, path: str) -> str:
+    return posixpath.join(root, path) if path else root
+
+
+class FsspecStorage:
+    """Any fsspec filesystem; each file is sent whole with one call."""
+
+    def __init__(self, fs: Any, root: str, url: str) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url.rstrip("/")
+
+    def __repr__(self) -> str:  # never the filesystem object: it may hold credentials
+        return f"{type(self).__name__}({self.url!r})"
+
+    def public(self, target: str) -> str:
+        """A path as the user wrote it (with its scheme), for messages."""
+        return self.url + target[len(self.root):]
+
+    def _call(self, what: str, target: str, method: str, *args: Any, size: int = 0, **kwargs: Any) -> Any:
+        try:
+            return getattr(self.fs, method)(*args, **kwargs)
+        except FileNotFoundError as e:
+            raise MissingFileError(errno.ENOENT, f"{self.public(target)} does not exist") from e
+        except OSError as e:
+            raise StorageError(e.errno or errno.EIO, f"{what} {self.public(target)} failed: "
+                               f"{type(e).__name__}: {e}") from e
+
+    def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
+        target = _join(self.root, path)
+        data = b"".join(bytes(c) for c in chunks)
+        self._call("writing", target, "pipe_file", target, data, size=len(data))
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        target = _join(self.root, path)
+        try:
+            with self.fs.open(target, "xb") as f:
+                f.write(data)
+        except FileExistsError as e:
+            raise CheckpointExistsError(errno.EEXIST, f"{self.public(target)} already exists: this step is already committed") from e
+        except (ValueError, NotImplementedError):
+            # No exclusive mode here: check then write (not atomic against a second writer).
+            if self.exists(path):
+                raise CheckpointExistsError(errno.EEXIST, f"{self.public(target)} already exists: this step is already committed")
+            self._call("creating", target, "pipe_file", target, data)
+        except OSError as e:
+            raise StorageError(e.errno or errno.EIO, f"creating {self.public(target)} failed: {e}") from e
+
+    def read_bytes(self, path: str) -> bytes:
+        target = _join(self.root, path)
+        return self._call("reading", target, "cat_file", target)
+
+    def list_dir(self, path: str) -> list[str]:
+        target = _join(self.root, path)
+        self.fs.invalidate_cache(target)
+        try:
+            names = self._call("listing", target, "ls", target, detail=False)
+        except MissingFileError:
+            return []
+        return sorted({posixpath.basename(n.rstrip("/")) for n in names} - {""})
+
+    def exists(self, path: str) -> bool:
+        target = _join(self.root, path)
+        self.fs.invalidate_cache(target)
+        return bool(self._call("checking", target, "exists", target))
+
+    def newest_mtime(self, path: str) -> float | None:
+        target = _join(self.root, path)
+        self.fs.invalidate_cache(target)
+        newest = None
+        for name in self._call("listing", target, "find", target):
+            try:
+                t = self._call("reading the time of", name, "modified", name).timestamp()
+            except (StorageError, NotImplementedError, IsADirectoryError, ValueError):
+                continue
+            newest = t if newest is None else max(newest, t)
+        return newest
+
+    def collect_abandoned_uploads(self, grace_s: float) -> int:
+        return 0  # one-call writes leave nothing behind
+
+    def remove_file(self, path: str) -> None:
+        target = _join(self.root, path)
+        try:
+            self._call("removing", target, "rm_file", target)
+        except MissingFileError:
+            pass
+
+    def remove_tree(self, path: str) -> None:
+        target = _join(self.root, path)
+        try:
+            self._call("removing", target, "rm", target, recursive=True)
+        except MissingFileError:
+            pass

@@ -1,0 +1,155 @@
+"""POSIX disk: tmp + flush + fsync + os.replace + directory fsync for every file."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from typing import Any, Iterable
+
+from ..errors import CheckpointExistsError, MissingFileError, StorageError
+
+
+class LocalStorage:
+    """POSIX disk with tmp + fsync + rename + directory fsync for every file."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.url = self.root
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self.root!r})"
+
+    def _abs(self, path: str) -> str:
+        return os.path.join(self.root, *path.split("/")) if path else self.root
+
+    def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
+        final = self._abs(path)
+        directory = os.path.dirname(final)
+        self._makedirs(directory)
+        tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            with open(tmp, "wb", buffering=0) as f:
+                for chunk in chunks:
+                    _write_all(f, chunk)
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            _fsync_dir(directory)
+        except OSError as e:
+            _silently_remove(tmp)
+            raise StorageError(e.errno, f"writing {final} failed: {e.strerror or e}") from e
+        except BaseException:
+            _silently_remove(tmp)
+            raise
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        final = self._abs(path)
+        directory = os.path.dirname(final)
+        tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            with open(tmp, "wb", buffering=0) as f:
+                _write_all(f, data)
+                os.fsync(f.fileno())
+            os.link(tmp, final)  # atomic, and fails if `final` exists: no second commit
+            _fsync_dir(directory)
+        except FileExistsError as e:
+            raise CheckpointExistsError(errno.EEXIST, f"{final} already exists: this step is already committed") from e
+        except OSError as e:
+            raise StorageError(e.errno, f"creating {final} failed: {e.strerror or e}") from e
+        finally:
+            _silently_remove(tmp)
+
+    def read_bytes(self, path: str) -> bytes:
+        full = self._abs(path)
+        try:
+            with open(full, "rb") as f:
+                return f.read()
+        except FileNotFoundError as e:
+            raise _not_found(full) from e
+        except OSError as e:
+            raise StorageError(e.errno, f"reading {full} failed: {e.strerror or e}") from e
+
+    def list_dir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self._abs(path)))
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise StorageError(e.errno, f"listing {self._abs(path)} failed: {e.strerror or e}") from e
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self._abs(path))
+
+    def newest_mtime(self, path: str) -> float | None:
+        newest = None
+        for root, dirs, files in os.walk(self._abs(path)):
+            for name in dirs + files:
+                try:
+                    t = os.stat(os.path.join(root, name)).st_mtime
+                except FileNotFoundError:
+                    continue
+                newest = t if newest is None else max(newest, t)
+        if newest is None and os.path.exists(self._abs(path)):
+            newest = os.stat(self._abs(path)).st_mtime
+        return newest
+
+    def collect_abandoned_uploads(self, grace_s: float) -> int:
+        return 0  # temporary files of dead writers live inside step directories, collected with them
+
+    def remove_file(self, path: str) -> None:
+        full = self._abs(path)
+        try:
+            os.unlink(full)
+            _fsync_dir(os.path.dirname(full))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StorageError(e.errno, f"removing {full} failed: {e.strerror or e}") from e
+
+    def remove_tree(self, path: str) -> None:
+        full = self._abs(path)
+        try:
+            shutil.rmtree(full)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise StorageError(e.errno, f"removing {full} failed: {e.strerror or e}") from e
+
+    def _makedirs(self, directory: str) -> None:
+        missing = []
+        d = directory
+        while not os.path.isdir(d):
+            missing.append(d)
+            d = os.path.dirname(d)
+        os.makedirs(directory, exist_ok=True)
+        for created in reversed(missing):  # make each new directory entry durable
+            _fsync_dir(os.path.dirname(created))
+
+
+def _write_all(f: Any, chunk: memoryview | bytes) -> None:
+    view = memoryview(chunk).cast("B")
+    while view:
+        n = f.write(view)
+        view = view[n:]
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _silently_remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass  # best effort: a leftover tmp file is ignored by readers and collected later
+
+
+def _not_found(where: str) -> MissingFileError:
+    return MissingFileError(errno.ENOENT, f"{where} does not exist")
+
+

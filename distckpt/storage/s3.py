@@ -1,0 +1,159 @@
+"""S3 (and S3-compatible stores) through s3fs, with a commit marker that holds without rename.
+
+* A file is put whole: one PUT below two parts, else a multipart upload whose parts go up
+  concurrently and which is completed only after every part succeeded (s3fs aborts it on a
+  failure; an upload cut off by the deadline is aborted by garbage collection). `fs.open(path,
+  "wb")` is never used: its error path can still publish a partial object.
+* The marker is put with ``If-None-Match: *``. A conditional PUT whose response was lost is
+  retried by the client and then answered "precondition failed" for its own success, so on any
+  error the marker is read back: our bytes (which carry a unique nonce) mean success, other
+  bytes mean another writer committed first.
+* Listings bypass s3fs's listing cache.
+* Every call has a deadline: botocore's timeouts do not bound a PUT waiting for "100 Continue"
+  from a stopped server (seen here: a paused server held a 10 kB PUT for over a minute).
+* Credentials come from the standard places (environment incl. AWS_ENDPOINT_URL, profiles,
+  `storage_options`) and never appear in repr, logs, errors or the manifest.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from typing import Any, Iterable
+
+from ..errors import CheckpointExistsError, StorageError
+from .fsspec_fs import FsspecStorage, _join
+
+log = logging.getLogger("distckpt")
+
+DEFAULT_CONFIG = {"connect_timeout": 10, "read_timeout": 60,
+                  "retries": {"max_attempts": 4, "mode": "standard"}}
+DEFAULT_PART_BYTES = 32 * 2**20
+DEFAULT_CONCURRENCY = 8
+DEFAULT_CALL_TIMEOUT_S = 120.0
+MIN_THROUGHPUT_BYTES_S = 8 * 2**20  # a call may also take size / this long
+
+
+class S3Storage(FsspecStorage):
+    """Checkpoints under s3://bucket/prefix.
+
+    Extra `storage_options` (all optional): ``part_bytes`` (multipart part size),
+    ``concurrency`` (parts in flight), ``call_timeout`` (seconds a call may take, plus
+    size / 8 MiB/s), ``retries`` (s3fs's retries on top of botocore's ``config_kwargs``).
+    """
+
+    def __init__(self, fs: Any, root: str, url: str, part_bytes: int = DEFAULT_PART_BYTES,
+                 concurrency: int = DEFAULT_CONCURRENCY, call_timeout: float = DEFAULT_CALL_TIMEOUT_S) -> None:
+        super().__init__(fs, root, url)
+        self.part_bytes, self.concurrency, self.call_timeout = part_bytes, concurrency, call_timeout
+
+    @classmethod
+    def from_url(cls, url: str, storage_options: dict[str, Any]) -> "S3Storage":
+        import s3fs
+
+        options = dict(storage_options)
+        part_bytes = int(options.pop("part_bytes", DEFAULT_PART_BYTES))
+        concurrency = int(options.pop("concurrency", DEFAULT_CONCURRENCY))
+        call_timeout = float(options.pop("call_timeout", DEFAULT_CALL_TIMEOUT_S))
+        retries = int(options.pop("retries", 3))
+        config = {**DEFAULT_CONFIG, **options.pop("config_kwargs", {})}
+        options.setdefault("skip_instance_cache", True)  # one owned client per manager
+        fs = s3fs.S3FileSystem(config_kwargs=config, **options)
+        fs.retries = retries  # s3fs's own retries, on top of botocore's: keep the product bounded
+        root = url.split("://", 1)[1].rstrip("/")
+        return cls(fs, root, url, part_bytes, concurrency, call_timeout)
+
+    def _call(self, what: str, target: str, method: str, *args: Any, size: int = 0, **kwargs: Any) -> Any:
+        deadline = self.call_timeout + size / MIN_THROUGHPUT_BYTES_S
+        try:
+            return super()._call(what, target, method, *args, timeout=deadline, **kwargs)
+        except _client_errors() as e:  # what s3fs leaves untranslated (connection refused …)
+            raise StorageError(errno.EIO, f"{what} {self.public(target)} failed: {type(e).__name__}: {e}") from e
+        except StorageError as e:
+            if isinstance(e.__cause__, TimeoutError):
+                raise StorageError(errno.ETIMEDOUT, f"{what} {self.public(target)} took longer than "
+                                   f"{deadline:.0f}s: the S3 server is unreachable, stopped or too slow") from e.__cause__
+            raise
+
+    def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
+        target = _join(self.root, path)
+        data = b"".join(bytes(c) for c in chunks)
+        self._call("writing", target, "pipe_file", target, data, size=len(data),
+                   chunksize=self.part_bytes, max_concurrency=self.concurrency)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        target = _join(self.root, path)
+        try:
+            self._call("creating", target, "pipe_file", target, data, mode="create")
+            return
+        except StorageError as e:
+            first_error = e
+        current = self._read_back(path)
+        if current == data:
+            log.info("%s: the conditional write was applied by an earlier attempt of this request",
+                     self.public(target))
+            return
+        if current is not None or _is_precondition_failed(first_error):
+            raise CheckpointExistsError(errno.EEXIST, f"{self.public(target)} already exists: another "
+                                        "writer committed this step") from first_error
+        raise first_error
+
+    def _read_back(self, path: str) -> bytes | None:
+        self.fs.invalidate_cache(_join(self.root, path))
+        try:
+            return self.read_bytes(path)
+        except FileNotFoundError:
+            return None
+
+    def list_dir(self, path: str) -> list[str]:
+        """Names with at least one object under them, from an uncached recursive listing.
+
+        A delimiter listing can report a prefix whose objects are all deleted (SeaweedFS keeps
+        empty folders); deriving names from the objects themselves cannot.
+        """
+        target = _join(self.root, path)
+        self.fs.invalidate_cache(target)
+        keys = self._call("listing", target, "find", target)
+        prefix = target.rstrip("/") + "/"
+        return sorted({k[len(prefix):].split("/", 1)[0] for k in keys if k.startswith(prefix)} - {""})
+
+    def collect_abandoned_uploads(self, grace_s: float) -> int:
+        bucket, _, prefix = self.root.partition("/")
+        try:
+            listing = self._call("listing uploads under", self.root, "call_s3", "list_multipart_uploads",
+                                 Bucket=bucket, Prefix=prefix)
+        except StorageError as e:
+            log.warning("listing multipart uploads under %s failed: %s", self.url, e)
+            return 0
+        aborted = 0
+        for upload in listing.get("Uploads", []):
+            initiated = upload.get("Initiated")
+            age = time.time() - initiated.timestamp() if initiated is not None else grace_s
+            if age >= grace_s:
+                self._call("aborting the upload of", f"{bucket}/{upload['Key']}", "call_s3",
+                           "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                aborted += 1
+        return aborted
+
+
+def _client_errors() -> tuple[type[BaseException], ...]:
+    import aiohttp
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    return (BotoCoreError, ClientError, aiohttp.ClientError)
+
+
+def _is_precondition_failed(e: BaseException) -> bool:
+    seen: BaseException | None = e
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code == "PreconditionFailed" or status == 412:
+                return True
+        if "pre-condition" in str(seen) or "PreconditionFailed" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

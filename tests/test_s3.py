@@ -1,0 +1,213 @@
+"""Checkpoints on a real S3 server (SeaweedFS on loopback), with faults injected on the wire."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import distckpt
+from distckpt import faults
+from faultproxy import Rule
+from mp_harness import run_world
+from s3server import ACCESS_KEY, SECRET_KEY
+
+
+def state_with(seed: int, size: int = 1000) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Linear(size, 4)
+    return {"model": model, "optimizer": torch.optim.AdamW(model.parameters()),
+            "gen": torch.Generator().manual_seed(seed), "config": {"size": size}}
+
+
+def weights(state: dict) -> torch.Tensor:
+    return state["model"].weight.detach().clone()
+
+
+def fast_options(endpoint_options: dict, **extra) -> dict:
+    """Short timeouts so a fault ends in seconds (production defaults are minutes)."""
+    return {**endpoint_options, "config_kwargs": {"connect_timeout": 2, "read_timeout": 4,
+                                                  "retries": {"max_attempts": 3, "mode": "standard"}},
+            "retries": 2, "call_timeout": 12, **extra}
+
+
+def via(proxy, s3_server, **extra) -> dict:
+    return fast_options(s3_server.storage_options(proxy.endpoint), **extra)
+
+
+def committed_objects(s3_server, url: str) -> list[str]:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options())
+    return sorted(k for k in fs.find(url.split("://")[1]) if k.endswith("/COMMITTED"))
+
+
+def test_save_and_load_on_s3(s3_server, s3_url):
+    state = state_with(0)
+    opts = s3_server.storage_options()
+    with distckpt.CheckpointManager(s3_url, storage_options=opts, keep_last=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state, epoch=0, metric=float(step))
+        assert mgr.committed_steps() == [3, 2]
+    other = state_with(1)
+    with distckpt.CheckpointManager(s3_url, storage_options=opts) as mgr:
+        assert mgr.load_latest(other).step == 3
+    assert torch.equal(weights(other), weights(state))
+
+
+def test_multipart_upload_with_concurrent_parts(s3_server, s3_url, proxy):
+    state = {"big": torch.randn(3 * 2**20)}  # 12 MiB in 5 MiB parts: three parts
+    opts = via(proxy, s3_server, part_bytes=5 * 2**20)
+    with distckpt.CheckpointManager(s3_url, storage_options=opts) as mgr:
+        mgr.save(1, state)
+    parts = [p for m, p, s in proxy.log if m == "PUT" and "partNumber=" in p]
+    assert len(parts) == 3
+    back = {"big": torch.zeros(3 * 2**20)}
+    with distckpt.CheckpointManager(s3_url, storage_options=s3_server.storage_options()) as mgr:
+        mgr.load_latest(back)
+    assert torch.equal(back["big"], state["big"])
+
+
+def test_slowdown_and_5xx_replies_are_retried(s3_server, s3_url, proxy):
+    proxy.add(Rule("PUT", r"replicated/state\.safetensors", "status", times=1, status=503),
+              Rule("PUT", r"rank-00000", "status", times=1, status=500),
+              Rule("PUT", r"COMMITTED", "status", times=1, status=503))
+    state = state_with(0)
+    with distckpt.CheckpointManager(s3_url, storage_options=via(proxy, s3_server)) as mgr:
+        mgr.save(1, state)
+    assert [r.hits for r in proxy.rules] == [1, 1, 1]
+    assert committed_objects(s3_server, s3_url) == [f"{s3_url[5:]}/step-000000001/COMMITTED"]
+
+
+def test_persistent_5xx_is_a_clear_error_and_keeps_the_previous_checkpoint(s3_server, s3_url, proxy):
+    state = state_with(0)
+    opts = via(proxy, s3_server)
+    with distckpt.CheckpointManager(s3_url, storage_options=opts) as mgr:
+        mgr.save(1, state)
+        proxy.add(Rule("PUT", r"step-000000002/ranks/", "status", times=1000, status=500))
+        start = time.monotonic()
+        with pytest.raises(distckpt.StorageError, match=r"s3://ckpt/.*step-000000002/ranks/rank-00000"):
+            mgr.save(2, state_with(5))
+        assert time.monotonic() - start < 60
+    assert committed_objects(s3_server, s3_url) == [f"{s3_url[5:]}/step-000000001/COMMITTED"]
+    other = state_with(1)
+    with distckpt.CheckpointManager(s3_url, storage_options=s3_server.storage_options()) as mgr:
+        assert mgr.load_latest(other).step == 1
+    assert torch.equal(weights(other), weights(state))
+
+
+def test_connection_reset_mid_upload_is_retried(s3_server, s3_url, proxy):
+    state = {"big": torch.randn(3 * 2**20)}
+    proxy.add(Rule("PUT", r"partNumber=2", "reset", times=1),
+              Rule("PUT", r"rank-00000", "reset", times=1))
+    with distckpt.CheckpointManager(s3_url, storage_options=via(proxy, s3_server, part_bytes=5 * 2**20)) as mgr:
+        mgr.save(1, state)
+    assert [r.hits for r in proxy.rules] == [1, 1]
+    back = {"big": torch.zeros(3 * 2**20)}
+    with distckpt.CheckpointManager(s3_url, storage_options=s3_server.storage_options()) as mgr:
+        mgr.load_latest(back)
+    assert torch.equal(back["big"], state["big"])
+
+
+def test_a_failed_multipart_upload_publishes_nothing_and_is_aborted(s3_server, s3_url, proxy):
+    import s3fs
+
+    proxy.add(Rule("PUT", r"partNumber=2", "status", times=1000, status=500))
+    with distckpt.CheckpointManager(s3_url, storage_options=via(proxy, s3_server, part_bytes=5 * 2**20)) as mgr:
+        with pytest.raises(distckpt.StorageError):
+            mgr.save(1, {"big": torch.randn(3 * 2**20)})
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options())
+    assert fs.find(s3_url[5:]) == []
+    uploads = fs.call_s3("list_multipart_uploads", Bucket="ckpt", Prefix=s3_url[10:]).get("Uploads", [])
+    assert uploads == []
+
+
+def test_a_lost_response_to_the_conditional_commit_is_recognised_as_success(s3_server, s3_url, proxy):
+    proxy.add(Rule("PUT", r"COMMITTED", "drop", times=1))
+    with distckpt.CheckpointManager(s3_url, storage_options=via(proxy, s3_server)) as mgr:
+        mgr.save(1, state_with(0))
+        assert mgr.committed_steps() == [1]
+    marker_puts = [s for m, p, s in proxy.log if m == "PUT" and "COMMITTED" in p]
+    assert marker_puts[0] == "drop" and "412" in marker_puts[1:]  # the retry met its own write
+
+
+def test_two_writers_of_one_step_exactly_one_commits(s3_server, s3_url):
+    from distckpt.storage import open_storage
+
+    a = open_storage(s3_url, s3_server.storage_options())
+    b = open_storage(s3_url, s3_server.storage_options())
+    a.create_exclusive("step-000000001/COMMITTED", b"writer a")
+    with pytest.raises(distckpt.CheckpointExistsError, match="another writer committed"):
+        b.create_exclusive("step-000000001/COMMITTED", b"writer b")
+    assert b.read_bytes("step-000000001/COMMITTED") == b"writer a"
+
+
+def test_a_paused_server_is_an_error_within_the_timeout(s3_server, s3_url):
+    state = state_with(0)
+    opts = fast_options(s3_server.storage_options())
+    with distckpt.CheckpointManager(s3_url, storage_options=opts) as mgr:
+        mgr.save(1, state)
+        remove = faults.on_point(lambda name, ctx: s3_server.pause() if name == "save/replicated-written" else None)
+        start = time.monotonic()
+        try:
+            with pytest.raises(distckpt.StorageError):
+                mgr.save(2, state)
+        finally:
+            remove()
+            s3_server.resume()
+        assert time.monotonic() - start < 90
+    other = state_with(3)
+    with distckpt.CheckpointManager(s3_url, storage_options=s3_server.storage_options()) as mgr:
+        assert mgr.load_latest(other).step == 1
+    assert torch.equal(weights(other), weights(state))
+
+
+def test_a_server_killed_mid_save(tmp_path):
+    from s3server import SeaweedS3
+
+    server = SeaweedS3(str(tmp_path / "weed")).start()
+    try:
+        server.make_bucket("ckpt")
+        url, state = "s3://ckpt/killed", state_with(0)
+        with distckpt.CheckpointManager(url, storage_options=fast_options(server.storage_options())) as mgr:
+            mgr.save(1, state)
+            remove = faults.on_point(lambda name, ctx: server.stop() if name == "save/rank-files-written" else None)
+            try:
+                with pytest.raises(distckpt.StorageError):
+                    mgr.save(2, state)
+            finally:
+                remove()
+        server.start()  # same data directory, new ports
+        other = state_with(2)
+        with distckpt.CheckpointManager(url, storage_options=server.storage_options()) as mgr:
+            assert mgr.load_latest(other).step == 1
+            assert mgr.committed_steps() == [1]
+        assert torch.equal(weights(other), weights(state))
+    finally:
+        server.stop()
+
+
+def test_credentials_never_appear(s3_server, s3_url, proxy, caplog):
+    caplog.set_level(logging.DEBUG, logger="distckpt")
+    opts = via(proxy, s3_server)
+    with distckpt.CheckpointManager(s3_url, storage_options=opts) as mgr:
+        mgr.save(1, state_with(0))
+        proxy.add(Rule("PUT", r"step-000000002", "status", times=1000, status=500))
+        with pytest.raises(distckpt.StorageError) as info:
+            mgr.save(2, state_with(0))
+        texts = [repr(mgr), repr(mgr.storage), str(info.value), caplog.text,
+                 mgr.storage.read_bytes("step-000000001/manifest.json").decode()]
+    for text in texts:
+        assert SECRET_KEY not in text and ACCESS_KEY not in text
+
+
+def test_a_write_failure_on_s3_fails_every_rank(s3_server, s3_url, proxy):
+    proxy.add(Rule("PUT", r"replicated/", "status", times=1000, status=500))
+    results = run_world("s3_workers:save_once", 2, url=s3_url, options=via(proxy, s3_server))
+    for r in results:
+        assert r.error_type == "StorageError", (r.rank, r.error)
+        assert "rank(s) [0]" in r.error and "replicated/state.safetensors" in r.error
