@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.distckpt-installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo demo-s3 test bench clean
 
 install: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 
 demo: $(STAMP)
 	$(PY) launch/demo.py
+
+demo-s3: $(STAMP)
+	$(PY) launch/demo.py --s3
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -22,12 +22,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, "train.py")
 
 
-def torchrun(nproc: int, train_args: list[str], max_restarts: int = 0, timeout: float = 600) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, train_args: list[str], max_restarts: int = 0, timeout: float = 600,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Launch train.py under a real torchrun on this machine (free port, own rendezvous)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", "127.0.0.1:0", "--monitor-interval", "0.5", TRAIN, *train_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -85,7 +86,7 @@ def compare(reference: dict[int, dict[int, str]], resumed: dict[int, dict[int, s
 
 def run_pair(workdir: str, nproc: int, steps: int, kill_at: str, workers: int,
              ckpt_url: str | None = None, extra: list[str] | None = None,
-             show_steps: list[int] | None = None) -> tuple[Comparison, list[str]]:
+             show_steps: list[int] | None = None, env: dict[str, str] | None = None) -> tuple[Comparison, list[str]]:
     """The uninterrupted run and the killed-and-resumed run; returns the comparison."""
     extra = extra or []
     common = ["--steps", str(steps), "--workers", str(workers), *extra]
@@ -94,7 +95,7 @@ def run_pair(workdir: str, nproc: int, steps: int, kill_at: str, workers: int,
     for label, ckpt, more, restarts in (("reference", ref_ckpt, [], 0),
                                         ("killed", killed_ckpt, ["--kill-at", kill_at], 1)):
         result = torchrun(nproc, ["--ckpt", ckpt, "--loss-log", os.path.join(workdir, f"log-{label}"),
-                                  *common, *more], max_restarts=restarts)
+                                  *common, *more], max_restarts=restarts, env=env)
         if result.returncode != 0:
             raise RuntimeError(f"the {label} run failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     reference = read_losses(os.path.join(workdir, "log-reference"))
@@ -109,15 +110,29 @@ def main() -> int:
     p.add_argument("--kill-at", default="step:53", help="see train.py --kill-at")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--ckpt-root", default=None, help="where runs go (default: a temporary directory)")
+    p.add_argument("--s3", action="store_true",
+                   help="checkpoint the killed run to S3: starts a SeaweedFS server on loopback")
     args = p.parse_args()
     workdir = args.ckpt_root or tempfile.mkdtemp(prefix="distckpt-demo-")
     if args.ckpt_root:
         shutil.rmtree(workdir, ignore_errors=True)
         os.makedirs(workdir)
+    server, url, env = None, None, None
+    if args.s3:
+        from seaweed import SeaweedS3
+
+        server = SeaweedS3(os.path.join(workdir, "seaweedfs")).start()
+        server.make_bucket("demo")
+        url, env = "s3://demo/run", server.env()
+    where = url + f" (SeaweedFS at {server.endpoint})" if server else workdir
     print(f"distckpt demo: {args.nproc} ranks, {args.steps} steps, loader workers {args.workers}, "
-          f"SIGKILL at {args.kill_at}, checkpoints every 20 steps under {workdir}", flush=True)
-    result, resumes = run_pair(workdir, args.nproc, args.steps, args.kill_at, args.workers,
-                               show_steps=list(range(0, args.steps, 10)))
+          f"SIGKILL at {args.kill_at}, checkpoints every 20 steps under {where}", flush=True)
+    try:
+        result, resumes = run_pair(workdir, args.nproc, args.steps, args.kill_at, args.workers, ckpt_url=url,
+                                   show_steps=list(range(0, args.steps, 10)), env=env)
+    finally:
+        if server:
+            server.stop()
     print(result.table)
     print(f"resumes seen: {resumes or 'none'}")
     if result.identical and resumes:

@@ -18,7 +18,7 @@ def ckpt_dir(tmp_path):
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real SeaweedFS S3 server on free loopback ports, for the whole session."""
-    from s3server import SeaweedS3
+    from seaweed import SeaweedS3
 
     server = SeaweedS3(str(tmp_path_factory.mktemp("seaweedfs"))).start()
     server.make_bucket("ckpt")

@@ -14,7 +14,7 @@ import distckpt
 from distckpt import faults
 from faultproxy import Rule
 from mp_harness import run_world
-from s3server import ACCESS_KEY, SECRET_KEY
+from seaweed import ACCESS_KEY, SECRET_KEY
 
 
 def state_with(seed: int, size: int = 1000) -> dict:
@@ -167,7 +167,7 @@ def test_a_paused_server_is_an_error_within_the_timeout(s3_server, s3_url):
 
 
 def test_a_server_killed_mid_save(tmp_path):
-    from s3server import SeaweedS3
+    from seaweed import SeaweedS3
 
     server = SeaweedS3(str(tmp_path / "weed")).start()
     try:

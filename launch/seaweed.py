@@ -120,7 +120,7 @@ class SeaweedS3:
                 self.proc.wait()
 
 
-if __name__ == "__main__":  # `python tests/s3server.py DIR`: run one by hand (the S3 demo uses it)
+if __name__ == "__main__":  # `python launch/seaweed.py DIR`: run a server by hand
     server = SeaweedS3(sys.argv[1] if len(sys.argv) > 1 else "/tmp/distckpt-s3").start()
     print(server.endpoint, flush=True)
     try:
