@@ -211,3 +211,21 @@ def test_a_write_failure_on_s3_fails_every_rank(s3_server, s3_url, proxy):
     for r in results:
         assert r.error_type == "StorageError", (r.rank, r.error)
         assert "rank(s) [0]" in r.error and "replicated/state.safetensors" in r.error
+
+
+def test_abandoned_multipart_uploads_and_leftovers_are_collected(s3_server, s3_url):
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options())
+    key = f"{s3_url[10:]}/step-000000007/replicated/state.safetensors"
+    upload = fs.call_s3("create_multipart_upload", Bucket="ckpt", Key=key)
+    fs.call_s3("upload_part", Bucket="ckpt", Key=key, UploadId=upload["UploadId"], PartNumber=1,
+               Body=b"x" * (5 * 2**20))
+    fs.pipe_file(f"{s3_url[5:]}/step-000000007/ranks/rank-00000.safetensors", b"partial")
+    with distckpt.CheckpointManager(s3_url, storage_options=s3_server.storage_options(), leftover_grace_s=0) as mgr:
+        mgr.save(1, state_with(0))
+        assert mgr.committed_steps() == [1]
+    uploads = fs.call_s3("list_multipart_uploads", Bucket="ckpt", Prefix=s3_url[10:]).get("Uploads", [])
+    assert uploads == []
+    fs.invalidate_cache()
+    assert not any("step-000000007" in k for k in fs.find(s3_url[5:]))

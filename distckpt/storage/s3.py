@@ -118,6 +118,13 @@ class S3Storage(FsspecStorage):
         prefix = target.rstrip("/") + "/"
         return sorted({k[len(prefix):].split("/", 1)[0] for k in keys if k.startswith(prefix)} - {""})
 
+    def newest_mtime(self, path: str) -> float | None:
+        target = _join(self.root, path)
+        self.fs.invalidate_cache(target)
+        found = self._call("listing", target, "find", target, detail=True)
+        times = [info["LastModified"].timestamp() for info in found.values() if info.get("LastModified")]
+        return max(times, default=None)
+
     def collect_abandoned_uploads(self, grace_s: float) -> int:
         bucket, _, prefix = self.root.partition("/")
         try:
