@@ -1,11 +1,14 @@
-"""The `distckpt` command line: read checkpoints with exactly the loader's rules.
+"""The `distckpt` command line: read and tidy checkpoints with exactly the loader's rules.
 
-    distckpt ls URL [--json]               committed checkpoints, and uncommitted leftovers
-    distckpt inspect URL [--step N] [--json]   manifest, ranks, entries, tensor table
-    distckpt verify URL [--step N | --all]     sizes and checksums; exit 1 on any problem
+    distckpt ls URL [--json]                          committed steps, and uncommitted leftovers
+    distckpt inspect URL [--step N] [--json]          manifest, versions, ranks, config, tensors
+    distckpt verify URL [--step N | --all] [--json]   sizes, checksums, structure
+    distckpt prune URL --keep-last N [--keep-best K] [--best-mode min|max] [--dry-run]
+    distckpt gc URL [--grace-s S] [--dry-run]         uncommitted leftovers, abandoned uploads
+    distckpt diff URL A B [--json]                    what changed between steps A and B
 
-Exit codes: 0 success, 1 a problem was found (verify) or nothing committed (inspect),
-2 bad usage or unreadable storage. S3 settings come from the standard AWS environment.
+Exit codes: 0 success; 1 a problem was found (verify) or nothing to show; 2 bad usage or
+storage that cannot be read. S3 credentials and endpoint come from the AWS_* environment.
 """
 
 from __future__ import annotations
@@ -13,111 +16,184 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from . import manifest as mf
-from .errors import CorruptCheckpointError, DistCkptError
+from .errors import DistCkptError
+from .inspection import describe_step, diff_steps, list_steps, read_manifest, verify_step
 from .protocol import list_committed
-from .serialize import read_header
+from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed
 from .storage import Storage, open_storage
 
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
-def _manifest(storage: Storage, step: int) -> dict[str, Any]:
-    base = mf.step_dir(step)
-    where = f"{storage.url}/{base}"
-    marker = mf.Marker.parse(storage.read_bytes(f"{base}/{mf.MARKER}"), where)
-    return mf.parse_manifest(storage.read_bytes(f"{base}/{mf.MANIFEST}"), marker, where)
+
+def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
+    print(json.dumps(data, indent=1, default=str) if args.json else text)
 
 
 def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
-    committed = list_committed(storage)
     rows = []
-    for step in sorted(committed):
-        try:
-            m = _manifest(storage, step)
-            rows.append({"step": step, "epoch": m.get("epoch"), "metric": m.get("metric"),
-                         "world_size": m.get("world_size"), "created_unix": m.get("created_unix"),
-                         "bytes": sum(f["size"] for f in m["files"].values()), "status": "committed"})
-        except (DistCkptError, OSError) as e:
-            rows.append({"step": step, "status": f"damaged: {e}"})
-    leftovers = [n for n in storage.list_dir("") if mf.parse_step_dir(n) is not None
-                 and mf.parse_step_dir(n) not in committed]
-    rows += [{"step": mf.parse_step_dir(n), "status": "uncommitted"} for n in leftovers]
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
-    print(f"{'step':>10} {'epoch':>6} {'world':>5} {'bytes':>12} {'metric':>12}  status")
+    for s in list_steps(storage):
+        m = s.manifest or {}
+        rows.append({"step": s.step, "status": s.status, "epoch": m.get("epoch"), "metric": m.get("metric"),
+                     "world_size": m.get("world_size"), "created_unix": m.get("created_unix"),
+                     "bytes": sum(f["size"] for f in m.get("files", {}).values()) if m else None})
+    lines = [f"{'step':>10} {'epoch':>6} {'world':>5} {'bytes':>12} {'metric':>12} {'created':>20}  status"]
     for r in rows:
-        print(f"{r['step']:>10} {str(r.get('epoch', '')):>6} {str(r.get('world_size', '')):>5} "
-              f"{str(r.get('bytes', '')):>12} {str(r.get('metric', '')):>12}  {r['status']}")
-    return 0
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_unix"])) if r["created_unix"] else ""
+        lines.append(f"{r['step']:>10} {_s(r['epoch']):>6} {_s(r['world_size']):>5} {_s(r['bytes']):>12} "
+                     f"{_s(r['metric']):>12} {created:>20}  {r['status']}")
+    _emit(args, rows, "\n".join(lines))
+    return EXIT_OK
 
 
-def _pick_steps(storage: Storage, args: argparse.Namespace) -> list[int]:
-    committed = list_committed(storage)
+def _s(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def _steps(storage: Storage, args: argparse.Namespace) -> list[int]:
     if getattr(args, "all", False):
-        return committed
+        return sorted(list_committed(storage))
     if args.step is not None:
         return [args.step]
-    return committed[:1]
+    return list_committed(storage)[:1]
 
 
 def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
-    steps = _pick_steps(storage, args)
+    steps = _steps(storage, args)
     if not steps:
         print(f"no committed checkpoint at {storage.url}", file=sys.stderr)
-        return 1
-    m = _manifest(storage, steps[0])
-    header, _ = read_header(storage.read_bytes(f"{mf.step_dir(steps[0])}/{mf.REPLICATED_FILE}"), "replicated")
-    tensors = [{"name": k, "dtype": v["dtype"], "shape": v["shape"],
-                "bytes": v["data_offsets"][1] - v["data_offsets"][0]}
-               for k, v in header.items() if k != "__metadata__"]
-    if args.json:
-        print(json.dumps({"manifest": m, "tensors": tensors}, indent=1))
-        return 0
-    print(f"step {m['step']} epoch {m['epoch']} metric {m['metric']} world size {m['world_size']} run {m['run_id']}")
-    print("versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
-    for r in m["ranks"]:
-        print(f"  rank {r['rank']}: host {r['host']} step {r['step']} epoch {r['epoch']} per-rank {r['per_rank_entries']}")
-    print("entries: " + ", ".join(f"{k} ({v['kind']}, {v['scope']})" for k, v in m["entries"].items()))
-    for t in tensors:
-        print(f"  {t['name']:<50} {t['dtype']:>5} {str(t['shape']):>16} {t['bytes']:>12}")
-    return 0
+        return EXIT_PROBLEM
+    d = describe_step(storage, steps[0])
+    m = d["manifest"]
+    lines = [f"step {m['step']}  epoch {m['epoch']}  metric {m['metric']}  world size {m['world_size']}  run {m['run_id']}",
+             "versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
+             f"config: {json.dumps(d['config'])}", "ranks:"]
+    for r, info in zip(d["ranks"], m["ranks"]):
+        lines.append(f"  rank {r['rank']} on {info['host']}: epoch {r['epoch']}, RNG streams {r['rng_streams']}")
+        lines += [f"    {k}: {json.dumps(v, default=str)}" for k, v in r["entries"].items()]
+    lines.append("entries: " + ", ".join(f"{k} ({v['kind']}, {v['scope']})" for k, v in m["entries"].items()))
+    lines.append(f"tensors ({len(d['tensors'])}, {sum(t['bytes'] for t in d['tensors']):,} bytes):")
+    lines += [f"  {t['name']:<56} {t['dtype']:>5} {str(t['shape']):>18} {t['bytes']:>12,}" for t in d["tensors"]]
+    _emit(args, d, "\n".join(lines))
+    return EXIT_OK
 
 
 def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
-    problems = 0
-    for step in _pick_steps(storage, args):
-        base = mf.step_dir(step)
+    steps = _steps(storage, args)
+    if not steps:
+        print(f"no committed checkpoint at {storage.url}", file=sys.stderr)
+        return EXIT_PROBLEM
+    results = {}
+    with _progress(storage, steps) as bar:
+        for step in steps:
+            results[step] = verify_step(storage, step, bar.update)
+    lines = [f"step {s}: ok" if not p else f"step {s}: BAD\n" + "\n".join(f"  {x}" for x in p)
+             for s, p in results.items()]
+    _emit(args, [{"step": s, "ok": not p, "problems": p} for s, p in results.items()], "\n".join(lines))
+    return EXIT_PROBLEM if any(results.values()) else EXIT_OK
+
+
+def _progress(storage: Storage, steps: list[int]) -> Any:
+    """A byte progress bar on a terminal (stderr); silent when not a terminal."""
+    from tqdm import tqdm
+
+    total = 0
+    for step in steps:
         try:
-            m = _manifest(storage, step)
-            for name, record in m["files"].items():
-                mf.verify_file(storage.read_bytes(f"{base}/{name}"), record, f"{storage.url}/{base}/{name}")
-            print(f"step {step}: ok ({len(m['files'])} files)")
-        except (CorruptCheckpointError, DistCkptError, OSError) as e:
-            problems += 1
-            print(f"step {step}: BAD: {e}")
-    return 1 if problems else 0
+            total += sum(f["size"] for f in read_manifest(storage, step)["files"].values())
+        except (DistCkptError, OSError):
+            pass
+    return tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not sys.stderr.isatty(),
+                file=sys.stderr)
+
+
+def cmd_prune(storage: Storage, args: argparse.Namespace) -> int:
+    committed = read_committed(storage, list_committed(storage))
+    doomed = plan_retention(committed, args.keep_last, args.keep_best, args.best_mode)
+    for step in doomed:
+        if not args.dry_run:
+            delete_checkpoint(storage, step)
+    verb = "would remove" if args.dry_run else "removed"
+    _emit(args, {"dry_run": args.dry_run, "removed": doomed},
+          "\n".join(f"{verb} step {s}" for s in doomed) or "nothing to remove")
+    return EXIT_OK
+
+
+def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
+    if args.dry_run:
+        doomed = [s.step for s in list_steps(storage) if s.status == "uncommitted"
+                  and time.time() - (storage.newest_mtime(mf.step_dir(s.step)) or 0) >= args.grace_s]
+        _emit(args, {"dry_run": True, "removed": doomed},
+              "\n".join(f"would remove uncommitted step {s}" for s in doomed) or "nothing to collect")
+        return EXIT_OK
+    removed = collect_leftovers(storage, args.grace_s)
+    _emit(args, {"dry_run": False, "removed": [mf.parse_step_dir(n) for n in removed]},
+          "\n".join(f"removed uncommitted {n}" for n in removed) or "nothing to collect")
+    return EXIT_OK
+
+
+def cmd_diff(storage: Storage, args: argparse.Namespace) -> int:
+    rows = diff_steps(storage, args.a, args.b)
+    lines = []
+    for r in rows:
+        if r["change"] == "values":
+            lines.append(f"{r['key']}: {r['changed_elements']} elements changed, max |diff| {r['max_abs_diff']:.6g}")
+        elif r["change"] == "value":
+            lines.append(f"{r['key']}: {r['old']!r} -> {r['new']!r}")
+        else:
+            lines.append(f"{r['key']}: {r['change']}")
+    _emit(args, rows, "\n".join(lines) or f"steps {args.a} and {args.b} hold the same state")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="distckpt", description=__doc__.splitlines()[0],
+                                epilog="exit codes: 0 ok, 1 problem found, 2 usage or storage error")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=help_text)
+        s.add_argument("url", help="checkpoint root: a local path or fsspec URL (s3://bucket/prefix)")
+        s.add_argument("--json", action="store_true", help="machine-readable output")
+        return s
+
+    command("ls", "committed checkpoints and uncommitted leftovers")
+    command("inspect", "one checkpoint in detail").add_argument("--step", type=int)
+    verify = command("verify", "check sizes, checksums and structure")
+    verify.add_argument("--step", type=int)
+    verify.add_argument("--all", action="store_true")
+    prune = command("prune", "apply a retention policy")
+    prune.add_argument("--keep-last", type=int, required=True)
+    prune.add_argument("--keep-best", type=int)
+    prune.add_argument("--best-mode", choices=("min", "max"), default="min")
+    prune.add_argument("--dry-run", action="store_true")
+    gc = command("gc", "remove uncommitted leftovers and abandoned uploads")
+    gc.add_argument("--grace-s", type=float, default=3600.0,
+                    help="only collect leftovers older than this (a save may be in progress)")
+    gc.add_argument("--dry-run", action="store_true")
+    diff = command("diff", "what changed between two steps")
+    diff.add_argument("a", type=int)
+    diff.add_argument("b", type=int)
+    return p
+
+
+COMMANDS = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune": cmd_prune,
+            "gc": cmd_gc, "diff": cmd_diff}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="distckpt", description="Read distckpt checkpoints.")
-    sub = p.add_subparsers(dest="command", required=True)
-    for name in ("ls", "inspect", "verify"):
-        s = sub.add_parser(name)
-        s.add_argument("url")
-        s.add_argument("--json", action="store_true")
-        if name != "ls":
-            s.add_argument("--step", type=int)
-        if name == "verify":
-            s.add_argument("--all", action="store_true")
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if getattr(args, "keep_last", 1) is not None and getattr(args, "keep_last", 1) < 1:
+        print("distckpt prune: --keep-last must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        storage = open_storage(args.url)
-        return {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify}[args.command](storage, args)
+        return COMMANDS[args.command](open_storage(args.url), args)
     except (DistCkptError, OSError) as e:
         print(f"distckpt {args.command}: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

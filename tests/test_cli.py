@@ -1,3 +1,5 @@
+"""The `distckpt` command line on local and S3 checkpoints, healthy and damaged."""
+
 from __future__ import annotations
 
 import json
@@ -5,29 +7,130 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+from torch import nn
 
 import distckpt
+from distckpt import cli
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "distckpt", *args], capture_output=True, text=True, timeout=60)
+@pytest.fixture(params=["local", "s3"])
+def url(request, tmp_path, monkeypatch):
+    if request.param == "local":
+        return str(tmp_path / "ckpt")
+    server = request.getfixturevalue("s3_server")
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    return request.getfixturevalue("s3_url")
 
 
-def test_ls_inspect_verify(ckpt_dir):
-    with distckpt.CheckpointManager(ckpt_dir) as mgr:
-        mgr.save(1, {"w": torch.ones(3), "config": {"lr": 1}}, epoch=0, metric=0.5)
-        mgr.save(2, {"w": torch.ones(3), "config": {"lr": 1}}, epoch=0, metric=0.4)
-    os.makedirs(os.path.join(ckpt_dir, "step-000000003"))
-    rows = json.loads(run_cli("ls", ckpt_dir, "--json").stdout)
-    assert [(r["step"], r["status"]) for r in rows] == [(1, "committed"), (2, "committed"), (3, "uncommitted")]
-    out = json.loads(run_cli("inspect", ckpt_dir, "--json").stdout)
-    assert out["manifest"]["step"] == 2 and any(t["shape"] == [3] for t in out["tensors"])
-    assert run_cli("verify", ckpt_dir, "--all").returncode == 0
-    payload = os.path.join(ckpt_dir, "step-000000001", "ranks", "rank-00000.safetensors")
-    data = bytearray(open(payload, "rb").read())
-    data[100] ^= 0xFF
-    open(payload, "wb").write(bytes(data))
-    bad = run_cli("verify", ckpt_dir, "--all")
-    assert bad.returncode == 1 and "step 1: BAD" in bad.stdout and "rank-00000.safetensors" in bad.stdout
-    assert "step 2: ok" in bad.stdout
+def make_run(url: str, steps=(1, 2, 3)) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    sampler = torch.utils.data.DistributedSampler(list(range(10)), num_replicas=1, rank=0)
+    with distckpt.CheckpointManager(url) as mgr:
+        for step in steps:
+            with torch.no_grad():
+                model.weight.add_(step)
+            sampler.set_epoch(step)
+            mgr.save(step, {"model": model, "sampler": sampler, "config": {"lr": 0.1 * step}},
+                     epoch=step, metric=1.0 / step)
+
+
+def run(capsys, *argv) -> tuple[int, str]:
+    code = cli.main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def damage(url: str, step: int, name: str) -> None:
+    from distckpt.storage import open_storage
+
+    s = open_storage(url)
+    path = f"step-{step:09d}/{name}"
+    data = bytearray(s.read_bytes(path))
+    data[len(data) // 2] ^= 0x10
+    s.write_file(path, [bytes(data)])
+
+
+def test_ls_shows_committed_and_uncommitted(url, capsys):
+    make_run(url)
+    from distckpt.storage import open_storage
+
+    open_storage(url).write_file("step-000000004/replicated/state.safetensors", [b"partial"])
+    code, out = run(capsys, "ls", url, "--json")
+    rows = json.loads(out)
+    assert code == 0
+    assert [(r["step"], r["status"]) for r in rows] == [(1, "committed"), (2, "committed"), (3, "committed"), (4, "uncommitted")]
+    assert rows[2]["epoch"] == 3 and rows[2]["metric"] == pytest.approx(1 / 3) and rows[2]["bytes"] > 0
+    code, out = run(capsys, "ls", url)
+    assert "uncommitted" in out and "committed" in out
+
+
+def test_inspect_shows_ranks_config_and_tensors(url, capsys):
+    make_run(url)
+    code, out = run(capsys, "inspect", url, "--json", "--step", "2")
+    d = json.loads(out)
+    assert code == 0 and d["manifest"]["step"] == 2 and d["config"] == {"lr": 0.2}
+    rank = d["ranks"][0]
+    assert rank["rng_streams"] == ["cuda", "numpy", "python", "torch_cpu"]
+    assert rank["entries"]["sampler"]["epoch"] == 2 and rank["entries"]["sampler"]["type"] == "DistributedSampler"
+    assert {t["name"] for t in d["tensors"]} >= {"replicated/entries/model/state/state_dict/weight"}
+    code, out = run(capsys, "inspect", url)
+    assert "step 3" in out and "RNG streams" in out and "weight" in out
+
+
+def test_verify_names_each_bad_file(url, capsys):
+    make_run(url)
+    assert run(capsys, "verify", url, "--all")[0] == 0
+    damage(url, 2, "ranks/rank-00000.safetensors")
+    code, out = run(capsys, "verify", url, "--all", "--json")
+    rows = {r["step"]: r for r in json.loads(out)}
+    assert code == 1 and rows[1]["ok"] and rows[3]["ok"] and not rows[2]["ok"]
+    assert "rank-00000.safetensors" in rows[2]["problems"][0] and "checksum" in rows[2]["problems"][0]
+    from distckpt.storage import open_storage
+
+    open_storage(url).remove_file("step-000000003/manifest.json")
+    code, out = run(capsys, "verify", url, "--step", "3")
+    assert code == 1 and "manifest.json" in out
+
+
+def test_prune_and_gc_with_dry_run(url, capsys):
+    make_run(url, steps=(1, 2, 3, 4))
+    from distckpt.storage import open_storage
+
+    open_storage(url).write_file("step-000000009/ranks/rank-00000.safetensors", [b"partial"])
+    code, out = run(capsys, "prune", url, "--keep-last", "1", "--keep-best", "1", "--best-mode", "max", "--dry-run", "--json")
+    assert code == 0 and json.loads(out)["removed"] == [2, 3]
+    assert distckpt.CheckpointManager(url).committed_steps() == [4, 3, 2, 1]
+    assert json.loads(run(capsys, "prune", url, "--keep-last", "1", "--keep-best", "1", "--best-mode", "max", "--json")[1])["removed"] == [2, 3]
+    assert distckpt.CheckpointManager(url).committed_steps() == [4, 1]
+    assert json.loads(run(capsys, "gc", url, "--json")[1])["removed"] == []  # too young
+    assert json.loads(run(capsys, "gc", url, "--grace-s", "0", "--dry-run", "--json")[1])["removed"] == [9]
+    assert json.loads(run(capsys, "gc", url, "--grace-s", "0", "--json")[1])["removed"] == [9]
+    assert [r["step"] for r in json.loads(run(capsys, "ls", url, "--json")[1])] == [1, 4]
+
+
+def test_diff_reports_what_changed(url, capsys):
+    make_run(url)
+    code, out = run(capsys, "diff", url, "1", "3", "--json")
+    rows = {r["key"]: r for r in json.loads(out)}
+    weight = rows["replicated/state.safetensors/entries/model/state/state_dict/weight"]
+    assert code == 0 and weight["change"] == "values" and weight["max_abs_diff"] == pytest.approx(5.0)
+    assert rows["replicated/state.safetensors/entries/config/state/lr"]["new"] == pytest.approx(0.3)
+    assert rows["ranks/rank-00000.safetensors/epoch"] == {"key": "ranks/rank-00000.safetensors/epoch", "change": "value", "old": 1, "new": 3}
+
+
+def test_errors_and_exit_codes(tmp_path, capsys):
+    assert cli.main(["inspect", str(tmp_path / "empty")]) == 1
+    assert cli.main(["verify", str(tmp_path / "empty")]) == 1
+    make_run(str(tmp_path / "c"), steps=(1,))
+    assert cli.main(["inspect", str(tmp_path / "c"), "--step", "5"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_entry_point_runs(tmp_path):
+    make_run(str(tmp_path / "c"), steps=(1,))
+    out = subprocess.run([sys.executable, "-m", "distckpt", "ls", str(tmp_path / "c")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "committed" in out.stdout

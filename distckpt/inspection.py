@@ -1,0 +1,178 @@
+"""Reading checkpoints for people and scripts (the CLI), with exactly the loader's rules.
+
+A checkpoint is committed iff its marker exists and matches the manifest; files are checked
+against the manifest's sizes and checksums. Nothing here is collective or restores state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import manifest as mf
+from .errors import CorruptCheckpointError, DistCkptError
+from .protocol import list_committed
+from .serialize import TREE_METADATA_KEY, decode_tree, load_tree_file, read_header
+from .storage import Storage
+
+
+def read_manifest(storage: Storage, step: int) -> dict[str, Any]:
+    base = mf.step_dir(step)
+    where = f"{storage.url}/{base}"
+    marker = mf.Marker.parse(storage.read_bytes(f"{base}/{mf.MARKER}"), where)
+    return mf.parse_manifest(storage.read_bytes(f"{base}/{mf.MANIFEST}"), marker, where)
+
+
+@dataclass(frozen=True)
+class StepListing:
+    step: int
+    status: str  # "committed", "damaged: …", "uncommitted"
+    manifest: dict[str, Any] | None = None
+
+
+def list_steps(storage: Storage) -> list[StepListing]:
+    committed = set(list_committed(storage))
+    out = []
+    for name in storage.list_dir(""):
+        step = mf.parse_step_dir(name)
+        if step is None:
+            continue
+        if step not in committed:
+            out.append(StepListing(step, "uncommitted"))
+            continue
+        try:
+            out.append(StepListing(step, "committed", read_manifest(storage, step)))
+        except (DistCkptError, OSError) as e:
+            out.append(StepListing(step, f"damaged: {e}"))
+    return sorted(out, key=lambda s: s.step)
+
+
+def verify_step(storage: Storage, step: int, progress: Callable[[int], None] = lambda n: None) -> list[str]:
+    """Problems found in one step (empty when it verifies): each names its file."""
+    base = mf.step_dir(step)
+    try:
+        manifest = read_manifest(storage, step)
+    except (DistCkptError, OSError) as e:
+        return [str(e)]
+    problems = []
+    for name, record in manifest["files"].items():
+        where = f"{storage.url}/{base}/{name}"
+        try:
+            data = storage.read_bytes(f"{base}/{name}")
+            mf.verify_file(data, record, where)
+            load_tree_file(data, where)
+        except (DistCkptError, OSError) as e:
+            problems.append(str(e) if where in str(e) else f"{where}: {e}")
+        progress(record["size"])
+    return problems
+
+
+def _header_tree(data: bytes, where: str) -> tuple[Any, list[dict[str, Any]]]:
+    """The tree with tensors shown as descriptions, from the header alone (no tensor bytes)."""
+    header, _ = read_header(data, where)
+    meta = header.get("__metadata__") or {}
+    if TREE_METADATA_KEY not in meta:
+        raise CorruptCheckpointError(f"{where}: not a distckpt tree file")
+    import json
+
+    table = [{"name": k, "dtype": v["dtype"], "shape": v["shape"],
+              "bytes": v["data_offsets"][1] - v["data_offsets"][0]} for k, v in header.items() if k != "__metadata__"]
+    placeholders = {t["name"]: _TensorRef(t["dtype"], tuple(t["shape"])) for t in table}
+    return decode_tree(json.loads(meta[TREE_METADATA_KEY]), placeholders, where), table  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __repr__(self) -> str:
+        return f"<tensor {self.dtype} {list(self.shape)}>"
+
+
+def describe_step(storage: Storage, step: int) -> dict[str, Any]:
+    """Manifest, per-rank summaries (RNG streams, samplers, loaders), config, tensor table."""
+    manifest = read_manifest(storage, step)
+    base = mf.step_dir(step)
+    replicated, table = _header_tree(storage.read_bytes(f"{base}/{mf.REPLICATED_FILE}"), "replicated")
+    ranks = []
+    for rank in range(manifest["world_size"]):
+        own, _ = _header_tree(storage.read_bytes(f"{base}/{mf.rank_file(rank)}"), f"rank {rank}")
+        ranks.append({"rank": rank, "epoch": own.get("epoch"), "rng_streams": sorted(own["rng"]),
+                      "entries": {k: _summarise(v) for k, v in own["entries"].items()}})
+    config = replicated["entries"].get("config", {}).get("state")
+    return {"manifest": manifest, "ranks": ranks, "config": _plain(config), "tensors": table}
+
+
+def _summarise(entry: dict[str, Any]) -> dict[str, Any]:
+    state, kind = entry["state"], entry["kind"]
+    out: dict[str, Any] = {"kind": kind}
+    if kind == "sampler":
+        out.update({k: state[k] for k in ("type", "epoch", "seed", "num_replicas", "rank") if k in state})
+        if "state_dict" in state:
+            out["state_dict"] = _plain(state["state_dict"])
+    elif kind == "loader" and isinstance(state, dict):
+        out["position"] = {k: _plain(v) for k, v in state.items() if k in ("_num_yielded", "_sampler_iter_yielded", "_iterator_finished")}
+    elif kind == "generator":
+        out["device"] = state.get("device")
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, _TensorRef):
+        return repr(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    return value
+
+
+def load_trees(storage: Storage, step: int) -> dict[str, Any]:
+    """Every tree of a step (replicated and each rank), verified, tensors included."""
+    manifest = read_manifest(storage, step)
+    base = mf.step_dir(step)
+    out = {}
+    for name, record in manifest["files"].items():
+        data = storage.read_bytes(f"{base}/{name}")
+        mf.verify_file(data, record, f"{storage.url}/{base}/{name}")
+        out[name] = load_tree_file(data, name)
+    return out
+
+
+def flatten(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from flatten(v, f"{path}/{k}" if path else str(k))
+    elif isinstance(value, (list, tuple)) and not all(isinstance(v, (int, float, str, bool, type(None))) for v in value):
+        for i, v in enumerate(value):
+            yield from flatten(v, f"{path}/{i}")
+    else:
+        yield path, value
+
+
+def diff_steps(storage: Storage, a: int, b: int) -> list[dict[str, Any]]:
+    """What changed between two steps: per tensor the max absolute difference, per value old/new."""
+    left = dict(kv for name, tree in load_trees(storage, a).items() for kv in flatten(tree, name))
+    right = dict(kv for name, tree in load_trees(storage, b).items() for kv in flatten(tree, name))
+    rows = []
+    for key in sorted(set(left) | set(right)):
+        if key not in left or key not in right:
+            rows.append({"key": key, "change": "added" if key not in left else "removed"})
+            continue
+        x, y = left[key], right[key]
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype:
+                rows.append({"key": key, "change": f"{x.dtype}{list(x.shape)} -> {y.dtype}{list(y.shape)}"})
+            elif not torch.equal(x, y):
+                delta = (x.double() - y.double()).abs()
+                rows.append({"key": key, "change": "values", "max_abs_diff": float(delta.max()),
+                             "changed_elements": int((delta > 0).sum())})
+        elif x != y and not (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)):
+            rows.append({"key": key, "change": "value", "old": _plain(x), "new": _plain(y)})
+    return rows
