@@ -1,10 +1,13 @@
-"""Process-group start-up that survives torchrun restarts.
+"""Process-group start-up that survives torchrun restarts, on one node or many.
 
 With ``torchrun --max-restarts``, the plain ``init_process_group("gloo")`` of a restarted
 worker reads the dead attempt's gloo addresses from the agent's store (torch keys workers under
 one fixed prefix), and fails about half the time with "Gloo connectFullMesh failed ...
-Connection refused". Keying the store by ``TORCHELASTIC_RESTART_COUNT`` gives every attempt a
-clean namespace (8 of 8 restarts succeeded with it).
+Connection refused". Keying by ``TORCHELASTIC_RESTART_COUNT`` fixed it on one node (8 of 8), but
+agents on different nodes count restarts separately (a replaced node starts again at 0), so
+here every attempt gets a store of its own instead: rank 0 hosts a fresh TCPStore and
+publishes its address in the agent's store; the other ranks connect to it, and a published
+address that refuses connections is a dead attempt's, so they wait for the new one.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import socket
+import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -55,14 +61,54 @@ def init_distributed(backend: str | None = None, timeout: float = 600.0) -> Dist
         raise ConfigError(f"torchrun environment is incomplete or malformed ({e}); launch with torchrun") from e
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(addr, port, world_size=world, is_master=(rank == 0 and not agent_store),
-                          timeout=timedelta(seconds=timeout), wait_for_workers=False)
-    prefixed = dist.PrefixStore(f"/worker/distckpt/attempt-{restarts}", store)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout))
+    wait = timedelta(seconds=timeout)
+    if agent_store:
+        store = _attempt_store(dist.TCPStore(addr, port, world_size=world, is_master=False, timeout=wait),
+                               addr, port, rank, world, timeout)
+    else:  # launched without an elastic agent: rank 0 hosts a store that lives as long as the job
+        store = dist.TCPStore(addr, port, world_size=world, is_master=(rank == 0), timeout=wait,
+                              wait_for_workers=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=wait)
     log.info("rank %d/%d: process group up (backend %s, attempt %d, device %s)",
              rank, world, backend, restarts, device)
     return DistInfo(rank, world, local_rank, device, backend, restarts)
+
+
+_PUBLISHED = "/worker/distckpt/attempt-store"
+
+
+def _attempt_store(agent: dist.Store, addr: str, port: int, rank: int, world: int, timeout: float) -> dist.Store:
+    """A TCPStore that only this attempt's workers use (see the module docstring)."""
+    if rank == 0:
+        own = dist.TCPStore(_reachable_address(addr, port), 0, world_size=world, is_master=True,
+                            timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        agent.set(_PUBLISHED, f"{_reachable_address(addr, port)}:{own.port}:{uuid.uuid4().hex}")
+        return own
+    deadline = time.monotonic() + timeout
+    refused = None
+    while time.monotonic() < deadline:
+        published = agent.get(_PUBLISHED).decode()
+        if published == refused:
+            time.sleep(0.2)  # a dead attempt's address: wait for this attempt's rank 0
+            continue
+        host, store_port, _ = published.rsplit(":", 2)
+        try:
+            store = dist.TCPStore(host, int(store_port), world_size=world, is_master=False,
+                                  timeout=timedelta(seconds=5))
+        except (RuntimeError, TimeoutError, OSError) as e:
+            log.debug("rank %d: %s refused (%s): an earlier attempt's store", rank, published, e)
+            refused = published
+            continue
+        store.set_timeout(timedelta(seconds=timeout))
+        return store
+    raise ConfigError(f"rank {rank}: rank 0 of this attempt published no reachable store within {timeout:g}s")
+
+
+def _reachable_address(peer_host: str, peer_port: int) -> str:
+    """The local address other nodes reach us by: the one our route to the agent store uses."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(peer_host), peer_port))  # no packet is sent
+        return s.getsockname()[0]
 
 
 def _device_for(local_rank: int) -> torch.device:
