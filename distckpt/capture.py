@@ -249,6 +249,10 @@ def _validate_tensor(target: torch.Tensor, saved: torch.Tensor, where: str) -> N
 def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any]) -> list[str]:
     """Restore one validated entry in place; returns notes for the caller (config diffs)."""
     kind, value = entry.kind, saved["state"]
+    if kind not in ("module", "tensor", "generator"):
+        # Loaded tensors are views into the file's buffer; an owner that keeps them (an
+        # optimizer keeps its state tensors as given) would keep the whole buffer alive.
+        value = _owned(value)
     if kind == "module":
         _restore_module(unwrap_module(entry.target), value)
     elif kind == "stateful":
@@ -275,6 +279,18 @@ def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any]) ->
     else:
         state[entry.key] = PerRank(value) if entry.scope == PER_RANK and isinstance(state[entry.key], PerRank) else value
     return []
+
+
+def _owned(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _owned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_owned(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_owned(v) for v in value)
+    return value
 
 
 def _restore_module(module: nn.Module, saved: dict[str, Any]) -> None:

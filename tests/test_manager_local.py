@@ -366,3 +366,28 @@ def test_memory_filesystem_url():
     with distckpt.CheckpointManager(url) as mgr:
         mgr.load_latest({"gen": gen, "np": np.random.default_rng(5)})
     assert torch.equal(torch.rand(2, generator=gen), expected)
+
+
+def test_loaded_optimizer_state_does_not_pin_the_file_buffer(ckpt_dir, monkeypatch):
+    """Loaded tensors are views into the file's buffer; what an owner keeps must be its own copy."""
+    state = trained_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, state)
+    buffers = []
+    original = storage_mod.LocalStorage.read_bytes
+
+    def recording(self, path):
+        data = original(self, path)
+        start = np.frombuffer(data, dtype=np.uint8).ctypes.data if len(data) else 0
+        buffers.append((start, start + len(data)))
+        return data
+
+    monkeypatch.setattr(storage_mod.LocalStorage, "read_bytes", recording)
+    other = fresh_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.load_latest(other)
+    kept = [t for per_param in other["optimizer"].state.values() for t in per_param.values()
+            if isinstance(t, torch.Tensor) and t.numel()]
+    assert kept and buffers
+    for t in kept:
+        assert not any(lo <= t.data_ptr() < hi for lo, hi in buffers)

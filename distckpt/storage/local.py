@@ -60,11 +60,19 @@ class LocalStorage:
         finally:
             _silently_remove(tmp)
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str) -> bytearray:
+        """The whole file in a writable buffer (loaded tensors are views into it)."""
         full = self._abs(path)
         try:
-            with open(full, "rb") as f:
-                return f.read()
+            with open(full, "rb", buffering=0) as f:
+                buf = bytearray(os.fstat(f.fileno()).st_size)
+                view, got = memoryview(buf), 0
+                while got < len(buf):
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+                return buf if got == len(buf) else buf[:got]
         except FileNotFoundError as e:
             raise _not_found(full) from e
         except OSError as e:
