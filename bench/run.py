@@ -1,17 +1,10 @@
-"""Checkpoint throughput against baselines measured in the same run.
+"""Checkpoint cost against baselines measured in the same run.
 
-    python bench/run.py [--mib 256] [--repeats 3] [--no-s3]
+    python bench/run.py [--mib 256] [--repeats 3] [--no-s3] [--no-ranks]
 
-Rows (median of --repeats; MiB/s of the state's payload; ratio against the raw baseline of the
-same medium):
-
-    local  raw write + fsync of the same bytes       the disk: the limit
-    local  torch.save to tmp + fsync + os.replace
-    local  torch.distributed.checkpoint.save (1 rank)
-    local  distckpt save (sync)      / async stall (time until save() returns)
-    local  raw read of the same bytes / torch.load / dcp.load / distckpt load
-    s3     s3fs pipe of the same bytes (one object)  / s3fs cat
-    s3     distckpt save / load                      (SeaweedFS on loopback)
+Every row is a median over --repeats rounds after one warm-up round; single-process rows run
+interleaved (one of each per round), because this kind of VM's disk speed drifts by 2x over a
+minute. Ratios compare with the baseline of the same medium and direction measured in this run.
 """
 
 from __future__ import annotations
@@ -22,37 +15,38 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "launch"))
 
 import distckpt  # noqa: E402
 
+Row = tuple[str, str, float, str]  # (section, what, seconds, baseline name or "")
+
 
 def make_state(mib: int) -> dict[str, torch.Tensor]:
-    n_tensors = 16
-    per = mib * 2**20 // 4 // n_tensors
+    n = 16
     g = torch.Generator().manual_seed(0)
-    return {f"layer{i}.weight": torch.randn(per, generator=g) for i in range(n_tensors)}
+    return {f"layer{i}.weight": torch.randn(mib * 2**20 // 4 // n, generator=g) for i in range(n)}
 
 
-def payload(state: dict[str, torch.Tensor]) -> bytes:
-    return b"".join(t.numpy().tobytes() for t in state.values())
-
-
-def timed(fn: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> float:
-    times = []
-    for _ in range(repeats):
-        if before:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int,
+                before: dict[str, Callable[[], object]] | None = None) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats + 1):
+        for name, fn in fns.items():
+            if before and name in before:
+                before[name]()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v[1:]) for k, v in times.items()}
 
 
 def fresh_dir(path: str) -> None:
@@ -60,11 +54,13 @@ def fresh_dir(path: str) -> None:
     os.makedirs(path)
 
 
-def local_rows(state: dict, data: bytes, root: str, repeats: int) -> list[tuple[str, str, float, str]]:
+def local_rows(state: dict, root: str, repeats: int) -> list[Row]:
     import torch.distributed.checkpoint as dcp
 
-    rows = []
-    raw = os.path.join(root, "raw.bin")
+    data = b"".join(t.numpy().tobytes() for t in state.values())
+    raw, ts_path, dcp_dir = (os.path.join(root, n) for n in ("raw.bin", "ts.pt", "dcp"))
+    steps = iter(range(10**6))
+    sync_mgr = distckpt.CheckpointManager(os.path.join(root, "sync"), keep_last=1)
 
     def raw_write() -> None:
         with open(raw + ".tmp", "wb") as f:
@@ -74,94 +70,154 @@ def local_rows(state: dict, data: bytes, root: str, repeats: int) -> list[tuple[
         os.replace(raw + ".tmp", raw)
 
     def torch_save() -> None:
-        path = os.path.join(root, "ts.pt")
-        with open(path + ".tmp", "wb") as f:
+        with open(ts_path + ".tmp", "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        os.replace(ts_path + ".tmp", ts_path)
 
-    dcp_dir = os.path.join(root, "dcp")
-    ckpt = os.path.join(root, "distckpt")
-    async_ckpt = os.path.join(root, "distckpt-async")
-    rows.append(("local", "raw write + fsync", timed(raw_write, repeats), "write"))
-    rows.append(("local", "torch.save + fsync + rename", timed(torch_save, repeats), "write"))
-    rows.append(("local", "dcp.save", timed(lambda: dcp.save(state, checkpoint_id=dcp_dir), repeats,
-                                            lambda: fresh_dir(dcp_dir)), "write"))
-    step = iter(range(10**6))
-
-    def save_sync() -> None:
-        with distckpt.CheckpointManager(ckpt, keep_last=1) as mgr:
-            mgr.save(next(step), state)
-
-    rows.append(("local", "distckpt save (sync)", timed(save_sync, repeats), "write"))
-    mgr = distckpt.CheckpointManager(async_ckpt, keep_last=1, async_save=True)
-    stalls = []
-    for _ in range(repeats):
-        mgr.wait()
-        t0 = time.perf_counter()
-        mgr.save(next(step), state)
-        stalls.append(time.perf_counter() - t0)
-    mgr.close()
-    rows.append(("local", "distckpt async_save stall", statistics.median(stalls), "stall"))
+    writes = interleaved({"raw write + fsync": raw_write, "torch.save + fsync + rename": torch_save,
+                          "dcp.save": lambda: dcp.save(state, checkpoint_id=dcp_dir),
+                          "distckpt save (sync)": lambda: sync_mgr.save(next(steps), state)},
+                         repeats, before={"dcp.save": lambda: fresh_dir(dcp_dir)})
+    target = {k: torch.empty_like(v) for k, v in state.items()}
 
     def raw_read() -> None:
         with open(raw, "rb") as f:
             f.read()
 
-    target = {k: torch.empty_like(v) for k, v in state.items()}
-    rows.append(("local", "raw read", timed(raw_read, repeats), "read"))
-    rows.append(("local", "torch.load", timed(lambda: torch.load(os.path.join(root, "ts.pt"), weights_only=True), repeats), "read"))
-    rows.append(("local", "dcp.load", timed(lambda: dcp.load(target, checkpoint_id=dcp_dir), repeats), "read"))
-
-    def load() -> None:
-        with distckpt.CheckpointManager(ckpt) as m:
-            m.load_latest(target)
-
-    rows.append(("local", "distckpt load", timed(load, repeats), "read"))
+    reads = interleaved({"raw read": raw_read,
+                         "torch.load": lambda: torch.load(ts_path, weights_only=True),
+                         "dcp.load": lambda: dcp.load(target, checkpoint_id=dcp_dir),
+                         "distckpt load": lambda: sync_mgr.load_latest(target)}, repeats)
+    sync_mgr.close()
+    rows: list[Row] = [("1 rank, local disk", k, v, "raw write + fsync") for k, v in writes.items()]
+    rows += [("1 rank, local disk", k, v, "raw read") for k, v in reads.items()]
+    rows += async_rows(state, root, repeats)
     return rows
 
 
-def s3_rows(state: dict, data: bytes, root: str, repeats: int) -> list[tuple[str, str, float, str]]:
-    import s3fs
-    from seaweed import SeaweedS3
+def async_rows(state: dict, root: str, repeats: int) -> list[Row]:
+    """Time until save() returns, and the host memory the save in flight adds."""
+    import torch.distributed.checkpoint as dcp
 
+    mgr = distckpt.CheckpointManager(os.path.join(root, "async"), keep_last=1, async_save=True)
+    steps = iter(range(10**6))
+    stalls, dcp_stalls, peaks = [], [], []
+    for i in range(repeats + 1):
+        mgr.wait()
+        with PeakRss() as peak:
+            t0 = time.perf_counter()
+            mgr.save(next(steps), state)
+            stall = time.perf_counter() - t0
+            mgr.wait()
+        future = None
+        fresh_dir(os.path.join(root, "dcp-async"))
+        t0 = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=os.path.join(root, "dcp-async"))
+        dcp_stall = time.perf_counter() - t0
+        future.result()
+        if i:
+            stalls.append(stall)
+            dcp_stalls.append(dcp_stall)
+            peaks.append(peak.extra_bytes)
+    mgr.close()
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    return [("1 rank, local disk", "dcp.async_save stall", statistics.median(dcp_stalls), "distckpt save (sync)"),
+            ("1 rank, local disk", "distckpt async_save stall", statistics.median(stalls), "distckpt save (sync)"),
+            ("1 rank, local disk", f"async save: peak extra host memory {statistics.median(peaks) / nbytes:.2f}x the state",
+             float("nan"), "")]
+
+
+class PeakRss:
+    """Samples this process's resident memory every 2 ms; extra_bytes = peak - start."""
+
+    def __enter__(self) -> "PeakRss":
+        self.start = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.extra_bytes = max(0, self.peak - self.start)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rank_rows(root: str, mib: int, repeats: int) -> list[Row]:
+    from distckpt.testing import run_world
+
+    rows: list[Row] = []
+    for world in (2, 4):
+        results = run_world("rank_jobs:save_load_rows", world, timeout=900, root=root, mib=mib, repeats=repeats)
+        _raise_failed(results)
+        for name, seconds in results[0].value.items():
+            base = "dcp.save" if "save" in name else "dcp.load"
+            rows.append((f"{world} ranks (gloo), local disk", name, seconds, base if name != base else ""))
+    for world in (2, 4, 8):
+        results = run_world("rank_jobs:coordination_rows", world, timeout=900, root=root, repeats=max(5, repeats))
+        _raise_failed(results)
+        rows += [(f"{world} ranks, tiny state", name, s, "") for name, s in results[0].value.items()]
+    return rows
+
+
+def _raise_failed(results: list) -> None:
+    bad = [r for r in results if r.error or r.died]
+    if bad:
+        raise RuntimeError(f"benchmark ranks failed: {[(r.rank, r.error_type, r.error) for r in bad]}")
+
+
+def s3_rows(state: dict, root: str, repeats: int) -> list[Row]:
+    import s3fs
+    import torch.distributed.checkpoint as dcp
+    from seaweed import SeaweedS3
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    data = b"".join(t.numpy().tobytes() for t in state.values())
     server = SeaweedS3(os.path.join(root, "seaweedfs")).start()
     try:
         server.make_bucket("bench")
+        os.environ.update(server.env())  # dcp's fsspec writer takes credentials from the environment
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options())
-        rows = [("s3", "s3fs pipe (one object)", timed(lambda: fs.pipe_file("bench/raw.bin", data), repeats), "write")]
-        step = iter(range(10**6))
-
-        def save() -> None:
-            with distckpt.CheckpointManager("s3://bench/run", storage_options=server.storage_options(), keep_last=1) as m:
-                m.save(next(step), state)
-
-        rows.append(("s3", "distckpt save", timed(save, repeats), "write"))
-        rows.append(("s3", "s3fs cat (one object)", timed(lambda: fs.cat_file("bench/raw.bin"), repeats), "read"))
+        mgr = distckpt.CheckpointManager("s3://bench/run", storage_options=server.storage_options(), keep_last=1)
+        steps = iter(range(10**6))
         target = {k: torch.empty_like(v) for k, v in state.items()}
-
-        def load() -> None:
-            with distckpt.CheckpointManager("s3://bench/run", storage_options=server.storage_options()) as m:
-                m.load_latest(target)
-
-        rows.append(("s3", "distckpt load", timed(load, repeats), "read"))
-        return rows
+        writes = interleaved({"s3fs pipe (one object)": lambda: fs.pipe_file("bench/raw.bin", data),
+                              "dcp.save (FsspecWriter)": lambda: dcp.save(state, storage_writer=FsspecWriter("s3://bench/dcp")),
+                              "distckpt save": lambda: mgr.save(next(steps), state)}, repeats)
+        reads = interleaved({"s3fs cat (one object)": lambda: fs.cat_file("bench/raw.bin"),
+                             "dcp.load (FsspecReader)": lambda: dcp.load(target, storage_reader=FsspecReader("s3://bench/dcp")),
+                             "distckpt load": lambda: mgr.load_latest(target)}, repeats)
+        mgr.close()
     finally:
         server.stop()
+    return ([("1 rank, S3 (SeaweedFS, loopback)", k, v, "s3fs pipe (one object)") for k, v in writes.items()]
+            + [("1 rank, S3 (SeaweedFS, loopback)", k, v, "s3fs cat (one object)") for k, v in reads.items()])
 
 
-def render(rows: list[tuple[str, str, float, str]], nbytes: int) -> str:
-    base = {("local", "write"): "raw write + fsync", ("local", "read"): "raw read",
-            ("s3", "write"): "s3fs pipe (one object)", ("s3", "read"): "s3fs cat (one object)",
-            ("local", "stall"): "raw write + fsync"}
-    by_name = {(m, n): s for m, n, s, _ in rows}
-    lines = [f"| medium | what | median s | MiB/s | vs. baseline |", "|---|---|---:|---:|---:|"]
-    for medium, name, seconds, kind in rows:
-        ref = by_name[(medium, base[(medium, kind)])]
-        ratio = ref / seconds if kind != "stall" else seconds / ref
-        note = f"{ratio:.2f}x" + (" of the write time" if kind == "stall" else "")
-        lines.append(f"| {medium} | {name} | {seconds:.3f} | {nbytes / 2**20 / seconds:,.0f} | {note} |")
+def render(rows: list[Row], nbytes: int) -> str:
+    seconds = {(sec, name): s for sec, name, s, _ in rows}
+    lines = ["| setting | what | median s | MiB/s | ratio |", "|---|---|---:|---:|---:|"]
+    for section, name, s, base in rows:
+        if s != s:  # a note row (nan seconds)
+            lines.append(f"| {section} | {name} | | | |")
+            continue
+        ratio = ""
+        if base and (section, base) in seconds:
+            ratio = f"{seconds[(section, base)] / s:.2f}x faster than {base}" if "stall" not in name else \
+                f"{s / seconds[(section, base)]:.3f}x of {base}"
+        rate = f"{nbytes / 2**20 / s:,.0f}" if "tiny" not in section else ""
+        lines.append(f"| {section} | {name} | {s:.3f} | {rate} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -170,20 +226,28 @@ def main() -> int:
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-s3", action="store_true")
+    p.add_argument("--no-ranks", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     state = make_state(args.mib)
-    data = payload(state)
     root = tempfile.mkdtemp(prefix="distckpt-bench-")
+    import warnings
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
-        rows = local_rows(state, data, root, args.repeats)
+        rows = local_rows(state, root, args.repeats)
+        if not args.no_ranks:
+            rows += rank_rows(root, args.mib, args.repeats)
         if not args.no_s3:
-            rows += s3_rows(state, data, root, args.repeats)
+            rows += s3_rows(state, root, args.repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"state: {len(state)} float32 tensors, {len(data) / 2**20:.0f} MiB; median of {args.repeats}; "
-          f"{os.cpu_count()} CPUs; torch {torch.__version__}")
-    print(render(rows, len(data)))
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    print(f"state: {len(state)} float32 tensors, {nbytes / 2**20:.0f} MiB (per rank, replicated); "
+          f"median of {args.repeats} after a warm-up round; {os.cpu_count()} CPUs; torch {torch.__version__}")
+    print(f"command: python bench/run.py --mib {args.mib} --repeats {args.repeats}"
+          + (" --no-s3" if args.no_s3 else "") + (" --no-ranks" if args.no_ranks else ""))
+    print(render(rows, nbytes))
     return 0
 
 

@@ -61,11 +61,11 @@ class Checksum:
         return self._h.hexdigest()
 
 
-def checksum_of(data: bytes) -> str:
+def checksum_of(data: bytes | bytearray | memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
-def verify_file(data: bytes, record: dict[str, Any], where: str) -> None:
+def verify_file(data: bytes | bytearray | memoryview, record: dict[str, Any], where: str) -> None:
     if len(data) != record["size"]:
         raise CorruptCheckpointError(f"{where}: {len(data)} bytes, the manifest says {record['size']} (truncated or replaced)")
     actual = checksum_of(data)

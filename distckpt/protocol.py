@@ -221,7 +221,7 @@ def _read_tree(storage: Storage, base: str, name: str, manifest: dict[str, Any],
     if record is None:
         raise CorruptCheckpointError(f"{where}: the manifest lists no {name}")
     try:
-        data = storage.read_bytes(f"{base}/{name}")
+        data = storage.read_buffer(f"{base}/{name}")
     except MissingFileError as e:
         raise CorruptCheckpointError(f"{where}/{name} is missing") from e
     mf.verify_file(data, record, f"{where}/{name}")

@@ -1,4 +1,4 @@
-"""Functions run on every rank by mp_harness.run_world (real gloo process groups)."""
+"""Functions run on every rank by distckpt.testing.run_world (real gloo process groups)."""
 
 from __future__ import annotations
 

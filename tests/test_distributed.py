@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from mp_harness import run_world
+from distckpt.testing import run_world
 
 W = "dist_workers"
 

@@ -373,16 +373,17 @@ def test_loaded_optimizer_state_does_not_pin_the_file_buffer(ckpt_dir, monkeypat
     state = trained_state()
     with distckpt.CheckpointManager(ckpt_dir) as mgr:
         mgr.save(1, state)
-    buffers = []
-    original = storage_mod.LocalStorage.read_bytes
+    buffers, alive = [], []
+    original = storage_mod.LocalStorage.read_buffer
 
     def recording(self, path):
         data = original(self, path)
+        alive.append(data)  # held, so no later allocation can reuse its addresses
         start = np.frombuffer(data, dtype=np.uint8).ctypes.data if len(data) else 0
         buffers.append((start, start + len(data)))
         return data
 
-    monkeypatch.setattr(storage_mod.LocalStorage, "read_bytes", recording)
+    monkeypatch.setattr(storage_mod.LocalStorage, "read_buffer", recording)
     other = fresh_state()
     with distckpt.CheckpointManager(ckpt_dir) as mgr:
         mgr.load_latest(other)

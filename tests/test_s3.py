@@ -13,7 +13,7 @@ from torch import nn
 import distckpt
 from distckpt import faults
 from faultproxy import Rule
-from mp_harness import run_world
+from distckpt.testing import run_world
 from seaweed import ACCESS_KEY, SECRET_KEY
 
 

@@ -39,6 +39,9 @@ class Storage(Protocol):
     def read_bytes(self, path: str) -> bytes:
         """The whole file; MissingFileError (a FileNotFoundError) if absent."""
 
+    def read_buffer(self, path: str) -> bytes | bytearray | memoryview:
+        """The whole file for parsing large payloads (local disk: mapped, not copied)."""
+
     def list_dir(self, path: str) -> list[str]:
         """Names directly under `path`, read fresh from storage; [] if it does not exist."""
 

@@ -65,6 +65,9 @@ class FsspecStorage:
         target = _join(self.root, path)
         return self._call("reading", target, "cat_file", target)
 
+    def read_buffer(self, path: str) -> bytes:
+        return self.read_bytes(path)
+
     def list_dir(self, path: str) -> list[str]:
         target = _join(self.root, path)
         self.fs.invalidate_cache(target)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import shutil
 import uuid
@@ -60,19 +61,27 @@ class LocalStorage:
         finally:
             _silently_remove(tmp)
 
-    def read_bytes(self, path: str) -> bytearray:
-        """The whole file in a writable buffer (loaded tensors are views into it)."""
+    def read_bytes(self, path: str) -> bytes:
         full = self._abs(path)
         try:
-            with open(full, "rb", buffering=0) as f:
-                buf = bytearray(os.fstat(f.fileno()).st_size)
-                view, got = memoryview(buf), 0
-                while got < len(buf):
-                    n = f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-                return buf if got == len(buf) else buf[:got]
+            with open(full, "rb") as f:
+                return f.read()
+        except FileNotFoundError as e:
+            raise _not_found(full) from e
+        except OSError as e:
+            raise StorageError(e.errno, f"reading {full} failed: {e.strerror or e}") from e
+
+    def read_buffer(self, path: str) -> memoryview | bytes:
+        """The file mapped copy-on-write: no copy out of the page cache, and writes to tensors
+        viewing it never reach the file. (A bytearray + readinto spent 0.09 s of 0.14 s per
+        128 MiB zero-filling and faulting in the new buffer.)"""
+        full = self._abs(path)
+        try:
+            with open(full, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    return b""
+                return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY))
         except FileNotFoundError as e:
             raise _not_found(full) from e
         except OSError as e:

@@ -1,4 +1,6 @@
-"""Run a function on N real processes joined by a real gloo process group.
+"""Testing helpers shipped for users' own tests: run a function on N real ranks.
+
+Run a function on N real processes joined by a real gloo process group.
 
 `run_world("module:function", world_size, **kwargs)` spawns one process per rank, initialises
 `torch.distributed` (gloo, TCP store on a free loopback port), calls the function with

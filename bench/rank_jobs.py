@@ -1,0 +1,70 @@
+"""What each rank does in the multi-rank benchmark rows (run by distckpt.testing.run_world)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import distckpt
+
+
+def _state(mib: float) -> dict[str, torch.Tensor]:
+    n = 8
+    per = max(1, int(mib * 2**20) // 4 // n)
+    g = torch.Generator().manual_seed(0)  # every rank holds the same (replicated) state
+    return {f"layer{i}.weight": torch.randn(per, generator=g) for i in range(n)}
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median over repeats of the slowest rank's time (a collective call ends when all ranks do)."""
+    times = []
+    for _ in range(repeats + 1):  # the first round warms the disk and the code paths
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    return statistics.median(times[1:])
+
+
+def save_load_rows(rank: int, world: int, root: str, mib: float, repeats: int) -> dict[str, float]:
+    import torch.distributed.checkpoint as dcp
+
+    torch.set_num_threads(1)
+    state = _state(mib)
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    url = os.path.join(root, f"distckpt-w{world}")
+    mgr = distckpt.CheckpointManager(url, keep_last=1, timeout=300)
+    steps = iter(range(10**6))
+    out = {"distckpt save": _timed(lambda: mgr.save(next(steps), state), repeats),
+           "distckpt load": _timed(lambda: mgr.load_latest(target), repeats)}
+    mgr.close()
+    dcp_dir = os.path.join(root, f"dcp-w{world}")
+
+    def dcp_save() -> None:
+        if rank == 0:
+            shutil.rmtree(dcp_dir, ignore_errors=True)
+        dist.barrier()
+        dcp.save(state, checkpoint_id=dcp_dir)
+
+    out["dcp.save"] = _timed(dcp_save, repeats)
+    out["dcp.load"] = _timed(lambda: dcp.load(target, checkpoint_id=dcp_dir), repeats)
+    return out
+
+
+def coordination_rows(rank: int, world: int, root: str, repeats: int) -> dict[str, float]:
+    """A tiny state: what is left is the protocol's collectives and small-file I/O."""
+    torch.set_num_threads(1)
+    mgr = distckpt.CheckpointManager(os.path.join(root, f"tiny-w{world}"), keep_last=1, timeout=300)
+    state = {"x": torch.zeros(1), "g": torch.Generator().manual_seed(rank)}
+    steps = iter(range(10**6))
+    out = {"save (tiny state)": _timed(lambda: mgr.save(next(steps), state), repeats),
+           "load (tiny state)": _timed(lambda: mgr.load_latest(state), repeats)}
+    mgr.close()
+    return out
