@@ -15,6 +15,7 @@ from .coord import make_coordinator
 from .ddp import install_bucket_warmup
 from .errors import AsyncSaveError, ConfigError, DistCkptError
 from .protocol import Progress, StagedSave, list_committed, load, share_outcome, stage_save, write_and_commit
+from .serialize import StagingPool
 from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed
 from .storage import open_storage
 from .versions import collect_versions
@@ -47,6 +48,7 @@ class CheckpointManager:
         self.run_id = self._coord.broadcast(uuid.uuid4().hex, "init/run-id")
         self._versions = collect_versions() if self.rank == 0 else {}
         self._writer = AsyncWriter()
+        self._staging = StagingPool()  # reused by every async save; free while none is in flight
         self._pending_step: int | None = None
         self._closed = False
 
@@ -70,7 +72,7 @@ class CheckpointManager:
         self._finish_pending()
         entries = classify(state)
         staged = stage_save(self._coord, self.storage, entries, step, epoch, metric, self.run_id,
-                            copy_tensors=self.config.async_save)
+                            self._staging if self.config.async_save else None)
         if self.config.async_save:
             if staged is not None:
                 self._writer.submit(lambda: self._write(staged), f"step {step}")

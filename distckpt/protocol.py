@@ -36,7 +36,7 @@ from .coord import Coordinator, Outcome, agree, hostname, raise_if_failed
 from .errors import (CheckpointExistsError, CorruptCheckpointError, DistCkptError,
                      IncompatibleCheckpointError, MissingFileError, RankDisagreementError)
 from .rng import capture_process_rng, restore_process_rng
-from .serialize import EncodedTree, encode_tree, load_tree_file, safetensors_chunks
+from .serialize import EncodedTree, StagingPool, encode_tree, load_tree_file, safetensors_chunks
 from .storage import Storage
 
 log = logging.getLogger("distckpt")
@@ -75,10 +75,11 @@ class StagedSave:
 # -- save -------------------------------------------------------------------------------------
 
 def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
-               epoch: int | None, metric: float | None, run_id: str, copy_tensors: bool) -> StagedSave | None:
+               epoch: int | None, metric: float | None, run_id: str,
+               staging: StagingPool | None) -> StagedSave | None:
     """Phases capture, agree and gather (call on every rank). Rank 0 gets the StagedSave."""
     t0 = time.perf_counter()
-    local, exc = _capture_phase(coord, storage, entries, step, epoch, copy_tensors)
+    local, exc = _capture_phase(coord, storage, entries, step, epoch, staging)
     faults.point("save/captured", step=step, rank=coord.rank)
     info = {"rank": coord.rank, "step": step, "epoch": epoch, "host": hostname(), "pid": os.getpid(),
             "per_rank_entries": sorted(e.key for e in entries if e.scope == PER_RANK)}
@@ -98,7 +99,7 @@ def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step:
 
 
 def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
-                   epoch: int | None, copy_tensors: bool) -> tuple[tuple[bytes, EncodedTree | None], BaseException | None]:
+                   epoch: int | None, staging: StagingPool | None) -> tuple[tuple[bytes, EncodedTree | None], BaseException | None]:
     try:
         rng = capture_process_rng()  # first: nothing below may draw before it is recorded
         if coord.rank == 0 and storage.exists(f"{mf.step_dir(step)}/{mf.MARKER}"):
@@ -116,7 +117,7 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
             tree = {"step": step, "epoch": epoch,
                     "entries": {e.key: capture_entry(e) for e in entries if e.scope == REPLICATED}}
             _check_storable(tree["entries"])
-            replicated = encode_tree(tree, ("replicated",), stage=copy_tensors)
+            replicated = encode_tree(tree, ("replicated",), stage=staging if staging is not None else False)
         return (rank_file, replicated), None
     except Exception as e:  # reported to every rank by `agree`
         return (b"", None), e

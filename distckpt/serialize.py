@@ -67,8 +67,36 @@ class EncodedTree:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+class StagingPool:
+    """Host buffers for async saves, allocated once and reused while shapes stay the same.
+
+    Pinned when CUDA is present, so device-to-host copies run asynchronously; `sync()` waits for
+    them before the background write starts. Call between saves only: a save in flight reads them.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        self._pending_device_copies = False
+
+    def stage(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(name)
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            pin = tensor.device.type == "cuda"
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            self.buffers[name] = buf
+        device = tensor.device.type != "cpu"
+        buf.copy_(tensor, non_blocking=device)
+        self._pending_device_copies |= device
+        return buf
+
+    def sync(self) -> None:
+        if self._pending_device_copies and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._pending_device_copies = False
+
+
 class _Encoder:
-    def __init__(self, stage: bool) -> None:
+    def __init__(self, stage: "bool | StagingPool") -> None:
         self.stage = stage
         self.tensors: dict[str, torch.Tensor] = {}
         self._by_region: dict[tuple[Any, ...], str] = {}
@@ -115,7 +143,10 @@ class _Encoder:
         if region is not None and region in self._by_region:
             return self._by_region[region]
         name = self._unique_name(path)
-        self.tensors[name] = _detach_for_write(tensor, self.stage)
+        if isinstance(self.stage, StagingPool):
+            self.tensors[name] = self.stage.stage(name, tensor.detach())
+        else:
+            self.tensors[name] = _detach_for_write(tensor, self.stage)
         if region is not None:
             self._by_region[region] = name
         return name
@@ -152,13 +183,16 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__module__}.{type(value).__qualname__}"
 
 
-def encode_tree(value: Any, path: tuple[Any, ...] = (), *, stage: bool = False) -> EncodedTree:
+def encode_tree(value: Any, path: tuple[Any, ...] = (), *, stage: "bool | StagingPool" = False) -> EncodedTree:
     """Check and encode a tree; raises UnstorableValueError naming the key path of a bad value.
 
-    With ``stage=True`` every CPU tensor is copied, so the result no longer aliases live state.
+    With ``stage=True`` every tensor is copied, with a StagingPool into its reused buffers, so
+    the result no longer aliases live state.
     """
     encoder = _Encoder(stage)
     node = encoder.encode(value, path)
+    if isinstance(stage, StagingPool):
+        stage.sync()
     return EncodedTree(node, encoder.tensors)
 
 

@@ -392,3 +392,19 @@ def test_loaded_optimizer_state_does_not_pin_the_file_buffer(ckpt_dir, monkeypat
     assert kept and buffers
     for t in kept:
         assert not any(lo <= t.data_ptr() < hi for lo, hi in buffers)
+
+
+def test_async_saves_reuse_their_staging_buffers(ckpt_dir):
+    state = trained_state()
+    with distckpt.CheckpointManager(ckpt_dir, async_save=True) as mgr:
+        mgr.save(1, state)
+        first = {k: v.data_ptr() for k, v in mgr._staging.buffers.items()}
+        mgr.save(2, state)
+        assert {k: v.data_ptr() for k, v in mgr._staging.buffers.items()} == first and first
+        saved = state["model"][0].weight.detach().clone()
+        with torch.no_grad():
+            state["model"][0].weight.add_(1.0)  # changed after save 2 returned
+    other = fresh_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.load_latest(other)
+    assert torch.equal(other["model"][0].weight, saved)

@@ -56,3 +56,20 @@ def test_cpu_written_rng_on_a_gpu_host_warns():
     state["cuda"] = []
     with pytest.warns(distckpt.RngRestoreWarning, match="0 CUDA RNG state"):
         restore_process_rng(state, "gpu test")
+
+
+def test_async_save_stages_gpu_tensors_in_pinned_reused_buffers(tmp_path):
+    model = nn.Linear(64, 64).cuda()
+    with distckpt.CheckpointManager(str(tmp_path), async_save=True) as mgr:
+        mgr.save(1, {"model": model})
+        buffers = dict(mgr._staging.buffers)
+        assert buffers and all(b.is_pinned() for b in buffers.values())
+        saved = model.weight.detach().cpu().clone()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        mgr.save(2, {"model": model})
+        assert all(mgr._staging.buffers[k].data_ptr() == b.data_ptr() for k, b in buffers.items())
+    fresh = nn.Linear(64, 64).cuda()
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load(fresh_state := {"model": fresh}, step=1)
+    assert torch.equal(fresh_state["model"].weight.cpu(), saved)
