@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -293,9 +294,13 @@ def load_tree_file(data: bytes | bytearray | memoryview, where: str) -> Any:
         end = stop
     if start + end != len(data):
         raise CorruptCheckpointError(f"{where}: {len(data) - start - end} bytes after the last tensor")
-    buffer = memoryview(data) if not isinstance(data, bytes) else memoryview(bytearray(data))
-    tensors = {name: _tensor_at(buffer, start + begin, stop - begin, dtype, shape)
-               for name, begin, stop, dtype, shape in ranges}
+    buffer = memoryview(data)
+    with warnings.catch_warnings():
+        # A read-only buffer (bytes from an object store) is viewed too: restore only copies out
+        # of these tensors, and entries an owner keeps are cloned first (capture._owned).
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        tensors = {name: _tensor_at(buffer, start + begin, stop - begin, dtype, shape)
+                   for name, begin, stop, dtype, shape in ranges}
     try:
         return decode_tree(json.loads(meta[TREE_METADATA_KEY]), tensors, where)
     except (ValueError, RecursionError, TypeError) as e:
