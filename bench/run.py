@@ -60,7 +60,10 @@ def local_rows(state: dict, root: str, repeats: int) -> list[Row]:
     chunks = [t.numpy().tobytes() for t in state.values()]  # one write per tensor, as a checkpoint does
     raw, ts_path, dcp_dir = (os.path.join(root, n) for n in ("raw.bin", "ts.pt", "dcp"))
     steps = iter(range(10**6))
-    sync_mgr = distckpt.CheckpointManager(os.path.join(root, "sync"), keep_last=1)
+    # No retention inside the timed saves: deleting the previous 256 MiB file is a policy cost,
+    # paid outside the timing as for dcp's directory (see `before`).
+    sync_dir = os.path.join(root, "sync")
+    sync_mgr = distckpt.CheckpointManager(sync_dir)
 
     def raw_write() -> None:
         with open(raw + ".tmp", "wb") as f:
@@ -80,7 +83,8 @@ def local_rows(state: dict, root: str, repeats: int) -> list[Row]:
     writes = interleaved({"raw write + fsync": raw_write, "torch.save + fsync + rename": torch_save,
                           "dcp.save": lambda: dcp.save(state, checkpoint_id=dcp_dir),
                           "distckpt save (sync)": lambda: sync_mgr.save(next(steps), state)},
-                         repeats, before={"dcp.save": lambda: fresh_dir(dcp_dir)})
+                         repeats, before={"dcp.save": lambda: fresh_dir(dcp_dir),
+                                          "distckpt save (sync)": lambda: _drop_all_but_newest(sync_mgr)})
     target = {k: torch.empty_like(v) for k, v in state.items()}
 
     def raw_read() -> None:
@@ -98,15 +102,23 @@ def local_rows(state: dict, root: str, repeats: int) -> list[Row]:
     return rows
 
 
+def _drop_all_but_newest(mgr: distckpt.CheckpointManager) -> None:
+    from distckpt.retention import delete_checkpoint
+
+    for step in mgr.committed_steps()[1:]:
+        delete_checkpoint(mgr.storage, step)
+
+
 def async_rows(state: dict, root: str, repeats: int) -> list[Row]:
     """Time until save() returns, and the host memory the save in flight adds."""
     import torch.distributed.checkpoint as dcp
 
-    mgr = distckpt.CheckpointManager(os.path.join(root, "async"), keep_last=1, async_save=True)
+    mgr = distckpt.CheckpointManager(os.path.join(root, "async"), async_save=True)
     steps = iter(range(10**6))
     stalls, dcp_stalls, peaks, first_peak = [], [], [], 0
     for i in range(repeats + 1):
         mgr.wait()
+        _drop_all_but_newest(mgr)
         with PeakRss() as peak:
             t0 = time.perf_counter()
             mgr.save(next(steps), state)

@@ -10,6 +10,7 @@ from .errors import (AsyncSaveError, CheckpointExistsError, ConfigError, Coordin
                      CorruptCheckpointError, DistCkptError, IncompatibleCheckpointError,
                      MissingFileError, RankDisagreementError, StorageError, UnstorableValueError)
 from .manager import CheckpointManager
+from .preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from .protocol import CheckpointFallbackWarning, Progress
 from .rng import RngRestoreWarning
 from .workers import with_worker_rng
@@ -17,7 +18,7 @@ from .workers import with_worker_rng
 __all__ = [
     "AsyncSaveError", "CheckpointExistsError", "CheckpointFallbackWarning", "CheckpointManager",
     "CheckpointWarning", "ConfigError", "CoordinationError", "CorruptCheckpointError", "DistCkptError",
-    "DistInfo", "IncompatibleCheckpointError", "MissingFileError", "PerRank", "Progress",
+    "DistInfo", "IncompatibleCheckpointError", "MissingFileError", "PREEMPTED_EXIT_CODE", "PerRank", "Progress",
     "RankDisagreementError", "RngRestoreWarning", "StorageError", "UnstorableValueError",
     "__version__", "init_distributed", "per_rank", "shutdown_distributed", "with_worker_rng",
 ]

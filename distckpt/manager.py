@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 import uuid
 from typing import Any
@@ -14,6 +15,7 @@ from .config import ManagerConfig
 from .coord import make_coordinator
 from .ddp import install_bucket_warmup
 from .errors import AsyncSaveError, ConfigError, DistCkptError
+from .preemption import PreemptionFlag
 from .protocol import Progress, StagedSave, list_committed, load, share_outcome, stage_save, write_and_commit
 from .serialize import StagingPool
 from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed
@@ -37,7 +39,8 @@ class CheckpointManager:
     def __init__(self, url: str, *, keep_last: int | None = None, keep_best: int | None = None,
                  best_mode: str = "min", async_save: bool = False,
                  storage_options: dict[str, Any] | None = None, timeout: float = 600.0,
-                 leftover_grace_s: float = 3600.0) -> None:
+                 leftover_grace_s: float = 3600.0,
+                 preemption_signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigError(f"url={url!r}: must be a local path or an fsspec URL such as s3://bucket/prefix")
         self.config = ManagerConfig(keep_last, keep_best, best_mode, async_save, float(timeout), leftover_grace_s)
@@ -51,6 +54,7 @@ class CheckpointManager:
         self._staging = StagingPool()  # reused by every async save; free while none is in flight
         self._pending_step: int | None = None
         self._closed = False
+        self._preemption = PreemptionFlag(preemption_signals)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.storage!r}, rank={self.rank}, world_size={self.world_size})"
@@ -155,6 +159,25 @@ class CheckpointManager:
                      progress.step, progress.epoch)
         return progress
 
+    def preemption_requested(self) -> bool:
+        """True on every rank if any rank received a pre-emption signal (collective).
+
+        Call it at a step boundary, on every rank; when it returns True, save and exit::
+
+            if mgr.preemption_requested():
+                mgr.save(step, state, epoch=epoch)
+                mgr.close()
+                sys.exit(distckpt.PREEMPTED_EXIT_CODE)
+
+        It costs one small collective: call it every step, or every few steps when a step is
+        shorter than the grace period allows for.
+        """
+        self._check_open()
+        flags = self._coord.all_gather(self._preemption.requested, "preemption/agree")
+        if any(flags) and self.rank == 0:
+            log.warning("rank 0: pre-emption requested by rank(s) %s", [r for r, f in enumerate(flags) if f])
+        return any(flags)
+
     def committed_steps(self) -> list[int]:
         """Committed steps, newest first (reads storage; not collective)."""
         return list_committed(self.storage)
@@ -174,6 +197,7 @@ class CheckpointManager:
             self._finish_pending()
         finally:
             self._closed = True
+            self._preemption.uninstall()
             self._coord.close()
 
     def __enter__(self) -> "CheckpointManager":

@@ -204,6 +204,12 @@ def main(argv: list[str] | None = None) -> None:
                 model.train()
             if step % args.ckpt_every == 0 and step > 0:
                 mgr.save(step, state, epoch=epoch, metric=val_loss if math.isfinite(val_loss) else None)
+            elif mgr.preemption_requested():  # SIGTERM on any rank: all save this step, then exit
+                mgr.save(step, state, epoch=epoch, metric=val_loss if math.isfinite(val_loss) else None)
+                mgr.close()
+                log.write(f"# pre-empted after step {step}\n")
+                log.close()
+                sys.exit(distckpt.PREEMPTED_EXIT_CODE)
             step += 1
             if step >= args.steps:
                 break
