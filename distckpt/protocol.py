@@ -21,6 +21,7 @@ Every phase ends in `coord.agree`, so every rank takes the same branch.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -34,7 +35,8 @@ from .capture import (PER_RANK, REPLICATED, Entry, capture_entry, restore_entry,
                       validate_entry, warn_extra_entries)
 from .coord import Coordinator, Outcome, agree, hostname, raise_if_failed
 from .errors import (CheckpointExistsError, CorruptCheckpointError, DistCkptError,
-                     IncompatibleCheckpointError, MissingFileError, RankDisagreementError)
+                     IncompatibleCheckpointError, MissingFileError, RankDisagreementError,
+                     StorageError)
 from .rng import capture_process_rng, restore_process_rng
 from .serialize import EncodedTree, StagingPool, encode_tree, load_tree_file, safetensors_chunks
 from .storage import Storage
@@ -225,6 +227,10 @@ def _read_tree(storage: Storage, base: str, name: str, manifest: dict[str, Any],
         data = storage.read_buffer(f"{base}/{name}")
     except MissingFileError as e:
         raise CorruptCheckpointError(f"{where}/{name} is missing") from e
+    except StorageError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptCheckpointError(str(e)) from e
+        raise
     mf.verify_file(data, record, f"{where}/{name}")
     return load_tree_file(data, f"{where}/{name}")
 

@@ -37,7 +37,7 @@ TREE_METADATA_KEY = "distckpt.tree"
 FORMAT_METADATA_KEY = "format"
 FORMAT_NAME = "distckpt-tree-v1"
 # A header larger than this is not one we wrote; refuse before parsing it.
-MAX_HEADER_BYTES = 256 * 1024 * 1024
+MAX_HEADER_BYTES = 64 * 1024 * 1024
 
 _DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -103,3 +103,18 @@ def test_a_valid_file_still_roundtrips_after_all_checks():
     data = bytearray(b"".join(bytes(c) for c in safetensors_chunks(encode_tree(value))))
     back = load_tree_file(data, "ok")
     assert all(torch.equal(back[k], v) for k, v in value.items())
+
+
+def test_a_symlink_planted_in_a_step_is_not_followed(ckpt_dir, tmp_path):
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"not yours")
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+        mgr.save(2, {"w": torch.full((2,), 2.0)})
+    target = os.path.join(ckpt_dir, "step-000000002", "ranks", "rank-00000.safetensors")
+    os.remove(target)
+    os.symlink(secret, target)
+    state = {"w": torch.zeros(2)}
+    with distckpt.CheckpointManager(ckpt_dir) as mgr, pytest.warns(distckpt.CheckpointFallbackWarning, match="symbolic link"):
+        assert mgr.load_latest(state).step == 1
+    assert torch.equal(state["w"], torch.ones(2))

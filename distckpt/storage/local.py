@@ -61,13 +61,25 @@ class LocalStorage:
         finally:
             _silently_remove(tmp)
 
+    def _open_no_symlink(self, full: str) -> Any:
+        """Checkpoint files are never links: one planted in a step directory could point anywhere."""
+        try:
+            return os.fdopen(os.open(full, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise StorageError(errno.ELOOP, f"{full} is a symbolic link; checkpoint files never are, "
+                                   "so it was not followed") from e
+            raise
+
     def read_bytes(self, path: str) -> bytes:
         full = self._abs(path)
         try:
-            with open(full, "rb") as f:
+            with self._open_no_symlink(full) as f:
                 return f.read()
         except FileNotFoundError as e:
             raise _not_found(full) from e
+        except StorageError:
+            raise
         except OSError as e:
             raise StorageError(e.errno, f"reading {full} failed: {e.strerror or e}") from e
 
@@ -77,13 +89,15 @@ class LocalStorage:
         128 MiB zero-filling and faulting in the new buffer.)"""
         full = self._abs(path)
         try:
-            with open(full, "rb") as f:
+            with self._open_no_symlink(full) as f:
                 size = os.fstat(f.fileno()).st_size
                 if size == 0:
                     return b""
                 return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY))
         except FileNotFoundError as e:
             raise _not_found(full) from e
+        except StorageError:
+            raise
         except OSError as e:
             raise StorageError(e.errno, f"reading {full} failed: {e.strerror or e}") from e
 
