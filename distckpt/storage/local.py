@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
 import shutil
 import uuid
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from ..errors import CheckpointExistsError, MissingFileError, StorageError
 
@@ -61,45 +62,34 @@ class LocalStorage:
         finally:
             _silently_remove(tmp)
 
-    def _open_no_symlink(self, full: str) -> Any:
-        """Checkpoint files are never links: one planted in a step directory could point anywhere."""
+    @contextlib.contextmanager
+    def _reading(self, full: str) -> Iterator[Any]:
+        """Open for reading with errors translated; checkpoint files are never links, and one
+        planted in a step directory could point anywhere, so links are not followed."""
         try:
-            return os.fdopen(os.open(full, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+            with os.fdopen(os.open(full, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+                yield f
+        except FileNotFoundError as e:
+            raise _not_found(full) from e
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise StorageError(errno.ELOOP, f"{full} is a symbolic link; checkpoint files never are, "
                                    "so it was not followed") from e
-            raise
+            raise StorageError(e.errno, f"reading {full} failed: {e.strerror or e}") from e
 
     def read_bytes(self, path: str) -> bytes:
-        full = self._abs(path)
-        try:
-            with self._open_no_symlink(full) as f:
-                return f.read()
-        except FileNotFoundError as e:
-            raise _not_found(full) from e
-        except StorageError:
-            raise
-        except OSError as e:
-            raise StorageError(e.errno, f"reading {full} failed: {e.strerror or e}") from e
+        with self._reading(self._abs(path)) as f:
+            return f.read()
 
     def read_buffer(self, path: str) -> memoryview | bytes:
         """The file mapped copy-on-write: no copy out of the page cache, and writes to tensors
         viewing it never reach the file. (A bytearray + readinto spent 0.09 s of 0.14 s per
         128 MiB zero-filling and faulting in the new buffer.)"""
-        full = self._abs(path)
-        try:
-            with self._open_no_symlink(full) as f:
-                size = os.fstat(f.fileno()).st_size
-                if size == 0:
-                    return b""
-                return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY))
-        except FileNotFoundError as e:
-            raise _not_found(full) from e
-        except StorageError:
-            raise
-        except OSError as e:
-            raise StorageError(e.errno, f"reading {full} failed: {e.strerror or e}") from e
+        with self._reading(self._abs(path)) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return b""
+            return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY))
 
     def list_dir(self, path: str) -> list[str]:
         try:
