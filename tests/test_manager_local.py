@@ -408,3 +408,42 @@ def test_async_saves_reuse_their_staging_buffers(ckpt_dir):
     with distckpt.CheckpointManager(ckpt_dir) as mgr:
         mgr.load_latest(other)
     assert torch.equal(other["model"][0].weight, saved)
+
+
+@pytest.mark.parametrize("op", ["fsync", "replace", "link"])
+def test_an_io_error_at_every_fsync_rename_and_link_keeps_the_previous_checkpoint(ckpt_dir, monkeypatch, op):
+    """EIO from the Nth call of each durability step a save makes, for every N."""
+    import os as os_module
+
+    state = trained_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(10, state)
+    before = tree_bytes(os.path.join(ckpt_dir, "step-000000010"))
+    real = getattr(os_module, op)
+    calls = {"n": 0, "fail_at": None}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            raise OSError(errno.EIO, f"injected EIO in {op}")
+        return real(*args, **kwargs)
+
+    with distckpt.CheckpointManager(os.path.join(os.path.dirname(ckpt_dir), "probe")) as mgr:
+        mgr.save(10, state)  # the probe counts calls from the same starting point
+        monkeypatch.setattr(os_module, op, flaky)
+        mgr.save(20, state)
+    total = calls["n"]
+    assert total >= 1
+    for n in range(1, total + 1):
+        calls.update(n=0, fail_at=n)
+        with distckpt.CheckpointManager(ckpt_dir) as mgr:
+            with pytest.raises(distckpt.StorageError, match="injected EIO"):
+                mgr.save(20, state)
+        calls.update(fail_at=None)
+        assert tree_bytes(os.path.join(ckpt_dir, "step-000000010")) == before
+        with distckpt.CheckpointManager(ckpt_dir) as mgr:
+            assert mgr.committed_steps() == [10]
+            assert mgr.load_latest(fresh_state()).step == 10
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(20, state)
+        assert mgr.committed_steps() == [20, 10]

@@ -29,9 +29,9 @@ class LocalStorage:
     def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
         final = self._abs(path)
         directory = os.path.dirname(final)
-        self._makedirs(directory)
         tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
         try:
+            self._makedirs(directory)
             with open(tmp, "wb", buffering=0) as f:
                 for chunk in chunks:
                     _write_all(f, chunk)
@@ -54,7 +54,13 @@ class LocalStorage:
                 _write_all(f, data)
                 os.fsync(f.fileno())
             os.link(tmp, final)  # atomic, and fails if `final` exists: no second commit
-            _fsync_dir(directory)
+            try:
+                _fsync_dir(directory)
+            except OSError:
+                # Not durable, so not committed: take the marker back rather than report a
+                # failure while a checkpoint is visible.
+                _silently_remove(final)
+                raise
         except FileExistsError as e:
             raise CheckpointExistsError(errno.EEXIST, f"{final} already exists: this step is already committed") from e
         except OSError as e:
