@@ -15,6 +15,7 @@ class ManagerConfig:
     async_save: bool = False
     timeout: float = 600.0
     leftover_grace_s: float = 3600.0
+    world_size_policy: str = "refuse"
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_best"):
@@ -25,5 +26,8 @@ class ManagerConfig:
             raise ConfigError(f"best_mode={self.best_mode!r}: must be 'min' or 'max'")
         if not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ConfigError(f"timeout={self.timeout!r}: must be a positive number of seconds")
+        if self.world_size_policy not in ("refuse", "replicated_only"):
+            raise ConfigError(f"world_size_policy={self.world_size_policy!r}: must be 'refuse' (default) or "
+                              "'replicated_only' (restore replicated state, keep this run's per-rank state)")
         if not isinstance(self.leftover_grace_s, (int, float)) or self.leftover_grace_s < 0:
             raise ConfigError(f"leftover_grace_s={self.leftover_grace_s!r}: must be >= 0 seconds")

@@ -39,11 +39,12 @@ class CheckpointManager:
     def __init__(self, url: str, *, keep_last: int | None = None, keep_best: int | None = None,
                  best_mode: str = "min", async_save: bool = False,
                  storage_options: dict[str, Any] | None = None, timeout: float = 600.0,
-                 leftover_grace_s: float = 3600.0,
+                 leftover_grace_s: float = 3600.0, world_size_policy: str = "refuse",
                  preemption_signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigError(f"url={url!r}: must be a local path or an fsspec URL such as s3://bucket/prefix")
-        self.config = ManagerConfig(keep_last, keep_best, best_mode, async_save, float(timeout), leftover_grace_s)
+        self.config = ManagerConfig(keep_last, keep_best, best_mode, async_save, float(timeout), leftover_grace_s,
+                                    world_size_policy)
         self.url = url
         self.storage = open_storage(url, storage_options)
         self._coord = make_coordinator(self.config.timeout)
@@ -148,7 +149,7 @@ class CheckpointManager:
         self._check_open()
         self._finish_pending()
         entries = classify(state)
-        progress = load(self._coord, self.storage, entries, state, step)
+        progress = load(self._coord, self.storage, entries, state, step, self.config.world_size_policy)
         for entry in entries:
             if entry.kind == "module":
                 install_bucket_warmup(entry.target)

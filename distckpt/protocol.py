@@ -198,10 +198,20 @@ class ReadCheckpoint:
     manifest: dict[str, Any]
     replicated: dict[str, Any]
     own: dict[str, Any]
+    per_rank_restored: bool = True
 
 
-def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int) -> ReadCheckpoint:
-    """Read and verify what this rank needs of one committed step. Raises CorruptCheckpointError."""
+WORLD_SIZE_POLICIES = ("refuse", "replicated_only")
+
+
+def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
+                    world_size_policy: str = "refuse") -> ReadCheckpoint:
+    """Read and verify what this rank needs of one committed step. Raises CorruptCheckpointError.
+
+    With another world size than the writer's: "refuse" raises IncompatibleCheckpointError;
+    "replicated_only" reads only the replicated state, and this rank keeps its own per-rank
+    state (RNG streams, samplers, loaders) as the caller seeded it.
+    """
     base = mf.step_dir(step)
     where = f"{storage.url}/{base}"
     try:
@@ -209,11 +219,16 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int) -> 
         manifest = mf.parse_manifest(storage.read_bytes(f"{base}/{mf.MANIFEST}"), marker, where)
     except MissingFileError as e:
         raise CorruptCheckpointError(f"{where}: {e}") from e
+    if manifest["world_size"] != world_size and world_size_policy == "replicated_only":
+        replicated = _read_tree(storage, base, mf.REPLICATED_FILE, manifest, where)
+        own = {"epoch": manifest.get("epoch"), "rank": rank, "entries": {}, "rng": None}
+        return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, per_rank_restored=False)
     if manifest["world_size"] != world_size:
         raise IncompatibleCheckpointError(
             f"{where} was written by {manifest['world_size']} ranks, this job has {world_size}: "
             "per-rank state (RNG streams, sampler and loader positions) cannot be mapped to "
-            f"another world size; relaunch with --nproc-per-node/--nnodes giving {manifest['world_size']} ranks")
+            f"another world size; relaunch with --nproc-per-node/--nnodes giving {manifest['world_size']} ranks, "
+            "or pass world_size_policy='replicated_only' to restore only the replicated state")
     replicated = _read_tree(storage, base, mf.REPLICATED_FILE, manifest, where)
     own = _read_tree(storage, base, mf.rank_file(rank), manifest, where)
     return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own)
@@ -236,12 +251,12 @@ def _read_tree(storage: Storage, base: str, name: str, manifest: dict[str, Any],
 
 
 def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict[str, Any],
-         step: int | None = None) -> Progress | None:
+         step: int | None = None, world_size_policy: str = "refuse") -> Progress | None:
     """The load protocol (call on every rank). None when nothing is committed yet."""
     candidates = _choose_phase(coord, storage, step)
     if not candidates:
         return None
-    chosen = _read_phase(coord, storage, entries, candidates, explicit=step is not None)
+    chosen = _read_phase(coord, storage, entries, candidates, step is not None, world_size_policy)
     notes = _apply_phase(coord, entries, state, chosen)
     return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.get("metric"),
                     f"{storage.url}/{mf.step_dir(chosen.step)}", tuple(notes))
@@ -267,9 +282,9 @@ def _choose_phase(coord: Coordinator, storage: Storage, step: int | None) -> lis
 
 
 def _read_phase(coord: Coordinator, storage: Storage, entries: list[Entry], candidates: list[int],
-                explicit: bool) -> ReadCheckpoint:
+                explicit: bool, world_size_policy: str) -> ReadCheckpoint:
     for step in candidates:
-        read, exc = _try_read(coord, storage, entries, step)
+        read, exc = _try_read(coord, storage, entries, step, world_size_policy)
         if exc is None:
             info = {"step": read.step, "epoch": read.own["epoch"], "digest": read.digest}
             outcome = Outcome(coord.rank, info=info)
@@ -289,10 +304,10 @@ def _read_phase(coord: Coordinator, storage: Storage, entries: list[Entry], cand
         "see the warnings above for each damaged file; `distckpt verify` lists them")
 
 
-def _try_read(coord: Coordinator, storage: Storage, entries: list[Entry],
-              step: int) -> tuple[ReadCheckpoint | None, BaseException | None]:
+def _try_read(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
+              world_size_policy: str) -> tuple[ReadCheckpoint | None, BaseException | None]:
     try:
-        read = read_checkpoint(storage, step, coord.rank, coord.world_size)
+        read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy)
         _validate_against_state(entries, read, (coord.rank, coord.world_size))
         faults.point("load/read", step=step, rank=coord.rank)
         return read, None
@@ -303,6 +318,8 @@ def _try_read(coord: Coordinator, storage: Storage, entries: list[Entry],
 def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: tuple[int, int]) -> None:
     saved = {**read.replicated["entries"], **read.own["entries"]}
     for entry in entries:
+        if entry.scope == PER_RANK and not read.per_rank_restored:
+            continue
         if entry.key not in saved:
             raise IncompatibleCheckpointError(
                 f"state[{entry.key!r}] is not in the checkpoint of step {read.step} (it holds "
@@ -310,6 +327,15 @@ def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: t
         validate_entry(entry, saved[entry.key], world)
     if read.own.get("rank") != world[0]:
         raise CorruptCheckpointError(f"step {read.step}: the file for rank {world[0]} holds rank {read.own.get('rank')}")
+
+
+def _warn_per_rank_kept(read: ReadCheckpoint, coord: Coordinator, kept: list[str]) -> None:
+    message = (f"rank {coord.rank}: step {read.step} was written by {read.manifest['world_size']} ranks and "
+               f"is loaded by {coord.world_size} (world_size_policy='replicated_only'): replicated state "
+               f"restored; kept as this process set them, not restored: the RNG streams (Python, NumPy, "
+               f"torch, devices) and the per-rank entries {kept}. The run continues, not bit for bit.")
+    log.warning(message)
+    warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
 
 
 def _warn_fallback(step: int, damaged: list[Outcome], rank: int) -> None:
@@ -334,10 +360,15 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
     exc: BaseException | None = None
     try:
         saved = {**read.replicated["entries"], **read.own["entries"]}
+        kept = [] if read.per_rank_restored else [e.key for e in entries if e.scope == PER_RANK]
         warn_extra_entries(set(saved), {e.key for e in entries}, f"step {read.step}")
         for entry in entries:
-            notes.extend(restore_entry(entry, saved[entry.key], state))
-        restore_process_rng(read.own["rng"], f"rank {coord.rank}, step {read.step}")  # last
+            if entry.key not in kept:
+                notes.extend(restore_entry(entry, saved[entry.key], state))
+        if read.per_rank_restored:
+            restore_process_rng(read.own["rng"], f"rank {coord.rank}, step {read.step}")  # last
+        else:
+            _warn_per_rank_kept(read, coord, kept)
         faults.point("load/applied", step=read.step, rank=coord.rank)
     except DistCkptError as e:
         exc = e

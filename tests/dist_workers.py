@@ -113,3 +113,19 @@ def async_failure_everywhere(rank: int, world: int, url: str) -> str:
         except distckpt.AsyncSaveError as e:
             return f"AsyncSaveError: {e}"
     return "no error"
+
+
+def load_replicated_only(rank: int, world: int, url: str) -> dict:
+    import warnings as w
+
+    state = _state(rank)
+    with torch.no_grad():
+        state["model"].weight.zero_()
+    with w.catch_warnings(record=True) as caught:
+        w.simplefilter("always")
+        with distckpt.CheckpointManager(url, timeout=30, world_size_policy="replicated_only") as mgr:
+            p = mgr.load_latest(state)
+    torch.manual_seed(0)
+    expected = nn.Linear(4, 2).weight
+    return {"progress": (p.step, p.epoch), "weights_restored": torch.equal(state["model"].weight, expected),
+            "warning": " ".join(str(c.message) for c in caught if "replicated_only" in str(c.message))}

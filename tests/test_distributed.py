@@ -112,3 +112,13 @@ def test_ranks_disagreeing_at_load_all_abort_listing_each_view(ckpt_dir):
     _rewrite_rank_epoch(ckpt_dir, rank=1, epoch=3)
     results = run_world(f"{W}:load_only", 2, url=ckpt_dir)
     _same_error_everywhere(results, "RankDisagreementError", "rank 0: step 5 epoch 0", "rank 1: step 5 epoch 3")
+
+
+def test_another_world_size_with_the_replicated_only_policy(ckpt_dir):
+    assert all(r.error is None for r in run_world(f"{W}:save_only", 2, url=ckpt_dir))
+    results = run_world(f"{W}:load_replicated_only", 3, url=ckpt_dir)
+    for r in results:
+        assert r.error is None, r.error
+        assert r.value["progress"] == (5, 0) and r.value["weights_restored"]
+        assert "written by 2 ranks and is loaded by 3" in r.value["warning"]
+        assert "per-rank entries ['gen']" in r.value["warning"]
