@@ -174,6 +174,7 @@ class CheckpointManager:
         shorter than the grace period allows for.
         """
         self._check_open()
+        self._preemption.armed = True
         flags = self._coord.all_gather(self._preemption.requested, "preemption/agree")
         if any(flags) and self.rank == 0:
             log.warning("rank 0: pre-emption requested by rank(s) %s", [r for r, f in enumerate(flags) if f])

@@ -10,6 +10,7 @@ boundary, where all ranks agree with one collective and save together.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -24,6 +25,7 @@ class PreemptionFlag:
     """Records pre-emption signals; installs itself only where the handler is still the default."""
 
     def __init__(self, signals: tuple[int, ...]) -> None:
+        self.armed = False  # set once the loop asks; until then a signal keeps its default effect
         self.received_at: float | None = None
         self.signal: int | None = None
         self._installed: dict[int, Any] = {}
@@ -34,6 +36,11 @@ class PreemptionFlag:
                 self._installed[sig] = signal.signal(sig, self._record)
 
     def _record(self, signum: int, frame: Any) -> None:
+        if not self.armed:
+            # Nobody will ask at a step boundary: behave as if no handler had been installed.
+            self.uninstall()
+            os.kill(os.getpid(), signum)
+            return
         if self.received_at is None:
             self.received_at, self.signal = time.monotonic(), signum
             log.warning("received %s: a checkpoint will be saved at the next step boundary",
