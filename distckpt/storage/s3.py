@@ -20,7 +20,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from ..errors import CheckpointExistsError, StorageError
 from .fsspec_fs import FsspecStorage, _join
@@ -77,10 +77,74 @@ class S3Storage(FsspecStorage):
             raise
 
     def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
+        """Stream the chunks up in parts; at most `concurrency` parts are in memory and in flight.
+
+        Below two parts: one PUT. Otherwise a multipart upload, completed after every part
+        succeeded and aborted on any failure, so the object appears whole or not at all.
+        """
+        from fsspec.asyn import sync
+
         target = _join(self.root, path)
-        data = b"".join(bytes(c) for c in chunks)
-        self._call("writing", target, "pipe_file", target, data, size=len(data),
-                   chunksize=self.part_bytes, max_concurrency=self.concurrency)
+        bucket, _, key = target.partition("/")
+        try:
+            sync(self.fs.loop, self._put_streaming, bucket, key, chunks)
+        except _client_errors() as e:
+            raise StorageError(errno.EIO, f"writing {self.public(target)} failed: {type(e).__name__}: {e}") from e
+        except TimeoutError as e:
+            raise StorageError(errno.ETIMEDOUT, f"writing {self.public(target)}: a request took longer than "
+                               f"{self._part_deadline():.0f}s: the S3 server is unreachable, stopped or too slow") from e
+        except OSError as e:
+            raise StorageError(e.errno or errno.EIO, f"writing {self.public(target)} failed: {type(e).__name__}: {e}") from e
+        self.fs.invalidate_cache(target)
+
+    def _part_deadline(self) -> float:
+        return self.call_timeout + self.part_bytes / MIN_THROUGHPUT_BYTES_S
+
+    async def _s3(self, method: str, **kwargs: Any) -> Any:
+        import asyncio
+
+        return await asyncio.wait_for(self.fs._call_s3(method, **kwargs), self._part_deadline())
+
+    async def _put_streaming(self, bucket: str, key: str, chunks: Iterable[memoryview | bytes]) -> None:
+        import asyncio
+
+        parts = _parts(chunks, self.part_bytes)
+        first = next(parts, b"")
+        second = next(parts, None)
+        if second is None:
+            await self._s3("put_object", Bucket=bucket, Key=key, Body=first)
+            return
+        upload_id = (await self._s3("create_multipart_upload", Bucket=bucket, Key=key))["UploadId"]
+        slots = asyncio.Semaphore(self.concurrency)
+        sent: list[asyncio.Task[dict[str, Any]]] = []
+
+        async def send(number: int, body: bytes) -> dict[str, Any]:
+            try:
+                out = await self._s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id,
+                                     PartNumber=number, Body=body)
+                return {"PartNumber": number, "ETag": out["ETag"]}
+            finally:
+                slots.release()
+
+        try:
+            for number, body in enumerate(_chain_parts(first, second, parts), start=1):
+                await slots.acquire()  # bounds the parts held in memory
+                if any(t.done() and t.exception() for t in sent):
+                    slots.release()
+                    break
+                sent.append(asyncio.ensure_future(send(number, body)))
+            done = await asyncio.gather(*sent)
+            await self._s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                           MultipartUpload={"Parts": sorted(done, key=lambda p: p["PartNumber"])})
+        except BaseException:
+            for task in sent:
+                task.cancel()
+            await asyncio.gather(*sent, return_exceptions=True)
+            try:
+                await self._s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            except Exception as e:  # collected later by collect_abandoned_uploads
+                log.warning("aborting the upload of s3://%s/%s failed: %s", bucket, key, e)
+            raise
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         target = _join(self.root, path)
@@ -142,6 +206,28 @@ class S3Storage(FsspecStorage):
                            "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
                 aborted += 1
         return aborted
+
+
+def _parts(chunks: Iterable[memoryview | bytes], size: int) -> Iterator[bytes]:
+    """Regroup chunks into parts of exactly `size` bytes (the last one shorter)."""
+    buf = bytearray()
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while view:
+            take = min(size - len(buf), len(view))
+            buf += view[:take]
+            view = view[take:]
+            if len(buf) == size:
+                yield bytes(buf)
+                buf = bytearray()
+    if buf:
+        yield bytes(buf)
+
+
+def _chain_parts(first: bytes, second: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    yield first
+    yield second
+    yield from rest
 
 
 def _client_errors() -> tuple[type[BaseException], ...]:
