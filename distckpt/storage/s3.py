@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Any, Iterable, Iterator
 
-from ..errors import CheckpointExistsError, StorageError
+from ..errors import CheckpointExistsError, MissingFileError, StorageError
 from .fsspec_fs import FsspecStorage, _join
 
 log = logging.getLogger("distckpt")
@@ -96,6 +96,40 @@ class S3Storage(FsspecStorage):
         except OSError as e:
             raise StorageError(e.errno or errno.EIO, f"writing {self.public(target)} failed: {type(e).__name__}: {e}") from e
         self.fs.invalidate_cache(target)
+
+    def read_buffer(self, path: str) -> bytes | bytearray:
+        """A large object fetched as concurrent ranged GETs of `part_bytes` into one buffer
+        (one GET stream ran at ~125 MiB/s here, the whole load's cost); small ones in one GET."""
+        from fsspec.asyn import sync
+
+        target = _join(self.root, path)
+        size = self._call("reading", target, "size", target)
+        if size is None or size < 2 * self.part_bytes:
+            return self.read_bytes(path)
+        try:
+            return sync(self.fs.loop, self._get_ranges, target, size)
+        except FileNotFoundError as e:
+            raise MissingFileError(errno.ENOENT, f"{self.public(target)} does not exist") from e
+        except (TimeoutError, OSError, *_client_errors()) as e:
+            raise StorageError(getattr(e, "errno", None) or errno.EIO,
+                               f"reading {self.public(target)} failed: {type(e).__name__}: {e}") from e
+
+    async def _get_ranges(self, target: str, size: int) -> bytearray:
+        import asyncio
+
+        buf = bytearray(size)
+        slots = asyncio.Semaphore(self.concurrency)
+
+        async def fetch(start: int) -> None:
+            end = min(size, start + self.part_bytes)
+            async with slots:
+                data = await asyncio.wait_for(self.fs._cat_file(target, start=start, end=end), self._part_deadline())
+            if len(data) != end - start:
+                raise OSError(errno.EIO, f"short read: {len(data)} of {end - start} bytes at {start}")
+            buf[start:end] = data
+
+        await asyncio.gather(*(fetch(start) for start in range(0, size, self.part_bytes)))
+        return buf
 
     def _part_deadline(self) -> float:
         return self.call_timeout + self.part_bytes / MIN_THROUGHPUT_BYTES_S
