@@ -113,7 +113,7 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
                "entries": {e.key: capture_entry(e) for e in entries if e.scope == PER_RANK}}
         _check_storable(own["entries"])
         rank_tree = encode_tree(own, ("per-rank state",), stage=True)
-        rank_file = b"".join(bytes(c) for c in safetensors_chunks(rank_tree))
+        rank_file = b"".join(safetensors_chunks(rank_tree))
         replicated = None
         if coord.rank == 0:
             tree = {"step": step, "epoch": epoch,

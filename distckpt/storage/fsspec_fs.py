@@ -43,7 +43,7 @@ class FsspecStorage:
 
     def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
         target = _join(self.root, path)
-        data = b"".join(bytes(c) for c in chunks)
+        data = b"".join(chunks)  # bytes-like chunks joined with one copy
         self._call("writing", target, "pipe_file", target, data, size=len(data))
 
     def create_exclusive(self, path: str, data: bytes) -> None:
