@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 from .capture import CheckpointWarning, PerRank, per_rank
 from .dist import DistInfo, init_distributed, shutdown_distributed
 from .errors import (AsyncSaveError, CheckpointExistsError, ConfigError, CoordinationError,
-                     CorruptCheckpointError, DistCkptError, IncompatibleCheckpointError,
+                     CorruptCheckpointError, DistCkptError, FencedError, IncompatibleCheckpointError,
                      MissingFileError, RankDisagreementError, StorageError, UnstorableValueError)
 from .manager import CheckpointManager
 from .preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
@@ -18,7 +18,7 @@ from .workers import with_worker_rng
 __all__ = [
     "AsyncSaveError", "CheckpointExistsError", "CheckpointFallbackWarning", "CheckpointManager",
     "CheckpointWarning", "ConfigError", "CoordinationError", "CorruptCheckpointError", "DistCkptError",
-    "DistInfo", "IncompatibleCheckpointError", "MissingFileError", "PREEMPTED_EXIT_CODE", "PerRank", "Progress",
+    "DistInfo", "FencedError", "IncompatibleCheckpointError", "MissingFileError", "PREEMPTED_EXIT_CODE", "PerRank", "Progress",
     "RankDisagreementError", "RngRestoreWarning", "StorageError", "UnstorableValueError",
     "__version__", "init_distributed", "per_rank", "shutdown_distributed", "with_worker_rng",
 ]

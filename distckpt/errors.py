@@ -16,6 +16,8 @@ builtin, so code that already handles ``OSError`` keeps working::
     ├── CoordinationError(RuntimeError)    a rank failed, disagreed or timed out;
     │   │                                  raised identically on every rank
     │   └── RankDisagreementError          ranks hold different step/epoch/digest
+    ├── FencedError                        a newer incarnation of the job holds the lease;
+    │                                      this one may no longer commit
     └── AsyncSaveError(RuntimeError)       a background save failed (surfaced at the
                                            next save/wait/close, on every rank)
 """
@@ -61,6 +63,10 @@ class CoordinationError(DistCkptError, RuntimeError):
 
 class RankDisagreementError(CoordinationError):
     """Ranks hold different (step, epoch, manifest digest)."""
+
+
+class FencedError(DistCkptError):
+    """A newer incarnation of the job took the write lease; this (stale) one may not commit."""
 
 
 class AsyncSaveError(DistCkptError, RuntimeError):

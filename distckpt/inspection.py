@@ -14,15 +14,18 @@ import torch
 
 from . import manifest as mf
 from .errors import CorruptCheckpointError, DistCkptError
-from .protocol import list_committed
+from .fencing import Lease, read_leases
+from .protocol import check_not_superseded, list_committed
 from .serialize import TREE_METADATA_KEY, decode_tree, load_tree_file, read_header
 from .storage import Storage
 
 
-def read_manifest(storage: Storage, step: int) -> dict[str, Any]:
+def read_manifest(storage: Storage, step: int, leases: list[Lease] | None = None) -> dict[str, Any]:
+    """The verified manifest; with `leases`, a superseded writer's commit is refused as the loader does."""
     base = mf.step_dir(step)
     where = f"{storage.url}/{base}"
     marker = mf.Marker.parse(storage.read_bytes(f"{base}/{mf.MARKER}"), where)
+    check_not_superseded(marker, leases or [], where)
     return mf.parse_manifest(storage.read_bytes(f"{base}/{mf.MANIFEST}"), marker, where)
 
 
@@ -35,6 +38,7 @@ class StepListing:
 
 def list_steps(storage: Storage) -> list[StepListing]:
     committed = set(list_committed(storage))
+    leases = read_leases(storage)
     out = []
     for name in storage.list_dir(""):
         step = mf.parse_step_dir(name)
@@ -44,7 +48,7 @@ def list_steps(storage: Storage) -> list[StepListing]:
             out.append(StepListing(step, "uncommitted"))
             continue
         try:
-            out.append(StepListing(step, "committed", read_manifest(storage, step)))
+            out.append(StepListing(step, "committed", read_manifest(storage, step, leases)))
         except (DistCkptError, OSError) as e:
             out.append(StepListing(step, f"damaged: {e}"))
     return sorted(out, key=lambda s: s.step)
@@ -54,7 +58,7 @@ def verify_step(storage: Storage, step: int, progress: Callable[[int], None] = l
     """Problems found in one step (empty when it verifies): each names its file."""
     base = mf.step_dir(step)
     try:
-        manifest = read_manifest(storage, step)
+        manifest = read_manifest(storage, step, read_leases(storage))
     except (DistCkptError, OSError) as e:
         return [str(e)]
     problems = []
@@ -97,10 +101,11 @@ def describe_step(storage: Storage, step: int) -> dict[str, Any]:
     """Manifest, per-rank summaries (RNG streams, samplers, loaders), config, tensor table."""
     manifest = read_manifest(storage, step)
     base = mf.step_dir(step)
-    replicated, table = _header_tree(storage.read_bytes(f"{base}/{mf.REPLICATED_FILE}"), "replicated")
+    replicated_name, rank_names = mf.payload_names(manifest)
+    replicated, table = _header_tree(storage.read_bytes(f"{base}/{replicated_name}"), "replicated")
     ranks = []
     for rank in range(manifest["world_size"]):
-        own, _ = _header_tree(storage.read_bytes(f"{base}/{mf.rank_file(rank)}"), f"rank {rank}")
+        own, _ = _header_tree(storage.read_bytes(f"{base}/{rank_names[rank]}"), f"rank {rank}")
         ranks.append({"rank": rank, "epoch": own.get("epoch"), "rng_streams": sorted(own["rng"]),
                       "entries": {k: _summarise(v) for k, v in own["entries"].items()}})
     config = replicated["entries"].get("config", {}).get("state")

@@ -16,7 +16,9 @@ from .coord import make_coordinator
 from .ddp import install_bucket_warmup
 from .errors import AsyncSaveError, ConfigError, DistCkptError
 from .preemption import PreemptionFlag
-from .protocol import Progress, StagedSave, list_committed, load, share_outcome, stage_save, write_and_commit
+from .fencing import Lease, acquire
+from .protocol import (Progress, ReplacePolicy, StagedSave, list_committed, load, share_outcome, stage_save,
+                       write_and_commit)
 from .serialize import StagingPool
 from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed
 from .storage import open_storage
@@ -54,6 +56,8 @@ class CheckpointManager:
         self._writer = AsyncWriter()
         self._staging = StagingPool()  # reused by every async save; free while none is in flight
         self._pending_step: int | None = None
+        self._floor: int | None = None   # the step this job resumed from (-1: found nothing)
+        self._lease: Lease | None = None  # rank 0, taken at the first save (fencing.py)
         self._closed = False
         self._preemption = PreemptionFlag(preemption_signals)
 
@@ -76,8 +80,9 @@ class CheckpointManager:
         metric = _check_save_args(step, epoch, metric)
         self._finish_pending()
         entries = classify(state)
+        replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)
         staged = stage_save(self._coord, self.storage, entries, step, epoch, metric, self.run_id,
-                            self._staging if self.config.async_save else None)
+                            self._staging if self.config.async_save else None, replaceable)
         if self.config.async_save:
             if staged is not None:
                 self._writer.submit(lambda: self._write(staged), f"step {step}")
@@ -93,13 +98,22 @@ class CheckpointManager:
 
     def _write(self, staged: StagedSave) -> None:
         start = time.perf_counter()
-        write_and_commit(self.storage, staged, self._versions)
+        write_and_commit(self.storage, staged, self._versions, self._take_lease())
         self._retain(staged.step)
         t = staged.timings
         log.info("rank 0: committed step %d at %s in %.3fs (capture %.3fs, gather %.3fs, write %.3fs, "
                  "commit %.3fs), %d payload bytes", staged.step, self.storage.url,
                  time.perf_counter() - start + t["capture_s"] + t["gather_s"], t["capture_s"],
                  t["gather_s"], t["write_s"], t["commit_s"], staged.replicated.payload_bytes)
+
+    def _take_lease(self) -> Lease:
+        """Rank 0's write lease, taken once: from here on older incarnations cannot commit."""
+        if self._lease is None:
+            if self._floor is None:  # never loaded: everything committed so far is accepted history
+                committed = list_committed(self.storage)
+                self._floor = committed[0] if committed else -1
+            self._lease = acquire(self.storage, self.run_id, self._floor)
+        return self._lease
 
     def _retain(self, just_committed: int) -> None:
         """Retention and leftover collection; failures here never undo the commit."""
@@ -150,6 +164,8 @@ class CheckpointManager:
         self._finish_pending()
         entries = classify(state)
         progress = load(self._coord, self.storage, entries, state, step, self.config.world_size_policy)
+        if self._lease is None:
+            self._floor = progress.step if progress is not None else -1
         for entry in entries:
             if entry.kind == "module":
                 install_bucket_warmup(entry.target)

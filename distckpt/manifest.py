@@ -1,12 +1,14 @@
 """The step directory layout, the manifest, the commit marker and checksums.
 
     <root>/step-000000100/
-        replicated/state.safetensors   replicated entries (tree in the safetensors metadata)
-        ranks/rank-00000.safetensors   per-rank state of each rank
-        manifest.json                  every file with size and xxh3-64, versions, ranks
-        COMMITTED                      written last: the manifest's digest and the run id
+        replicated/state.g000003.safetensors   replicated entries (tree in the safetensors metadata)
+        ranks/rank-00000.g000003.safetensors   per-rank state of each rank
+        manifest.json                          every file with size and xxh3-64, versions, ranks
+        COMMITTED                              written last: the manifest's digest, run id, generation
 
-A step exists if and only if COMMITTED exists and its digest matches manifest.json.
+A step exists if and only if COMMITTED exists and its digest matches manifest.json. Payload
+names carry the writer's lease generation (fencing.py), so a stale writer still running can
+never overwrite the files of a newer one, even inside the same step directory.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .errors import CorruptCheckpointError
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
-REPLICATED_FILE = "replicated/state.safetensors"
+LEGACY_REPLICATED_FILE = "replicated/state.safetensors"  # generation 0: written before fencing
 _STEP_RE = re.compile(r"step-(\d{9,})")
 _MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 
@@ -38,8 +40,21 @@ def parse_step_dir(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def rank_file(rank: int) -> str:
-    return f"ranks/rank-{rank:05d}.safetensors"
+def replicated_file(generation: int) -> str:
+    return f"replicated/state.g{generation:06d}.safetensors" if generation else LEGACY_REPLICATED_FILE
+
+
+def rank_file(rank: int, generation: int) -> str:
+    return f"ranks/rank-{rank:05d}.g{generation:06d}.safetensors" if generation else f"ranks/rank-{rank:05d}.safetensors"
+
+
+_GEN_TAG_RE = re.compile(r"\.g(\d{6,})\.safetensors$")
+
+
+def file_generation(name: str) -> int:
+    """The writer generation a payload file name carries (0: untagged)."""
+    m = _GEN_TAG_RE.search(name)
+    return int(m.group(1)) if m else 0
 
 
 class Checksum:
@@ -82,17 +97,20 @@ class Marker:
     step: int
     manifest_digest: str
     run_id: str
+    generation: int = 0  # the writer's lease (fencing.py); 0 before fencing existed
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex)  # tells our write from another's
 
     def to_bytes(self) -> bytes:
         return json.dumps({"format": FORMAT_VERSION, "step": self.step, "manifest_xxh3_64":
-                           self.manifest_digest, "run_id": self.run_id, "nonce": self.nonce}).encode()
+                           self.manifest_digest, "run_id": self.run_id, "generation": self.generation,
+                           "nonce": self.nonce}).encode()
 
     @classmethod
     def parse(cls, data: bytes, where: str) -> "Marker":
         try:
             d = json.loads(data[:4096])
-            return cls(int(d["step"]), str(d["manifest_xxh3_64"]), str(d["run_id"]), str(d.get("nonce", "")))
+            return cls(int(d["step"]), str(d["manifest_xxh3_64"]), str(d["run_id"]),
+                       int(d.get("generation", 0)), str(d.get("nonce", "")))
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptCheckpointError(f"{where}: unreadable commit marker: {e}") from e
 
@@ -113,7 +131,15 @@ def parse_manifest(data: bytes, marker: Marker, where: str) -> dict[str, Any]:
         check_relative_path(path, where)
     if manifest.get("step") != marker.step:
         raise CorruptCheckpointError(f"{where}: manifest step {manifest.get('step')} differs from the marker's {marker.step}")
+    if manifest.get("generation", 0) != marker.generation:
+        raise CorruptCheckpointError(f"{where}: manifest generation {manifest.get('generation', 0)} differs from the marker's {marker.generation}")
     return manifest
+
+
+def payload_names(manifest: dict[str, Any]) -> tuple[str, list[str]]:
+    """(replicated file, rank files by rank) of a parsed manifest."""
+    gen = int(manifest.get("generation", 0))
+    return replicated_file(gen), [rank_file(r, gen) for r in range(int(manifest["world_size"]))]
 
 
 def check_relative_path(path: str, where: str) -> None:

@@ -22,6 +22,7 @@ Every phase ends in `coord.agree`, so every rank takes the same branch.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import time
@@ -29,7 +30,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import faults
+from . import faults, fencing
 from . import manifest as mf
 from .capture import (PER_RANK, REPLICATED, Entry, capture_entry, restore_entry,
                       validate_entry, warn_extra_entries)
@@ -37,6 +38,7 @@ from .coord import Coordinator, Outcome, agree, hostname, raise_if_failed
 from .errors import (CheckpointExistsError, CorruptCheckpointError, DistCkptError,
                      IncompatibleCheckpointError, MissingFileError, RankDisagreementError,
                      StorageError)
+from .fencing import Lease
 from .rng import capture_process_rng, restore_process_rng
 from .serialize import EncodedTree, StagingPool, encode_tree, load_tree_file, safetensors_chunks
 from .storage import Storage
@@ -78,10 +80,10 @@ class StagedSave:
 
 def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
                epoch: int | None, metric: float | None, run_id: str,
-               staging: StagingPool | None) -> StagedSave | None:
+               staging: StagingPool | None, replaceable: "ReplacePolicy | None" = None) -> StagedSave | None:
     """Phases capture, agree and gather (call on every rank). Rank 0 gets the StagedSave."""
     t0 = time.perf_counter()
-    local, exc = _capture_phase(coord, storage, entries, step, epoch, staging)
+    local, exc = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable)
     faults.point("save/captured", step=step, rank=coord.rank)
     info = {"rank": coord.rank, "step": step, "epoch": epoch, "host": hostname(), "pid": os.getpid(),
             "per_rank_entries": sorted(e.key for e in entries if e.scope == PER_RANK)}
@@ -101,13 +103,12 @@ def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step:
 
 
 def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
-                   epoch: int | None, staging: StagingPool | None) -> tuple[tuple[bytes, EncodedTree | None], BaseException | None]:
+                   epoch: int | None, staging: StagingPool | None,
+                   replaceable: "ReplacePolicy | None") -> tuple[tuple[bytes, EncodedTree | None], BaseException | None]:
     try:
         rng = capture_process_rng()  # first: nothing below may draw before it is recorded
-        if coord.rank == 0 and storage.exists(f"{mf.step_dir(step)}/{mf.MARKER}"):
-            raise CheckpointExistsError(
-                f"step {step} is already committed at {storage.url}/{mf.step_dir(step)}; "
-                "resume with load_latest() so steps continue after it, or use another directory")
+        if coord.rank == 0:
+            check_step_is_free(storage, step, replaceable or ReplacePolicy())
         own = {"step": step, "epoch": epoch, "rank": coord.rank, "world_size": coord.world_size,
                "rng": rng,
                "entries": {e.key: capture_entry(e) for e in entries if e.scope == PER_RANK}}
@@ -139,35 +140,116 @@ def _check_same_progress(infos: list[dict[str, Any]], what: str) -> None:
                                     "every rank must call save() with the same step and epoch")
 
 
-def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any]) -> str:
-    """Phases write and commit (rank 0). Returns the manifest digest. Never touches other steps."""
+@dataclass(frozen=True)
+class ReplacePolicy:
+    """Which existing commit of a step a writer may replace: only zombie output, i.e. one of an
+    older generation than `generation` at a step after `floor` (the step this incarnation
+    resumed from). The default replaces nothing."""
+
+    floor: int | None = None
+    generation: int | None = None  # None: the lease is not taken yet, so every existing one is older
+
+    def allows(self, marker: mf.Marker) -> bool:
+        return (self.floor is not None and marker.step > self.floor
+                and (self.generation is None or marker.generation < self.generation))
+
+
+def check_step_is_free(storage: Storage, step: int, policy: ReplacePolicy) -> mf.Marker | None:
+    """CheckpointExistsError if `step` holds a commit the writer may not replace; else that
+    commit's marker (to be replaced) or None."""
+    base = mf.step_dir(step)
+    try:
+        marker = mf.Marker.parse(storage.read_bytes(f"{base}/{mf.MARKER}"), f"{storage.url}/{base}")
+    except MissingFileError:
+        return None
+    except CorruptCheckpointError:
+        marker = mf.Marker(step, "", "?", 0)  # unreadable: treat as the oldest generation
+    if policy.allows(marker):
+        return marker
+    raise CheckpointExistsError(
+        errno.EEXIST, f"step {step} is already committed at {storage.url}/{base}; "
+        "resume with load_latest() so steps continue after it, or use another directory")
+
+
+def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any], lease: Lease) -> str:
+    """Phases write and commit (rank 0). Returns the manifest digest. Never touches other steps
+    (except a zombie's commit of this same step, which it replaces: see fencing.py)."""
     t0 = time.perf_counter()
     faults.point("save/gathered", step=staged.step, rank=0)
+    fencing.check_current(storage, lease)
     base = mf.step_dir(staged.step)
-    if storage.list_dir(base):
-        log.info("removing the uncommitted leftover %s before rewriting it", base)
-        storage.remove_tree(base)
-    files = {mf.REPLICATED_FILE: _write(storage, f"{base}/{mf.REPLICATED_FILE}",
-                                        safetensors_chunks(staged.replicated))}
+    policy = ReplacePolicy(lease.floor, lease.generation)
+    _clear_step_dir(storage, staged.step, policy)
+    gen = lease.generation
+    files = {mf.replicated_file(gen): _write(storage, f"{base}/{mf.replicated_file(gen)}",
+                                             safetensors_chunks(staged.replicated))}
     faults.point("save/replicated-written", step=staged.step, rank=0)
     for rank, data in enumerate(staged.rank_files):
-        files[mf.rank_file(rank)] = _write(storage, f"{base}/{mf.rank_file(rank)}", [data])
+        files[mf.rank_file(rank, gen)] = _write(storage, f"{base}/{mf.rank_file(rank, gen)}", [data])
     faults.point("save/rank-files-written", step=staged.step, rank=0)
     t1 = time.perf_counter()
     manifest = {
         "format": mf.FORMAT_VERSION, "step": staged.step, "epoch": staged.epoch,
-        "metric": staged.metric, "run_id": staged.run_id, "created_unix": time.time(),
+        "metric": staged.metric, "run_id": staged.run_id, "generation": gen, "created_unix": time.time(),
         "world_size": len(staged.rank_files), "ranks": staged.ranks, "entries": staged.entries,
         "files": files, "payload_bytes": staged.replicated.payload_bytes, "versions": versions,
     }
     data = mf.manifest_bytes(manifest)
-    storage.write_file(f"{base}/{mf.MANIFEST}", [data])
+    _create_manifest(storage, base, data, gen)
     digest = mf.checksum_of(data)
     faults.point("save/manifest-written", step=staged.step, rank=0)
-    storage.create_exclusive(f"{base}/{mf.MARKER}", mf.Marker(staged.step, digest, staged.run_id).to_bytes())
+    fencing.check_current(storage, lease)  # last check before the point of no return
+    _create_marker(storage, mf.Marker(staged.step, digest, staged.run_id, gen), policy)
     staged.timings.update(write_s=t1 - t0, commit_s=time.perf_counter() - t1)
     faults.point("save/committed", step=staged.step, rank=0)
     return digest
+
+
+def _clear_step_dir(storage: Storage, step: int, policy: ReplacePolicy) -> None:
+    """Remove an uncommitted leftover of `step`, or a zombie's commit of it (marker first)."""
+    base = mf.step_dir(step)
+    replaced = check_step_is_free(storage, step, policy)
+    if replaced is not None:
+        log.warning("rank 0: replacing %s/%s, committed by superseded generation %d after this job "
+                    "resumed from step %s", storage.url, base, replaced.generation, policy.floor)
+        storage.remove_file(f"{base}/{mf.MARKER}")
+    if storage.list_dir(base):
+        log.info("removing the uncommitted leftover %s before rewriting it", base)
+        storage.remove_tree(base)
+
+
+def _create_manifest(storage: Storage, base: str, data: bytes, generation: int) -> None:
+    """Exclusive create: of two writers of one step, the second learns it here, before any marker."""
+    path = f"{base}/{mf.MANIFEST}"
+    for attempt in range(2):
+        try:
+            storage.create_exclusive(path, data)
+            return
+        except CheckpointExistsError:
+            other = _manifest_generation(storage, path)
+            if other >= generation or attempt:
+                raise CheckpointExistsError(
+                    errno.EEXIST, f"{storage.url}/{path} is being written by another writer (generation "
+                    f"{other}, this one {generation}): two saves of one step ran at once; one commits") from None
+            storage.remove_file(path)  # a stale writer's, left behind or racing us
+
+
+def _manifest_generation(storage: Storage, path: str) -> int:
+    try:
+        return int(json.loads(storage.read_bytes(path)).get("generation", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
+def _create_marker(storage: Storage, marker: mf.Marker, policy: ReplacePolicy) -> None:
+    path = f"{mf.step_dir(marker.step)}/{mf.MARKER}"
+    try:
+        storage.create_exclusive(path, marker.to_bytes())
+    except CheckpointExistsError:
+        if check_step_is_free(storage, marker.step, policy) is None:  # raises unless a zombie's
+            raise
+        storage.remove_file(path)
+        storage.create_exclusive(path, marker.to_bytes())
 
 
 def _write(storage: Storage, path: str, chunks: Any) -> dict[str, Any]:
@@ -205,7 +287,7 @@ WORLD_SIZE_POLICIES = ("refuse", "replicated_only")
 
 
 def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
-                    world_size_policy: str = "refuse") -> ReadCheckpoint:
+                    world_size_policy: str = "refuse", leases: list[Lease] | None = None) -> ReadCheckpoint:
     """Read and verify what this rank needs of one committed step. Raises CorruptCheckpointError.
 
     With another world size than the writer's: "refuse" raises IncompatibleCheckpointError;
@@ -216,11 +298,13 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
     where = f"{storage.url}/{base}"
     try:
         marker = mf.Marker.parse(storage.read_bytes(f"{base}/{mf.MARKER}"), where)
+        check_not_superseded(marker, leases or [], where)
         manifest = mf.parse_manifest(storage.read_bytes(f"{base}/{mf.MANIFEST}"), marker, where)
     except MissingFileError as e:
         raise CorruptCheckpointError(f"{where}: {e}") from e
+    replicated_name, rank_names = mf.payload_names(manifest)
     if manifest["world_size"] != world_size and world_size_policy == "replicated_only":
-        replicated = _read_tree(storage, base, mf.REPLICATED_FILE, manifest, where)
+        replicated = _read_tree(storage, base, replicated_name, manifest, where)
         own = {"epoch": manifest.get("epoch"), "rank": rank, "entries": {}, "rng": None}
         return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, per_rank_restored=False)
     if manifest["world_size"] != world_size:
@@ -229,9 +313,18 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
             "per-rank state (RNG streams, sampler and loader positions) cannot be mapped to "
             f"another world size; relaunch with --nproc-per-node/--nnodes giving {manifest['world_size']} ranks, "
             "or pass world_size_policy='replicated_only' to restore only the replicated state")
-    replicated = _read_tree(storage, base, mf.REPLICATED_FILE, manifest, where)
-    own = _read_tree(storage, base, mf.rank_file(rank), manifest, where)
+    replicated = _read_tree(storage, base, replicated_name, manifest, where)
+    own = _read_tree(storage, base, rank_names[rank], manifest, where)
     return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own)
+
+
+def check_not_superseded(marker: mf.Marker, leases: list[Lease], where: str) -> None:
+    """CorruptCheckpointError for zombie output (see fencing.py): never loaded, never preferred."""
+    newer = fencing.superseded_by(marker.generation, marker.step, leases)
+    if newer is not None:
+        raise CorruptCheckpointError(
+            f"{where}: committed by generation {marker.generation} after a newer incarnation took over "
+            f"from step {newer.floor} ({newer.describe()}): output of a superseded writer, not loaded")
 
 
 def _read_tree(storage: Storage, base: str, name: str, manifest: dict[str, Any], where: str) -> Any:
@@ -253,21 +346,23 @@ def _read_tree(storage: Storage, base: str, name: str, manifest: dict[str, Any],
 def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict[str, Any],
          step: int | None = None, world_size_policy: str = "refuse") -> Progress | None:
     """The load protocol (call on every rank). None when nothing is committed yet."""
-    candidates = _choose_phase(coord, storage, step)
+    candidates, leases = _choose_phase(coord, storage, step)
     if not candidates:
         return None
-    chosen = _read_phase(coord, storage, entries, candidates, step is not None, world_size_policy)
+    chosen = _read_phase(coord, storage, entries, candidates, step is not None, world_size_policy, leases)
     notes = _apply_phase(coord, entries, state, chosen)
     return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.get("metric"),
                     f"{storage.url}/{mf.step_dir(chosen.step)}", tuple(notes))
 
 
-def _choose_phase(coord: Coordinator, storage: Storage, step: int | None) -> list[int]:
+def _choose_phase(coord: Coordinator, storage: Storage, step: int | None) -> tuple[list[int], list[Lease]]:
     exc: BaseException | None = None
     steps: list[int] = []
+    leases: list[Lease] = []
     if coord.rank == 0:
         try:
             steps = list_committed(storage)
+            leases = fencing.read_leases(storage) if steps else []
             if step is not None:
                 if step not in steps:
                     raise IncompatibleCheckpointError(
@@ -275,16 +370,16 @@ def _choose_phase(coord: Coordinator, storage: Storage, step: int | None) -> lis
                 steps = [step]
         except Exception as e:
             exc = e
-    mine = Outcome.failure(0, exc) if exc else Outcome(0, info={"steps": steps})
+    mine = Outcome.failure(0, exc) if exc else Outcome(0, info={"steps": steps, "leases": leases})
     outcome = coord.broadcast(mine if coord.rank == 0 else None, "load/choose")
     raise_if_failed(coord, [outcome], "choosing a checkpoint to load", exc)
-    return list(outcome.info["steps"])
+    return list(outcome.info["steps"]), list(outcome.info["leases"])
 
 
 def _read_phase(coord: Coordinator, storage: Storage, entries: list[Entry], candidates: list[int],
-                explicit: bool, world_size_policy: str) -> ReadCheckpoint:
+                explicit: bool, world_size_policy: str, leases: list[Lease]) -> ReadCheckpoint:
     for step in candidates:
-        read, exc = _try_read(coord, storage, entries, step, world_size_policy)
+        read, exc = _try_read(coord, storage, entries, step, world_size_policy, leases)
         if exc is None:
             info = {"step": read.step, "epoch": read.own["epoch"], "digest": read.digest}
             outcome = Outcome(coord.rank, info=info)
@@ -305,9 +400,9 @@ def _read_phase(coord: Coordinator, storage: Storage, entries: list[Entry], cand
 
 
 def _try_read(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
-              world_size_policy: str) -> tuple[ReadCheckpoint | None, BaseException | None]:
+              world_size_policy: str, leases: list[Lease]) -> tuple[ReadCheckpoint | None, BaseException | None]:
     try:
-        read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy)
+        read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy, leases)
         _validate_against_state(entries, read, (coord.rank, coord.world_size))
         faults.point("load/read", step=step, rank=coord.rank)
         return read, None

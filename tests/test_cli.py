@@ -57,7 +57,7 @@ def test_ls_shows_committed_and_uncommitted(url, capsys):
     make_run(url)
     from distckpt.storage import open_storage
 
-    open_storage(url).write_file("step-000000004/replicated/state.safetensors", [b"partial"])
+    open_storage(url).write_file("step-000000004/replicated/state.g000001.safetensors", [b"partial"])
     code, out = run(capsys, "ls", url, "--json")
     rows = json.loads(out)
     assert code == 0
@@ -83,11 +83,11 @@ def test_inspect_shows_ranks_config_and_tensors(url, capsys):
 def test_verify_names_each_bad_file(url, capsys):
     make_run(url)
     assert run(capsys, "verify", url, "--all")[0] == 0
-    damage(url, 2, "ranks/rank-00000.safetensors")
+    damage(url, 2, "ranks/rank-00000.g000001.safetensors")
     code, out = run(capsys, "verify", url, "--all", "--json")
     rows = {r["step"]: r for r in json.loads(out)}
     assert code == 1 and rows[1]["ok"] and rows[3]["ok"] and not rows[2]["ok"]
-    assert "rank-00000.safetensors" in rows[2]["problems"][0] and "checksum" in rows[2]["problems"][0]
+    assert "rank-00000.g000001.safetensors" in rows[2]["problems"][0] and "checksum" in rows[2]["problems"][0]
     from distckpt.storage import open_storage
 
     open_storage(url).remove_file("step-000000003/manifest.json")
@@ -99,7 +99,7 @@ def test_prune_and_gc_with_dry_run(url, capsys):
     make_run(url, steps=(1, 2, 3, 4))
     from distckpt.storage import open_storage
 
-    open_storage(url).write_file("step-000000009/ranks/rank-00000.safetensors", [b"partial"])
+    open_storage(url).write_file("step-000000009/ranks/rank-00000.g000001.safetensors", [b"partial"])
     code, out = run(capsys, "prune", url, "--keep-last", "1", "--keep-best", "1", "--best-mode", "max", "--dry-run", "--json")
     assert code == 0 and json.loads(out)["removed"] == [2, 3]
     assert distckpt.CheckpointManager(url).committed_steps() == [4, 3, 2, 1]
@@ -115,10 +115,10 @@ def test_diff_reports_what_changed(url, capsys):
     make_run(url)
     code, out = run(capsys, "diff", url, "1", "3", "--json")
     rows = {r["key"]: r for r in json.loads(out)}
-    weight = rows["replicated/state.safetensors/entries/model/state/state_dict/weight"]
+    weight = rows["replicated/state.g000001.safetensors/entries/model/state/state_dict/weight"]
     assert code == 0 and weight["change"] == "values" and weight["max_abs_diff"] == pytest.approx(5.0)
-    assert rows["replicated/state.safetensors/entries/config/state/lr"]["new"] == pytest.approx(0.3)
-    assert rows["ranks/rank-00000.safetensors/epoch"] == {"key": "ranks/rank-00000.safetensors/epoch", "change": "value", "old": 1, "new": 3}
+    assert rows["replicated/state.g000001.safetensors/entries/config/state/lr"]["new"] == pytest.approx(0.3)
+    assert rows["ranks/rank-00000.g000001.safetensors/epoch"] == {"key": "ranks/rank-00000.g000001.safetensors/epoch", "change": "value", "old": 1, "new": 3}
 
 
 def test_errors_and_exit_codes(tmp_path, capsys):

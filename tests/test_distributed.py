@@ -93,18 +93,18 @@ def _rewrite_rank_epoch(ckpt_dir: str, rank: int, epoch: int) -> None:
     from distckpt.serialize import encode_tree, load_tree_file, safetensors_chunks
 
     base = os.path.join(ckpt_dir, "step-000000005")
-    path = os.path.join(base, "ranks", f"rank-{rank:05d}.safetensors")
+    path = os.path.join(base, *mf.rank_file(rank, 1).split("/"))
     tree = load_tree_file(open(path, "rb").read(), path)
     tree["epoch"] = epoch
     data = b"".join(bytes(c) for c in safetensors_chunks(encode_tree(tree)))
     open(path, "wb").write(data)
     manifest = json.load(open(os.path.join(base, "manifest.json")))
-    manifest["files"][f"ranks/rank-{rank:05d}.safetensors"] = {"size": len(data), "xxh3_64": mf.checksum_of(data)}
+    manifest["files"][mf.rank_file(rank, 1)] = {"size": len(data), "xxh3_64": mf.checksum_of(data)}
     raw = mf.manifest_bytes(manifest)
     open(os.path.join(base, "manifest.json"), "wb").write(raw)
     marker = json.load(open(os.path.join(base, "COMMITTED")))
     open(os.path.join(base, "COMMITTED"), "wb").write(
-        mf.Marker(5, mf.checksum_of(raw), marker["run_id"]).to_bytes())
+        mf.Marker(5, mf.checksum_of(raw), marker["run_id"], marker["generation"]).to_bytes())
 
 
 def test_ranks_disagreeing_at_load_all_abort_listing_each_view(ckpt_dir):

@@ -83,12 +83,12 @@ def test_a_pickle_in_place_of_a_payload_never_runs(ckpt_dir, tmp_path, monkeypat
     with distckpt.CheckpointManager(ckpt_dir) as mgr:
         mgr.save(1, {"w": torch.ones(2)})
     base = os.path.join(ckpt_dir, "step-000000001")
-    payload = os.path.join(base, "replicated", "state.safetensors")
+    payload = os.path.join(base, "replicated", "state.g000001.safetensors")
     torch.save({"w": Evil()}, payload)
     # forge the manifest and marker so the checksum matches: only the format can refuse it now
     manifest = json.load(open(os.path.join(base, "manifest.json")))
     data = open(payload, "rb").read()
-    manifest["files"]["replicated/state.safetensors"] = {"size": len(data), "xxh3_64": mf.checksum_of(data)}
+    manifest["files"]["replicated/state.g000001.safetensors"] = {"size": len(data), "xxh3_64": mf.checksum_of(data)}
     raw = mf.manifest_bytes(manifest)
     open(os.path.join(base, "manifest.json"), "wb").write(raw)
     open(os.path.join(base, "COMMITTED"), "wb").write(mf.Marker(1, mf.checksum_of(raw), "forged").to_bytes())
@@ -111,7 +111,7 @@ def test_a_symlink_planted_in_a_step_is_not_followed(ckpt_dir, tmp_path):
     with distckpt.CheckpointManager(ckpt_dir) as mgr:
         mgr.save(1, {"w": torch.ones(2)})
         mgr.save(2, {"w": torch.full((2,), 2.0)})
-    target = os.path.join(ckpt_dir, "step-000000002", "ranks", "rank-00000.safetensors")
+    target = os.path.join(ckpt_dir, "step-000000002", "ranks", "rank-00000.g000001.safetensors")
     os.remove(target)
     os.symlink(secret, target)
     state = {"w": torch.zeros(2)}

@@ -131,7 +131,7 @@ def test_layout_and_manifest(ckpt_dir):
     base = os.path.join(ckpt_dir, "step-000000003")
     assert sorted(os.listdir(base)) == ["COMMITTED", "manifest.json", "ranks", "replicated"]
     manifest = json.load(open(os.path.join(base, "manifest.json")))
-    assert set(manifest["files"]) == {"replicated/state.safetensors", "ranks/rank-00000.safetensors"}
+    assert set(manifest["files"]) == {"replicated/state.g000001.safetensors", "ranks/rank-00000.g000001.safetensors"}
     for rel, record in manifest["files"].items():
         assert os.path.getsize(os.path.join(base, rel)) == record["size"] and len(record["xxh3_64"]) == 16
     assert manifest["world_size"] == 1 and manifest["ranks"][0]["step"] == 3 and manifest["ranks"][0]["epoch"] == 1
@@ -166,7 +166,7 @@ def test_keep_last_and_keep_best(ckpt_dir):
         for step, metric in metrics.items():
             mgr.save(step, {"x": step}, metric=metric)
         assert mgr.committed_steps() == [5, 4, 2]
-    assert sorted(os.listdir(ckpt_dir)) == ["step-000000002", "step-000000004", "step-000000005"]
+    assert sorted(os.listdir(ckpt_dir)) == ["fence", "step-000000002", "step-000000004", "step-000000005"]
     with distckpt.CheckpointManager(ckpt_dir, keep_last=1, keep_best=1, best_mode="max") as mgr:
         mgr.save(6, {"x": 6}, metric=0.95)
         assert mgr.committed_steps() == [6]
@@ -189,7 +189,7 @@ def test_retention_deletes_the_marker_first(ckpt_dir, monkeypatch):
 def test_leftovers_of_uncommitted_saves_are_collected(ckpt_dir):
     leftover = os.path.join(ckpt_dir, "step-000000009", "replicated")
     os.makedirs(leftover)
-    open(os.path.join(leftover, "state.safetensors"), "wb").write(b"partial")
+    open(os.path.join(leftover, "state.g000001.safetensors"), "wb").write(b"partial")
     with distckpt.CheckpointManager(ckpt_dir, leftover_grace_s=3600) as mgr:
         mgr.save(1, {"x": 1})
     assert os.path.isdir(leftover)  # young: could be a save in progress
@@ -275,17 +275,17 @@ def test_a_damaged_newest_checkpoint_falls_back_with_a_warning(ckpt_dir):
         mgr.save(1, state)
         state["model"][0].weight.data.add_(1.0)
         mgr.save(2, state)
-    payload = os.path.join(ckpt_dir, "step-000000002", "replicated", "state.safetensors")
+    payload = os.path.join(ckpt_dir, "step-000000002", "replicated", "state.g000001.safetensors")
     data = bytearray(open(payload, "rb").read())
     data[-3] ^= 0x01  # one flipped bit in a committed file
     open(payload, "wb").write(bytes(data))
     other = fresh_state()
     with distckpt.CheckpointManager(ckpt_dir) as mgr:
-        with pytest.warns(distckpt.CheckpointFallbackWarning, match="state.safetensors: checksum"):
+        with pytest.warns(distckpt.CheckpointFallbackWarning, match="state.g000001.safetensors: checksum"):
             assert mgr.load_latest(other).step == 1
         with pytest.raises(distckpt.CorruptCheckpointError, match="checksum"):
             mgr.load(fresh_state(), step=2)
-    os.remove(os.path.join(ckpt_dir, "step-000000001", "ranks", "rank-00000.safetensors"))
+    os.remove(os.path.join(ckpt_dir, "step-000000001", "ranks", "rank-00000.g000001.safetensors"))
     with distckpt.CheckpointManager(ckpt_dir) as mgr, pytest.warns(distckpt.CheckpointFallbackWarning):
         with pytest.raises(distckpt.CorruptCheckpointError, match="no committed checkpoint"):
             mgr.load_latest(fresh_state())

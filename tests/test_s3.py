@@ -73,7 +73,7 @@ def test_multipart_upload_with_concurrent_parts(s3_server, s3_url, proxy):
 
 
 def test_slowdown_and_5xx_replies_are_retried(s3_server, s3_url, proxy):
-    proxy.add(Rule("PUT", r"replicated/state\.safetensors", "status", times=1, status=503),
+    proxy.add(Rule("PUT", r"replicated/state\.g000001\.safetensors", "status", times=1, status=503),
               Rule("PUT", r"rank-00000", "status", times=1, status=500),
               Rule("PUT", r"COMMITTED", "status", times=1, status=503))
     state = state_with(0)
@@ -121,7 +121,7 @@ def test_a_failed_multipart_upload_publishes_nothing_and_is_aborted(s3_server, s
         with pytest.raises(distckpt.StorageError):
             mgr.save(1, {"big": torch.randn(3 * 2**20)})
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options())
-    assert fs.find(s3_url[5:]) == []
+    assert [p for p in fs.find(s3_url[5:]) if "/fence/" not in p] == []  # the writer's lease stays
     uploads = fs.call_s3("list_multipart_uploads", Bucket="ckpt", Prefix=s3_url[10:]).get("Uploads", [])
     assert uploads == []
 
@@ -210,18 +210,18 @@ def test_a_write_failure_on_s3_fails_every_rank(s3_server, s3_url, proxy):
     results = run_world("s3_workers:save_once", 2, url=s3_url, options=via(proxy, s3_server))
     for r in results:
         assert r.error_type == "StorageError", (r.rank, r.error)
-        assert "rank(s) [0]" in r.error and "replicated/state.safetensors" in r.error
+        assert "rank(s) [0]" in r.error and "replicated/state.g000001.safetensors" in r.error
 
 
 def test_abandoned_multipart_uploads_and_leftovers_are_collected(s3_server, s3_url):
     import s3fs
 
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options())
-    key = f"{s3_url[10:]}/step-000000007/replicated/state.safetensors"
+    key = f"{s3_url[10:]}/step-000000007/replicated/state.g000001.safetensors"
     upload = fs.call_s3("create_multipart_upload", Bucket="ckpt", Key=key)
     fs.call_s3("upload_part", Bucket="ckpt", Key=key, UploadId=upload["UploadId"], PartNumber=1,
                Body=b"x" * (5 * 2**20))
-    fs.pipe_file(f"{s3_url[5:]}/step-000000007/ranks/rank-00000.safetensors", b"partial")
+    fs.pipe_file(f"{s3_url[5:]}/step-000000007/ranks/rank-00000.g000001.safetensors", b"partial")
     with distckpt.CheckpointManager(s3_url, storage_options=s3_server.storage_options(), leftover_grace_s=0) as mgr:
         mgr.save(1, state_with(0))
         assert mgr.committed_steps() == [1]
@@ -235,10 +235,10 @@ def test_large_objects_are_read_as_concurrent_ranges(s3_server, s3_url, proxy):
     state = {"big": torch.randn(3 * 2**20)}  # 12 MiB: three 5 MiB ranges
     with distckpt.CheckpointManager(s3_url, storage_options=s3_server.storage_options()) as mgr:
         mgr.save(1, state)
-    proxy.add(Rule("GET", r"replicated/state\.safetensors", "reset", times=1))  # one range fails once
+    proxy.add(Rule("GET", r"replicated/state\.g000001\.safetensors", "reset", times=1))  # one range fails once
     back = {"big": torch.zeros(3 * 2**20)}
     with distckpt.CheckpointManager(s3_url, storage_options=via(proxy, s3_server, part_bytes=5 * 2**20)) as mgr:
         mgr.load_latest(back)
-    gets = [s for m, p, s in proxy.log if m == "GET" and "replicated/state.safetensors" in p]
+    gets = [s for m, p, s in proxy.log if m == "GET" and "replicated/state.g000001.safetensors" in p]
     assert len([s for s in gets if s in ("200", "206")]) == 3 and proxy.rules[0].hits == 1
     assert torch.equal(back["big"], state["big"])

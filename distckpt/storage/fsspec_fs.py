@@ -52,11 +52,11 @@ class FsspecStorage:
             with self.fs.open(target, "xb") as f:
                 f.write(data)
         except FileExistsError as e:
-            raise CheckpointExistsError(errno.EEXIST, f"{self.public(target)} already exists: this step is already committed") from e
+            raise CheckpointExistsError(errno.EEXIST, f"{self.public(target)} already exists: another writer created it first") from e
         except (ValueError, NotImplementedError):
             # No exclusive mode here: check then write (not atomic against a second writer).
             if self.exists(path):
-                raise CheckpointExistsError(errno.EEXIST, f"{self.public(target)} already exists: this step is already committed")
+                raise CheckpointExistsError(errno.EEXIST, f"{self.public(target)} already exists: another writer created it first")
             self._call("creating", target, "pipe_file", target, data)
         except OSError as e:
             raise StorageError(e.errno or errno.EIO, f"creating {self.public(target)} failed: {e}") from e

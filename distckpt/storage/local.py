@@ -50,6 +50,7 @@ class LocalStorage:
         directory = os.path.dirname(final)
         tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
         try:
+            self._makedirs(directory)
             with open(tmp, "wb", buffering=0) as f:
                 _write_all(f, data)
                 os.fsync(f.fileno())
@@ -62,7 +63,7 @@ class LocalStorage:
                 _silently_remove(final)
                 raise
         except FileExistsError as e:
-            raise CheckpointExistsError(errno.EEXIST, f"{final} already exists: this step is already committed") from e
+            raise CheckpointExistsError(errno.EEXIST, f"{final} already exists: another writer created it first") from e
         except OSError as e:
             raise StorageError(e.errno, f"creating {final} failed: {e.strerror or e}") from e
         finally:

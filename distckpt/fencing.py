@@ -1,0 +1,110 @@
+"""Fencing: a stale incarnation of a job can never commit, and its late output is never loaded.
+
+A pre-empted job restarted elsewhere can leave the old incarnation running for a while (a VM
+that has not noticed, a hung node coming back). Each incarnation that writes takes a lease:
+
+    <root>/fence/gen-000000007.json    {"generation": 7, "floor": 120, "run_id": ..., host, pid, time}
+
+created exclusively (``os.link`` / ``If-None-Match: *``), numbered one above the highest lease
+seen, so two incarnations never share a generation. ``floor`` is the step the incarnation
+resumed from (or the newest committed step when it took the lease without loading): every
+checkpoint at or below it is history it accepted.
+
+* Writers: manifest and marker carry the generation; right before its marker, a writer checks
+  that no higher generation exists, else ``FencedError``.
+* Readers: a checkpoint of generation g at step s is zombie output if some lease of a higher
+  generation has ``floor < s`` — it was committed after a newer incarnation took over from an
+  earlier step. The loader skips it with a warning, ``verify``/``ls`` flag it, and the newer
+  incarnation may overwrite it when it reaches that step.
+
+The lease is taken at an incarnation's first save, not at construction, so a job that only
+reads (evaluation, the CLI) never fences the writer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import time
+from dataclasses import asdict, dataclass
+
+from .errors import CheckpointExistsError, FencedError
+from .storage import Storage
+
+log = logging.getLogger("distckpt")
+
+FENCE_DIR = "fence"
+_LEASE_RE = re.compile(r"gen-(\d{9,})\.json")
+_ACQUIRE_ATTEMPTS = 20
+
+
+@dataclass(frozen=True)
+class Lease:
+    generation: int
+    floor: int
+    run_id: str
+    host: str = ""
+    pid: int = 0
+    created_unix: float = 0.0
+
+    def describe(self) -> str:
+        return (f"generation {self.generation} (run {self.run_id[:8]} on {self.host or '?'} pid {self.pid}, "
+                f"resumed from step {self.floor}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(self.created_unix))} UTC)")
+
+
+def lease_path(generation: int) -> str:
+    return f"{FENCE_DIR}/gen-{generation:09d}.json"
+
+
+def lease_generations(storage: Storage) -> list[int]:
+    return sorted(int(m.group(1)) for m in map(_LEASE_RE.fullmatch, storage.list_dir(FENCE_DIR)) if m)
+
+
+def read_leases(storage: Storage) -> list[Lease]:
+    """Every lease that can be read, by generation; an unreadable one is skipped with a warning."""
+    leases = []
+    for gen in lease_generations(storage):
+        try:
+            d = json.loads(storage.read_bytes(lease_path(gen))[:65536])
+            leases.append(Lease(gen, int(d["floor"]), str(d["run_id"]), str(d.get("host", "")),
+                                int(d.get("pid", 0)), float(d.get("created_unix", 0.0))))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("fence: lease %s is unreadable and ignored: %s", lease_path(gen), e)
+    return leases
+
+
+def acquire(storage: Storage, run_id: str, floor: int) -> Lease:
+    """Take the next generation: exclusive create of one above the highest seen; retried on a race."""
+    for _ in range(_ACQUIRE_ATTEMPTS):
+        existing = lease_generations(storage)
+        lease = Lease((existing[-1] if existing else 0) + 1, floor, run_id, socket.gethostname(), os.getpid(), time.time())
+        try:
+            storage.create_exclusive(lease_path(lease.generation), json.dumps(asdict(lease)).encode())
+        except CheckpointExistsError:
+            continue  # another incarnation took this generation a moment ago
+        log.info("rank 0: took the write lease %s", lease.describe())
+        return lease
+    raise FencedError(f"could not take a write lease under {storage.url}/{FENCE_DIR}: {_ACQUIRE_ATTEMPTS} "
+                      "attempts each lost to another writer; is another job writing to this directory?")
+
+
+def check_current(storage: Storage, lease: Lease) -> None:
+    """FencedError unless `lease` is still the newest generation."""
+    newest = lease_generations(storage)
+    if newest and newest[-1] > lease.generation:
+        newer = next((l for l in read_leases(storage) if l.generation == newest[-1]), None)
+        raise FencedError(
+            f"this job ({lease.describe()}) was superseded at {storage.url}: a newer incarnation holds "
+            f"{newer.describe() if newer else f'generation {newest[-1]}'}; it resumed from an earlier "
+            "checkpoint and owns the directory now, so this one may not commit. Stop this process.")
+
+
+def superseded_by(generation: int, step: int, leases: list[Lease]) -> Lease | None:
+    """The newer lease that makes (generation, step) zombie output, or None if it is history."""
+    for lease in leases:
+        if lease.generation > generation and step > lease.floor:
+            return lease
+    return None
