@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.distckpt-installed
 
-.PHONY: install demo demo-s3 test bench clean
+.PHONY: install demo demo-s3 test test-faults bench clean
 
 install: $(STAMP)
 
@@ -24,6 +24,10 @@ demo-s3: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The whole fault matrix (make test runs a sample of it).
+test-faults: $(STAMP)
+	$(PY) -m pytest -q -m faults
 
 bench: $(STAMP)
 	$(PY) bench/run.py

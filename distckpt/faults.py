@@ -16,6 +16,8 @@ POINTS = (
     "save/rank-files-written",
     "save/manifest-written",  # data and manifest durable, marker not yet written
     "save/committed",        # rank 0, marker written, before retention
+    "save/retained",         # rank 0, retention and leftover collection done
+    "save/awaiting-commit",  # every other rank, waiting for rank 0's outcome (sync saves)
     "load/read",             # every rank, files read and verified, nothing restored
     "load/applied",          # every rank, state restored, before the final agreement
 )

@@ -7,15 +7,18 @@ that has not noticed, a hung node coming back). Each incarnation that writes tak
 
 created exclusively (``os.link`` / ``If-None-Match: *``), numbered one above the highest lease
 seen, so two incarnations never share a generation. ``floor`` is the step the incarnation
-resumed from (or the newest committed step when it took the lease without loading): every
-checkpoint at or below it is history it accepted.
+resumed from (-1: it looked and found nothing): every checkpoint at or below it is history it
+accepted. A writer that never loaded has no floor (null): it claims no history, so it fences
+no one and replaces nothing; same-step collisions with it are settled by the exclusive
+creation of manifest.json and COMMITTED (the first wins, the other gets CheckpointExistsError).
 
-* Writers: manifest and marker carry the generation; right before its marker, a writer checks
-  that no higher generation exists, else ``FencedError``.
-* Readers: a checkpoint of generation g at step s is zombie output if some lease of a higher
-  generation has ``floor < s`` — it was committed after a newer incarnation took over from an
-  earlier step. The loader skips it with a warning, ``verify``/``ls`` flag it, and the newer
-  incarnation may overwrite it when it reaches that step.
+* Writers: manifest and marker carry the generation; before writing, before its marker and
+  after it, a writer checks that no *resumed* incarnation of a higher generation exists, else
+  ``FencedError``.
+* Readers: a checkpoint of generation g at step s is zombie output if some resumed lease of a
+  higher generation has ``floor < s`` — it was committed after a newer incarnation took over
+  from an earlier step. The loader skips it with a warning, ``verify``/``ls`` flag it, and the
+  newer incarnation replaces it when it reaches that step.
 
 The lease is taken at an incarnation's first save, not at construction, so a job that only
 reads (evaluation, the CLI) never fences the writer.
@@ -44,7 +47,7 @@ _ACQUIRE_ATTEMPTS = 20
 @dataclass(frozen=True)
 class Lease:
     generation: int
-    floor: int
+    floor: int | None  # the step it resumed from; None: it never loaded (claims no history)
     run_id: str
     host: str = ""
     pid: int = 0
@@ -52,7 +55,7 @@ class Lease:
 
     def describe(self) -> str:
         return (f"generation {self.generation} (run {self.run_id[:8]} on {self.host or '?'} pid {self.pid}, "
-                f"resumed from step {self.floor}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(self.created_unix))} UTC)")
+                f"{'resumed from step ' + str(self.floor) if self.floor is not None else 'not resumed'}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(self.created_unix))} UTC)")
 
 
 def lease_path(generation: int) -> str:
@@ -69,14 +72,15 @@ def read_leases(storage: Storage) -> list[Lease]:
     for gen in lease_generations(storage):
         try:
             d = json.loads(storage.read_bytes(lease_path(gen))[:65536])
-            leases.append(Lease(gen, int(d["floor"]), str(d["run_id"]), str(d.get("host", "")),
+            floor = d["floor"]
+            leases.append(Lease(gen, None if floor is None else int(floor), str(d["run_id"]), str(d.get("host", "")),
                                 int(d.get("pid", 0)), float(d.get("created_unix", 0.0))))
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("fence: lease %s is unreadable and ignored: %s", lease_path(gen), e)
     return leases
 
 
-def acquire(storage: Storage, run_id: str, floor: int) -> Lease:
+def acquire(storage: Storage, run_id: str, floor: int | None) -> Lease:
     """Take the next generation: exclusive create of one above the highest seen; retried on a race."""
     for _ in range(_ACQUIRE_ATTEMPTS):
         existing = lease_generations(storage)
@@ -92,19 +96,20 @@ def acquire(storage: Storage, run_id: str, floor: int) -> Lease:
 
 
 def check_current(storage: Storage, lease: Lease) -> None:
-    """FencedError unless `lease` is still the newest generation."""
-    newest = lease_generations(storage)
-    if newest and newest[-1] > lease.generation:
-        newer = next((l for l in read_leases(storage) if l.generation == newest[-1]), None)
+    """FencedError if a resumed incarnation of a higher generation exists (one LIST when none)."""
+    if not any(g > lease.generation for g in lease_generations(storage)):
+        return
+    newer = [l for l in read_leases(storage) if l.generation > lease.generation and l.floor is not None]
+    if newer:
         raise FencedError(
             f"this job ({lease.describe()}) was superseded at {storage.url}: a newer incarnation holds "
-            f"{newer.describe() if newer else f'generation {newest[-1]}'}; it resumed from an earlier "
-            "checkpoint and owns the directory now, so this one may not commit. Stop this process.")
+            f"{newer[-1].describe()}; it owns the directory from that step on, so this one may not "
+            "commit. Stop this process.")
 
 
 def superseded_by(generation: int, step: int, leases: list[Lease]) -> Lease | None:
     """The newer lease that makes (generation, step) zombie output, or None if it is history."""
     for lease in leases:
-        if lease.generation > generation and step > lease.floor:
+        if lease.generation > generation and lease.floor is not None and step > lease.floor:
             return lease
     return None

@@ -9,6 +9,7 @@ import time
 import uuid
 from typing import Any
 
+from . import faults
 from .async_writer import AsyncWriter
 from .capture import classify
 from .config import ManagerConfig
@@ -94,12 +95,15 @@ class CheckpointManager:
                 self._write(staged)
             except Exception as e:
                 exc = e
+        else:
+            faults.point("save/awaiting-commit", step=step, rank=self.rank)
         share_outcome(self._coord, exc, "save/commit", f"save of step {step}")
 
     def _write(self, staged: StagedSave) -> None:
         start = time.perf_counter()
         write_and_commit(self.storage, staged, self._versions, self._take_lease())
         self._retain(staged.step)
+        faults.point("save/retained", step=staged.step, rank=0)
         t = staged.timings
         log.info("rank 0: committed step %d at %s in %.3fs (capture %.3fs, gather %.3fs, write %.3fs, "
                  "commit %.3fs), %d payload bytes", staged.step, self.storage.url,
@@ -109,9 +113,6 @@ class CheckpointManager:
     def _take_lease(self) -> Lease:
         """Rank 0's write lease, taken once: from here on older incarnations cannot commit."""
         if self._lease is None:
-            if self._floor is None:  # never loaded: everything committed so far is accepted history
-                committed = list_committed(self.storage)
-                self._floor = committed[0] if committed else -1
             self._lease = acquire(self.storage, self.run_id, self._floor)
         return self._lease
 

@@ -35,7 +35,7 @@ from . import manifest as mf
 from .capture import (PER_RANK, REPLICATED, Entry, capture_entry, restore_entry,
                       validate_entry, warn_extra_entries)
 from .coord import Coordinator, Outcome, agree, hostname, raise_if_failed
-from .errors import (CheckpointExistsError, CorruptCheckpointError, DistCkptError,
+from .errors import (CheckpointExistsError, CorruptCheckpointError, DistCkptError, FencedError,
                      IncompatibleCheckpointError, MissingFileError, RankDisagreementError,
                      StorageError)
 from .fencing import Lease
@@ -174,6 +174,20 @@ def check_step_is_free(storage: Storage, step: int, policy: ReplacePolicy) -> mf
 def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any], lease: Lease) -> str:
     """Phases write and commit (rank 0). Returns the manifest digest. Never touches other steps
     (except a zombie's commit of this same step, which it replaces: see fencing.py)."""
+    try:
+        return _write_and_commit(storage, staged, versions, lease)
+    except (OSError, CheckpointExistsError) as e:
+        # A newer incarnation clearing this step under us makes our writes fail: say why.
+        try:
+            fencing.check_current(storage, lease)
+        except FencedError as fenced:
+            raise fenced from e
+        except OSError:
+            pass
+        raise
+
+
+def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any], lease: Lease) -> str:
     t0 = time.perf_counter()
     faults.point("save/gathered", step=staged.step, rank=0)
     fencing.check_current(storage, lease)
@@ -195,31 +209,49 @@ def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, A
         "files": files, "payload_bytes": staged.replicated.payload_bytes, "versions": versions,
     }
     data = mf.manifest_bytes(manifest)
-    _create_manifest(storage, base, data, gen)
+    _create_manifest(storage, base, data, gen, policy, staged.step)
     digest = mf.checksum_of(data)
     faults.point("save/manifest-written", step=staged.step, rank=0)
     fencing.check_current(storage, lease)  # last check before the point of no return
     _create_marker(storage, mf.Marker(staged.step, digest, staged.run_id, gen), policy)
+    _check_still_current(storage, lease, staged.step)
     staged.timings.update(write_s=t1 - t0, commit_s=time.perf_counter() - t1)
     faults.point("save/committed", step=staged.step, rank=0)
     return digest
 
 
+def _check_still_current(storage: Storage, lease: Lease, step: int) -> None:
+    """Closes the race between the last fence check and the marker: a lease taken in between
+    saw this commit or not; either way this writer is stale now and must stop."""
+    try:
+        fencing.check_current(storage, lease)
+    except FencedError as e:
+        raise FencedError(f"step {step}'s marker was written while a newer incarnation took over; the "
+                          "newer one loads it only if it resumed from this step or later. " + str(e)) from None
+
+
 def _clear_step_dir(storage: Storage, step: int, policy: ReplacePolicy) -> None:
-    """Remove an uncommitted leftover of `step`, or a zombie's commit of it (marker first)."""
+    """Remove a zombie's commit of `step` (marker first). Uncommitted leftovers stay: payload
+    names carry the generation, so they are never confused with ours (gc collects them), and
+    a leftover may be a concurrent writer's save in progress."""
     base = mf.step_dir(step)
     replaced = check_step_is_free(storage, step, policy)
-    if replaced is not None:
-        log.warning("rank 0: replacing %s/%s, committed by superseded generation %d after this job "
-                    "resumed from step %s", storage.url, base, replaced.generation, policy.floor)
-        storage.remove_file(f"{base}/{mf.MARKER}")
-    if storage.list_dir(base):
-        log.info("removing the uncommitted leftover %s before rewriting it", base)
+    if replaced is None:
+        return
+    log.warning("rank 0: replacing %s/%s, committed by superseded generation %d after this job "
+                "resumed from step %s", storage.url, base, replaced.generation, policy.floor)
+    storage.remove_file(f"{base}/{mf.MARKER}")
+    try:
         storage.remove_tree(base)
+    except OSError as e:  # the stale writer may still be adding files; never listed, so harmless
+        log.warning("rank 0: could not clear all of %s/%s (%s); its stray files are ignored", storage.url, base, e)
 
 
-def _create_manifest(storage: Storage, base: str, data: bytes, generation: int) -> None:
-    """Exclusive create: of two writers of one step, the second learns it here, before any marker."""
+def _create_manifest(storage: Storage, base: str, data: bytes, generation: int, policy: ReplacePolicy,
+                     step: int) -> None:
+    """Exclusive create: of two writers of one step, the second learns it here, before any marker.
+    An existing manifest is replaced only if it is ours (an earlier failed attempt) or a
+    superseded writer's in the range this job took over."""
     path = f"{base}/{mf.MANIFEST}"
     for attempt in range(2):
         try:
@@ -227,11 +259,14 @@ def _create_manifest(storage: Storage, base: str, data: bytes, generation: int) 
             return
         except CheckpointExistsError:
             other = _manifest_generation(storage, path)
-            if other >= generation or attempt:
+            ours_or_zombie = other == generation or (other < generation and policy.floor is not None
+                                                     and step > policy.floor)
+            if attempt or not ours_or_zombie:
                 raise CheckpointExistsError(
-                    errno.EEXIST, f"{storage.url}/{path} is being written by another writer (generation "
-                    f"{other}, this one {generation}): two saves of one step ran at once; one commits") from None
-            storage.remove_file(path)  # a stale writer's, left behind or racing us
+                    errno.EEXIST, f"{storage.url}/{path} exists, written by generation {other} (this writer: "
+                    f"{generation}): another save of step {step} is in progress or was left unfinished; "
+                    "one save per step commits (gc removes unfinished ones after leftover_grace_s)") from None
+            storage.remove_file(path)
 
 
 def _manifest_generation(storage: Storage, path: str) -> int:

@@ -264,7 +264,8 @@ def test_a_full_disk_at_every_write_never_damages_the_previous_checkpoint(ckpt_d
         with distckpt.CheckpointManager(ckpt_dir) as mgr:
             assert mgr.load_latest(other).step == 10
         assert same_params(other["model"], state["model"])
-    with distckpt.CheckpointManager(ckpt_dir) as mgr:  # the disk has room again
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:  # the disk has room again: a restarted job
+        assert mgr.load_latest(fresh_state()).step == 10
         mgr.save(20, state, epoch=1)
         assert mgr.committed_steps() == [20, 10]
 

@@ -1,0 +1,146 @@
+"""Zombie writers: a superseded incarnation cannot commit, and its late output is never loaded.
+
+Each backend runs the same tests: local disk, and S3 on the real SeaweedFS server.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+import distckpt
+from distckpt import fencing
+from distckpt.cli import main as cli_main
+from distckpt.storage import open_storage
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request, tmp_path):
+    """(url, storage_options) on local disk or on the real S3 server."""
+    if request.param == "local":
+        return str(tmp_path / "ckpt"), None
+    s3 = request.getfixturevalue("s3_server")
+    url = request.getfixturevalue("s3_url")
+    return url, s3.storage_options()
+
+
+def manager(where, **kw):
+    url, options = where
+    return distckpt.CheckpointManager(url, storage_options=options, **kw)
+
+
+def value_of(where) -> tuple[int, float]:
+    state = {"w": torch.zeros(4)}
+    with manager(where) as mgr:
+        progress = mgr.load_latest(state)
+    return progress.step, float(state["w"][0])
+
+
+def test_a_superseded_writer_cannot_commit(where):
+    old = manager(where)
+    old.save(1, {"w": torch.full((4,), 1.0)})
+    old.save(2, {"w": torch.full((4,), 2.0)})
+    # The job is restarted elsewhere while the old incarnation still runs.
+    new = manager(where)
+    state = {"w": torch.zeros(4)}
+    assert new.load_latest(state).step == 2
+    new.save(3, {"w": torch.full((4,), 3.0)})
+    with pytest.raises(distckpt.FencedError, match="superseded .* newer incarnation holds generation 2"):
+        old.save(4, {"w": torch.full((4,), 99.0)})
+    assert new.committed_steps() == [3, 2, 1]
+    new.save(4, {"w": torch.full((4,), 4.0)})  # the old one's attempt left nothing in the way
+    assert value_of(where) == (4, 4.0)
+    new.close()
+    old.close()
+
+
+def test_an_async_zombie_save_fails_at_the_next_call(where):
+    old = manager(where, async_save=True)
+    old.save(1, {"w": torch.full((4,), 1.0)})
+    old.wait()
+    new = manager(where)
+    new.load_latest({"w": torch.zeros(4)})
+    new.save(2, {"w": torch.full((4,), 2.0)})
+    old.save(3, {"w": torch.full((4,), 99.0)})  # staged; the write is fenced in the background
+    with pytest.raises(distckpt.AsyncSaveError, match="FencedError"):
+        old.wait()
+    assert new.committed_steps() == [2, 1]
+    new.close()
+    old.close()
+
+
+def test_a_zombie_commit_that_slipped_through_is_never_loaded(where, monkeypatch):
+    """The window between a writer's fence check and its marker: simulate a zombie that passed
+    the check just before the new incarnation took over, and committed after."""
+    old = manager(where)
+    old.save(1, {"w": torch.full((4,), 1.0)})
+    new = manager(where)
+    new.load_latest({"w": torch.zeros(4)})  # resumes from 1
+    new.save(2, {"w": torch.full((4,), 2.0)})
+    monkeypatch.setattr(fencing, "check_current", lambda storage, lease: None)  # the zombie's view
+    old.save(5, {"w": torch.full((4,), 99.0)})
+    monkeypatch.undo()
+    assert 5 in new.committed_steps()  # its marker is there ...
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="superseded writer"):
+        assert value_of(where) == (2, 2.0)  # ... but the loader never prefers it
+    url, options = where
+    assert cli_main(["verify", url, "--step", "5"]) == 1
+    with pytest.raises(distckpt.CorruptCheckpointError, match="superseded writer"):
+        with manager(where) as reader:
+            reader.load({"w": torch.zeros(4)}, 5)
+    new.save(5, {"w": torch.full((4,), 5.0)})  # the live incarnation replaces the zombie's step
+    assert value_of(where) == (5, 5.0)
+    new.close()
+    old.close()
+
+
+def test_a_reader_never_fences_the_writer(where):
+    writer = manager(where)
+    writer.save(1, {"w": torch.full((4,), 1.0)})
+    for _ in range(2):  # an evaluation job, the CLI: read only
+        assert value_of(where) == (1, 1.0)
+        assert cli_main(["verify", where[0]]) == 0 if where[1] is None else True
+    writer.save(2, {"w": torch.full((4,), 2.0)})
+    assert value_of(where) == (2, 2.0)
+    writer.close()
+
+
+def test_a_resumed_job_overwrites_a_damaged_step_it_fell_back_over(where):
+    """Resumed from step 1 because step 2 was damaged: the new incarnation's step 2 replaces it."""
+    with manager(where) as mgr:
+        mgr.save(1, {"w": torch.full((4,), 1.0)})
+        mgr.save(2, {"w": torch.full((4,), 2.0)})
+    store = open_storage(*where) if where[1] else open_storage(where[0])
+    store.write_file("step-000000002/manifest.json", [b"{}"])  # damaged after commit
+    state = {"w": torch.zeros(4)}
+    with manager(where) as mgr:
+        with pytest.warns(distckpt.CheckpointFallbackWarning):
+            assert mgr.load_latest(state).step == 1
+        mgr.save(2, {"w": torch.full((4,), 22.0)})
+    assert value_of(where) == (2, 22.0)
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_two_concurrent_saves_of_one_step_exactly_one_commits(where, trial):
+    url, options = where
+    start_at = time.time() + 4.0  # after both processes imported torch
+    with cf.ProcessPoolExecutor(2, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(_save_at, url, options, who, 7, start_at) for who in (1, 2)]
+        results = [f.result(timeout=120) for f in futures]
+    winners = [r for r in results if r["ok"]]
+    losers = [r for r in results if not r["ok"]]
+    assert len(winners) == 1, results
+    assert losers[0]["error_type"] in ("FencedError", "CheckpointExistsError"), losers
+    step, value = value_of(where)
+    assert (step, value) == (7, float(winners[0]["who"]))
+    assert cli_main(["verify", url]) == 0 if options is None else True
+
+
+def _save_at(*args):
+    import fence_workers
+
+    return fence_workers.save_at(*args)
