@@ -228,6 +228,8 @@ def _check_still_current(storage: Storage, lease: Lease, step: int) -> None:
     except FencedError as e:
         raise FencedError(f"step {step}'s marker was written while a newer incarnation took over; the "
                           "newer one loads it only if it resumed from this step or later. " + str(e)) from None
+    except OSError as e:  # the commit stands; the next save checks the fence again
+        log.warning("rank 0: step %d is committed, but checking the fence after it failed: %s", step, e)
 
 
 def _clear_step_dir(storage: Storage, step: int, policy: ReplacePolicy) -> None:

@@ -1,7 +1,7 @@
 """An HTTP/1.1 proxy on loopback that injects faults between s3fs and the S3 server.
 
-Rules match requests by method and a regex on the path (with query) and act on up to `times`
-of them:
+Rules match requests by method ("*": any) and a regex on the path (with query), let the
+first `skip` matches through, and act on up to `times` of the rest:
 
     status      reply with `status` (e.g. 503 SlowDown) without forwarding
     reset       read half the request body, then reset the connection (mid-upload)
@@ -28,9 +28,14 @@ class Rule:
     times: int = 1
     status: int = 503
     hits: int = 0
+    skip: int = 0  # let this many matching requests through first ("fail from the Nth on")
+    seen: int = 0
 
     def matches(self, method: str, path: str) -> bool:
-        return self.hits < self.times and method == self.method and re.search(self.path, path) is not None
+        if self.hits >= self.times or self.method not in ("*", method) or re.search(self.path, path) is None:
+            return False
+        self.seen += 1
+        return self.seen > self.skip
 
 
 _REASONS = {500: ("InternalError", "We encountered an internal error."),

@@ -1,0 +1,72 @@
+"""Damage after commit, on local disk and S3: every kind of damage to every kind of file is
+detected by checksum or structure, the loader falls back to the previous checkpoint with a
+warning naming the file, and `distckpt verify` reports the same file with exit status 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import distckpt
+from distckpt import cli
+from distckpt import manifest as mf
+from distckpt.storage import open_storage
+
+FILES = {"replicated": mf.replicated_file(1), "rank": mf.rank_file(0, 1), "manifest": mf.MANIFEST,
+         "marker": mf.MARKER}
+
+
+def flip(data: bytes) -> bytes:
+    out = bytearray(data)
+    out[len(out) // 2] ^= 0x01  # one flipped bit
+    return bytes(out)
+
+
+DAMAGE = {
+    "flipped-bit": lambda s, p: s.write_file(p, [flip(s.read_bytes(p))]),
+    "truncated": lambda s, p: s.write_file(p, [s.read_bytes(p)[: len(s.read_bytes(p)) // 2]]),
+    "missing": lambda s, p: s.remove_file(p),
+    "garbage": lambda s, p: s.write_file(p, [b"\x00garbage{" * 7]),
+}
+CASES = [(f, d) for f in ("replicated", "rank", "manifest") for d in DAMAGE] + [("marker", "flipped-bit"),
+                                                                              ("marker", "garbage")]
+
+
+@pytest.fixture(params=["local", "s3"])
+def url(request, tmp_path, monkeypatch):
+    if request.param == "local":
+        return str(tmp_path / "ckpt")
+    server = request.getfixturevalue("s3_server")
+    for k, v in server.env().items():  # the CLI and the manager read S3 settings from the environment
+        monkeypatch.setenv(k, v)
+    return request.getfixturevalue("s3_url")
+
+
+def state_for(step: int) -> dict:
+    torch.manual_seed(step)
+    return {"model": nn.Linear(32, 8), "gen": torch.Generator().manual_seed(step)}
+
+
+@pytest.mark.parametrize("which,how", CASES, ids=[f"{w}-{h}" for w, h in CASES])
+def test_damage_after_commit_falls_back_and_verify_names_the_file(url, which, how, capsys):
+    with distckpt.CheckpointManager(url) as mgr:
+        mgr.save(1, state_for(1))
+        mgr.save(2, state_for(2))
+    storage = open_storage(url)
+    DAMAGE[how](storage, f"{mf.step_dir(2)}/{FILES[which]}")
+    name = FILES[which] if which != "marker" else "marker"
+
+    state = state_for(0)
+    with distckpt.CheckpointManager(url) as mgr:
+        with pytest.warns(distckpt.CheckpointFallbackWarning) as warned:
+            assert mgr.load_latest(state).step == 1
+    message = str(warned[0].message)
+    assert "step 2" in message and (name in message or (which == "manifest" and "manifest" in message)), message
+    assert torch.equal(state["model"].weight, state_for(1)["model"].weight)  # the previous one, exactly
+
+    capsys.readouterr()
+    assert cli.main(["verify", url, "--step", "2"]) == 1
+    out = capsys.readouterr().out
+    assert name in out or (which == "manifest" and "manifest" in out), out
+    assert cli.main(["verify", url, "--step", "1"]) == 0

@@ -1,0 +1,82 @@
+"""A power cut before each durability-relevant operation of a save (and right after it
+returns), on a disk that keeps only what was fsynced: the disk found afterwards always loads
+the previous or the new checkpoint, byte-identical, and the new one once save() returned."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+import distckpt
+from distckpt.cli import main as cli_main
+
+from powercut import PowerCut, PowerCutNow
+
+
+def state_for(step: int) -> dict:
+    torch.manual_seed(step)
+    model = nn.Linear(64, 16)
+    return {"model": model, "gen": torch.Generator().manual_seed(step), "config": {"step": step}}
+
+
+def blank() -> dict:
+    state = state_for(0)
+    with torch.no_grad():
+        state["model"].weight.zero_()
+    return state
+
+
+def committed_run(path: str) -> None:
+    with distckpt.CheckpointManager(path) as mgr:
+        mgr.save(1, state_for(1))
+
+
+def save_under(cut: PowerCut, path: str) -> bool:
+    """The restarted job's next save (keep_last=1: retention deletes step 1); True if it returned."""
+    with distckpt.CheckpointManager(path, keep_last=1) as mgr:
+        mgr.load_latest(blank())
+        with cut:
+            try:
+                mgr.save(2, state_for(2))
+                return True
+            except PowerCutNow:
+                return False
+
+
+def count_operations(tmp_path) -> int:
+    path = str(tmp_path / "count")
+    committed_run(path)
+    cut = PowerCut(path)
+    assert save_under(cut, path)
+    return cut.ops
+
+
+def test_a_power_cut_at_every_operation_of_a_save(tmp_path):
+    total = count_operations(tmp_path)
+    assert total >= 10  # files, directories, manifest, marker, retention
+    outcomes = []
+    for k in range(1, total + 2):  # k = total + 1: the cut comes after save() returned
+        live = str(tmp_path / f"live{k}")
+        committed_run(live)
+        cut = PowerCut(live, at=k)
+        returned = save_under(cut, live)
+        assert returned == (k == total + 1)
+        found = str(tmp_path / f"after{k}")
+        cut.image(found)
+        state = blank()
+        with distckpt.CheckpointManager(found) as mgr:
+            progress = mgr.load_latest(state)
+        assert progress is not None, f"cut before operation {k}: no checkpoint survived"
+        assert torch.equal(state["model"].weight, state_for(progress.step)["model"].weight)
+        assert torch.equal(state["gen"].get_state(), state_for(progress.step)["gen"].get_state())
+        if returned:
+            assert progress.step == 2, "save() returned, yet the new checkpoint did not survive the cut"
+        assert cli_main(["verify", found, "--all"]) == 0
+        outcomes.append(progress.step)
+        shutil.rmtree(live), shutil.rmtree(found)
+    assert 1 in outcomes and 2 in outcomes, outcomes
+    print(f"power cut before each of {total} operations: resumed from", outcomes)

@@ -1,0 +1,106 @@
+"""S3 requests failing from the Nth on, for every N a save performs (the object-store
+counterpart of a disk that fills up mid-save): a clear error, the previous checkpoint still
+loads byte-identical, and a restarted job's next save succeeds once the store recovers.
+
+`make test` runs every third N; `make test-faults` runs them all.
+"""
+
+from __future__ import annotations
+
+import pytest
+import s3fs
+import torch
+from torch import nn
+
+import distckpt
+
+from faultproxy import Rule
+from test_s3 import fast_options
+
+
+def state_for(step: int) -> dict:
+    torch.manual_seed(step)
+    model = nn.Linear(256, 64)
+    return {"model": model, "gen": torch.Generator().manual_seed(step), "config": {"step": step}}
+
+
+def blank() -> dict:
+    state = state_for(0)
+    with torch.no_grad():
+        state["model"].weight.zero_()
+    return state
+
+
+def snapshot(s3_server, url: str) -> dict[str, bytes]:
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options())
+    return {k: fs.cat_file(k) for k in fs.find(url[5:] + "/step-000000001")}
+
+
+def count_requests(s3_server, proxy, url: str) -> int:
+    direct = fast_options(s3_server.storage_options())
+    with distckpt.CheckpointManager(url, storage_options=direct) as mgr:
+        mgr.save(1, state_for(1))
+    proxy.log.clear()
+    with distckpt.CheckpointManager(url, storage_options=fast_options(s3_server.storage_options(proxy.endpoint))) as mgr:
+        mgr.load_latest(blank())
+        before = len(proxy.log)
+        mgr.save(2, state_for(2))
+        return len(proxy.log) - before
+
+
+@pytest.fixture(scope="module")
+def save_requests(s3_server):
+    from faultproxy import FaultProxy
+
+    p = FaultProxy(s3_server.s3_port).start()
+    try:
+        return count_requests(s3_server, p, "s3://ckpt/count-requests")
+    finally:
+        p.stop()
+
+
+def run_trial(s3_server, s3_url: str, proxy, n: int) -> str:
+    """Fail every request from the nth of a save on; returns what happened."""
+    direct = fast_options(s3_server.storage_options())
+    with distckpt.CheckpointManager(s3_url, storage_options=direct) as mgr:
+        mgr.save(1, state_for(1))
+    before = snapshot(s3_server, s3_url)
+
+    via_proxy = fast_options(s3_server.storage_options(proxy.endpoint), retries=1)
+    with distckpt.CheckpointManager(s3_url, storage_options=via_proxy) as mgr:
+        assert mgr.load_latest(blank()).step == 1
+        proxy.add(Rule("*", ".", "status", times=10**6, status=500, skip=n - 1))
+        try:
+            mgr.save(2, state_for(2))
+            error = None
+        except distckpt.DistCkptError as e:
+            error = e
+        finally:
+            proxy.rules.clear()
+
+    assert snapshot(s3_server, s3_url) == before, f"n={n}: step 1 changed"  # byte for byte
+    with distckpt.CheckpointManager(s3_url, storage_options=direct) as mgr:
+        state = blank()
+        progress = mgr.load_latest(state)
+        if error is None:  # only housekeeping after the marker failed (warnings): step 2 is committed
+            assert progress.step == 2, f"n={n}: the save succeeded but step 2 is not loadable"
+            assert torch.equal(state["model"].weight, state_for(2)["model"].weight)
+            return "committed"
+        assert isinstance(error, (distckpt.StorageError, distckpt.CoordinationError, distckpt.FencedError)), repr(error)
+        assert progress.step == 1, f"n={n}: the save failed ({error}) yet step {progress.step} loads"
+        assert torch.equal(state["model"].weight, state_for(1)["model"].weight)
+        mgr.save(2, state_for(2))  # the store recovered: the restarted job's save succeeds
+        assert mgr.committed_steps()[0] == 2
+    return "error"
+
+
+def test_s3_failing_from_the_nth_request_sampled(s3_server, s3_url, proxy, save_requests):
+    outcomes = {n: run_trial(s3_server, f"{s3_url}/n{n}", proxy, n) for n in range(1, save_requests + 1, 3)}
+    assert "error" in outcomes.values(), outcomes
+
+
+@pytest.mark.faults
+def test_s3_failing_from_every_nth_request(s3_server, s3_url, proxy, save_requests):
+    outcomes = {n: run_trial(s3_server, f"{s3_url}/n{n}", proxy, n) for n in range(1, save_requests + 1)}
+    print("S3 failing from request N of", save_requests, outcomes)
+    assert list(outcomes.values()).count("error") >= save_requests // 2, outcomes
