@@ -28,8 +28,20 @@ DAMAGE = {
     "truncated": lambda s, p: s.write_file(p, [s.read_bytes(p)[: len(s.read_bytes(p)) // 2]]),
     "missing": lambda s, p: s.remove_file(p),
     "garbage": lambda s, p: s.write_file(p, [b"\x00garbage{" * 7]),
+    # The marker's fields that matter (step, digest, generation) are each checked against the
+    # manifest; a bit flipped in its nonce or run id changes nothing that is loaded.
+    "digest-bit": lambda s, p: s.write_file(p, [_flip_digest(s.read_bytes(p))]),
 }
-CASES = [(f, d) for f in ("replicated", "rank", "manifest") for d in DAMAGE] + [("marker", "flipped-bit"),
+
+
+def _flip_digest(marker: bytes) -> bytes:
+    import json
+
+    d = json.loads(marker)
+    digest = d["manifest_xxh3_64"]
+    d["manifest_xxh3_64"] = digest[:-1] + ("0" if digest[-1] != "0" else "1")
+    return json.dumps(d).encode()
+CASES = [(f, d) for f in ("replicated", "rank", "manifest") for d in DAMAGE] + [("marker", "digest-bit"),
                                                                               ("marker", "garbage")]
 
 
