@@ -192,7 +192,7 @@ def test_a_server_killed_mid_save(tmp_path):
 
 
 def test_credentials_never_appear(s3_server, s3_url, proxy, caplog):
-    caplog.set_level(logging.DEBUG, logger="distckpt")
+    caplog.set_level(logging.DEBUG)  # every logger, botocore's request dumps included
     opts = via(proxy, s3_server)
     with distckpt.CheckpointManager(s3_url, storage_options=opts) as mgr:
         mgr.save(1, state_with(0))
@@ -201,8 +201,24 @@ def test_credentials_never_appear(s3_server, s3_url, proxy, caplog):
             mgr.save(2, state_with(0))
         texts = [repr(mgr), repr(mgr.storage), str(info.value), caplog.text,
                  mgr.storage.read_bytes("step-000000001/manifest.json").decode()]
+    assert "botocore" in caplog.text and "Authorization" in caplog.text  # the dumps were there ...
     for text in texts:
-        assert SECRET_KEY not in text and ACCESS_KEY not in text
+        assert SECRET_KEY not in text and ACCESS_KEY not in text  # ... without the credentials
+
+
+def test_a_session_token_never_appears_in_any_log_record(caplog):
+    from distckpt.storage.redact import protect_credentials
+
+    token = "FwoGZXIvYXdzEJr//////////wEaDSessionToken" + "x" * 40
+    protect_credentials({"key": "AKIAEXAMPLEKEY123", "secret": "s3cr3t/EXAMPLE+key", "token": token})
+    caplog.set_level(logging.DEBUG)
+    logging.getLogger("botocore.endpoint").debug("Sending http request: %s",
+                                                  {"X-Amz-Security-Token": token, "Authorization":
+                                                   "AWS4-HMAC-SHA256 Credential=AKIAEXAMPLEKEY123/2026"})
+    logging.getLogger("some.app").info("token=%s", token)
+    assert len(caplog.records) == 2
+    assert token not in caplog.text and "AKIAEXAMPLEKEY123" not in caplog.text
+    assert caplog.text.count("***") == 3
 
 
 def test_a_write_failure_on_s3_fails_every_rank(s3_server, s3_url, proxy):

@@ -12,7 +12,9 @@
 * Every call has a deadline: botocore's timeouts do not bound a PUT waiting for "100 Continue"
   from a stopped server (seen here: a paused server held a 10 kB PUT for over a minute).
 * Credentials come from the standard places (environment incl. AWS_ENDPOINT_URL, profiles,
-  `storage_options`) and never appear in repr, logs, errors or the manifest.
+  `storage_options`) and never appear in repr, errors or the manifest; those given in
+  `storage_options` or the AWS_* environment are redacted from every log record, botocore's
+  DEBUG request dumps included (redact.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Iterable, Iterator
 
 from ..errors import CheckpointExistsError, MissingFileError, StorageError
 from .fsspec_fs import FsspecStorage, _join
+from .redact import protect_credentials
 
 log = logging.getLogger("distckpt")
 
@@ -53,6 +56,7 @@ class S3Storage(FsspecStorage):
         import s3fs
 
         options = dict(storage_options)
+        protect_credentials(options)
         part_bytes = int(options.pop("part_bytes", DEFAULT_PART_BYTES))
         concurrency = int(options.pop("concurrency", DEFAULT_CONCURRENCY))
         call_timeout = float(options.pop("call_timeout", DEFAULT_CALL_TIMEOUT_S))
