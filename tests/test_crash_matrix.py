@@ -53,6 +53,8 @@ def test_sigkill_at_every_point(backend, point, victim, expect, tmp_path, reques
     report = survivor.value
     assert report["error_type"] is not None, f"the survivor reported success after rank {victim} died: {report}"
     assert report["seconds"] < crash_workers.TIMEOUT_S + 5, report  # an error within the timeout, never a hang
+    print(f"\n[crash] {backend} {point} rank {victim} killed: survivor raised {report['error_type']} "
+          f"after {report['seconds']:.2f}s; resumed from step {expect}")
 
     resumed = run_world("crash_workers:resume_and_continue", 2, url=url, options=options)
     for r in resumed:

@@ -79,4 +79,5 @@ def test_a_power_cut_at_every_operation_of_a_save(tmp_path):
         outcomes.append(progress.step)
         shutil.rmtree(live), shutil.rmtree(found)
     assert 1 in outcomes and 2 in outcomes, outcomes
-    print(f"power cut before each of {total} operations: resumed from", outcomes)
+    print(f"\n[power-cut] cut before each of {total} operations and after save() returned: resumed from",
+          outcomes)
