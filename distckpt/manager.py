@@ -119,7 +119,8 @@ class CheckpointManager:
     def _retain(self, just_committed: int) -> None:
         """Retention and leftover collection; failures here never undo the commit."""
         try:
-            committed = read_committed(self.storage, list_committed(self.storage))
+            no_policy = self.config.keep_last is None and self.config.keep_best is None
+            committed = [] if no_policy else read_committed(self.storage, list_committed(self.storage))
             for step in plan_retention(committed, self.config.keep_last, self.config.keep_best,
                                        self.config.best_mode):
                 if step != just_committed:

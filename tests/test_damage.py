@@ -41,7 +41,7 @@ def _flip_digest(marker: bytes) -> bytes:
     digest = d["manifest_xxh3_64"]
     d["manifest_xxh3_64"] = digest[:-1] + ("0" if digest[-1] != "0" else "1")
     return json.dumps(d).encode()
-CASES = [(f, d) for f in ("replicated", "rank", "manifest") for d in DAMAGE] + [("marker", "digest-bit"),
+CASES = [(f, d) for f in ("replicated", "rank", "manifest") for d in DAMAGE if d != "digest-bit"] + [("marker", "digest-bit"),
                                                                               ("marker", "garbage")]
 
 

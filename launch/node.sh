@@ -1,0 +1,14 @@
+#!/bin/sh
+# One node of the cluster: a torchrun agent with $NPROC_PER_NODE workers that joins $NNODES nodes
+# by c10d rendezvous at $RDZV_HOST:$RDZV_PORT and trains launch/train.py, checkpointing to
+# $CKPT_URL and logging losses under $LOSS_LOG. Used as is by docker/compose.yaml and by
+# launch/cluster.sh; the settings live in docker/cluster.env. Extra arguments go to train.py.
+set -eu
+cd "$(dirname "$0")/.."
+: "${RDZV_ID:=distckpt-cluster}"
+exec "${PYTHON:-python}" -m torch.distributed.run \
+    --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
+    --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:$RDZV_PORT" --rdzv-id "$RDZV_ID" \
+    --max-restarts "$MAX_RESTARTS" --monitor-interval 0.5 \
+    launch/train.py --ckpt "$CKPT_URL" --loss-log "$LOSS_LOG" --steps "$STEPS" \
+    --ckpt-every "$CKPT_EVERY" --batch "$BATCH" "$@"
