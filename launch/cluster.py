@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default=None, help="logs, S3 data (default: a temporary directory)")
     p.add_argument("--kill-node", type=int, default=1)
-    p.add_argument("--kill-after-step", type=int, default=25)
+    p.add_argument("--kill-after-step", type=int, default=15)
     p.add_argument("--timeout", type=float, default=900)
     args = p.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="distckpt-cluster-")
