@@ -198,6 +198,22 @@ def test_leftovers_of_uncommitted_saves_are_collected(ckpt_dir):
     assert not os.path.exists(os.path.dirname(leftover))
 
 
+def test_complete_data_without_a_marker_is_neither_loaded_nor_deleted_while_young(ckpt_dir):
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, {"x": 1})
+        mgr.save(2, {"x": 2})
+    os.remove(os.path.join(ckpt_dir, "step-000000002", "COMMITTED"))  # every file there but the marker
+    state = {"x": 0}
+    with distckpt.CheckpointManager(ckpt_dir, leftover_grace_s=3600) as mgr:
+        assert mgr.load_latest(state).step == 1 and state["x"] == 1
+        mgr.save(3, {"x": 3})
+    assert os.path.exists(os.path.join(ckpt_dir, "step-000000002", "manifest.json"))  # young: kept
+    with distckpt.CheckpointManager(ckpt_dir, leftover_grace_s=0) as mgr:
+        mgr.save(4, {"x": 4})
+        assert mgr.committed_steps() == [4, 3, 1]
+    assert not os.path.exists(os.path.join(ckpt_dir, "step-000000002"))  # old enough: collected
+
+
 class FullDisk:
     """A file object that raises ENOSPC on the Nth write across all files (N=None: counts)."""
 
