@@ -1,6 +1,6 @@
 """Checkpoint cost against baselines measured in the same run.
 
-    python bench/run.py [--mib 256] [--repeats 3] [--no-s3] [--no-ranks]
+    python bench/run.py [--mib 256] [--repeats 3] [--no-s3] [--no-ranks] [--no-training]
 
 Every row is a median over --repeats rounds after one warm-up round; single-process rows run
 interleaved (one of each per round), because this kind of VM's disk speed drifts by 2x over a
@@ -243,6 +243,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-s3", action="store_true")
     p.add_argument("--no-ranks", action="store_true")
+    p.add_argument("--no-training", action="store_true", help="skip the training-throughput table")
     args = p.parse_args()
     torch.set_num_threads(1)
     state = make_state(args.mib)
@@ -256,14 +257,22 @@ def main() -> int:
             rows += rank_rows(root, args.mib, args.repeats)
         if not args.no_s3:
             rows += s3_rows(state, root, args.repeats)
+        if not args.no_training:
+            from training import training_table
+
+            training = training_table(os.path.join(root, "training"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     print(f"state: {len(state)} float32 tensors, {nbytes / 2**20:.0f} MiB (per rank, replicated); "
           f"median of {args.repeats} after a warm-up round; {os.cpu_count()} CPUs; torch {torch.__version__}")
     print(f"command: python bench/run.py --mib {args.mib} --repeats {args.repeats}"
-          + (" --no-s3" if args.no_s3 else "") + (" --no-ranks" if args.no_ranks else ""))
+          + (" --no-s3" if args.no_s3 else "") + (" --no-ranks" if args.no_ranks else "")
+          + (" --no-training" if args.no_training else ""))
     print(render(rows, nbytes))
+    if not args.no_training:
+        print()
+        print(training)
     return 0
 
 

@@ -17,6 +17,7 @@ import math
 import os
 import random
 import signal
+import time
 import sys
 
 import numpy as np
@@ -111,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt", required=True, help="checkpoint root: a local path or fsspec URL")
     p.add_argument("--loss-log", required=True, help="directory for per-rank loss logs")
     p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--ckpt-every", type=int, default=20)
+    p.add_argument("--ckpt-every", type=int, default=20, help="0: never (a baseline for benchmarks)")
     p.add_argument("--val-every", type=int, default=15)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--batch", type=int, default=16)
@@ -196,13 +197,13 @@ def main(argv: list[str] | None = None) -> None:
             loss.backward()
             opt.step()
             sched.step()
-            log.write(f"{step} {loss.item().hex()} epoch={epoch}\n")
+            log.write(f"{step} {loss.item().hex()} epoch={epoch} t={time.perf_counter():.6f}\n")
             if step % args.val_every == 0:
                 model.eval()
                 with torch.no_grad():
                     val_loss = F.cross_entropy(model(val_x).flatten(0, 1), val_y.flatten()).item()
                 model.train()
-            if step % args.ckpt_every == 0 and step > 0:
+            if args.ckpt_every and step % args.ckpt_every == 0 and step > 0:
                 mgr.save(step, state, epoch=epoch, metric=val_loss if math.isfinite(val_loss) else None)
             elif mgr.preemption_requested():  # SIGTERM on any rank: all save this step, then exit
                 mgr.save(step, state, epoch=epoch, metric=val_loss if math.isfinite(val_loss) else None)
