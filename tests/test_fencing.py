@@ -129,7 +129,7 @@ def test_a_resumed_job_overwrites_a_damaged_step_it_fell_back_over(where):
     assert value_of(where) == (2, 22.0)
 
 
-@pytest.mark.parametrize("trial", range(3))
+@pytest.mark.parametrize("trial", [0, pytest.param(1, marks=pytest.mark.faults), pytest.param(2, marks=pytest.mark.faults)])
 def test_two_concurrent_saves_of_one_step_exactly_one_commits(where, trial):
     url, options = where
     start_at = time.time() + 4.0  # after both processes imported torch
