@@ -33,6 +33,7 @@ import re
 import socket
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 from .errors import CheckpointExistsError, FencedError
 from .storage import Storage
@@ -105,6 +106,30 @@ def check_current(storage: Storage, lease: Lease) -> None:
             f"this job ({lease.describe()}) was superseded at {storage.url}: a newer incarnation holds "
             f"{newer[-1].describe()}; it owns the directory from that step on, so this one may not "
             "commit. Stop this process.")
+
+
+PRUNE_ABOVE = 8  # leases kept before pruning is considered (it reads every committed marker)
+
+
+def prune(storage: Storage, lease: Lease, committed_generations: Callable[[], list[int]]) -> list[int]:
+    """Remove leases that can no longer matter; returns the generations removed.
+
+    A lease matters for two things: fencing writers older than it, and disqualifying commits of
+    older generations. The live, resumed writer's own lease fences every older writer by itself;
+    and a lease older than every committed checkpoint's generation disqualifies nothing that
+    exists. So once this writer has committed, leases below both are dropped. A writer that never
+    loaded fences no one, so it prunes nothing.
+    """
+    generations = lease_generations(storage)
+    if lease.floor is None or len(generations) <= PRUNE_ABOVE:
+        return []
+    oldest_needed = min([lease.generation, *committed_generations()])
+    removed = [g for g in generations if g < oldest_needed]
+    for g in removed:
+        storage.remove_file(lease_path(g))
+    if removed:
+        log.info("rank 0: pruned %d lease(s) older than generation %d", len(removed), oldest_needed)
+    return removed
 
 
 def superseded_by(generation: int, step: int, leases: list[Lease]) -> Lease | None:

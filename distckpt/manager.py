@@ -18,8 +18,9 @@ from .ddp import install_bucket_warmup
 from .errors import AsyncSaveError, ConfigError, DistCkptError
 from .preemption import PreemptionFlag
 from .fencing import Lease, acquire
-from .protocol import (Progress, ReplacePolicy, StagedSave, list_committed, load, share_outcome, stage_save,
-                       write_and_commit)
+from .fencing import prune as prune_leases
+from .protocol import (Progress, ReplacePolicy, StagedSave, committed_generations, list_committed, load,
+                       share_outcome, stage_save, write_and_commit)
 from .serialize import StagingPool
 from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed
 from .storage import open_storage
@@ -127,6 +128,8 @@ class CheckpointManager:
                     delete_checkpoint(self.storage, step)
                     log.info("rank 0: retention removed step %d", step)
             collect_leftovers(self.storage, self.config.leftover_grace_s)
+            if self._lease is not None:
+                prune_leases(self.storage, self._lease, lambda: committed_generations(self.storage))
         except (OSError, DistCkptError) as e:
             log.warning("rank 0: retention after step %d failed (the checkpoint is committed): %s",
                         just_committed, e)

@@ -310,6 +310,18 @@ def list_committed(storage: Storage) -> list[int]:
     return sorted((s for s in steps if storage.exists(f"{mf.step_dir(s)}/{mf.MARKER}")), reverse=True)
 
 
+def committed_generations(storage: Storage) -> list[int]:
+    """The writer generation of every committed step (one marker read each)."""
+    out = []
+    for step in list_committed(storage):
+        base = mf.step_dir(step)
+        try:
+            out.append(mf.Marker.parse(storage.read_bytes(f"{base}/{mf.MARKER}"), base).generation)
+        except (MissingFileError, CorruptCheckpointError):
+            out.append(0)  # unreadable or gone meanwhile: keep every lease
+    return out
+
+
 @dataclass
 class ReadCheckpoint:
     step: int

@@ -149,3 +149,23 @@ def _save_at(*args):
     import fence_workers
 
     return fence_workers.save_at(*args)
+
+
+def test_leases_of_a_job_restarted_many_times_stay_bounded(where):
+    """Each restart takes a lease; the live writer prunes those that can no longer matter."""
+    managers = []
+    for step in range(1, 15):
+        mgr = manager(where, keep_last=2)
+        mgr.load_latest({"w": torch.zeros(4)})
+        mgr.save(step, {"w": torch.full((4,), float(step))})
+        managers.append(mgr)
+    store = open_storage(*where) if where[1] else open_storage(where[0])
+    assert len(fencing.lease_generations(store)) <= fencing.PRUNE_ABOVE + 1
+    assert fencing.lease_generations(store)[-1] == 14
+    with pytest.raises(distckpt.FencedError):  # every older incarnation is still fenced
+        managers[0].save(99, {"w": torch.zeros(4)})
+    with pytest.raises(distckpt.FencedError):
+        managers[-2].save(99, {"w": torch.zeros(4)})
+    assert value_of(where) == (14, 14.0)
+    for mgr in managers:
+        mgr.close()
