@@ -2,7 +2,7 @@
 counterpart of a disk that fills up mid-save): a clear error, the previous checkpoint still
 loads byte-identical, and a restarted job's next save succeeds once the store recovers.
 
-`make test` runs every third N; `make test-faults` runs them all.
+`make test` runs every fourth N; `make test-faults` runs them all.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def run_trial(s3_server, s3_url: str, proxy, n: int) -> str:
 
 
 def test_s3_failing_from_the_nth_request_sampled(s3_server, s3_url, proxy, save_requests):
-    outcomes = {n: run_trial(s3_server, f"{s3_url}/n{n}", proxy, n) for n in range(1, save_requests + 1, 3)}
+    outcomes = {n: run_trial(s3_server, f"{s3_url}/n{n}", proxy, n) for n in range(1, save_requests + 1, 4)}
     assert "error" in outcomes.values(), outcomes
 
 
