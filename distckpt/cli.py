@@ -21,6 +21,7 @@ from typing import Any
 
 from . import manifest as mf
 from .errors import DistCkptError
+from .fencing import read_leases
 from .inspection import describe_step, diff_steps, list_steps, read_manifest, verify_step
 from .protocol import list_committed
 from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed
@@ -87,9 +88,10 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
         print(f"no committed checkpoint at {storage.url}", file=sys.stderr)
         return EXIT_PROBLEM
     results = {}
+    leases = read_leases(storage)
     with _progress(storage, steps) as bar:
         for step in steps:
-            results[step] = verify_step(storage, step, bar.update)
+            results[step] = verify_step(storage, step, bar.update, leases)
     lines = [f"step {s}: ok" if not p else f"step {s}: BAD\n" + "\n".join(f"  {x}" for x in p)
              for s, p in results.items()]
     _emit(args, [{"step": s, "ok": not p, "problems": p} for s, p in results.items()], "\n".join(lines))

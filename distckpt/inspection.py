@@ -54,11 +54,13 @@ def list_steps(storage: Storage) -> list[StepListing]:
     return sorted(out, key=lambda s: s.step)
 
 
-def verify_step(storage: Storage, step: int, progress: Callable[[int], None] = lambda n: None) -> list[str]:
-    """Problems found in one step (empty when it verifies): each names its file."""
+def verify_step(storage: Storage, step: int, progress: Callable[[int], None] = lambda n: None,
+                leases: list[Lease] | None = None) -> list[str]:
+    """Problems found in one step (empty when it verifies): each names its file. Pass `leases`
+    (read_leases) when verifying many steps, so they are read once."""
     base = mf.step_dir(step)
     try:
-        manifest = read_manifest(storage, step, read_leases(storage))
+        manifest = read_manifest(storage, step, read_leases(storage) if leases is None else leases)
     except (DistCkptError, OSError) as e:
         return [str(e)]
     problems = []

@@ -48,15 +48,6 @@ def rank_file(rank: int, generation: int) -> str:
     return f"ranks/rank-{rank:05d}.g{generation:06d}.safetensors" if generation else f"ranks/rank-{rank:05d}.safetensors"
 
 
-_GEN_TAG_RE = re.compile(r"\.g(\d{6,})\.safetensors$")
-
-
-def file_generation(name: str) -> int:
-    """The writer generation a payload file name carries (0: untagged)."""
-    m = _GEN_TAG_RE.search(name)
-    return int(m.group(1)) if m else 0
-
-
 class Checksum:
     """Counts and hashes chunks as they stream past (xxh3-64: several GB/s on one core)."""
 

@@ -4,30 +4,15 @@ the previous or the new checkpoint, byte-identical, and the new one once save() 
 
 from __future__ import annotations
 
-import os
 import shutil
 
-import pytest
 import torch
-from torch import nn
 
 import distckpt
 from distckpt.cli import main as cli_main
 
 from powercut import PowerCut, PowerCutNow
-
-
-def state_for(step: int) -> dict:
-    torch.manual_seed(step)
-    model = nn.Linear(64, 16)
-    return {"model": model, "gen": torch.Generator().manual_seed(step), "config": {"step": step}}
-
-
-def blank() -> dict:
-    state = state_for(0)
-    with torch.no_grad():
-        state["model"].weight.zero_()
-    return state
+from step_states import blank, state_for
 
 
 def committed_run(path: str) -> None:

@@ -10,25 +10,20 @@ from __future__ import annotations
 import pytest
 import s3fs
 import torch
-from torch import nn
 
 import distckpt
 
+import step_states
 from faultproxy import Rule
 from test_s3 import fast_options
 
 
 def state_for(step: int) -> dict:
-    torch.manual_seed(step)
-    model = nn.Linear(256, 64)
-    return {"model": model, "gen": torch.Generator().manual_seed(step), "config": {"step": step}}
+    return step_states.state_for(step, 256)
 
 
 def blank() -> dict:
-    state = state_for(0)
-    with torch.no_grad():
-        state["model"].weight.zero_()
-    return state
+    return step_states.blank(256)
 
 
 def snapshot(s3_server, url: str) -> dict[str, bytes]:
