@@ -4,6 +4,8 @@ Entries are classified once, by their type:
 
 * per rank by nature: `torch.Generator`, NumPy `Generator`, samplers, data loaders with
   `state_dict` (torchdata's `StatefulDataLoader`), and anything wrapped in :func:`per_rank`;
+* sharded (every rank writes its own pieces, sharded.py): modules whose parameters are DTensors
+  (FSDP2 ``fully_shard``, tensor parallel) and the optimizers over them;
 * replicated (written once, from rank 0): modules (with every submodule's `training` flag),
   optimizers, schedulers and anything else with `state_dict`/`load_state_dict`, tensors,
   plain values, and `config` (compared with the resuming run, never overwritten).
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import sharded
 from .errors import IncompatibleCheckpointError, UnstorableValueError
 from .serialize import key_path
 
@@ -29,6 +32,7 @@ log = logging.getLogger("distckpt")
 
 REPLICATED = "replicated"
 PER_RANK = "per_rank"
+SHARDED = sharded.SHARDED
 CONFIG_KEY = "config"
 
 
@@ -51,9 +55,11 @@ def per_rank(obj: Any) -> PerRank:
 @dataclass(frozen=True)
 class Entry:
     key: str
-    scope: str   # REPLICATED or PER_RANK
-    kind: str    # module, stateful, loader, sampler, generator, np_generator, tensor, value, config
+    scope: str   # REPLICATED, PER_RANK or SHARDED
+    kind: str    # module, sharded_module, stateful, sharded_optimizer, loader, sampler, generator,
+                 # np_generator, tensor, value, config
     target: Any  # the object state is captured from and restored into
+    owner: Any = None  # an optimizer's module (sharded state is named by the module's parameters)
 
 
 def classify(state: dict[str, Any]) -> list[Entry]:
@@ -68,7 +74,30 @@ def classify(state: dict[str, Any]) -> list[Entry]:
         target = obj.obj if forced else obj
         kind, natural_scope = _kind_of(key, target)
         entries.append(Entry(key, PER_RANK if forced else natural_scope, kind, target))
-    return entries
+    return _link_optimizers(entries)
+
+
+def _link_optimizers(entries: list[Entry]) -> list[Entry]:
+    """Give each optimizer the module that holds its parameters; over DTensor parameters it is
+    sharded, and its state can only be named (and resharded) through that module."""
+    modules = [(e, {id(p) for p in unwrap_module(e.target).parameters()}) for e in entries
+               if e.kind in ("module", "sharded_module")]
+    out = []
+    for e in entries:
+        if e.scope != PER_RANK and isinstance(e.target, torch.optim.Optimizer):
+            params = sharded.optimizer_params(e.target)
+            owner = next((unwrap_module(m.target) for m, ids in modules
+                          if all(id(p) in ids for p in params)), None)
+            if sharded.has_dtensor_params(params):
+                if owner is None:
+                    raise UnstorableValueError(
+                        f"state[{e.key!r}] is an optimizer over sharded (DTensor) parameters, but no "
+                        "module in `state` holds all of them; put the FSDP2 / DTensor model in `state` too")
+                e = Entry(e.key, SHARDED, "sharded_optimizer", e.target, owner)
+            else:
+                e = Entry(e.key, e.scope, e.kind, e.target, owner)
+        out.append(e)
+    return out
 
 
 def _kind_of(key: str, obj: Any) -> tuple[str, str]:
@@ -87,6 +116,8 @@ def _kind_of(key: str, obj: Any) -> tuple[str, str]:
             "replacement), or leave the loader out and store its sampler and generator")
     if isinstance(obj, torch.utils.data.Sampler):
         return "sampler", PER_RANK
+    if isinstance(obj, nn.Module) and sharded.has_dtensor_params(unwrap_module(obj).parameters()):
+        return "sharded_module", SHARDED
     if isinstance(obj, nn.Module):
         return "module", REPLICATED
     if _has_state_dict(obj):
@@ -115,6 +146,10 @@ def unwrap_module(module: nn.Module) -> nn.Module:
 
 def capture_entry(entry: Entry) -> dict[str, Any]:
     """The entry's state as a tree of tensors and plain values (tagged with its kind)."""
+    if entry.kind == "sharded_module":
+        return {"kind": entry.kind, "state": sharded.capture_module(unwrap_module(entry.target))}
+    if entry.kind == "sharded_optimizer":
+        return {"kind": entry.kind, "state": sharded.capture_optimizer(entry.owner, entry.target)}
     return {"kind": entry.kind, "state": _CAPTURE[entry.kind](entry.target)}
 
 
@@ -184,9 +219,40 @@ _CAPTURE: dict[str, Callable[[Any], Any]] = {
 
 # -- validation (before anything is changed) ------------------------------------------------
 
+_LOADS_AS_SHARDED = {"sharded_module": ("module", "sharded_module"),
+                     "sharded_optimizer": ("stateful", "sharded_optimizer")}
+
+
+def loading_entry(entry: Entry, saved_kind: Any) -> Entry:
+    """The entry as it is restored from a checkpoint whose entry has `saved_kind`: sharded state
+    also loads into a plain module and its optimizer (a world of one gathers it whole)."""
+    if saved_kind not in _LOADS_AS_SHARDED or entry.kind not in _LOADS_AS_SHARDED[saved_kind]:
+        return entry
+    if saved_kind == "sharded_optimizer" and entry.owner is None:
+        raise IncompatibleCheckpointError(
+            f"state[{entry.key!r}]: the checkpoint holds a sharded optimizer, named by its model's "
+            "parameters; put the model it optimizes in `state` too")
+    return Entry(entry.key, SHARDED, saved_kind, entry.target, entry.owner)
+
+
+def resolve_sharded_entry(entry: Entry, saved_state: Any, reader: "sharded.ShardReader") -> Any:
+    """Sharded references in `saved_state` replaced by this rank's pieces (checks shapes and keys)."""
+    path: tuple[Any, ...] = (entry.key,)
+    if entry.kind == "sharded_module":
+        module = unwrap_module(entry.target)
+        target = sharded.target_module_state(module)
+        sharded.check_module_keys(saved_state, target, module, f"state[{entry.key!r}]")
+        return {"state_dict": sharded.resolve(saved_state["state_dict"], target, reader, path),
+                "training": saved_state["training"]}
+    target = sharded.target_optimizer_state(entry.owner, entry.target)
+    return sharded.resolve(saved_state, target, reader, path)
+
+
 def validate_entry(entry: Entry, saved: dict[str, Any], world: tuple[int, int]) -> None:
     """Raise IncompatibleCheckpointError if `saved` cannot be restored into `entry` whole."""
     where = f"state[{entry.key!r}]"
+    if entry.scope == SHARDED and saved.get("kind") == entry.kind:
+        return  # checked while its pieces were assembled (resolve_sharded_entry)
     if saved.get("kind") != entry.kind:
         raise IncompatibleCheckpointError(
             f"{where} is a {entry.kind} entry here but a {saved.get('kind')} entry in the checkpoint")
@@ -249,12 +315,17 @@ def _validate_tensor(target: torch.Tensor, saved: torch.Tensor, where: str) -> N
 def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any]) -> list[str]:
     """Restore one validated entry in place; returns notes for the caller (config diffs)."""
     kind, value = entry.kind, saved["state"]
+    if kind == "sharded_module":
+        sharded.restore_module(unwrap_module(entry.target), value)
+        return []
     if kind not in ("module", "tensor", "generator"):
         # Loaded tensors are views into the file's buffer; an owner that keeps them (an
         # optimizer keeps its state tensors as given) would keep the whole buffer alive.
         value = _owned(value)
     if kind == "module":
         _restore_module(unwrap_module(entry.target), value)
+    elif kind == "sharded_optimizer":
+        sharded.restore_optimizer(entry.owner, entry.target, value)
     elif kind == "stateful":
         entry.target.load_state_dict(value)
     elif kind == "loader":
@@ -282,6 +353,8 @@ def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any]) ->
 
 
 def _owned(value: Any) -> Any:
+    if sharded.is_dtensor(value):
+        return value  # assembled for this load: already its own memory
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, dict):

@@ -26,8 +26,9 @@ class ManagerConfig:
             raise ConfigError(f"best_mode={self.best_mode!r}: must be 'min' or 'max'")
         if not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ConfigError(f"timeout={self.timeout!r}: must be a positive number of seconds")
-        if self.world_size_policy not in ("refuse", "replicated_only"):
+        if self.world_size_policy not in ("refuse", "reshard", "replicated_only"):
             raise ConfigError(f"world_size_policy={self.world_size_policy!r}: must be 'refuse' (default) or "
-                              "'replicated_only' (restore replicated state, keep this run's per-rank state)")
+                              "'reshard' (restore replicated and sharded state at another world size, keep "
+                              "this run's per-rank state; 'replicated_only' is its older name)")
         if not isinstance(self.leftover_grace_s, (int, float)) or self.leftover_grace_s < 0:
             raise ConfigError(f"leftover_grace_s={self.leftover_grace_s!r}: must be >= 0 seconds")

@@ -10,8 +10,10 @@ This module never imports storage.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -25,6 +27,7 @@ log = logging.getLogger("distckpt")
 class Coordinator(Protocol):
     rank: int
     world_size: int
+    reports: "Reports"
 
     def all_gather(self, obj: Any, phase: str) -> list[Any]: ...
 
@@ -40,6 +43,9 @@ class SingleProcess:
 
     rank = 0
     world_size = 1
+
+    def __init__(self) -> None:
+        self.reports: Reports = LocalReports()
 
     def all_gather(self, obj: Any, phase: str) -> list[Any]:
         return [obj]
@@ -65,6 +71,7 @@ class GlooCoordinator:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.reports = StoreReports(dist.distributed_c10d._get_default_store(), timeout_s)
 
     def _run(self, phase: str, fn: Any) -> Any:
         try:
@@ -96,6 +103,69 @@ class GlooCoordinator:
             self._dist.destroy_process_group(self._group)
         except Exception as e:  # the default group may already be gone at interpreter exit
             log.debug("destroying the distckpt gloo group failed: %s", e)
+
+
+class Reports(Protocol):
+    """Small JSON reports from any thread, without collectives (background writers use them)."""
+
+    def post(self, key: str, value: dict[str, Any]) -> None: ...
+
+    def collect(self, keys: list[str], phase: str) -> list[dict[str, Any]]: ...
+
+
+class LocalReports:
+    """A world of one: the reports of this process."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def post(self, key: str, value: dict[str, Any]) -> None:
+        with self._lock:
+            self._values[key] = value
+
+    def collect(self, keys: list[str], phase: str) -> list[dict[str, Any]]:
+        with self._lock:
+            missing = [k for k in keys if k not in self._values]
+            if missing:
+                raise CoordinationError(f"{phase}: no report under {missing}")
+            return [self._values.pop(k) for k in keys]
+
+
+class StoreReports:
+    """Reports through the process group's key-value store (TCPStore under torchrun).
+
+    A background writer must not call a collective (async_writer.py); a store key needs none:
+    each rank posts its report, rank 0 waits for every key (bounded by the manager's timeout),
+    reads them and deletes them.
+    """
+
+    def __init__(self, store: Any, timeout_s: float) -> None:
+        self._store = store
+        self.timeout_s = timeout_s
+
+    def post(self, key: str, value: dict[str, Any]) -> None:
+        self._store.set(key, json.dumps(value))
+
+    def collect(self, keys: list[str], phase: str) -> list[dict[str, Any]]:
+        try:
+            self._store.wait(keys, timedelta(seconds=self.timeout_s))
+        except Exception as e:  # a timeout, or the store's host is gone
+            try:
+                missing = [k for k in keys if not self._store.check([k])]
+            except Exception:
+                missing = keys
+            raise CoordinationError(
+                f"{phase}: no report under {missing[:4]} within the {self.timeout_s:g}s timeout "
+                f"({type(e).__name__}); a rank has probably died or stopped before its files were "
+                "durable; see its log") from e
+        out = [json.loads(self._store.get(k)) for k in keys]
+        for k in keys:
+            try:
+                self._store.delete_key(k)
+            except Exception as e:  # a few stale bytes in the store; nothing depends on them
+                log.debug("deleting report %s failed: %s", k, e)
+        return out
 
 
 def make_coordinator(timeout_s: float) -> Coordinator:

@@ -19,7 +19,7 @@ from .errors import AsyncSaveError, ConfigError, DistCkptError
 from .preemption import PreemptionFlag
 from .fencing import Lease, acquire
 from .fencing import prune as prune_leases
-from .protocol import (Progress, ReplacePolicy, StagedSave, committed_generations, list_committed, load,
+from .protocol import (Progress, ReplacePolicy, ShardWrite, StagedSave, committed_generations, list_committed, load,
                        share_outcome, stage_save, write_and_commit)
 from .serialize import StagingPool
 from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed
@@ -58,6 +58,7 @@ class CheckpointManager:
         self._writer = AsyncWriter()
         self._staging = StagingPool()  # reused by every async save; free while none is in flight
         self._pending_step: int | None = None
+        self._save_seq = 0  # counts save() calls (the same on every rank): names shard reports
         self._floor: int | None = None   # the step this job resumed from (-1: found nothing)
         self._lease: Lease | None = None  # rank 0, taken at the first save (fencing.py)
         self._closed = False
@@ -83,26 +84,32 @@ class CheckpointManager:
         self._finish_pending()
         entries = classify(state)
         replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)
-        staged = stage_save(self._coord, self.storage, entries, step, epoch, metric, self.run_id,
-                            self._staging if self.config.async_save else None, replaceable)
+        self._save_seq += 1
+        staged, shards = stage_save(self._coord, self.storage, entries, step, epoch, metric, self.run_id,
+                                    self._staging if self.config.async_save else None, replaceable,
+                                    self._take_lease, self._save_seq)
         if self.config.async_save:
-            if staged is not None:
-                self._writer.submit(lambda: self._write(staged), f"step {step}")
+            if staged is not None or shards is not None:
+                self._writer.submit(lambda: self._write(staged, shards), f"step {step}")
             self._pending_step = step
             return
         exc = None
-        if staged is not None:
-            try:
-                self._write(staged)
-            except Exception as e:
-                exc = e
-        else:
+        try:
+            self._write(staged, shards)
+        except Exception as e:
+            exc = e
+        if staged is None:
             faults.point("save/awaiting-commit", step=step, rank=self.rank)
         share_outcome(self._coord, exc, "save/commit", f"save of step {step}")
 
-    def _write(self, staged: StagedSave) -> None:
+    def _write(self, staged: StagedSave | None, shards: ShardWrite | None) -> None:
+        """This rank's part of the write: its shard file (if any); on rank 0 the rest and the commit."""
+        if shards is not None:
+            shards.run(self.storage, self._coord.reports)
+        if staged is None:
+            return
         start = time.perf_counter()
-        write_and_commit(self.storage, staged, self._versions, self._take_lease())
+        write_and_commit(self.storage, staged, self._versions, self._take_lease(), self._coord.reports)
         self._retain(staged.step)
         faults.point("save/retained", step=staged.step, rank=0)
         t = staged.timings

@@ -4,7 +4,10 @@ Save(step)
     capture   every rank: RNG first, then its per-rank entries; rank 0 also the replicated ones
     agree     all ranks: everyone captured, and all hold the same step and epoch
     gather    per-rank files (bytes) to rank 0
-    write     rank 0: replicated file, rank files, manifest — each atomic
+    shards    every rank, with sharded entries: its own shard file, then a report (size,
+              checksum, chunk boxes) through the store — no collective, so it runs in the
+              background writer too (sharded.py)
+    write     rank 0: replicated file, rank files; every rank's shard report; manifest
     commit    rank 0: COMMITTED, exclusive create, last
     share     rank 0's outcome to every rank, so a failed save fails everywhere
 
@@ -28,14 +31,15 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from . import faults, fencing
 from . import manifest as mf
-from .capture import (PER_RANK, REPLICATED, Entry, capture_entry, restore_entry,
-                      validate_entry, warn_extra_entries)
-from .coord import Coordinator, Outcome, agree, hostname, raise_if_failed
-from .errors import (CheckpointExistsError, CorruptCheckpointError, DistCkptError, FencedError,
+from . import sharded
+from .capture import (PER_RANK, REPLICATED, SHARDED, Entry, capture_entry, loading_entry,
+                      resolve_sharded_entry, restore_entry, validate_entry, warn_extra_entries)
+from .coord import Coordinator, Outcome, Reports, agree, hostname, raise_if_failed
+from .errors import (CheckpointExistsError, CoordinationError, CorruptCheckpointError, DistCkptError, FencedError,
                      IncompatibleCheckpointError, MissingFileError, RankDisagreementError,
                      StorageError)
 from .fencing import Lease
@@ -74,37 +78,87 @@ class StagedSave:
     ranks: list[dict[str, Any]]
     entries: dict[str, dict[str, str]]
     timings: dict[str, float] = field(default_factory=dict)
+    shard_meta: dict[str, dict[str, Any]] = field(default_factory=dict)  # global dtype/shape by name
+    shard_report_keys: list[str] = field(default_factory=list)           # one per rank; [] if none
+
+
+@dataclass
+class ShardWrite:
+    """One rank's shard file of a save, and where to report it (see sharded.py)."""
+
+    rank: int
+    step: int
+    generation: int
+    tree: EncodedTree
+    boxes: dict[str, list[list[int]]]
+    report_key: str
+
+    def run(self, storage: Storage, reports: Reports) -> None:
+        """Write the file durably, then report it; a failure is reported too, then raised."""
+        name = sharded.shard_file(self.rank, self.generation)
+        report = sharded.ShardReport(self.rank)
+        try:
+            record = _write(storage, f"{mf.step_dir(self.step)}/{name}", safetensors_chunks(self.tree))
+            faults.point("save/shards-written", step=self.step, rank=self.rank)
+            report = sharded.ShardReport(self.rank, name, record, self.boxes)
+        except Exception as e:
+            report.error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            reports.post(self.report_key, report.to_json())
 
 
 # -- save -------------------------------------------------------------------------------------
 
+@dataclass
+class _Captured:
+    rank_file: bytes = b""
+    replicated: EncodedTree | None = None   # rank 0
+    shards: sharded.LocalShards | None = None  # every rank, when the state has sharded entries
+    generation: int | None = None            # rank 0, when it has: the lease shard names carry
+
+
 def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
                epoch: int | None, metric: float | None, run_id: str,
-               staging: StagingPool | None, replaceable: "ReplacePolicy | None" = None) -> StagedSave | None:
-    """Phases capture, agree and gather (call on every rank). Rank 0 gets the StagedSave."""
+               staging: StagingPool | None, replaceable: "ReplacePolicy | None" = None,
+               take_lease: Callable[[], Lease] | None = None,
+               save_seq: int = 0) -> tuple[StagedSave | None, ShardWrite | None]:
+    """Phases capture, agree and gather (call on every rank). Rank 0 gets the StagedSave; every
+    rank gets its ShardWrite when the state has sharded entries."""
     t0 = time.perf_counter()
-    local, exc = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable)
+    local, exc = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable, take_lease)
     faults.point("save/captured", step=step, rank=coord.rank)
     info = {"rank": coord.rank, "step": step, "epoch": epoch, "host": hostname(), "pid": os.getpid(),
-            "per_rank_entries": sorted(e.key for e in entries if e.scope == PER_RANK)}
+            "per_rank_entries": sorted(e.key for e in entries if e.scope == PER_RANK),
+            "generation": local.generation}
     outcome = Outcome.failure(coord.rank, exc, info) if exc else Outcome(coord.rank, info=info)
     outcomes = agree(coord, outcome, "save/capture", f"save of step {step}", exc)
     _check_same_progress([o.info for o in outcomes], f"save of step {step}")
     t1 = time.perf_counter()
-    rank_file, replicated = local
-    gathered = coord.gather(rank_file, "save/gather")
+    keys = [f"distckpt/{run_id}/save-{save_seq}/shards/rank-{r}" for r in range(coord.world_size)]
+    shard_write = None
+    if local.shards is not None:
+        generation = int(outcomes[0].info["generation"])
+        boxes = {name: [local.shards.offsets[name], list(t.shape)] for name, t in local.shards.pieces.items()}
+        shard_write = ShardWrite(coord.rank, step, generation, local.shards.file_tree(coord.rank), boxes,
+                                 keys[coord.rank])
+    gathered = coord.gather(local.rank_file, "save/gather")
     if coord.rank != 0:
-        return None
-    assert gathered is not None and replicated is not None  # rank 0 invariant, not user input
+        return None, shard_write
+    assert gathered is not None and local.replicated is not None  # rank 0 invariant, not user input
     kinds = {e.key: {"scope": e.scope, "kind": e.kind} for e in entries}
-    return StagedSave(step, epoch, metric, run_id, replicated, gathered,
-                      [o.info for o in outcomes], kinds,
-                      {"capture_s": t1 - t0, "gather_s": time.perf_counter() - t1})
+    staged = StagedSave(step, epoch, metric, run_id, local.replicated, gathered,
+                        [o.info for o in outcomes], kinds,
+                        {"capture_s": t1 - t0, "gather_s": time.perf_counter() - t1})
+    if local.shards is not None:
+        staged.shard_meta, staged.shard_report_keys = local.shards.meta, keys
+    return staged, shard_write
 
 
 def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
-                   epoch: int | None, staging: StagingPool | None,
-                   replaceable: "ReplacePolicy | None") -> tuple[tuple[bytes, EncodedTree | None], BaseException | None]:
+                   epoch: int | None, staging: StagingPool | None, replaceable: "ReplacePolicy | None",
+                   take_lease: Callable[[], Lease] | None) -> tuple[_Captured, BaseException | None]:
+    out = _Captured()
     try:
         rng = capture_process_rng()  # first: nothing below may draw before it is recorded
         if coord.rank == 0:
@@ -114,22 +168,41 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
                "entries": {e.key: capture_entry(e) for e in entries if e.scope == PER_RANK}}
         _check_storable(own["entries"])
         rank_tree = encode_tree(own, ("per-rank state",), stage=True)
-        rank_file = b"".join(safetensors_chunks(rank_tree))
-        replicated = None
+        out.rank_file = b"".join(safetensors_chunks(rank_tree))
+        stage: bool | StagingPool = staging if staging is not None else False
+        if any(e.scope == SHARDED for e in entries):
+            out.shards = sharded.LocalShards(stage)
+            if coord.rank == 0 and take_lease is not None:
+                out.generation = take_lease().generation  # other ranks' shard names carry it
         if coord.rank == 0:
             tree = {"step": step, "epoch": epoch,
-                    "entries": {e.key: capture_entry(e) for e in entries if e.scope == REPLICATED}}
-            _check_storable(tree["entries"])
-            replicated = encode_tree(tree, ("replicated",), stage=staging if staging is not None else False)
-        return (rank_file, replicated), None
+                    "entries": {e.key: capture_entry(e) for e in entries if e.scope in (REPLICATED, SHARDED)}}
+            _check_storable(tree["entries"], entries)
+            out.replicated = encode_tree(tree, ("replicated",), stage=stage, shards=out.shards)
+        elif out.shards is not None:
+            tree = {"entries": {e.key: capture_entry(e) for e in entries if e.scope == SHARDED}}
+            encode_tree(tree, ("replicated",), shards=out.shards)  # the same names as rank 0's tree
+        if out.shards is not None:
+            out.shards.sync()
+        return out, None
     except Exception as e:  # reported to every rank by `agree`
-        return (b"", None), e
+        return _Captured(), e
 
 
-def _check_storable(captured: dict[str, Any]) -> None:
-    """Refuse unstorable values with the user's key path (state['config'][...]), not ours."""
+class _NoShards:
+    """A ShardSink for validation only: accepts every DTensor, copies nothing."""
+
+    def add(self, tensor: Any, path: tuple[Any, ...]) -> str:
+        return ""
+
+
+def _check_storable(captured: dict[str, Any], entries: Sequence[Entry] = ()) -> None:
+    """Refuse unstorable values with the user's key path (state['config'][...]), not ours.
+    DTensors are accepted only inside sharded entries (a sharded module or its optimizer)."""
+    sharded_keys = {e.key for e in entries if e.scope == SHARDED}
     for key, entry in captured.items():
-        encode_tree(entry["state"], (key,))  # validation only: no tensor is copied
+        sink = _NoShards() if key in sharded_keys else None
+        encode_tree(entry["state"], (key,), shards=sink)  # validation only: no tensor is copied
 
 
 def _check_same_progress(infos: list[dict[str, Any]], what: str) -> None:
@@ -171,11 +244,13 @@ def check_step_is_free(storage: Storage, step: int, policy: ReplacePolicy) -> mf
         "resume with load_latest() so steps continue after it, or use another directory")
 
 
-def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any], lease: Lease) -> str:
+def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any], lease: Lease,
+                     reports: Reports | None = None) -> str:
     """Phases write and commit (rank 0). Returns the manifest digest. Never touches other steps
-    (except a zombie's commit of this same step, which it replaces: see fencing.py)."""
+    (except a zombie's commit of this same step, which it replaces: see fencing.py). With sharded
+    entries, `reports` brings every rank's shard report before the manifest is written."""
     try:
-        return _write_and_commit(storage, staged, versions, lease)
+        return _write_and_commit(storage, staged, versions, lease, reports)
     except (OSError, CheckpointExistsError) as e:
         # A newer incarnation clearing this step under us makes our writes fail: say why.
         try:
@@ -187,7 +262,8 @@ def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, A
         raise
 
 
-def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any], lease: Lease) -> str:
+def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any], lease: Lease,
+                      reports: Reports | None) -> str:
     t0 = time.perf_counter()
     faults.point("save/gathered", step=staged.step, rank=0)
     fencing.check_current(storage, lease)
@@ -201,13 +277,18 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
     for rank, data in enumerate(staged.rank_files):
         files[mf.rank_file(rank, gen)] = _write(storage, f"{base}/{mf.rank_file(rank, gen)}", [data])
     faults.point("save/rank-files-written", step=staged.step, rank=0)
+    table = _collect_shards(staged, reports, files, f"{storage.url}/{base}")
     t1 = time.perf_counter()
     manifest = {
         "format": mf.FORMAT_VERSION, "step": staged.step, "epoch": staged.epoch,
         "metric": staged.metric, "run_id": staged.run_id, "generation": gen, "created_unix": time.time(),
         "world_size": len(staged.rank_files), "ranks": staged.ranks, "entries": staged.entries,
-        "files": files, "payload_bytes": staged.replicated.payload_bytes, "versions": versions,
+        "files": files, "versions": versions,
+        "payload_bytes": staged.replicated.payload_bytes + sum(
+            r["size"] for name, r in files.items() if name.startswith(sharded.SHARD_PREFIX)),
     }
+    if table is not None:
+        manifest["sharded"] = table
     data = mf.manifest_bytes(manifest)
     _create_manifest(storage, base, data, gen, policy, staged.step)
     digest = mf.checksum_of(data)
@@ -218,6 +299,26 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
     staged.timings.update(write_s=t1 - t0, commit_s=time.perf_counter() - t1)
     faults.point("save/committed", step=staged.step, rank=0)
     return digest
+
+
+def _collect_shards(staged: StagedSave, reports: Reports | None, files: dict[str, Any],
+                    where: str) -> dict[str, Any] | None:
+    """Wait for every rank's shard report; add their files; return the chunk table (or None)."""
+    if not staged.shard_report_keys:
+        return None
+    if reports is None:
+        raise CoordinationError(f"{where}: a sharded save needs the ranks' reports")
+    got = [sharded.ShardReport.from_json(d) for d in
+           reports.collect(staged.shard_report_keys, f"save of step {staged.step}: shard reports")]
+    failed = [r for r in got if r.error]
+    if failed:
+        raise StorageError(errno.EIO, f"{where}: rank(s) {[r.rank for r in failed]} could not write "
+                           f"their shards — " + "; ".join(f"rank {r.rank}: {r.error}" for r in failed))
+    for report in got:
+        if report.file is not None and report.record is not None:
+            mf.check_relative_path(report.file, where)
+            files[report.file] = report.record
+    return sharded.chunk_table(staged.shard_meta, got, where)
 
 
 def _check_still_current(storage: Storage, lease: Lease, step: int) -> None:
@@ -233,9 +334,10 @@ def _check_still_current(storage: Storage, lease: Lease, step: int) -> None:
 
 
 def _clear_step_dir(storage: Storage, step: int, policy: ReplacePolicy) -> None:
-    """Remove a zombie's commit of `step` (marker first). Uncommitted leftovers stay: payload
-    names carry the generation, so they are never confused with ours (gc collects them), and
-    a leftover may be a concurrent writer's save in progress."""
+    """Remove a zombie's commit of `step`: its marker first, then the files its manifest lists,
+    then the manifest. Nothing else: other ranks may be writing their shard files into this
+    directory right now, and uncommitted leftovers carry their generation in their names, so
+    they are never confused with ours (gc collects them)."""
     base = mf.step_dir(step)
     replaced = check_step_is_free(storage, step, policy)
     if replaced is None:
@@ -244,8 +346,13 @@ def _clear_step_dir(storage: Storage, step: int, policy: ReplacePolicy) -> None:
                 "resumed from step %s", storage.url, base, replaced.generation, policy.floor)
     storage.remove_file(f"{base}/{mf.MARKER}")
     try:
-        storage.remove_tree(base)
-    except OSError as e:  # the stale writer may still be adding files; never listed, so harmless
+        listed = json.loads(storage.read_bytes(f"{base}/{mf.MANIFEST}")).get("files", {})
+        for name in listed:
+            mf.check_relative_path(name, base)
+            storage.remove_file(f"{base}/{name}")
+        storage.remove_file(f"{base}/{mf.MANIFEST}")
+    except (OSError, ValueError, AttributeError, CorruptCheckpointError) as e:
+        # the stale writer may still be adding files; no marker names them, so they are ignored
         log.warning("rank 0: could not clear all of %s/%s (%s); its stray files are ignored", storage.url, base, e)
 
 
@@ -330,9 +437,10 @@ class ReadCheckpoint:
     replicated: dict[str, Any]
     own: dict[str, Any]
     per_rank_restored: bool = True
+    entries: list[Entry] = field(default_factory=list)  # as restored (sharded ones resolved)
 
 
-WORLD_SIZE_POLICIES = ("refuse", "replicated_only")
+WORLD_SIZE_POLICIES = ("refuse", "reshard", "replicated_only")  # the last: the older name of "reshard"
 
 
 def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
@@ -340,8 +448,9 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
     """Read and verify what this rank needs of one committed step. Raises CorruptCheckpointError.
 
     With another world size than the writer's: "refuse" raises IncompatibleCheckpointError;
-    "replicated_only" reads only the replicated state, and this rank keeps its own per-rank
-    state (RNG streams, samplers, loaders) as the caller seeded it.
+    "reshard" (or its older name "replicated_only") reads the replicated state and the sharded
+    entries (resharded to this world), and this rank keeps its own per-rank state (RNG streams,
+    samplers, loaders) as this run seeded it.
     """
     base = mf.step_dir(step)
     where = f"{storage.url}/{base}"
@@ -352,7 +461,7 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
     except MissingFileError as e:
         raise CorruptCheckpointError(f"{where}: {e}") from e
     replicated_name, rank_names = mf.payload_names(manifest)
-    if manifest["world_size"] != world_size and world_size_policy == "replicated_only":
+    if manifest["world_size"] != world_size and world_size_policy in ("reshard", "replicated_only"):
         replicated = _read_tree(storage, base, replicated_name, manifest, where)
         own = {"epoch": manifest.get("epoch"), "rank": rank, "entries": {}, "rng": None}
         return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, per_rank_restored=False)
@@ -361,7 +470,8 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
             f"{where} was written by {manifest['world_size']} ranks, this job has {world_size}: "
             "per-rank state (RNG streams, sampler and loader positions) cannot be mapped to "
             f"another world size; relaunch with --nproc-per-node/--nnodes giving {manifest['world_size']} ranks, "
-            "or pass world_size_policy='replicated_only' to restore only the replicated state")
+            "or pass world_size_policy='reshard' to restore the replicated and sharded state and keep "
+            "this run's per-rank state")
     replicated = _read_tree(storage, base, replicated_name, manifest, where)
     own = _read_tree(storage, base, rank_names[rank], manifest, where)
     return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own)
@@ -452,11 +562,28 @@ def _try_read(coord: Coordinator, storage: Storage, entries: list[Entry], step: 
               world_size_policy: str, leases: list[Lease]) -> tuple[ReadCheckpoint | None, BaseException | None]:
     try:
         read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy, leases)
-        _validate_against_state(entries, read, (coord.rank, coord.world_size))
+        read.entries = _resolve_sharded(storage, entries, read)
+        _validate_against_state(read.entries, read, (coord.rank, coord.world_size))
         faults.point("load/read", step=step, rank=coord.rank)
         return read, None
     except Exception as e:
         return None, e
+
+
+def _resolve_sharded(storage: Storage, entries: list[Entry], read: ReadCheckpoint) -> list[Entry]:
+    """The entries as they will be restored; each sharded one's saved state gets this rank's
+    pieces, assembled from whichever ranks' shard files overlap them (nothing is changed yet)."""
+    base = mf.step_dir(read.step)
+    reader = sharded.ShardReader(storage, base, read.manifest, f"{storage.url}/{base}")
+    saved_entries = read.replicated["entries"]
+    out = []
+    for entry in entries:
+        saved = saved_entries.get(entry.key)
+        entry = loading_entry(entry, saved.get("kind") if isinstance(saved, dict) else None)
+        if entry.scope == SHARDED and isinstance(saved, dict) and saved.get("kind") == entry.kind:
+            saved["state"] = resolve_sharded_entry(entry, saved["state"], reader)
+        out.append(entry)
+    return out
 
 
 def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: tuple[int, int]) -> None:
@@ -475,7 +602,7 @@ def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: t
 
 def _warn_per_rank_kept(read: ReadCheckpoint, coord: Coordinator, kept: list[str]) -> None:
     message = (f"rank {coord.rank}: step {read.step} was written by {read.manifest['world_size']} ranks and "
-               f"is loaded by {coord.world_size} (world_size_policy='replicated_only'): replicated state "
+               f"is loaded by {coord.world_size} (world_size_policy='reshard'): replicated and sharded state "
                f"restored; kept as this process set them, not restored: the RNG streams (Python, NumPy, "
                f"torch, devices) and the per-rank entries {kept}. The run continues, not bit for bit.")
     log.warning(message)
@@ -502,6 +629,7 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
                  read: ReadCheckpoint) -> list[str]:
     notes: list[str] = []
     exc: BaseException | None = None
+    entries = read.entries or entries
     try:
         saved = {**read.replicated["entries"], **read.own["entries"]}
         kept = [] if read.per_rank_restored else [e.key for e in entries if e.scope == PER_RANK]

@@ -13,6 +13,8 @@ tagged so that types survive the round trip exactly::
     {"l": [...]}                 list
     {"t": [...]}                 tuple
     {"T": "name"}                tensor stored under `name`
+    {"S": "name"}                sharded tensor (DTensor): its chunks live in the ranks' shard
+                                 files, listed by the manifest (sharded.py); decodes to a ShardRef
     {"f": "nan" | "inf" | "-inf"} non-finite float
 
 Tensors are written as their own bytes: a view of a large buffer costs only its elements, a
@@ -27,7 +29,7 @@ import math
 import struct
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 
@@ -96,9 +98,23 @@ class StagingPool:
         self._pending_device_copies = False
 
 
+@dataclass(frozen=True)
+class ShardRef:
+    """A sharded tensor in a decoded tree: resolved against the live DTensor on load."""
+
+    name: str
+
+
+class ShardSink(Protocol):
+    """Where the encoder hands DTensors (sharded.LocalShards); returns the name to reference."""
+
+    def add(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> str: ...
+
+
 class _Encoder:
-    def __init__(self, stage: "bool | StagingPool") -> None:
+    def __init__(self, stage: "bool | StagingPool", shards: "ShardSink | None" = None) -> None:
         self.stage = stage
+        self.shards = shards
         self.tensors: dict[str, torch.Tensor] = {}
         self._by_region: dict[tuple[Any, ...], str] = {}
 
@@ -109,6 +125,8 @@ class _Encoder:
             return int(value)  # int subclasses (IntEnum) become plain ints
         if isinstance(value, float):
             return value if math.isfinite(value) else {"f": repr(float(value))}
+        if isinstance(value, torch.Tensor) and is_dtensor(value) and self.shards is not None:
+            return {"S": self.shards.add(value, path)}
         if isinstance(value, torch.Tensor):
             return {"T": self._add_tensor(value, path)}
         if isinstance(value, dict):
@@ -132,10 +150,14 @@ class _Encoder:
         return key if isinstance(key, str) else int(key)
 
     def _add_tensor(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> str:
-        if type(tensor).__name__ == "DTensor" or tensor.is_sparse or tensor.is_quantized:
+        if is_dtensor(tensor):
+            raise UnstorableValueError(
+                f"{key_path(path)} is a DTensor outside a sharded module or optimizer: put the "
+                "FSDP2 / DTensor model itself and its optimizer in `state`, or store .full_tensor()")
+        if tensor.is_sparse or tensor.is_quantized:
             raise UnstorableValueError(
                 f"{key_path(path)} is a {type(tensor).__name__} with layout {tensor.layout}: "
-                "only dense tensors are stored; convert it (e.g. .to_dense() / .full_tensor())")
+                "only dense tensors are stored; convert it (e.g. .to_dense())")
         if tensor.dtype not in _DTYPE_TO_ST:
             raise UnstorableValueError(
                 f"{key_path(path)} has dtype {tensor.dtype}, which the safetensors format "
@@ -158,6 +180,10 @@ class _Encoder:
         while name in self.tensors:
             name, n = f"{base}#{n}", n + 1
         return name
+
+
+def is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor" and hasattr(value, "to_local")
 
 
 def _region_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
@@ -184,13 +210,15 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__module__}.{type(value).__qualname__}"
 
 
-def encode_tree(value: Any, path: tuple[Any, ...] = (), *, stage: "bool | StagingPool" = False) -> EncodedTree:
+def encode_tree(value: Any, path: tuple[Any, ...] = (), *, stage: "bool | StagingPool" = False,
+                shards: "ShardSink | None" = None) -> EncodedTree:
     """Check and encode a tree; raises UnstorableValueError naming the key path of a bad value.
 
     With ``stage=True`` every tensor is copied, with a StagingPool into its reused buffers, so
-    the result no longer aliases live state.
+    the result no longer aliases live state. With `shards`, DTensors are handed to it and the
+    tree keeps a reference ({"S": name}); without, a DTensor is refused.
     """
-    encoder = _Encoder(stage)
+    encoder = _Encoder(stage, shards)
     node = encoder.encode(value, path)
     if isinstance(stage, StagingPool):
         stage.sync()
@@ -211,6 +239,8 @@ def decode_tree(node: Any, tensors: dict[str, torch.Tensor], where: str = "tree"
             return tuple(decode_tree(v, tensors, where) for v in body)
         if tag == "T" and isinstance(body, str) and body in tensors:
             return tensors[body]
+        if tag == "S" and isinstance(body, str):
+            return ShardRef(body)
         if tag == "f" and body in ("nan", "inf", "-inf"):
             return float(body)
     raise CorruptCheckpointError(f"{where}: unexpected node {str(node)[:80]!r}")

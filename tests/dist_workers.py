@@ -128,4 +128,4 @@ def load_replicated_only(rank: int, world: int, url: str) -> dict:
     torch.manual_seed(0)
     expected = nn.Linear(4, 2).weight
     return {"progress": (p.step, p.epoch), "weights_restored": torch.equal(state["model"].weight, expected),
-            "warning": " ".join(str(c.message) for c in caught if "replicated_only" in str(c.message))}
+            "warning": " ".join(str(c.message) for c in caught if "world_size_policy" in str(c.message))}

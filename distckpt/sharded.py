@@ -1,0 +1,317 @@
+"""Sharded state (FSDP2 / DTensor): every rank writes its own shards; loads reshard.
+
+Save: a module whose parameters are DTensors (``fully_shard``, tensor parallel) and its
+optimizer are captured through ``torch.distributed.checkpoint.state_dict`` (fully qualified
+names, DTensor values). The encoder hands each DTensor to :class:`LocalShards`: rank 0's
+replicated tree keeps a reference ``{"S": name}``, and every rank keeps the local shard it owns
+(along Replicate mesh dimensions only coordinate 0 owns it) with its global offsets. Each rank
+writes its shards as ``shards/rank-R.gG.safetensors`` — a plain safetensors file, any reader
+opens it — and reports the file's size, checksum and chunk boxes; rank 0 checks that the chunks
+of every tensor cover it exactly and puts the chunk table into the manifest before the marker.
+
+Load: for every reference, the live target — a DTensor with this job's mesh and placements, or a
+plain tensor in a world of one — defines the box this rank needs, assembled from every saved
+chunk that overlaps it. So a checkpoint written by N ranks loads into M ranks.
+
+DCP's own format was not used for the payload: its ``.metadata`` is a pickle (never unpickled
+here), and its files are torch.save streams; a chunk table in the JSON manifest carries the same
+information and the shard files stay readable by any safetensors reader.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import manifest as mf
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError, UnstorableValueError
+from .serialize import (_DTYPE_TO_ST, _ST_TO_DTYPE, EncodedTree, ShardRef, StagingPool,
+                        encode_tree, is_dtensor, key_path, load_tree_file)
+from .storage import Storage
+
+SHARDED = "sharded"
+SHARD_PREFIX = "shards/"
+
+
+def shard_file(rank: int, generation: int) -> str:
+    return f"{SHARD_PREFIX}rank-{rank:05d}.g{generation:06d}.safetensors"
+
+
+# -- detection and capture ----------------------------------------------------------------------
+
+def has_dtensor_params(params: Any) -> bool:
+    return any(is_dtensor(p) for p in params)
+
+
+def optimizer_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def capture_module(module: nn.Module) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {"state_dict": dict(get_model_state_dict(module)),
+            "training": {name: m.training for name, m in module.named_modules()}}
+
+
+def capture_optimizer(module: nn.Module, opt: torch.optim.Optimizer) -> Any:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(module, opt)
+
+
+def _allowed_placement(placement: Any) -> bool:
+    from torch.distributed.tensor import Replicate, Shard
+
+    return type(placement) in (Shard, Replicate)  # not _StridedShard, not Partial
+
+
+def local_box(dt: Any) -> tuple[list[int], list[int]]:
+    """(global offsets, shape) of this rank's local piece of DTensor `dt`."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offsets = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    return [int(o) for o in offsets], [int(s) for s in shape]
+
+
+def _owns(dt: Any) -> bool:
+    """Only coordinate 0 along Replicate mesh dimensions writes a piece (no duplicate bytes)."""
+    from torch.distributed.tensor import Replicate
+
+    coordinate = dt.device_mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    return all(c == 0 for c, p in zip(coordinate, dt.placements) if isinstance(p, Replicate))
+
+
+class LocalShards:
+    """Collects this rank's pieces of every DTensor the encoder meets (a serialize.ShardSink)."""
+
+    def __init__(self, stage: "bool | StagingPool") -> None:
+        self.stage = stage
+        self.meta: dict[str, dict[str, Any]] = {}      # name -> global dtype and shape
+        self.pieces: dict[str, torch.Tensor] = {}      # name -> the local piece this rank writes
+        self.offsets: dict[str, list[int]] = {}
+        self._by_id: dict[int, str] = {}
+
+    def add(self, dt: torch.Tensor, path: tuple[Any, ...]) -> str:
+        if id(dt) in self._by_id:  # the same DTensor twice (tied): one set of chunks
+            return self._by_id[id(dt)]
+        bad = [p for p in dt.placements if not _allowed_placement(p)]  # type: ignore[attr-defined]
+        if bad:
+            raise UnstorableValueError(
+                f"{key_path(path)} is a DTensor with placements {dt.placements} "  # type: ignore[attr-defined]
+                "; distckpt stores Shard(dim) and Replicate() placements (FSDP2, tensor parallel); "
+                "call .redistribute() to one of them first")
+        if dt.dtype not in _DTYPE_TO_ST:
+            raise UnstorableValueError(f"{key_path(path)} has dtype {dt.dtype}, which the safetensors format cannot hold")
+        name = "/".join(str(p) for p in path)
+        self._by_id[id(dt)] = name
+        self.meta[name] = {"dtype": _DTYPE_TO_ST[dt.dtype], "shape": list(dt.shape)}
+        local = dt.to_local().detach()  # type: ignore[attr-defined]
+        if _owns(dt) and local.numel():
+            self.offsets[name] = local_box(dt)[0]
+            self.pieces[name] = self._snapshot(name, local)
+        return name
+
+    def _snapshot(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.stage, StagingPool):
+            return self.stage.stage(f"shard:{name}", local)
+        if self.stage or local.device.type != "cpu":
+            return local.to("cpu", copy=True).contiguous()
+        return local.contiguous()
+
+    def sync(self) -> None:
+        if isinstance(self.stage, StagingPool):
+            self.stage.sync()
+
+    def file_tree(self, rank: int) -> EncodedTree:
+        """The shard file: the pieces plus their offsets, self-describing like every file we write."""
+        return encode_tree({"rank": rank, "offsets": dict(self.offsets), "shards": dict(self.pieces)})
+
+
+@dataclass
+class ShardReport:
+    """What a rank tells rank 0 once its shard file is durable (or why it is not)."""
+
+    rank: int
+    file: str | None = None
+    record: dict[str, Any] | None = None           # size and checksum, as in manifest "files"
+    boxes: dict[str, list[list[int]]] | None = None  # name -> [offsets, shape]
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "file": self.file, "record": self.record, "boxes": self.boxes,
+                "error": self.error}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ShardReport":
+        return cls(int(d["rank"]), d.get("file"), d.get("record"), d.get("boxes"), d.get("error"))
+
+
+def chunk_table(meta: dict[str, dict[str, Any]], reports: list[ShardReport], where: str) -> dict[str, Any]:
+    """The manifest's "sharded" table; raises if the reported chunks do not cover every tensor."""
+    table = {name: {"dtype": m["dtype"], "shape": m["shape"], "chunks": []} for name, m in meta.items()}
+    for report in reports:
+        for name, (offsets, shape) in (report.boxes or {}).items():
+            if name not in table:
+                raise IncompatibleCheckpointError(f"{where}: rank {report.rank} wrote a shard of {name!r}, "
+                                                  "which rank 0's state does not hold; ranks hold different models")
+            table[name]["chunks"].append({"file": report.file, "offsets": offsets, "shape": shape})
+    for name, entry in table.items():
+        covered = sum(math.prod(c["shape"]) for c in entry["chunks"])
+        if covered != math.prod(entry["shape"]) or _overlapping(entry["chunks"]):
+            raise IncompatibleCheckpointError(
+                f"{where}: the shards of {name!r} cover {covered} of {math.prod(entry['shape'])} elements "
+                "(overlapping or missing pieces); every rank must hold the same sharded model")
+    return table
+
+
+def _overlapping(chunks: list[dict[str, Any]]) -> bool:
+    boxes = [(c["offsets"], c["shape"]) for c in chunks]
+    return any(_intersect(a, b) is not None for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def _intersect(a: tuple[list[int], list[int]], b: tuple[list[int], list[int]]) -> tuple[list[int], list[int]] | None:
+    """The box both cover ((offsets, shape)), or None."""
+    lo = [max(x, y) for x, y in zip(a[0], b[0])]
+    hi = [min(x + s, y + t) for x, s, y, t in zip(a[0], a[1], b[0], b[1])]
+    if any(h <= l_ for l_, h in zip(lo, hi)):
+        return None
+    return lo, [h - l_ for l_, h in zip(lo, hi)]
+
+
+# -- load ---------------------------------------------------------------------------------------
+
+class ShardReader:
+    """Assembles any box of a saved sharded tensor from the chunks that overlap it.
+
+    Shard files are read whole, verified against the manifest's checksum, once per load.
+    """
+
+    def __init__(self, storage: Storage, base: str, manifest: dict[str, Any], where: str) -> None:
+        self.storage, self.base, self.where = storage, base, where
+        self.files: dict[str, Any] = manifest.get("files", {})
+        self.table: dict[str, Any] = manifest.get("sharded") or {}
+        self._opened: dict[str, dict[str, torch.Tensor]] = {}
+
+    def spec(self, name: str) -> tuple[torch.dtype, list[int], list[dict[str, Any]]]:
+        entry = self.table.get(name)
+        try:
+            dtype = _ST_TO_DTYPE[entry["dtype"]]  # type: ignore[index]
+            shape = [int(s) for s in entry["shape"]]  # type: ignore[index]
+            chunks = list(entry["chunks"])  # type: ignore[index]
+            for c in chunks:
+                if len(c["offsets"]) != len(shape) or len(c["shape"]) != len(shape) or c["file"] not in self.files:
+                    raise ValueError(c)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{self.where}: the manifest's chunk table for {name!r} is malformed: {e}") from e
+        return dtype, shape, chunks
+
+    def assemble(self, name: str, offsets: list[int], shape: list[int]) -> torch.Tensor:
+        dtype, global_shape, chunks = self.spec(name)
+        out = torch.empty(shape, dtype=dtype)
+        filled = 0
+        for chunk in chunks:
+            box = _intersect((offsets, shape), (chunk["offsets"], chunk["shape"]))
+            if box is None:
+                continue
+            piece = self._piece(chunk["file"], name, chunk["shape"], dtype)
+            src, dst = piece, out
+            for dim, (lo, n) in enumerate(zip(*box)):
+                src = src.narrow(dim, lo - chunk["offsets"][dim], n)
+                dst = dst.narrow(dim, lo - offsets[dim], n)
+            dst.copy_(src)
+            filled += math.prod(box[1])
+        if filled != math.prod(shape):
+            raise CorruptCheckpointError(f"{self.where}: the chunks of {name!r} cover {filled} of the "
+                                         f"{math.prod(shape)} elements this rank needs")
+        return out
+
+    def _piece(self, file: str, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        if file not in self._opened:
+            mf.check_relative_path(file, self.where)
+            data = self.storage.read_buffer(f"{self.base}/{file}")
+            mf.verify_file(data, self.files[file], f"{self.where}/{file}")
+            tree = load_tree_file(data, f"{self.where}/{file}")
+            if not isinstance(tree, dict) or not isinstance(tree.get("shards"), dict):
+                raise CorruptCheckpointError(f"{self.where}/{file}: not a shard file")
+            self._opened[file] = tree["shards"]
+        piece = self._opened[file].get(name)
+        if not isinstance(piece, torch.Tensor) or list(piece.shape) != shape or piece.dtype != dtype:
+            raise CorruptCheckpointError(f"{self.where}/{file}: holds no {list(shape)} {dtype} piece of {name!r}")
+        return piece
+
+
+def resolve(saved: Any, target: Any, reader: ShardReader, path: tuple[Any, ...]) -> Any:
+    """`saved` with every ShardRef replaced by a tensor laid out like its counterpart in `target`
+    (a DTensor gets this rank's piece under the same mesh and placements; a plain tensor the whole)."""
+    if isinstance(saved, ShardRef):
+        return _resolve_ref(saved, target, reader, path)
+    if isinstance(saved, dict):
+        return {k: resolve(v, target.get(k) if isinstance(target, dict) else None, reader, path + (k,))
+                for k, v in saved.items()}
+    if isinstance(saved, (list, tuple)):
+        items = [resolve(v, target[i] if isinstance(target, (list, tuple)) and i < len(target) else None,
+                         reader, path + (i,)) for i, v in enumerate(saved)]
+        return items if isinstance(saved, list) else tuple(items)
+    return saved
+
+
+def _resolve_ref(ref: ShardRef, target: Any, reader: ShardReader, path: tuple[Any, ...]) -> torch.Tensor:
+    dtype, shape, _ = reader.spec(ref.name)
+    if not isinstance(target, torch.Tensor):
+        raise IncompatibleCheckpointError(
+            f"{key_path(path)}: the checkpoint holds a sharded {shape} tensor, this job has "
+            f"{type(target).__name__} there; build the same model as the run that saved")
+    if list(target.shape) != shape or target.dtype != dtype:
+        raise IncompatibleCheckpointError(
+            f"{key_path(path)}: {shape} {dtype} in the checkpoint, {list(target.shape)} {target.dtype} here")
+    if not is_dtensor(target):
+        return reader.assemble(ref.name, [0] * len(shape), shape).to(target.device)
+    from torch.distributed.tensor import DTensor
+
+    offsets, local_shape = local_box(target)
+    local = reader.assemble(ref.name, offsets, local_shape).to(target.to_local().device)  # type: ignore[attr-defined]
+    return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,  # type: ignore[attr-defined]
+                              shape=target.shape, stride=target.stride())
+
+
+def target_module_state(module: nn.Module) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return dict(get_model_state_dict(module))
+
+
+def target_optimizer_state(module: nn.Module, opt: torch.optim.Optimizer) -> Any:
+    """The optimizer's state laid out for this job (DCP initialises empty state with a zero step)."""
+    return capture_optimizer(module, opt)
+
+
+def check_module_keys(saved: dict[str, Any], target: dict[str, Any], module: nn.Module, where: str) -> None:
+    missing = [k for k in target if k not in saved["state_dict"]]
+    unexpected = [k for k in saved["state_dict"] if k not in target]
+    names = {name for name, _ in module.named_modules()}
+    if missing or unexpected or set(saved["training"]) != names:
+        raise IncompatibleCheckpointError(
+            f"{where} does not match the checkpoint: missing keys {missing[:5]}, unexpected keys "
+            f"{unexpected[:5]}, submodules {sorted(set(saved['training']) ^ names)[:5]}; build the "
+            "same model as the run that saved")
+
+
+def restore_module(module: nn.Module, saved: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, saved["state_dict"], options=StateDictOptions(strict=True))
+    for name, sub in module.named_modules():
+        sub.training = bool(saved["training"][name])
+
+
+def restore_optimizer(module: nn.Module, opt: torch.optim.Optimizer, saved: Any) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(module, opt, saved)

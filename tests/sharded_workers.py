@@ -1,0 +1,134 @@
+"""FSDP2 (fully_shard) workers for distckpt.testing.run_world: real gloo groups, CPU DTensors."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from torch import nn
+
+import distckpt
+from distckpt import faults
+
+
+class Net(nn.Module):
+    """Odd sizes on purpose: 2 and 4 ranks shard them unevenly (a rank may hold an empty piece)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(13, 6)
+        self.body = nn.Sequential(nn.Linear(6, 9), nn.GELU(), nn.Linear(9, 6))
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.body(self.emb(x)))).mean(1)
+
+
+def build(seed: int, shard: bool = True) -> dict:
+    torch.manual_seed(seed)
+    model = Net()
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model.body[0], model.body[2], model.head):
+            fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return {"model": model, "optimizer": opt, "gen": torch.Generator().manual_seed(7)}
+
+
+def train(state: dict, steps: int, first: int = 0) -> list[str]:
+    """Deterministic batches (from the step number and this rank's generator); losses as hex."""
+    model, opt = state["model"], state["optimizer"]
+    losses = []
+    for step in range(first, first + steps):
+        g = torch.Generator().manual_seed(1000 + step)
+        x = torch.randint(0, 13, (4, 5), generator=g)
+        y = torch.randn(4, 3, generator=state["gen"])
+        loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item().hex())
+    return losses
+
+
+def full_values(state: dict) -> dict[str, list]:
+    """Every model and optimizer tensor, gathered whole (DTensor.full_tensor), by name."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(state["model"], state["optimizer"])
+    out = {f"model.{k}": _whole(v) for k, v in msd.items()}
+    for fqn, per_param in osd["state"].items():
+        for k, v in per_param.items():
+            out[f"opt.{fqn}.{k}"] = _whole(v)
+    return out
+
+
+def _whole(t: torch.Tensor) -> list:
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach().reshape(-1).tolist()
+
+
+def save_after_training(rank: int, world: int, url: str, steps: int = 3, async_save: bool = False) -> dict:
+    state = build(0)
+    losses = train(state, steps)
+    with distckpt.CheckpointManager(url, timeout=30, async_save=async_save) as mgr:
+        mgr.save(steps, state, epoch=0)
+        values = full_values(state)
+        if async_save:  # in-place updates right after save() returns must not reach the file
+            with torch.no_grad():
+                for p in state["model"].parameters():
+                    p.add_(1.0)
+            mgr.wait()
+            return {"values": values}
+        more = train(state, 3, steps)
+    return {"values": values, "losses": losses, "more": more}
+
+
+def load_and_report(rank: int, world: int, url: str, policy: str = "refuse", train_after: int = 0,
+                    save_step: int | None = None) -> dict:
+    import warnings
+
+    state = build(123)  # other values, so a load that changes nothing is caught
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with distckpt.CheckpointManager(url, timeout=30, world_size_policy=policy) as mgr:
+            progress = mgr.load_latest(state)
+            values = full_values(state)
+            losses = train(state, train_after, progress.step) if train_after else []
+            if save_step is not None:
+                mgr.save(save_step, state, epoch=0)
+            after = full_values(state)
+    return {"step": progress.step, "values": values, "losses": losses, "after": after,
+            "warnings": [str(w.message) for w in caught if "world_size_policy" in str(w.message)]}
+
+
+def kill_after_shards(rank: int, world: int, url: str, victim: int) -> dict:
+    """Commit step 1; then SIGKILL rank `victim` at step 2 once its shard file is durable."""
+    state = build(0)
+    with distckpt.CheckpointManager(url, timeout=8) as mgr:
+        train(state, 1)
+        mgr.save(1, state, epoch=0)
+
+        def hook(name: str, context: dict) -> None:
+            if name == "save/shards-written" and context.get("step") == 2 and rank == victim:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        faults.on_point(hook)
+        train(state, 1, 1)
+        try:
+            mgr.save(2, state, epoch=0)
+        except distckpt.DistCkptError as e:
+            return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}
+
+
+def save_stray_dtensor(rank: int, world: int, url: str) -> None:
+    state = build(0)
+    state["extra"] = next(state["model"].parameters()).detach()  # a DTensor on its own
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.save(1, state)

@@ -1,0 +1,150 @@
+"""Sharded state (FSDP2 fully_shard on CPU, real gloo worlds): one commit over every rank's
+shards, exact resume, resharding across world sizes, and the crash between shards and marker."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.testing import run_world
+
+W = "sharded_workers"
+STEP_DIR = "step-000000003"
+
+
+def _ok(results):
+    for r in results:
+        assert r.error is None, f"rank {r.rank}: {r.error}"
+    return [r.value for r in results]
+
+
+def _manifest(ckpt_dir, step_dir=STEP_DIR):
+    return json.load(open(os.path.join(ckpt_dir, step_dir, "manifest.json")))
+
+
+def test_every_rank_writes_its_shards_under_one_commit(ckpt_dir):
+    _ok(run_world(f"{W}:save_after_training", 2, url=ckpt_dir))
+    manifest = _manifest(ckpt_dir)
+    shard_files = sorted(f for f in manifest["files"] if f.startswith("shards/"))
+    assert shard_files == ["shards/rank-00000.g000001.safetensors", "shards/rank-00001.g000001.safetensors"]
+    table = manifest["sharded"]
+    weight = next(v for k, v in table.items() if k.endswith("body.0.weight"))
+    assert weight["shape"] == [9, 6]
+    assert sorted((c["offsets"], c["shape"]) for c in weight["chunks"]) == [([0, 0], [5, 6]), ([5, 0], [4, 6])]
+    exp_avg = [k for k in table if k.endswith("exp_avg")]
+    assert len(exp_avg) == 9  # every parameter's optimizer moment is sharded too
+    assert os.listdir(os.path.join(ckpt_dir, STEP_DIR)).count("COMMITTED") == 1
+
+
+def test_shard_files_open_with_the_standard_safetensors_reader(ckpt_dir):
+    from safetensors.torch import load_file
+
+    _ok(run_world(f"{W}:save_after_training", 2, url=ckpt_dir))
+    pieces = load_file(os.path.join(ckpt_dir, STEP_DIR, "shards/rank-00001.g000001.safetensors"))
+    weight = next(v for k, v in pieces.items() if k.endswith("body.0.weight"))
+    assert weight.shape == (4, 6)  # rank 1's rows 5..8 of the 9x6 weight
+
+
+def test_exact_resume_at_the_same_world_size(ckpt_dir):
+    saved = _ok(run_world(f"{W}:save_after_training", 2, url=ckpt_dir))
+    loaded = _ok(run_world(f"{W}:load_and_report", 2, url=ckpt_dir, train_after=3))
+    for s, lo in zip(saved, loaded):
+        assert lo["step"] == 3
+        assert lo["values"] == s["values"]          # every model and optimizer value, exactly
+        assert lo["losses"] == s["more"]            # the next 3 losses, bit for bit
+
+
+def test_async_save_snapshots_the_shards(ckpt_dir):
+    saved = _ok(run_world(f"{W}:save_after_training", 2, url=ckpt_dir, async_save=True))
+    loaded = _ok(run_world(f"{W}:load_and_report", 2, url=ckpt_dir))
+    assert loaded[0]["values"] == saved[0]["values"]  # the +1.0 made after save() returned is absent
+
+
+def test_another_world_size_is_refused_by_default(ckpt_dir):
+    _ok(run_world(f"{W}:save_after_training", 2, url=ckpt_dir))
+    results = run_world(f"{W}:load_and_report", 4, url=ckpt_dir)
+    for r in results:
+        assert r.error_type == "IncompatibleCheckpointError", r.error
+        assert "world_size_policy='reshard'" in r.error
+
+
+def test_reshard_2_to_4_to_2_round_trips_and_training_continues(ckpt_dir):
+    saved = _ok(run_world(f"{W}:save_after_training", 2, url=ckpt_dir))
+    at4 = _ok(run_world(f"{W}:load_and_report", 4, url=ckpt_dir, policy="reshard", train_after=2, save_step=5))
+    for v in at4:
+        assert v["values"] == saved[0]["values"]
+        assert "written by 2 ranks and is loaded by 4" in v["warnings"][0]
+        assert "per-rank entries ['gen']" in v["warnings"][0]
+        assert all(float.fromhex(x) == float.fromhex(x) for x in v["losses"]) and len(v["losses"]) == 2
+    assert at4[0]["after"] != saved[0]["values"]  # training moved on at 4 ranks
+    assert len(_manifest(ckpt_dir, "step-000000005")["ranks"]) == 4
+    back = _ok(run_world(f"{W}:load_and_report", 2, url=ckpt_dir, policy="reshard"))
+    for v in back:
+        assert v["step"] == 5 and v["values"] == at4[0]["after"]
+
+
+def test_sharded_checkpoint_loads_whole_into_a_plain_model_in_one_process(ckpt_dir):
+    import sharded_workers as sw
+
+    saved = _ok(run_world(f"{W}:save_after_training", 2, url=ckpt_dir))
+    state = sw.build(123, shard=False)
+    state.pop("gen")  # per-rank: not restored across world sizes
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="written by 2 ranks and is loaded by 1"):
+        with distckpt.CheckpointManager(ckpt_dir, world_size_policy="reshard") as mgr:
+            assert mgr.load_latest(state).step == 3
+    assert sw.full_values(state) == saved[0]["values"]
+
+
+def test_a_rank_killed_after_its_shards_before_the_marker_leaves_no_commit(ckpt_dir):
+    results = run_world(f"{W}:kill_after_shards", 2, url=ckpt_dir, victim=1)
+    assert results[1].exitcode == -9
+    assert results[0].value["error"] == "CoordinationError", results[0].value
+    assert results[0].elapsed < 30  # bounded by the 8 s timeout, not a hang
+    assert not os.path.exists(os.path.join(ckpt_dir, "step-000000002", "COMMITTED"))
+    loaded = _ok(run_world(f"{W}:load_and_report", 2, url=ckpt_dir))
+    assert [v["step"] for v in loaded] == [1, 1]
+
+
+def test_rank_zero_killed_after_its_shards_leaves_no_commit(ckpt_dir):
+    results = run_world(f"{W}:kill_after_shards", 2, url=ckpt_dir, victim=0)
+    assert results[0].exitcode == -9
+    assert results[1].value["error"] in ("CoordinationError", "StorageError"), results[1].value
+    assert not os.path.exists(os.path.join(ckpt_dir, "step-000000002", "COMMITTED"))
+    loaded = _ok(run_world(f"{W}:load_and_report", 2, url=ckpt_dir))
+    assert [v["step"] for v in loaded] == [1, 1]
+
+
+def test_a_flipped_byte_in_a_shard_file_is_caught_on_load(ckpt_dir, capsys):
+    _ok(run_world(f"{W}:save_after_training", 2, url=ckpt_dir))
+    path = os.path.join(ckpt_dir, STEP_DIR, "shards/rank-00001.g000001.safetensors")
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    results = run_world(f"{W}:load_and_report", 2, url=ckpt_dir)
+    for r in results:  # the only commit is damaged: nothing to fall back to, on every rank
+        assert r.error_type == "CorruptCheckpointError", r.error
+        assert "no committed checkpoint" in r.error and "tried steps [3]" in r.error
+    from distckpt.cli import main
+
+    assert main(["verify", ckpt_dir]) != 0
+    out = capsys.readouterr().out
+    assert "rank-00001.g000001.safetensors" in out and "checksum" in out
+
+
+def test_a_dtensor_outside_a_sharded_module_is_refused_with_its_key(ckpt_dir):
+    results = run_world(f"{W}:save_stray_dtensor", 2, url=ckpt_dir)
+    for r in results:
+        assert r.error_type == "UnstorableValueError", r.error
+        assert "state['extra']" in r.error and "DTensor" in r.error
+
+
+def test_the_distckpt_cli_verifies_shard_files(ckpt_dir):
+    from distckpt.cli import main
+
+    _ok(run_world(f"{W}:save_after_training", 2, url=ckpt_dir))
+    assert main(["verify", ckpt_dir]) == 0
+    assert torch.__version__  # the CLI ran in this process, without a process group
