@@ -68,3 +68,43 @@ def coordination_rows(rank: int, world: int, root: str, repeats: int) -> dict[st
            "load (tiny state)": _timed(lambda: mgr.load_latest(state), repeats)}
     mgr.close()
     return out
+
+
+def sharded_rows(rank: int, world: int, root: str, mib: float, repeats: int) -> dict[str, float]:
+    """FSDP2 (fully_shard) model of `mib` MiB in all, each rank holding 1/world of it."""
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    width, layers = 1024, 8
+    rows = max(world, int(mib * 2**20) // 4 // width // layers)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(width, rows, bias=False) for _ in range(layers)))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    state = {"model": model}
+    url = os.path.join(root, f"distckpt-sharded-w{world}")
+    mgr = distckpt.CheckpointManager(url, timeout=300)
+    steps = iter(range(10**6))
+    out = {"distckpt save": _timed(lambda: mgr.save(next(steps), state), repeats),
+           "distckpt load": _timed(lambda: mgr.load_latest(state), repeats)}
+    mgr.close()
+    dcp_dir = os.path.join(root, f"dcp-sharded-w{world}")
+
+    def dcp_save() -> None:
+        if rank == 0:
+            shutil.rmtree(dcp_dir, ignore_errors=True)
+        dist.barrier()
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=dcp_dir)
+
+    def dcp_load() -> None:
+        sd = {"model": get_model_state_dict(model)}
+        dcp.load(sd, checkpoint_id=dcp_dir)
+        set_model_state_dict(model, sd["model"])
+
+    out["dcp.save"] = _timed(dcp_save, repeats)
+    out["dcp.load"] = _timed(dcp_load, repeats)
+    return out

@@ -194,6 +194,13 @@ def rank_rows(root: str, mib: int, repeats: int) -> list[Row]:
         for name, seconds in results[0].value.items():
             base = "dcp.save" if "save" in name else "dcp.load"
             rows.append((f"{world} ranks (gloo), local disk", name, seconds, base if name != base else ""))
+    for world in (2, 4):
+        results = run_world("rank_jobs:sharded_rows", world, timeout=900, root=root, mib=mib, repeats=repeats)
+        _raise_failed(results)
+        for name, seconds in results[0].value.items():
+            base = "dcp.save" if "save" in name else "dcp.load"
+            rows.append((f"{world} ranks FSDP2 (sharded, {mib} MiB in all), local disk", name, seconds,
+                         base if name != base else ""))
     for world in (2, 4, 8):
         results = run_world("rank_jobs:coordination_rows", world, timeout=900, root=root, repeats=max(5, repeats))
         _raise_failed(results)

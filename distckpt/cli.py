@@ -78,6 +78,11 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
     lines.append("entries: " + ", ".join(f"{k} ({v['kind']}, {v['scope']})" for k, v in m["entries"].items()))
     lines.append(f"tensors ({len(d['tensors'])}, {sum(t['bytes'] for t in d['tensors']):,} bytes):")
     lines += [f"  {t['name']:<56} {t['dtype']:>5} {str(t['shape']):>18} {t['bytes']:>12,}" for t in d["tensors"]]
+    table = m.get("sharded") or {}
+    if table:
+        lines.append(f"sharded tensors ({len(table)}; pieces in {len({c['file'] for e in table.values() for c in e['chunks']})} shard files):")
+        lines += [f"  {name:<56} {e['dtype']:>5} {str(e['shape']):>18} {len(e['chunks']):>5} chunks"
+                  for name, e in table.items()]
     _emit(args, d, "\n".join(lines))
     return EXIT_OK
 

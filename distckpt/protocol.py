@@ -63,6 +63,9 @@ class Progress:
     metric: float | None = None
     url: str = ""
     config_diff: tuple[str, ...] = ()
+    # world_size_policy="reshard" at another world size: what this rank did not restore but kept
+    # as its own seeding made it ("rng" and per-rank entry keys); () after an exact resume
+    rederived: tuple[str, ...] = ()
 
 
 @dataclass
@@ -509,9 +512,9 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
     if not candidates:
         return None
     chosen = _read_phase(coord, storage, entries, candidates, step is not None, world_size_policy, leases)
-    notes = _apply_phase(coord, entries, state, chosen)
+    notes, kept = _apply_phase(coord, entries, state, chosen)
     return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.get("metric"),
-                    f"{storage.url}/{mf.step_dir(chosen.step)}", tuple(notes))
+                    f"{storage.url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept))
 
 
 def _choose_phase(coord: Coordinator, storage: Storage, step: int | None) -> tuple[list[int], list[Lease]]:
@@ -626,8 +629,10 @@ def _check_agreement(outcomes: list[Outcome], step: int) -> None:
 
 
 def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any],
-                 read: ReadCheckpoint) -> list[str]:
+                 read: ReadCheckpoint) -> tuple[list[str], list[str]]:
+    """Restore every entry (RNG last); returns (config notes, what was kept rather than restored)."""
     notes: list[str] = []
+    kept: list[str] = []
     exc: BaseException | None = None
     entries = read.entries or entries
     try:
@@ -649,4 +654,4 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
         exc.__cause__ = e
     outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
     agree(coord, outcome, "load/apply", f"restoring step {read.step}", exc)
-    return notes
+    return notes, ([] if read.per_rank_restored else ["rng", *kept])

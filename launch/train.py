@@ -7,6 +7,10 @@ model to eval and back. Each rank appends `step loss` lines (loss as float.hex, 
 LOG_DIR/rank-R.txt, so two runs can be compared bit for bit.
 
     torchrun --nproc-per-node 2 launch/train.py --ckpt runs/a --loss-log runs/a-log --steps 120
+
+With ``--fsdp`` the model is sharded with FSDP2 (``fully_shard`` per block and at the root)
+instead of DDP: each rank then holds and checkpoints only its shards of the parameters and of
+AdamW's moments; distckpt writes them from every rank under one commit.
 """
 
 from __future__ import annotations
@@ -118,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
+    p.add_argument("--world-size-policy", default="refuse", help="see CheckpointManager (reshard: "
+                   "resume at another number of ranks)")
     p.add_argument("--kill-at", default=None,
                    help="SIGKILL rank R on the first attempt: 'step:N[:R]' before step N trains, "
                         "or 'POINT:N[:R]' at a distckpt fault point during the save of step N")
@@ -141,6 +148,18 @@ def arm_kill(spec: str | None, rank: int) -> int | None:
 
     faults.on_point(hook)
     return None
+
+
+def wrap(model: TinyGPT, world_size: int, fsdp: bool) -> nn.Module:
+    """DDP (replicated parameters), or FSDP2 (every rank holds a shard of each parameter)."""
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)  # the root group holds the tied embedding / head weight once
+        return model
+    return nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                                 sampler=sampler, num_workers=args.workers, generator=generator,
                                 drop_last=True)
     model = TinyGPT(len(data.vocab), block).to(info.device)
-    ddp = nn.parallel.DistributedDataParallel(model) if info.world_size > 1 else model
+    ddp = wrap(model, info.world_size, args.fsdp)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(10, args.steps))
     val_x, val_y = data[0][0].unsqueeze(0).repeat(4, 1), data[0][1].unsqueeze(0).repeat(4, 1)
@@ -176,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
              "loader": loader, "loader_generator": generator,
              "config": {"lr": 3e-3, "batch_size": args.batch, "block": block, "workers": args.workers}}
     mgr = distckpt.CheckpointManager(args.ckpt, keep_last=args.keep_last, async_save=args.async_save,
-                                     timeout=120)
+                                     timeout=120, world_size_policy=args.world_size_policy)
     progress = mgr.load_latest(state)
     step = progress.step + 1 if progress else 0
     epoch = progress.epoch if progress else 0
@@ -217,10 +236,15 @@ def main(argv: list[str] | None = None) -> None:
         else:
             epoch += 1
     mgr.close()
-    log.write(f"# done params {float(sum(p.detach().double().sum() for p in model.parameters())).hex()}\n")
+    log.write(f"# done params {float(sum(_whole(p).double().sum() for p in model.parameters())).hex()}\n")
     log.close()
     del ddp, state  # release the DDP reducer before the process group goes away
     distckpt.shutdown_distributed()
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's full value (FSDP2 holds DTensor shards; collective then)."""
+    return p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
 
 
 if __name__ == "__main__":

@@ -73,10 +73,11 @@ def _whole(t: torch.Tensor) -> list:
     return t.detach().reshape(-1).tolist()
 
 
-def save_after_training(rank: int, world: int, url: str, steps: int = 3, async_save: bool = False) -> dict:
+def save_after_training(rank: int, world: int, url: str, steps: int = 3, async_save: bool = False,
+                        options: dict | None = None) -> dict:
     state = build(0)
     losses = train(state, steps)
-    with distckpt.CheckpointManager(url, timeout=30, async_save=async_save) as mgr:
+    with distckpt.CheckpointManager(url, timeout=30, async_save=async_save, storage_options=options) as mgr:
         mgr.save(steps, state, epoch=0)
         values = full_values(state)
         if async_save:  # in-place updates right after save() returns must not reach the file
@@ -90,20 +91,20 @@ def save_after_training(rank: int, world: int, url: str, steps: int = 3, async_s
 
 
 def load_and_report(rank: int, world: int, url: str, policy: str = "refuse", train_after: int = 0,
-                    save_step: int | None = None) -> dict:
+                    save_step: int | None = None, options: dict | None = None) -> dict:
     import warnings
 
     state = build(123)  # other values, so a load that changes nothing is caught
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with distckpt.CheckpointManager(url, timeout=30, world_size_policy=policy) as mgr:
+        with distckpt.CheckpointManager(url, timeout=30, world_size_policy=policy, storage_options=options) as mgr:
             progress = mgr.load_latest(state)
             values = full_values(state)
             losses = train(state, train_after, progress.step) if train_after else []
             if save_step is not None:
                 mgr.save(save_step, state, epoch=0)
             after = full_values(state)
-    return {"step": progress.step, "values": values, "losses": losses, "after": after,
+    return {"step": progress.step, "rederived": progress.rederived, "values": values, "losses": losses, "after": after,
             "warnings": [str(w.message) for w in caught if "world_size_policy" in str(w.message)]}
 
 

@@ -49,3 +49,31 @@ def test_two_ranks_on_s3_killed_during_a_save(tmp_path, s3_server, s3_url):
                                workers=2, ckpt_url=s3_url, env=s3_server.env())
     assert resumes == ["resumed from step 20 epoch 0"]
     assert result.identical, result.table
+
+
+def test_fsdp2_two_ranks_killed_between_checkpoints(tmp_path):
+    # FSDP2: every rank writes its own shards of the parameters and AdamW moments.
+    result, resumes = run_pair(str(tmp_path), nproc=2, steps=60, kill_at="step:47:1", workers=2,
+                               extra=["--fsdp"])
+    assert resumes == ["resumed from step 40 epoch 1"]
+    assert result.identical, result.table
+    manifest = _newest_manifest(os.path.join(str(tmp_path), "ckpt-killed"))
+    assert sorted(f for f in manifest["files"] if f.startswith("shards/")) == [
+        "shards/rank-00000.g000001.safetensors", "shards/rank-00001.g000001.safetensors"]
+    assert manifest["sharded"]  # the chunk table: parameters and moments, not a replicated copy
+
+
+def test_fsdp2_rank_killed_after_its_shards_before_the_marker(tmp_path):
+    # Rank 1 dies once its shard file of step 40 is durable, before rank 0 could commit.
+    result, resumes = run_pair(str(tmp_path), nproc=2, steps=50, kill_at="save/shards-written:40:1",
+                               workers=0, extra=["--fsdp"])
+    assert resumes == ["resumed from step 20 epoch 0"]
+    assert result.identical, result.table
+
+
+def _newest_manifest(root: str) -> dict:
+    import json
+
+    step = max(d for d in os.listdir(root) if d.startswith("step-")
+               and os.path.exists(os.path.join(root, d, "COMMITTED")))
+    return json.load(open(os.path.join(root, step, "manifest.json")))

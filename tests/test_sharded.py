@@ -53,7 +53,7 @@ def test_exact_resume_at_the_same_world_size(ckpt_dir):
     saved = _ok(run_world(f"{W}:save_after_training", 2, url=ckpt_dir))
     loaded = _ok(run_world(f"{W}:load_and_report", 2, url=ckpt_dir, train_after=3))
     for s, lo in zip(saved, loaded):
-        assert lo["step"] == 3
+        assert lo["step"] == 3 and lo["rederived"] == ()
         assert lo["values"] == s["values"]          # every model and optimizer value, exactly
         assert lo["losses"] == s["more"]            # the next 3 losses, bit for bit
 
@@ -79,6 +79,7 @@ def test_reshard_2_to_4_to_2_round_trips_and_training_continues(ckpt_dir):
         assert v["values"] == saved[0]["values"]
         assert "written by 2 ranks and is loaded by 4" in v["warnings"][0]
         assert "per-rank entries ['gen']" in v["warnings"][0]
+        assert v["rederived"] == ("rng", "gen")
         assert all(float.fromhex(x) == float.fromhex(x) for x in v["losses"]) and len(v["losses"]) == 2
     assert at4[0]["after"] != saved[0]["values"]  # training moved on at 4 ranks
     assert len(_manifest(ckpt_dir, "step-000000005")["ranks"]) == 4
@@ -148,3 +149,29 @@ def test_the_distckpt_cli_verifies_shard_files(ckpt_dir):
     _ok(run_world(f"{W}:save_after_training", 2, url=ckpt_dir))
     assert main(["verify", ckpt_dir]) == 0
     assert torch.__version__  # the CLI ran in this process, without a process group
+
+
+def test_on_s3_shards_from_2_ranks_load_into_4(s3_server, s3_url):
+    options = s3_server.storage_options()
+    saved = _ok(run_world(f"{W}:save_after_training", 2, url=s3_url, options=options))
+    loaded = _ok(run_world(f"{W}:load_and_report", 4, url=s3_url, options=options, policy="reshard"))
+    assert all(v["values"] == saved[0]["values"] for v in loaded)
+
+
+def test_on_s3_a_rank_whose_shard_upload_fails_fails_the_save_everywhere(s3_server, s3_url, proxy):
+    from faultproxy import Rule
+    from test_s3 import via
+
+    proxy.add(Rule("PUT", r"shards/rank-00001", "status", times=1000, status=500))
+    results = run_world(f"{W}:save_after_training", 2, url=s3_url, options=via(proxy, s3_server))
+    for r in results:
+        assert r.error_type == "StorageError", (r.rank, r.error)
+        assert "rank(s) [1] could not write their shards" in r.error
+    assert not any("COMMITTED" in k for k in _objects(s3_server, s3_url))
+
+
+def _objects(s3_server, url):
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options())
+    return fs.find(url)
