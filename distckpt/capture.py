@@ -242,7 +242,8 @@ def resolve_sharded_entry(entry: Entry, saved_state: Any, reader: "sharded.Shard
         module = unwrap_module(entry.target)
         target = sharded.target_module_state(module)
         sharded.check_module_keys(saved_state, target, module, f"state[{entry.key!r}]")
-        return {"state_dict": sharded.resolve(saved_state["state_dict"], target, reader, path),
+        # load_state_dict copies into the parameters: the pieces may view the files' buffers
+        return {"state_dict": sharded.resolve(saved_state["state_dict"], target, reader, path, may_alias=True),
                 "training": saved_state["training"]}
     target = sharded.target_optimizer_state(entry.owner, entry.target)
     return sharded.resolve(saved_state, target, reader, path)

@@ -63,6 +63,7 @@ def test_fsdp2_two_ranks_killed_between_checkpoints(tmp_path):
     assert manifest["sharded"]  # the chunk table: parameters and moments, not a replicated copy
 
 
+@pytest.mark.faults  # make test-faults; make test covers this point in tests/test_sharded.py
 def test_fsdp2_rank_killed_after_its_shards_before_the_marker(tmp_path):
     # Rank 1 dies once its shard file of step 40 is durable, before rank 0 could commit.
     result, resumes = run_pair(str(tmp_path), nproc=2, steps=50, kill_at="save/shards-written:40:1",
