@@ -46,6 +46,10 @@ def save_load_rows(rank: int, world: int, root: str, mib: float, repeats: int) -
     out = {"distckpt save": _timed(lambda: mgr.save(next(steps), state), repeats),
            "distckpt load": _timed(lambda: mgr.load_latest(target), repeats)}
     mgr.close()
+    split = distckpt.CheckpointManager(url + "-split", timeout=300, keep_last=1, split_writes=True)
+    out["distckpt save (split_writes)"] = _timed(lambda: split.save(next(steps), state), repeats)
+    out["distckpt load (split_writes)"] = _timed(lambda: split.load_latest(target), repeats)
+    split.close()
     dcp_dir = os.path.join(root, f"dcp-w{world}")
 
     def dcp_save() -> None:

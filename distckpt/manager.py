@@ -38,17 +38,24 @@ class CheckpointManager:
 
     A checkpoint is committed only when its COMMITTED marker is written, after every file is
     durable; a failed or interrupted save never changes an earlier checkpoint.
+
+    ``split_writes=True`` spreads the replicated tensors (a DDP model, its optimizer) across the
+    ranks, each writing its share in parallel, under the same one commit. It assumes what DDP
+    guarantees: the replicated entries hold the same values on every rank. Off by default.
     """
 
     def __init__(self, url: str, *, keep_last: int | None = None, keep_best: int | None = None,
                  best_mode: str = "min", async_save: bool = False,
                  storage_options: dict[str, Any] | None = None, timeout: float = 600.0,
                  leftover_grace_s: float = 3600.0, world_size_policy: str = "refuse",
-                 preemption_signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+                 preemption_signals: tuple[int, ...] = (signal.SIGTERM,), split_writes: bool = False) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigError(f"url={url!r}: must be a local path or an fsspec URL such as s3://bucket/prefix")
         self.config = ManagerConfig(keep_last, keep_best, best_mode, async_save, float(timeout), leftover_grace_s,
                                     world_size_policy)
+        if not isinstance(split_writes, bool):
+            raise ConfigError(f"split_writes={split_writes!r}: must be True or False")
+        self.split_writes = split_writes  # replicated tensors written by all ranks in parallel
         self.url = url
         self.storage = open_storage(url, storage_options)
         self._coord = make_coordinator(self.config.timeout)
@@ -87,7 +94,7 @@ class CheckpointManager:
         self._save_seq += 1
         staged, shards = stage_save(self._coord, self.storage, entries, step, epoch, metric, self.run_id,
                                     self._staging if self.config.async_save else None, replaceable,
-                                    self._take_lease, self._save_seq)
+                                    self._take_lease, self._save_seq, self.split_writes)
         if self.config.async_save:
             if staged is not None or shards is not None:
                 self._writer.submit(lambda: self._write(staged, shards), f"step {step}")

@@ -125,11 +125,13 @@ def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step:
                epoch: int | None, metric: float | None, run_id: str,
                staging: StagingPool | None, replaceable: "ReplacePolicy | None" = None,
                take_lease: Callable[[], Lease] | None = None,
-               save_seq: int = 0) -> tuple[StagedSave | None, ShardWrite | None]:
+               save_seq: int = 0, split_writes: bool = False) -> tuple[StagedSave | None, ShardWrite | None]:
     """Phases capture, agree and gather (call on every rank). Rank 0 gets the StagedSave; every
-    rank gets its ShardWrite when the state has sharded entries."""
+    rank gets its ShardWrite when the state has sharded entries or `split_writes` spreads the
+    replicated tensors across the ranks."""
     t0 = time.perf_counter()
-    local, exc = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable, take_lease)
+    split = split_writes and coord.world_size > 1
+    local, exc = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable, take_lease, split)
     faults.point("save/captured", step=step, rank=coord.rank)
     info = {"rank": coord.rank, "step": step, "epoch": epoch, "host": hostname(), "pid": os.getpid(),
             "per_rank_entries": sorted(e.key for e in entries if e.scope == PER_RANK),
@@ -160,7 +162,7 @@ def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step:
 
 def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
                    epoch: int | None, staging: StagingPool | None, replaceable: "ReplacePolicy | None",
-                   take_lease: Callable[[], Lease] | None) -> tuple[_Captured, BaseException | None]:
+                   take_lease: Callable[[], Lease] | None, split: bool) -> tuple[_Captured, BaseException | None]:
     out = _Captured()
     try:
         rng = capture_process_rng()  # first: nothing below may draw before it is recorded
@@ -173,18 +175,21 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
         rank_tree = encode_tree(own, ("per-rank state",), stage=True)
         out.rank_file = b"".join(safetensors_chunks(rank_tree))
         stage: bool | StagingPool = staging if staging is not None else False
-        if any(e.scope == SHARDED for e in entries):
-            out.shards = sharded.LocalShards(stage)
+        if split or any(e.scope == SHARDED for e in entries):
+            out.shards = sharded.LocalShards(stage, coord.rank, coord.world_size)
             if coord.rank == 0 and take_lease is not None:
                 out.generation = take_lease().generation  # other ranks' shard names carry it
         if coord.rank == 0:
             tree = {"step": step, "epoch": epoch,
                     "entries": {e.key: capture_entry(e) for e in entries if e.scope in (REPLICATED, SHARDED)}}
             _check_storable(tree["entries"], entries)
-            out.replicated = encode_tree(tree, ("replicated",), stage=stage, shards=out.shards)
+            out.replicated = encode_tree(tree, ("replicated",), stage=stage, shards=out.shards, split=split)
         elif out.shards is not None:
-            tree = {"entries": {e.key: capture_entry(e) for e in entries if e.scope == SHARDED}}
-            encode_tree(tree, ("replicated",), shards=out.shards)  # the same names as rank 0's tree
+            scopes = (REPLICATED, SHARDED) if split else (SHARDED,)
+            tree = {"entries": {e.key: capture_entry(e) for e in entries if e.scope in scopes}}
+            if split:
+                _check_storable(tree["entries"], entries)
+            encode_tree(tree, ("replicated",), shards=out.shards, split=split)  # the same names as rank 0's
         if out.shards is not None:
             out.shards.sync()
         return out, None
@@ -196,6 +201,9 @@ class _NoShards:
     """A ShardSink for validation only: accepts every DTensor, copies nothing."""
 
     def add(self, tensor: Any, path: tuple[Any, ...]) -> str:
+        return ""
+
+    def add_whole(self, tensor: Any, path: tuple[Any, ...]) -> str:
         return ""
 
 
@@ -586,6 +594,9 @@ def _resolve_sharded(storage: Storage, entries: list[Entry], read: ReadCheckpoin
         if entry.scope == SHARDED and isinstance(saved, dict) and saved.get("kind") == entry.kind:
             saved["state"] = resolve_sharded_entry(entry, saved["state"], reader)
         out.append(entry)
+    for key, saved in saved_entries.items():  # replicated tensors stored by split writes
+        if isinstance(saved, dict) and saved.get("kind") not in ("sharded_module", "sharded_optimizer"):
+            saved["state"] = sharded.resolve_whole(saved.get("state"), reader)
     return out
 
 

@@ -110,11 +110,15 @@ class ShardSink(Protocol):
 
     def add(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> str: ...
 
+    def add_whole(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> str: ...
+
 
 class _Encoder:
-    def __init__(self, stage: "bool | StagingPool", shards: "ShardSink | None" = None) -> None:
+    def __init__(self, stage: "bool | StagingPool", shards: "ShardSink | None" = None,
+                 split: bool = False) -> None:
         self.stage = stage
         self.shards = shards
+        self.split = split
         self.tensors: dict[str, torch.Tensor] = {}
         self._by_region: dict[tuple[Any, ...], str] = {}
 
@@ -127,6 +131,9 @@ class _Encoder:
             return value if math.isfinite(value) else {"f": repr(float(value))}
         if isinstance(value, torch.Tensor) and is_dtensor(value) and self.shards is not None:
             return {"S": self.shards.add(value, path)}
+        if isinstance(value, torch.Tensor) and self.split and self.shards is not None:
+            self._check_dense(value, path)
+            return {"S": self.shards.add_whole(value, path)}
         if isinstance(value, torch.Tensor):
             return {"T": self._add_tensor(value, path)}
         if isinstance(value, dict):
@@ -150,14 +157,7 @@ class _Encoder:
         return key if isinstance(key, str) else int(key)
 
     def _add_tensor(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> str:
-        if is_dtensor(tensor):
-            raise UnstorableValueError(
-                f"{key_path(path)} is a DTensor outside a sharded module or optimizer: put the "
-                "FSDP2 / DTensor model itself and its optimizer in `state`, or store .full_tensor()")
-        if tensor.is_sparse or tensor.is_quantized:
-            raise UnstorableValueError(
-                f"{key_path(path)} is a {type(tensor).__name__} with layout {tensor.layout}: "
-                "only dense tensors are stored; convert it (e.g. .to_dense())")
+        self._check_dense(tensor, path)
         if tensor.dtype not in _DTYPE_TO_ST:
             raise UnstorableValueError(
                 f"{key_path(path)} has dtype {tensor.dtype}, which the safetensors format "
@@ -173,6 +173,17 @@ class _Encoder:
         if region is not None:
             self._by_region[region] = name
         return name
+
+    @staticmethod
+    def _check_dense(tensor: torch.Tensor, path: tuple[Any, ...]) -> None:
+        if is_dtensor(tensor):
+            raise UnstorableValueError(
+                f"{key_path(path)} is a DTensor outside a sharded module or optimizer: put the "
+                "FSDP2 / DTensor model itself and its optimizer in `state`, or store .full_tensor()")
+        if tensor.is_sparse or tensor.is_quantized:
+            raise UnstorableValueError(
+                f"{key_path(path)} is a {type(tensor).__name__} with layout {tensor.layout}: "
+                "only dense tensors are stored; convert it (e.g. .to_dense())")
 
     def _unique_name(self, path: tuple[Any, ...]) -> str:
         base = "/".join(str(p) for p in path) or "tensor"
@@ -211,14 +222,15 @@ def _describe(value: Any) -> str:
 
 
 def encode_tree(value: Any, path: tuple[Any, ...] = (), *, stage: "bool | StagingPool" = False,
-                shards: "ShardSink | None" = None) -> EncodedTree:
+                shards: "ShardSink | None" = None, split: bool = False) -> EncodedTree:
     """Check and encode a tree; raises UnstorableValueError naming the key path of a bad value.
 
     With ``stage=True`` every tensor is copied, with a StagingPool into its reused buffers, so
     the result no longer aliases live state. With `shards`, DTensors are handed to it and the
-    tree keeps a reference ({"S": name}); without, a DTensor is refused.
+    tree keeps a reference ({"S": name}); without, a DTensor is refused. With `split` too, every
+    other tensor goes to `shards` whole (split writes: ranks share the replicated payload).
     """
-    encoder = _Encoder(stage, shards)
+    encoder = _Encoder(stage, shards, split)
     node = encoder.encode(value, path)
     if isinstance(stage, StagingPool):
         stage.sync()

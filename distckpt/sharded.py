@@ -29,7 +29,7 @@ from torch import nn
 
 from . import manifest as mf
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, UnstorableValueError
-from .serialize import (_DTYPE_TO_ST, _ST_TO_DTYPE, EncodedTree, ShardRef, StagingPool,
+from .serialize import (_DTYPE_TO_ST, _ST_TO_DTYPE, EncodedTree, ShardRef, StagingPool, _region_key,
                         encode_tree, is_dtensor, key_path, load_tree_file)
 from .storage import Storage
 
@@ -89,14 +89,43 @@ def _owns(dt: Any) -> bool:
 
 
 class LocalShards:
-    """Collects this rank's pieces of every DTensor the encoder meets (a serialize.ShardSink)."""
+    """Collects this rank's pieces of every DTensor the encoder meets (a serialize.ShardSink).
 
-    def __init__(self, stage: "bool | StagingPool") -> None:
+    With split writes (``CheckpointManager(split_writes=True)``) it also takes the replicated
+    tensors, each whole, and assigns each to one rank — the one with the fewest bytes so far, in
+    the order the encoder meets them, which is the same on every rank — so that the ranks write
+    the replicated payload in parallel.
+    """
+
+    def __init__(self, stage: "bool | StagingPool", rank: int = 0, world_size: int = 1) -> None:
         self.stage = stage
+        self.rank, self.world_size = rank, world_size
         self.meta: dict[str, dict[str, Any]] = {}      # name -> global dtype and shape
         self.pieces: dict[str, torch.Tensor] = {}      # name -> the local piece this rank writes
         self.offsets: dict[str, list[int]] = {}
         self._by_id: dict[int, str] = {}
+        self._by_region: dict[tuple[Any, ...], str] = {}
+        self._assigned = [0] * world_size               # bytes of whole tensors given to each rank
+
+    def add_whole(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> str:
+        """A replicated tensor: stored whole, in the file of the rank it is assigned to."""
+        region = _region_key(tensor)
+        if region is not None and region in self._by_region:  # tied weights: stored once
+            return self._by_region[region]
+        if tensor.dtype not in _DTYPE_TO_ST:
+            raise UnstorableValueError(f"{key_path(path)} has dtype {tensor.dtype}, which the safetensors "
+                                       "format cannot hold; convert it (complex: torch.view_as_real)")
+        name = "/".join(str(p) for p in path)
+        if region is not None:
+            self._by_region[region] = name
+        self.meta[name] = {"dtype": _DTYPE_TO_ST[tensor.dtype], "shape": list(tensor.shape)}
+        if tensor.numel():
+            owner = min(range(self.world_size), key=lambda r: (self._assigned[r], r))
+            self._assigned[owner] += tensor.numel() * tensor.element_size()
+            if owner == self.rank:
+                self.offsets[name] = [0] * tensor.dim()
+                self.pieces[name] = self._snapshot(name, tensor.detach())
+        return name
 
     def add(self, dt: torch.Tensor, path: tuple[Any, ...]) -> str:
         if id(dt) in self._by_id:  # the same DTensor twice (tied): one set of chunks
@@ -253,6 +282,21 @@ class ShardReader:
         if not isinstance(piece, torch.Tensor) or list(piece.shape) != shape or piece.dtype != dtype:
             raise CorruptCheckpointError(f"{self.where}/{file}: holds no {list(shape)} {dtype} piece of {name!r}")
         return piece
+
+
+def resolve_whole(saved: Any, reader: ShardReader) -> Any:
+    """`saved` with every ShardRef replaced by the whole tensor (replicated entries written with
+    split writes). The result may view the files' buffers: restore copies or clones it."""
+    if isinstance(saved, ShardRef):
+        _, shape, _ = reader.spec(saved.name)
+        return reader.assemble(saved.name, [0] * len(shape), shape, may_alias=True)
+    if isinstance(saved, dict):
+        return {k: resolve_whole(v, reader) for k, v in saved.items()}
+    if isinstance(saved, list):
+        return [resolve_whole(v, reader) for v in saved]
+    if isinstance(saved, tuple):
+        return tuple(resolve_whole(v, reader) for v in saved)
+    return saved
 
 
 def resolve(saved: Any, target: Any, reader: ShardReader, path: tuple[Any, ...], may_alias: bool = False) -> Any:

@@ -129,3 +129,32 @@ def load_replicated_only(rank: int, world: int, url: str) -> dict:
     expected = nn.Linear(4, 2).weight
     return {"progress": (p.step, p.epoch), "weights_restored": torch.equal(state["model"].weight, expected),
             "warning": " ".join(str(c.message) for c in caught if "world_size_policy" in str(c.message))}
+
+
+def split_save_and_load(rank: int, world: int, url: str, async_save: bool = False) -> dict:
+    """Replicated state written by all ranks (split_writes), then loaded by a fresh manager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 20), nn.Linear(20, 10))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 40)).sum().backward()
+    opt.step()
+    state = {"model": model, "optimizer": opt, "gen": torch.Generator().manual_seed(rank),
+             "table": torch.arange(7.0)}
+    with distckpt.CheckpointManager(url, timeout=30, split_writes=True, async_save=async_save) as mgr:
+        mgr.save(3, state, epoch=0)
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        if async_save:  # changed right after save() returned: must not reach the files
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+    expected_opt = [s["exp_avg"].clone() for s in opt.state.values()]
+    torch.manual_seed(99)
+    fresh = nn.Sequential(nn.Linear(40, 30), nn.Linear(30, 20), nn.Linear(20, 10))
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    new_state = {"model": fresh, "optimizer": fresh_opt, "gen": torch.Generator(), "table": torch.zeros(7)}
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        progress = mgr.load_latest(new_state)
+    return {"step": progress.step,
+            "model_equal": all(torch.equal(v, fresh.state_dict()[k]) for k, v in expected.items()),
+            "opt_equal": all(torch.equal(a, s["exp_avg"]) for a, s in zip(expected_opt, fresh_opt.state.values())),
+            "table": new_state["table"].tolist()}

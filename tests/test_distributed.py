@@ -122,3 +122,16 @@ def test_another_world_size_with_the_replicated_only_policy(ckpt_dir):
         assert r.value["progress"] == (5, 0) and r.value["weights_restored"]
         assert "written by 2 ranks and is loaded by 3" in r.value["warning"]
         assert "per-rank entries ['gen']" in r.value["warning"]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_split_writes_spread_the_replicated_payload_across_ranks(ckpt_dir, async_save):
+    results = run_world(f"{W}:split_save_and_load", 3, url=ckpt_dir, async_save=async_save)
+    for r in results:
+        assert r.error is None, r.error
+        assert r.value["step"] == 3 and r.value["model_equal"] and r.value["opt_equal"]
+        assert r.value["table"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    manifest = json.load(open(os.path.join(ckpt_dir, "step-000000003", "manifest.json")))
+    shard_bytes = [manifest["files"][f"shards/rank-0000{r}.g000001.safetensors"]["size"] for r in range(3)]
+    assert min(shard_bytes) > 0.5 * max(shard_bytes)  # every rank wrote a comparable share
+    assert all(len(e["chunks"]) == 1 for e in manifest["sharded"].values())  # each tensor whole, once
