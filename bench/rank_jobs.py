@@ -6,6 +6,7 @@ import os
 import shutil
 import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,33 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
+def _distckpt_rows(url: str, state: dict, target: dict, repeats: int, suffix: str = "",
+                   **options: object) -> dict[str, float]:
+    """distckpt's save and load rows. keep_last=1: the dcp row removes its previous checkpoint
+    inside its timing too; piling up checkpoints instead makes later saves pay for the page
+    cache's writeback (0.60 s against 0.27 s per save at 2 ranks, 256 MiB, FSDP2, measured with
+    bench/profile_sharded.py)."""
+    mgr = distckpt.CheckpointManager(url, timeout=300, keep_last=1, **options)  # type: ignore[arg-type]
+    steps = iter(range(10**6))
+    out = {f"distckpt save{suffix}": _timed(lambda: mgr.save(next(steps), state), repeats),
+           f"distckpt load{suffix}": _timed(lambda: mgr.load_latest(target), repeats)}
+    mgr.close()
+    return out
+
+
+def _fresh_dcp_save(rank: int, dcp_dir: str, state_dict: Callable[[], dict]) -> Callable[[], None]:
+    """dcp.save into an emptied directory (dcp has no retention; rank 0 empties it, inside the timing)."""
+    import torch.distributed.checkpoint as dcp
+
+    def save() -> None:
+        if rank == 0:
+            shutil.rmtree(dcp_dir, ignore_errors=True)
+        dist.barrier()
+        dcp.save(state_dict(), checkpoint_id=dcp_dir)
+
+    return save
+
+
 def save_load_rows(rank: int, world: int, root: str, mib: float, repeats: int) -> dict[str, float]:
     import torch.distributed.checkpoint as dcp
 
@@ -40,25 +68,10 @@ def save_load_rows(rank: int, world: int, root: str, mib: float, repeats: int) -
     state = _state(mib)
     target = {k: torch.empty_like(v) for k, v in state.items()}
     url = os.path.join(root, f"distckpt-w{world}")
-    # keep_last=1, as the dcp row removes its previous checkpoint inside its timing (see sharded_rows)
-    mgr = distckpt.CheckpointManager(url, timeout=300, keep_last=1)
-    steps = iter(range(10**6))
-    out = {"distckpt save": _timed(lambda: mgr.save(next(steps), state), repeats),
-           "distckpt load": _timed(lambda: mgr.load_latest(target), repeats)}
-    mgr.close()
-    split = distckpt.CheckpointManager(url + "-split", timeout=300, keep_last=1, split_writes=True)
-    out["distckpt save (split_writes)"] = _timed(lambda: split.save(next(steps), state), repeats)
-    out["distckpt load (split_writes)"] = _timed(lambda: split.load_latest(target), repeats)
-    split.close()
+    out = _distckpt_rows(url, state, target, repeats)
+    out.update(_distckpt_rows(url + "-split", state, target, repeats, " (split_writes)", split_writes=True))
     dcp_dir = os.path.join(root, f"dcp-w{world}")
-
-    def dcp_save() -> None:
-        if rank == 0:
-            shutil.rmtree(dcp_dir, ignore_errors=True)
-        dist.barrier()
-        dcp.save(state, checkpoint_id=dcp_dir)
-
-    out["dcp.save"] = _timed(dcp_save, repeats)
+    out["dcp.save"] = _timed(_fresh_dcp_save(rank, dcp_dir, lambda: state), repeats)
     out["dcp.load"] = _timed(lambda: dcp.load(target, checkpoint_id=dcp_dir), repeats)
     return out
 
@@ -91,22 +104,9 @@ def sharded_rows(rank: int, world: int, root: str, mib: float, repeats: int) -> 
         fully_shard(layer)
     fully_shard(model)
     state = {"model": model}
-    url = os.path.join(root, f"distckpt-sharded-w{world}")
-    # keep_last=1: the dcp row removes its previous checkpoint inside its timing too; piling up
-    # checkpoints instead makes later saves pay for the page cache's writeback (0.60 s against
-    # 0.27 s per save at 2 ranks, 256 MiB, measured with bench/profile_sharded.py)
-    mgr = distckpt.CheckpointManager(url, timeout=300, keep_last=1)
-    steps = iter(range(10**6))
-    out = {"distckpt save": _timed(lambda: mgr.save(next(steps), state), repeats),
-           "distckpt load": _timed(lambda: mgr.load_latest(state), repeats)}
-    mgr.close()
+    out = _distckpt_rows(os.path.join(root, f"distckpt-sharded-w{world}"), state, state, repeats)
     dcp_dir = os.path.join(root, f"dcp-sharded-w{world}")
-
-    def dcp_save() -> None:
-        if rank == 0:
-            shutil.rmtree(dcp_dir, ignore_errors=True)
-        dist.barrier()
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=dcp_dir)
+    dcp_save = _fresh_dcp_save(rank, dcp_dir, lambda: {"model": get_model_state_dict(model)})
 
     def dcp_load() -> None:
         sd = {"model": get_model_state_dict(model)}
