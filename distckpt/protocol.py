@@ -584,6 +584,8 @@ def _try_read(coord: Coordinator, storage: Storage, entries: list[Entry], step: 
 def _resolve_sharded(storage: Storage, entries: list[Entry], read: ReadCheckpoint) -> list[Entry]:
     """The entries as they will be restored; each sharded one's saved state gets this rank's
     pieces, assembled from whichever ranks' shard files overlap them (nothing is changed yet)."""
+    if not read.manifest.get("sharded"):  # no shard files: nothing to resolve (most loads)
+        return list(entries)
     base = mf.step_dir(read.step)
     reader = sharded.ShardReader(storage, base, read.manifest, f"{storage.url}/{base}")
     saved_entries = read.replicated["entries"]
