@@ -10,6 +10,7 @@ minute. Ratios compare with the baseline of the same medium and direction measur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -60,8 +61,11 @@ def local_rows(state: dict, root: str, repeats: int) -> list[Row]:
     chunks = [t.numpy().tobytes() for t in state.values()]  # one write per tensor, as a checkpoint does
     raw, ts_path, dcp_dir = (os.path.join(root, n) for n in ("raw.bin", "ts.pt", "dcp"))
     steps = iter(range(10**6))
-    # No retention inside the timed saves: deleting the previous 256 MiB file is a policy cost,
-    # paid outside the timing as for dcp's directory (see `before`).
+    # No deletion inside the timed writes, for any row: each row's previous output is removed
+    # before it, and the removal made durable (this disk is mounted with `discard`: the blocks
+    # of a deleted file are trimmed at the next journal commit, which the next fsync waits for,
+    # whichever row it belongs to). Replacing an existing file inside the timing had made the
+    # raw row pay for freeing its previous 256 MiB: 1.0 s against 0.2 s.
     sync_dir = os.path.join(root, "sync")
     sync_mgr = distckpt.CheckpointManager(sync_dir)
 
@@ -83,8 +87,10 @@ def local_rows(state: dict, root: str, repeats: int) -> list[Row]:
     writes = interleaved({"raw write + fsync": raw_write, "torch.save + fsync + rename": torch_save,
                           "dcp.save": lambda: dcp.save(state, checkpoint_id=dcp_dir),
                           "distckpt save (sync)": lambda: sync_mgr.save(next(steps), state)},
-                         repeats, before={"dcp.save": lambda: fresh_dir(dcp_dir),
-                                          "distckpt save (sync)": lambda: _drop_all_but_newest(sync_mgr)})
+                         repeats, before={"raw write + fsync": settled(lambda: _remove(raw)),
+                                          "torch.save + fsync + rename": settled(lambda: _remove(ts_path)),
+                                          "dcp.save": settled(lambda: fresh_dir(dcp_dir)),
+                                          "distckpt save (sync)": settled(lambda: _drop_all(sync_mgr))})
     target = {k: torch.empty_like(v) for k, v in state.items()}
 
     def raw_read() -> None:
@@ -100,6 +106,26 @@ def local_rows(state: dict, root: str, repeats: int) -> list[Row]:
     rows += [("1 rank, local disk", k, v, "raw read") for k, v in reads.items()]
     rows += async_rows(state, root, repeats)
     return rows
+
+
+def settled(fn: Callable[[], object]) -> Callable[[], None]:
+    """fn, then every pending write and trim on the disk done, outside the next timing."""
+    def run() -> None:
+        fn()
+        os.sync()
+    return run
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _drop_all(mgr: distckpt.CheckpointManager) -> None:
+    from distckpt.retention import delete_checkpoint
+
+    for step in mgr.committed_steps():
+        delete_checkpoint(mgr.storage, step)
 
 
 def _drop_all_but_newest(mgr: distckpt.CheckpointManager) -> None:

@@ -12,7 +12,8 @@ from demo import read_losses, run_pair
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+# Without loader workers is in make test-faults: with 2 workers covers the same path and more.
+@pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.faults), 2])
 def test_two_ranks_killed_between_checkpoints(tmp_path, workers):
     # Steps 0-32 are epoch 0 (33 steps per epoch): the resume lands mid-epoch 1 and then
     # crosses two epoch boundaries.
@@ -22,6 +23,7 @@ def test_two_ranks_killed_between_checkpoints(tmp_path, workers):
     assert result.steps == 2 * 110
 
 
+@pytest.mark.faults  # make test-faults; make test kills a torchrun job during a save on S3 below
 def test_two_ranks_killed_during_a_save(tmp_path):
     # Rank 0 dies after writing step 40's data and manifest but before its COMMITTED marker:
     # step 40 must not count, the job resumes from step 20 and still matches bit for bit.
