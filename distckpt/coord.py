@@ -1,8 +1,8 @@
 """Coordination between ranks: bounded object collectives, and one outcome for all ranks.
 
-Object collectives run on a dedicated gloo group (so jobs whose default group is NCCL work
-too), created with the manager's timeout, so a dead or stopped peer turns into an error, never
-a hang. Every phase ends in :func:`agree`: each rank contributes an :class:`Outcome`, all
+Object collectives (a fixed-size gather to rank 0, a broadcast back) run on a dedicated gloo
+group (so jobs whose default group is NCCL work too), created with the manager's timeout, so a
+dead or stopped peer turns into an error, never a hang. Every phase ends in :func:`agree`: each rank contributes an :class:`Outcome`, all
 ranks see all outcomes, and if any rank failed every rank raises the same error.
 
 This module never imports storage.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -84,25 +85,92 @@ class GlooCoordinator:
                 "see its log") from e
 
     def all_gather(self, obj: Any, phase: str) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        self._run(phase, lambda: self._dist.all_gather_object(out, obj, group=self._group))
-        return out
+        # A gather to rank 0 and a broadcast back: 3-4 ms at 8 ranks on 2 CPUs, against 28 ms
+        # for all_gather_object (two all-gathers: the sizes, then the padded bytes)
+        # (bench/profile_coordination.py).
+        return self._run(phase, lambda: self._broadcast_object(self._gather_objects(obj)))
 
     def gather(self, obj: Any, phase: str) -> list[Any] | None:
-        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        self._run(phase, lambda: self._dist.gather_object(obj, out, dst=0, group=self._group))
-        return out
+        return self._run(phase, lambda: self._gather_objects(obj))
 
     def broadcast(self, obj: Any, phase: str) -> Any:
-        box = [obj if self.rank == 0 else None]
-        self._run(phase, lambda: self._dist.broadcast_object_list(box, src=0, group=self._group))
-        return box[0]
+        return self._run(phase, lambda: self._broadcast_object(obj if self.rank == 0 else None))
+
+    def _gather_objects(self, obj: Any) -> list[Any] | None:
+        """One fixed-size gather; an object larger than a slot follows as one message to rank 0."""
+        import torch
+
+        data = pickle.dumps(obj)
+        slot = _packed_slot(data)
+        slots = [torch.empty_like(slot) for _ in range(self.world_size)] if self.rank == 0 else None
+        self._dist.gather(slot, slots, dst=0, group=self._group)
+        if self.rank != 0:
+            if len(data) > SLOT_BYTES:
+                self._dist.send(_byte_tensor(data), dst=0, group=self._group)
+            return None
+        assert slots is not None
+        out = []
+        for rank, got in enumerate(slots):
+            size = _slot_length(got)
+            if size <= SLOT_BYTES:
+                payload = got[_HEADER:_HEADER + size].numpy().tobytes()
+            elif rank == 0:
+                payload = data
+            else:
+                big = torch.empty(size, dtype=torch.uint8)
+                self._dist.recv(big, src=rank, group=self._group)
+                payload = big.numpy().tobytes()
+            out.append(pickle.loads(payload))
+        return out
+
+    def _broadcast_object(self, obj: Any) -> Any:
+        """One fixed-size broadcast; a larger object follows in a second one of its exact size."""
+        import torch
+
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        slot = _packed_slot(data) if self.rank == 0 else torch.empty(_HEADER + SLOT_BYTES, dtype=torch.uint8)
+        self._dist.broadcast(slot, src=0, group=self._group)
+        size = _slot_length(slot)
+        if size > SLOT_BYTES:
+            big = _byte_tensor(data) if self.rank == 0 else torch.empty(size, dtype=torch.uint8)
+            self._dist.broadcast(big, src=0, group=self._group)
+            payload = big.numpy().tobytes()
+        else:
+            payload = slot[_HEADER:_HEADER + size].numpy().tobytes()
+        return obj if self.rank == 0 else pickle.loads(payload)
 
     def close(self) -> None:
         try:
             self._dist.destroy_process_group(self._group)
         except Exception as e:  # the default group may already be gone at interpreter exit
             log.debug("destroying the distckpt gloo group failed: %s", e)
+
+
+SLOT_BYTES = 64 * 2**10  # objects up to this size travel in the collective itself (outcomes are ~1 KiB)
+_HEADER = 8  # the pickled length, int64
+
+
+def _packed_slot(data: bytes) -> Any:
+    """A fixed-size uint8 tensor: the length of `data`, then `data` if it fits."""
+    import torch
+
+    slot = torch.zeros(_HEADER + SLOT_BYTES, dtype=torch.uint8)
+    slot[:_HEADER] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if len(data) <= SLOT_BYTES:
+        slot[_HEADER:_HEADER + len(data)] = _byte_tensor(data)
+    return slot
+
+
+def _slot_length(slot: Any) -> int:
+    import torch
+
+    return int(slot[:_HEADER].view(torch.int64).item())
+
+
+def _byte_tensor(data: bytes) -> Any:
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
 class Reports(Protocol):

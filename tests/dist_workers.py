@@ -158,3 +158,33 @@ def split_save_and_load(rank: int, world: int, url: str, async_save: bool = Fals
             "model_equal": all(torch.equal(v, fresh.state_dict()[k]) for k, v in expected.items()),
             "opt_equal": all(torch.equal(a, s["exp_avg"]) for a, s in zip(expected_opt, fresh_opt.state.values())),
             "table": new_state["table"].tolist()}
+
+
+def exchange_objects_larger_than_a_slot(rank: int, world: int) -> dict:
+    """all_gather / gather / broadcast where some objects exceed coord.SLOT_BYTES."""
+    from distckpt.coord import SLOT_BYTES, GlooCoordinator
+
+    coord = GlooCoordinator(timeout_s=30)
+    mine = {"rank": rank, "blob": bytes([rank]) * (3 * SLOT_BYTES if rank == 1 else 10)}
+    out = {"all_gather": [len(o["blob"]) for o in coord.all_gather(mine, "test/all-gather")]}
+    gathered = coord.gather(mine, "test/gather")
+    out["gather"] = None if gathered is None else [(o["rank"], o["blob"][:1], len(o["blob"])) for o in gathered]
+    out["broadcast"] = len(coord.broadcast(bytes(2 * SLOT_BYTES) if rank == 0 else None, "test/broadcast"))
+    out["small broadcast"] = coord.broadcast({"from": rank}, "test/small")
+    coord.close()
+    return out
+
+
+def fail_before_sending_a_large_object(rank: int, world: int, timeout_s: float, how: str) -> None:
+    """Rank 1's object needs the message after the gather; it is SIGKILLed, or stops for
+    longer than the timeout, before sending it."""
+    import torch.distributed as dist
+
+    from distckpt.coord import SLOT_BYTES, GlooCoordinator
+
+    coord = GlooCoordinator(timeout_s=timeout_s)
+    if rank == 1 and how == "killed":
+        dist.send = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[assignment]
+    if rank == 1 and how == "stopped":
+        dist.send = lambda *a, **k: time.sleep(timeout_s + 8)  # type: ignore[assignment]
+    coord.gather(bytes(2 * SLOT_BYTES), "test/gather")

@@ -135,3 +135,25 @@ def test_split_writes_spread_the_replicated_payload_across_ranks(ckpt_dir, async
     shard_bytes = [manifest["files"][f"shards/rank-0000{r}.g000001.safetensors"]["size"] for r in range(3)]
     assert min(shard_bytes) > 0.5 * max(shard_bytes)  # every rank wrote a comparable share
     assert all(len(e["chunks"]) == 1 for e in manifest["sharded"].values())  # each tensor whole, once
+
+
+def test_objects_larger_than_a_slot_take_one_more_message():
+    results = run_world(f"{W}:exchange_objects_larger_than_a_slot", 3)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    from distckpt.coord import SLOT_BYTES
+
+    for r in results:
+        assert r.value["all_gather"] == [10, 3 * SLOT_BYTES, 10]
+        assert r.value["broadcast"] == 2 * SLOT_BYTES
+        assert r.value["small broadcast"] == {"from": 0}
+    assert results[0].value["gather"] == [(0, b"\0", 10), (1, b"\1", 3 * SLOT_BYTES), (2, b"\2", 10)]
+    assert results[1].value["gather"] is None and results[2].value["gather"] is None
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_rank_failing_before_its_large_object_is_an_error_within_the_timeout(how):
+    results = run_world(f"{W}:fail_before_sending_a_large_object", 2, timeout=60, timeout_s=5, how=how)
+    if how == "killed":
+        assert results[1].died and results[1].exitcode == -9
+    assert results[0].error_type == "CoordinationError", results[0].error
+    assert "test/gather" in results[0].error and results[0].elapsed < 20
