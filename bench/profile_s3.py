@@ -84,15 +84,16 @@ def main() -> int:
                      measure(lambda: fs_quiet.pipe_file("bench/raw.bin", data), pid, args.repeats)))
         rows.append(("dcp.save (FsspecWriter)",
                      measure(lambda: dcp.save(state, storage_writer=FsspecWriter("s3://bench/dcp")), pid, args.repeats)))
+        mib = 2**20
         variants: list[tuple[str, dict]] = [
-            ("distckpt save (defaults: 32 MiB parts, 8 in flight)", {}),
+            ("distckpt save (defaults: 8 MiB parts, 8 in flight)", {}),
             ("distckpt save, no request checksum", {"config_kwargs": {"request_checksum_calculation": "when_required"}}),
-            ("distckpt save, 8 MiB parts", {"part_bytes": 8 * 2**20}),
-            ("distckpt save, 16 MiB parts", {"part_bytes": 16 * 2**20}),
-            ("distckpt save, 64 MiB parts", {"part_bytes": 64 * 2**20}),
-            ("distckpt save, 2 in flight", {"concurrency": 2}),
-            ("distckpt save, 4 in flight", {"concurrency": 4}),
-            ("distckpt save, 16 MiB parts, 16 in flight", {"part_bytes": 16 * 2**20, "concurrency": 16}),
+            ("distckpt save, 16 MiB parts", {"part_bytes": 16 * mib}),
+            ("distckpt save, 32 MiB parts", {"part_bytes": 32 * mib}),
+            ("distckpt save, 64 MiB parts", {"part_bytes": 64 * mib}),
+            ("distckpt save, 8 MiB parts, 2 in flight", {"concurrency": 2}),
+            ("distckpt save, 8 MiB parts, 4 in flight", {"concurrency": 4}),
+            ("distckpt save, 8 MiB parts, 16 in flight", {"concurrency": 16}),
         ]
         for k, (name, extra) in enumerate(variants):
             mgr = distckpt.CheckpointManager(f"s3://bench/run{k}", keep_last=1,

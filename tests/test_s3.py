@@ -253,8 +253,29 @@ def test_large_objects_are_read_as_concurrent_ranges(s3_server, s3_url, proxy):
         mgr.save(1, state)
     proxy.add(Rule("GET", r"replicated/state\.g000001\.safetensors", "reset", times=1))  # one range fails once
     back = {"big": torch.zeros(3 * 2**20)}
-    with distckpt.CheckpointManager(s3_url, storage_options=via(proxy, s3_server, part_bytes=5 * 2**20)) as mgr:
+    with distckpt.CheckpointManager(s3_url, storage_options=via(proxy, s3_server, range_bytes=5 * 2**20)) as mgr:
         mgr.load_latest(back)
     gets = [s for m, p, s in proxy.log if m == "GET" and "replicated/state.g000001.safetensors" in p]
     assert len([s for s in gets if s in ("200", "206")]) == 3 and proxy.rules[0].hits == 1
     assert torch.equal(back["big"], state["big"])
+
+
+def test_parts_regroup_any_chunks_and_grow_so_an_object_can_reach_5_tib(monkeypatch):
+    from distckpt.storage import s3
+
+    mib = 2**20
+    sizes = [s3.part_size(n, 8 * mib) for n in range(1, 10_001)]
+    assert sizes[0] == sizes[999] == 8 * mib and sizes[1000] == 16 * mib and max(sizes) <= 5 * 2**30
+    assert sum(sizes) >= 5 * 2**40  # S3's largest object within its 10,000 parts
+    monkeypatch.setattr(s3, "PARTS_PER_SIZE", 2)
+    data = bytes(range(256)) * 3
+    chunks = [data[:5], memoryview(data[5:300]), data[300:301], data[301:]]
+    parts = list(s3._parts(chunks, 4))
+    assert [len(p) for p in parts[:6]] == [4, 4, 8, 8, 16, 16] and b"".join(parts) == data
+    assert len(parts[-1]) <= s3.part_size(len(parts), 4)
+    assert list(s3._parts([b""], 4)) == []
+
+
+def test_a_part_size_below_s3s_minimum_is_refused(s3_server, s3_url):
+    with pytest.raises(distckpt.ConfigError, match="below S3's smallest multipart part"):
+        distckpt.CheckpointManager(s3_url, storage_options={**s3_server.storage_options(), "part_bytes": 2**20})

@@ -24,7 +24,7 @@ import logging
 import time
 from typing import Any, Iterable, Iterator
 
-from ..errors import CheckpointExistsError, MissingFileError, StorageError
+from ..errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError
 from .fsspec_fs import FsspecStorage, _join
 from .redact import protect_credentials
 
@@ -32,24 +32,33 @@ log = logging.getLogger("distckpt")
 
 DEFAULT_CONFIG = {"connect_timeout": 10, "read_timeout": 60,
                   "retries": {"max_attempts": 4, "mode": "standard"}}
-DEFAULT_PART_BYTES = 32 * 2**20
+DEFAULT_PART_BYTES = 8 * 2**20   # bench/profile_s3.py: see the README's S3 notes
+DEFAULT_RANGE_BYTES = 32 * 2**20  # ranged GETs of a large object on load
 DEFAULT_CONCURRENCY = 8
 DEFAULT_CALL_TIMEOUT_S = 120.0
 MIN_THROUGHPUT_BYTES_S = 8 * 2**20  # a call may also take size / this long
+PARTS_PER_SIZE = 1000
+MIN_PART_BYTES, MAX_PART_BYTES = 5 * 2**20, 5 * 2**30  # S3: parts of 5 MiB to 5 GiB, at most 10,000
 
 
 class S3Storage(FsspecStorage):
     """Checkpoints under s3://bucket/prefix.
 
-    Extra `storage_options` (all optional): ``part_bytes`` (multipart part size),
+    Extra `storage_options` (all optional): ``part_bytes`` (size of the first 1000 multipart
+    parts, at least 5 MiB; later ones double every 1000), ``range_bytes`` (ranged GETs on load),
     ``concurrency`` (parts in flight), ``call_timeout`` (seconds a call may take, plus
     size / 8 MiB/s), ``retries`` (s3fs's retries on top of botocore's ``config_kwargs``).
     """
 
     def __init__(self, fs: Any, root: str, url: str, part_bytes: int = DEFAULT_PART_BYTES,
-                 concurrency: int = DEFAULT_CONCURRENCY, call_timeout: float = DEFAULT_CALL_TIMEOUT_S) -> None:
+                 concurrency: int = DEFAULT_CONCURRENCY, call_timeout: float = DEFAULT_CALL_TIMEOUT_S,
+                 range_bytes: int = DEFAULT_RANGE_BYTES) -> None:
         super().__init__(fs, root, url)
+        if part_bytes < MIN_PART_BYTES:
+            raise ConfigError(f"part_bytes={part_bytes} is below S3's smallest multipart part (5 MiB = "
+                             f"{MIN_PART_BYTES} bytes); pass at least that in storage_options")
         self.part_bytes, self.concurrency, self.call_timeout = part_bytes, concurrency, call_timeout
+        self.range_bytes = range_bytes
 
     @classmethod
     def from_url(cls, url: str, storage_options: dict[str, Any]) -> "S3Storage":
@@ -60,13 +69,14 @@ class S3Storage(FsspecStorage):
         part_bytes = int(options.pop("part_bytes", DEFAULT_PART_BYTES))
         concurrency = int(options.pop("concurrency", DEFAULT_CONCURRENCY))
         call_timeout = float(options.pop("call_timeout", DEFAULT_CALL_TIMEOUT_S))
+        range_bytes = int(options.pop("range_bytes", DEFAULT_RANGE_BYTES))
         retries = int(options.pop("retries", 3))
         config = {**DEFAULT_CONFIG, **options.pop("config_kwargs", {})}
         options.setdefault("skip_instance_cache", True)  # one owned client per manager
         fs = s3fs.S3FileSystem(config_kwargs=config, **options)
         fs.retries = retries  # s3fs's own retries, on top of botocore's: keep the product bounded
         root = url.split("://", 1)[1].rstrip("/")
-        return cls(fs, root, url, part_bytes, concurrency, call_timeout)
+        return cls(fs, root, url, part_bytes, concurrency, call_timeout, range_bytes)
 
     def _call(self, what: str, target: str, method: str, *args: Any, size: int = 0, **kwargs: Any) -> Any:
         deadline = self.call_timeout + size / MIN_THROUGHPUT_BYTES_S
@@ -102,13 +112,13 @@ class S3Storage(FsspecStorage):
         self.fs.invalidate_cache(target)
 
     def read_buffer(self, path: str) -> bytes | bytearray:
-        """A large object fetched as concurrent ranged GETs of `part_bytes` into one buffer
+        """A large object fetched as concurrent ranged GETs of `range_bytes` into one buffer
         (one GET stream ran at ~125 MiB/s here, the whole load's cost); small ones in one GET."""
         from fsspec.asyn import sync
 
         target = _join(self.root, path)
         size = self._call("reading", target, "size", target)
-        if size is None or size < 2 * self.part_bytes:
+        if size is None or size < 2 * self.range_bytes:
             return self.read_bytes(path)
         try:
             return sync(self.fs.loop, self._get_ranges, target, size)
@@ -125,41 +135,42 @@ class S3Storage(FsspecStorage):
         slots = asyncio.Semaphore(self.concurrency)
 
         async def fetch(start: int) -> None:
-            end = min(size, start + self.part_bytes)
+            end = min(size, start + self.range_bytes)
             async with slots:
-                data = await asyncio.wait_for(self.fs._cat_file(target, start=start, end=end), self._part_deadline())
+                data = await asyncio.wait_for(self.fs._cat_file(target, start=start, end=end),
+                                              self._part_deadline(end - start))
             if len(data) != end - start:
                 raise OSError(errno.EIO, f"short read: {len(data)} of {end - start} bytes at {start}")
             buf[start:end] = data
 
-        await asyncio.gather(*(fetch(start) for start in range(0, size, self.part_bytes)))
+        await asyncio.gather(*(fetch(start) for start in range(0, size, self.range_bytes)))
         return buf
 
-    def _part_deadline(self) -> float:
-        return self.call_timeout + self.part_bytes / MIN_THROUGHPUT_BYTES_S
+    def _part_deadline(self, size: int = 0) -> float:
+        return self.call_timeout + max(size, self.part_bytes) / MIN_THROUGHPUT_BYTES_S
 
-    async def _s3(self, method: str, **kwargs: Any) -> Any:
+    async def _s3(self, method: str, size: int = 0, **kwargs: Any) -> Any:
         import asyncio
 
-        return await asyncio.wait_for(self.fs._call_s3(method, **kwargs), self._part_deadline())
+        return await asyncio.wait_for(self.fs._call_s3(method, **kwargs), self._part_deadline(size))
 
     async def _put_streaming(self, bucket: str, key: str, chunks: Iterable[memoryview | bytes]) -> None:
         import asyncio
 
         parts = _parts(chunks, self.part_bytes)
-        first = next(parts, b"")
+        first = next(parts, bytearray())
         second = next(parts, None)
         if second is None:
-            await self._s3("put_object", Bucket=bucket, Key=key, Body=first)
+            await self._s3("put_object", size=len(first), Bucket=bucket, Key=key, Body=first)
             return
         upload_id = (await self._s3("create_multipart_upload", Bucket=bucket, Key=key))["UploadId"]
         slots = asyncio.Semaphore(self.concurrency)
         sent: list[asyncio.Task[dict[str, Any]]] = []
 
-        async def send(number: int, body: bytes) -> dict[str, Any]:
+        async def send(number: int, body: bytearray) -> dict[str, Any]:
             try:
-                out = await self._s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id,
-                                     PartNumber=number, Body=body)
+                out = await self._s3("upload_part", size=len(body), Bucket=bucket, Key=key,
+                                     UploadId=upload_id, PartNumber=number, Body=body)
                 return {"PartNumber": number, "ETag": out["ETag"]}
             finally:
                 slots.release()
@@ -246,23 +257,35 @@ class S3Storage(FsspecStorage):
         return aborted
 
 
-def _parts(chunks: Iterable[memoryview | bytes], size: int) -> Iterator[bytes]:
-    """Regroup chunks into parts of exactly `size` bytes (the last one shorter)."""
-    buf = bytearray()
+def part_size(number: int, base: int) -> int:
+    """Size of part `number` (from 1): `base` for the first 1000 parts, then doubling every
+    1000, so small parts keep a 256 MiB upload fast and an object still reaches S3's 5 TiB
+    (at most 10,000 parts of at most 5 GiB) without knowing its size in advance."""
+    return min(base << ((number - 1) // PARTS_PER_SIZE), MAX_PART_BYTES)
+
+
+def _parts(chunks: Iterable[memoryview | bytes], base: int) -> Iterator[bytearray]:
+    """Regroup chunks into parts of part_size(n, base) bytes (the last one shorter), each a new
+    buffer filled by one copy (the previous `+=` then `bytes()` copied every byte twice)."""
+    number, filled = 1, 0
+    buf = bytearray(part_size(number, base))
     for chunk in chunks:
         view = memoryview(chunk).cast("B")
         while view:
-            take = min(size - len(buf), len(view))
-            buf += view[:take]
+            take = min(len(buf) - filled, len(view))
+            buf[filled:filled + take] = view[:take]
+            filled += take
             view = view[take:]
-            if len(buf) == size:
-                yield bytes(buf)
-                buf = bytearray()
-    if buf:
-        yield bytes(buf)
+            if filled == len(buf):
+                yield buf
+                number, filled = number + 1, 0
+                buf = bytearray(part_size(number, base))
+    if filled:
+        del buf[filled:]
+        yield buf
 
 
-def _chain_parts(first: bytes, second: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+def _chain_parts(first: bytearray, second: bytearray, rest: Iterator[bytearray]) -> Iterator[bytearray]:
     yield first
     yield second
     yield from rest
