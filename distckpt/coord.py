@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -100,7 +99,7 @@ class GlooCoordinator:
         """One fixed-size gather; an object larger than a slot follows as one message to rank 0."""
         import torch
 
-        data = pickle.dumps(obj)
+        data = encode_message(obj)
         slot = _packed_slot(data)
         slots = [torch.empty_like(slot) for _ in range(self.world_size)] if self.rank == 0 else None
         self._dist.gather(slot, slots, dst=0, group=self._group)
@@ -120,14 +119,14 @@ class GlooCoordinator:
                 big = torch.empty(size, dtype=torch.uint8)
                 self._dist.recv(big, src=rank, group=self._group)
                 payload = big.numpy().tobytes()
-            out.append(pickle.loads(payload))
+            out.append(decode_message(payload))
         return out
 
     def _broadcast_object(self, obj: Any) -> Any:
         """One fixed-size broadcast; a larger object follows in a second one of its exact size."""
         import torch
 
-        data = pickle.dumps(obj) if self.rank == 0 else b""
+        data = encode_message(obj) if self.rank == 0 else b""
         slot = _packed_slot(data) if self.rank == 0 else torch.empty(_HEADER + SLOT_BYTES, dtype=torch.uint8)
         self._dist.broadcast(slot, src=0, group=self._group)
         size = _slot_length(slot)
@@ -137,7 +136,7 @@ class GlooCoordinator:
             payload = big.numpy().tobytes()
         else:
             payload = slot[_HEADER:_HEADER + size].numpy().tobytes()
-        return obj if self.rank == 0 else pickle.loads(payload)
+        return obj if self.rank == 0 else decode_message(payload)
 
     def close(self) -> None:
         try:
@@ -146,8 +145,47 @@ class GlooCoordinator:
             log.debug("destroying the distckpt gloo group failed: %s", e)
 
 
-SLOT_BYTES = 64 * 2**10  # objects up to this size travel in the collective itself (outcomes are ~1 KiB)
-_HEADER = 8  # the pickled length, int64
+SLOT_BYTES = 64 * 2**10  # messages up to this size travel in the collective itself (outcomes are ~1 KiB)
+_HEADER = 8  # the message length, int64
+
+
+def encode_message(obj: Any) -> bytes:
+    """JSON (no pickle between ranks either), with bytes carried after it and Outcomes tagged.
+
+    Layout: the JSON's length (8 bytes, little-endian), the JSON, then the byte strings it
+    refers to as {"__bytes__": [start, length]}. Dict keys must be str; tuples arrive as lists.
+    """
+    blobs: list[bytes] = []
+    used = [0]
+
+    def tag(o: Any) -> Any:
+        if isinstance(o, (bytes, bytearray, memoryview)):
+            blob = bytes(o)
+            blobs.append(blob)
+            used[0] += len(blob)
+            return {"__bytes__": [used[0] - len(blob), len(blob)]}
+        if isinstance(o, Outcome):
+            return {"__outcome__": [o.rank, o.error_type, o.message, o.info]}
+        raise TypeError(f"a coordination message cannot carry {type(o).__name__}")
+
+    text = json.dumps(obj, default=tag).encode()
+    return len(text).to_bytes(8, "little") + text + b"".join(blobs)
+
+
+def decode_message(data: bytes) -> Any:
+    size = int.from_bytes(data[:8], "little")
+    blobs = memoryview(data)[8 + size:]
+
+    def untag(d: dict[str, Any]) -> Any:
+        if "__bytes__" in d:
+            start, length = d["__bytes__"]
+            return bytes(blobs[start:start + length])
+        if "__outcome__" in d:
+            rank, error_type, message, info = d["__outcome__"]
+            return Outcome(rank, error_type, message, info)
+        return d
+
+    return json.loads(data[8:8 + size], object_hook=untag)
 
 
 def _packed_slot(data: bytes) -> Any:

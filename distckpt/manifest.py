@@ -14,8 +14,11 @@ never overwrite the files of a newer one, even inside the same step directory.
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
@@ -49,22 +52,65 @@ def rank_file(rank: int, generation: int) -> str:
 
 
 class Checksum:
-    """Counts and hashes chunks as they stream past (xxh3-64: several GB/s on one core)."""
+    """Counts and hashes chunks as they stream past (xxh3-64: several GB/s on one core).
+
+    A large chunk is hashed on a helper thread while the consumer writes it (xxhash releases
+    the GIL): the hash was 0.024 s of a 0.25 s save of 256 MiB, run before each write. One
+    chunk at a time is in flight, so the hash sees the chunks in order.
+    """
 
     algorithm = "xxh3_64"
 
     def __init__(self) -> None:
         self._h = xxhash.xxh3_64()
         self.size = 0
+        self._pending: Future[None] | None = None
 
     def wrap(self, chunks: Iterable[memoryview | bytes]) -> Iterator[memoryview | bytes]:
-        for chunk in chunks:
-            self._h.update(chunk)
-            self.size += memoryview(chunk).nbytes
-            yield chunk
+        try:
+            for chunk in chunks:
+                n = memoryview(chunk).nbytes
+                self._settle()
+                if n >= _HASH_AHEAD_BYTES:
+                    self._pending = _hasher().submit(self._h.update, chunk)
+                else:
+                    self._h.update(chunk)
+                self.size += n
+                yield chunk
+        finally:
+            self._settle()
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
 
     def hexdigest(self) -> str:
+        self._settle()
         return self._h.hexdigest()
+
+
+_HASH_AHEAD_BYTES = 1 << 20
+_HASHER: ThreadPoolExecutor | None = None
+_HASHER_LOCK = threading.Lock()
+
+
+def _hasher() -> ThreadPoolExecutor:
+    global _HASHER
+    with _HASHER_LOCK:
+        if _HASHER is None:
+            _HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="distckpt-hash")
+        return _HASHER
+
+
+def _forget_hasher_after_fork() -> None:
+    """A forked child (a data-loader worker saving, say) has none of the parent's threads:
+    an executor inherited from it would queue work no thread ever runs."""
+    global _HASHER, _HASHER_LOCK
+    _HASHER, _HASHER_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_hasher_after_fork)
 
 
 def checksum_of(data: bytes | bytearray | memoryview) -> str:

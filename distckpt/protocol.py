@@ -24,6 +24,7 @@ Every phase ends in `coord.agree`, so every rank takes the same branch.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -540,10 +541,11 @@ def _choose_phase(coord: Coordinator, storage: Storage, step: int | None) -> tup
                 steps = [step]
         except Exception as e:
             exc = e
-    mine = Outcome.failure(0, exc) if exc else Outcome(0, info={"steps": steps, "leases": leases})
+    info = {"steps": steps, "leases": [dataclasses.asdict(lease) for lease in leases]}
+    mine = Outcome.failure(0, exc) if exc else Outcome(0, info=info)
     outcome = coord.broadcast(mine if coord.rank == 0 else None, "load/choose")
     raise_if_failed(coord, [outcome], "choosing a checkpoint to load", exc)
-    return list(outcome.info["steps"]), list(outcome.info["leases"])
+    return list(outcome.info["steps"]), [Lease(**d) for d in outcome.info["leases"]]
 
 
 def _read_phase(coord: Coordinator, storage: Storage, entries: list[Entry], candidates: list[int],

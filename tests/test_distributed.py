@@ -157,3 +157,14 @@ def test_a_rank_failing_before_its_large_object_is_an_error_within_the_timeout(h
         assert results[1].died and results[1].exitcode == -9
     assert results[0].error_type == "CoordinationError", results[0].error
     assert "test/gather" in results[0].error and results[0].elapsed < 20
+
+
+def test_coordination_messages_round_trip_without_pickle():
+    from distckpt.coord import Outcome, decode_message, encode_message
+
+    msg = [Outcome(1, "StorageError", "disk full", {"step": 5, "files": ["a", "b"]}), b"\x00\xff" * 10,
+           {"nested": [b"", bytearray(b"xy"), None, 1.5, True]}]
+    back = decode_message(encode_message(msg))
+    assert back == [msg[0], msg[1], {"nested": [b"", b"xy", None, 1.5, True]}]
+    with pytest.raises(TypeError, match="cannot carry object"):
+        encode_message(object())
