@@ -2,9 +2,9 @@
 
     python bench/run.py [--mib 256] [--repeats 3] [--no-s3] [--no-ranks] [--no-training]
 
-Every row is a median over --repeats rounds after one warm-up round; single-process rows run
-interleaved (one of each per round), because this kind of VM's disk speed drifts by 2x over a
-minute. Ratios compare with the baseline of the same medium and direction measured in this run.
+Every row is a median over --repeats rounds (at least 7 for the single-process local-disk rows)
+after one warm-up round; single-process rows run interleaved (one of each per round), because
+this kind of VM's disk speed drifts by 2x over a minute. Ratios compare with the baseline of the same medium and direction measured in this run.
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "launch"))
 
 import distckpt  # noqa: E402
 
-Row = tuple[str, str, float, str]  # (section, what, seconds, baseline name or "")
+Row = tuple[str, str, float, str]
+# The single-process rows take a second a round: they run at least this many rounds, because
+# this VM stalls a 256 MiB write for ~1 s now and then (in every writer, seen in every row),
+# which a median of 3 does not always absorb.
+LOCAL_REPEATS = 7  # (section, what, seconds, baseline name or "")
 
 
 def make_state(mib: int) -> dict[str, torch.Tensor]:
@@ -65,7 +69,11 @@ def local_rows(state: dict, root: str, repeats: int) -> list[Row]:
     # before it, and the removal made durable (this disk is mounted with `discard`: the blocks
     # of a deleted file are trimmed at the next journal commit, which the next fsync waits for,
     # whichever row it belongs to). Replacing an existing file inside the timing had made the
-    # raw row pay for freeing its previous 256 MiB: 1.0 s against 0.2 s.
+    # raw row pay for freeing its previous 256 MiB: 1.0 s against 0.2 s. Every row's removed
+    # files are evicted from the page cache first, the same for all: on this VM a write into
+    # pages freed a moment ago ran up to 4x faster than one into pages free for seconds (the
+    # hypervisor takes those back), which would favour a row that frees cached pages just
+    # before it writes.
     sync_dir = os.path.join(root, "sync")
     sync_mgr = distckpt.CheckpointManager(sync_dir)
 
@@ -89,7 +97,7 @@ def local_rows(state: dict, root: str, repeats: int) -> list[Row]:
                           "distckpt save (sync)": lambda: sync_mgr.save(next(steps), state)},
                          repeats, before={"raw write + fsync": settled(lambda: _remove(raw)),
                                           "torch.save + fsync + rename": settled(lambda: _remove(ts_path)),
-                                          "dcp.save": settled(lambda: fresh_dir(dcp_dir)),
+                                          "dcp.save": settled(lambda: _evicted_fresh_dir(dcp_dir)),
                                           "distckpt save (sync)": settled(lambda: _drop_all(sync_mgr))})
     target = {k: torch.empty_like(v) for k, v in state.items()}
 
@@ -118,13 +126,34 @@ def settled(fn: Callable[[], object]) -> Callable[[], None]:
 
 def _remove(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
+        _evict(path)
         os.unlink(path)
+
+
+def _evict(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _evict_tree(path: str) -> None:
+    for folder, _, files in os.walk(path):
+        for name in files:
+            _evict(os.path.join(folder, name))
+
+
+def _evicted_fresh_dir(path: str) -> None:
+    _evict_tree(path)
+    fresh_dir(path)
 
 
 def _drop_all(mgr: distckpt.CheckpointManager) -> None:
     from distckpt.retention import delete_checkpoint
 
     for step in mgr.committed_steps():
+        _evict_tree(os.path.join(mgr.storage.url, f"step-{step:09d}"))
         delete_checkpoint(mgr.storage, step)
 
 
@@ -299,7 +328,7 @@ def main() -> int:
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
-        rows = local_rows(state, root, args.repeats)
+        rows = local_rows(state, root, max(args.repeats, LOCAL_REPEATS))
         if not args.no_ranks:
             rows += rank_rows(root, args.mib, args.repeats)
         if not args.no_s3:
