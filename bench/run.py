@@ -284,7 +284,13 @@ def s3_rows(state: dict, root: str, repeats: int) -> list[Row]:
         mgr = distckpt.CheckpointManager("s3://bench/run", storage_options=server.storage_options(), keep_last=1)
         steps = iter(range(10**6))
         target = {k: torch.empty_like(v) for k, v in state.items()}
+        def open_write() -> None:  # s3fs's own multipart upload (blocksize parts), chunk by chunk
+            with fs.open("bench/raw-open.bin", "wb") as f:
+                for t in state.values():
+                    f.write(t.numpy().data)
+
         writes = interleaved({"s3fs pipe (one object)": lambda: fs.pipe_file("bench/raw.bin", data),
+                              "s3fs open().write (one object)": open_write,
                               "dcp.save (FsspecWriter)": lambda: dcp.save(state, storage_writer=FsspecWriter("s3://bench/dcp")),
                               "distckpt save": lambda: mgr.save(next(steps), state)}, repeats)
         reads = interleaved({"s3fs cat (one object)": lambda: fs.cat_file("bench/raw.bin"),
