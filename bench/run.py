@@ -347,7 +347,7 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     print(f"state: {len(state)} float32 tensors, {nbytes / 2**20:.0f} MiB (per rank, replicated); "
-          f"median of {args.repeats} after a warm-up round; {os.cpu_count()} CPUs; torch {torch.__version__}")
+          f"median of {args.repeats} after warm-up ({max(args.repeats, LOCAL_REPEATS)} for the single-process local-disk rows); {os.cpu_count()} CPUs; torch {torch.__version__}")
     print(f"command: python bench/run.py --mib {args.mib} --repeats {args.repeats}"
           + (" --no-s3" if args.no_s3 else "") + (" --no-ranks" if args.no_ranks else "")
           + (" --no-training" if args.no_training else ""))
