@@ -91,7 +91,8 @@ class S3Storage(FsspecStorage):
             raise
 
     def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
-        """Stream the chunks up in parts; at most `concurrency` parts are in memory and in flight.
+        """Stream the chunks up in parts; at most `concurrency` parts are in memory and in flight
+        (8 x 8 MiB by default; parts double every 1000, so a 100 GiB file ends with 64 MiB parts).
 
         Below two parts: one PUT. Otherwise a multipart upload, completed after every part
         succeeded and aborted on any failure, so the object appears whole or not at all.
