@@ -98,7 +98,7 @@ def local_rows(state: dict, root: str, repeats: int) -> list[Row]:
                          repeats, before={"raw write + fsync": settled(lambda: _remove(raw)),
                                           "torch.save + fsync + rename": settled(lambda: _remove(ts_path)),
                                           "dcp.save": settled(lambda: _evicted_fresh_dir(dcp_dir)),
-                                          "distckpt save (sync)": settled(lambda: _drop_all(sync_mgr))})
+                                          "distckpt save (sync)": settled(lambda: _drop_checkpoints(sync_mgr))})
     target = {k: torch.empty_like(v) for k, v in state.items()}
 
     def raw_read() -> None:
@@ -149,18 +149,13 @@ def _evicted_fresh_dir(path: str) -> None:
     fresh_dir(path)
 
 
-def _drop_all(mgr: distckpt.CheckpointManager) -> None:
+def _drop_checkpoints(mgr: distckpt.CheckpointManager, keep_newest: int = 0) -> None:
+    """Remove committed checkpoints but the newest `keep_newest`, their pages evicted first."""
+    from distckpt.manifest import step_dir
     from distckpt.retention import delete_checkpoint
 
-    for step in mgr.committed_steps():
-        _evict_tree(os.path.join(mgr.storage.url, f"step-{step:09d}"))
-        delete_checkpoint(mgr.storage, step)
-
-
-def _drop_all_but_newest(mgr: distckpt.CheckpointManager) -> None:
-    from distckpt.retention import delete_checkpoint
-
-    for step in mgr.committed_steps()[1:]:
+    for step in mgr.committed_steps()[keep_newest:]:
+        _evict_tree(os.path.join(mgr.storage.url, step_dir(step)))
         delete_checkpoint(mgr.storage, step)
 
 
@@ -173,7 +168,7 @@ def async_rows(state: dict, root: str, repeats: int) -> list[Row]:
     stalls, dcp_stalls, peaks, first_peak = [], [], [], 0
     for i in range(repeats + 1):
         mgr.wait()
-        _drop_all_but_newest(mgr)
+        _drop_checkpoints(mgr, keep_newest=1)
         with PeakRss() as peak:
             t0 = time.perf_counter()
             mgr.save(next(steps), state)

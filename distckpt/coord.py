@@ -2,8 +2,9 @@
 
 Object collectives (a fixed-size gather to rank 0, a broadcast back) run on a dedicated gloo
 group (so jobs whose default group is NCCL work too), created with the manager's timeout, so a
-dead or stopped peer turns into an error, never a hang. Every phase ends in :func:`agree`: each rank contributes an :class:`Outcome`, all
-ranks see all outcomes, and if any rank failed every rank raises the same error.
+dead or stopped peer turns into an error, never a hang. Every phase ends in :func:`agree`: each
+rank contributes an :class:`Outcome`, all ranks see all outcomes, and if any rank failed every
+rank raises the same error.
 
 This module never imports storage.
 """

@@ -158,10 +158,7 @@ class _Encoder:
 
     def _add_tensor(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> str:
         self._check_dense(tensor, path)
-        if tensor.dtype not in _DTYPE_TO_ST:
-            raise UnstorableValueError(
-                f"{key_path(path)} has dtype {tensor.dtype}, which the safetensors format "
-                "cannot hold; convert it (complex: torch.view_as_real)")
+        check_dtype(tensor, path)
         region = _region_key(tensor)
         if region is not None and region in self._by_region:
             return self._by_region[region]
@@ -191,6 +188,13 @@ class _Encoder:
         while name in self.tensors:
             name, n = f"{base}#{n}", n + 1
         return name
+
+
+def check_dtype(tensor: torch.Tensor, path: tuple[Any, ...]) -> None:
+    if tensor.dtype not in _DTYPE_TO_ST:
+        raise UnstorableValueError(
+            f"{key_path(path)} has dtype {tensor.dtype}, which the safetensors format "
+            "cannot hold; convert it (complex: torch.view_as_real)")
 
 
 def is_dtensor(value: Any) -> bool:

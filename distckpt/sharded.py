@@ -30,7 +30,7 @@ from torch import nn
 from . import manifest as mf
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, UnstorableValueError
 from .serialize import (_DTYPE_TO_ST, _ST_TO_DTYPE, EncodedTree, ShardRef, StagingPool, _region_key,
-                        encode_tree, is_dtensor, key_path, load_tree_file)
+                        check_dtype, encode_tree, is_dtensor, key_path, load_tree_file)
 from .storage import Storage
 
 SHARDED = "sharded"
@@ -112,9 +112,7 @@ class LocalShards:
         region = _region_key(tensor)
         if region is not None and region in self._by_region:  # tied weights: stored once
             return self._by_region[region]
-        if tensor.dtype not in _DTYPE_TO_ST:
-            raise UnstorableValueError(f"{key_path(path)} has dtype {tensor.dtype}, which the safetensors "
-                                       "format cannot hold; convert it (complex: torch.view_as_real)")
+        check_dtype(tensor, path)
         name = "/".join(str(p) for p in path)
         if region is not None:
             self._by_region[region] = name
@@ -136,8 +134,7 @@ class LocalShards:
                 f"{key_path(path)} is a DTensor with placements {dt.placements} "  # type: ignore[attr-defined]
                 "; distckpt stores Shard(dim) and Replicate() placements (FSDP2, tensor parallel); "
                 "call .redistribute() to one of them first")
-        if dt.dtype not in _DTYPE_TO_ST:
-            raise UnstorableValueError(f"{key_path(path)} has dtype {dt.dtype}, which the safetensors format cannot hold")
+        check_dtype(dt, path)
         name = "/".join(str(p) for p in path)
         self._by_id[id(dt)] = name
         self.meta[name] = {"dtype": _DTYPE_TO_ST[dt.dtype], "shape": list(dt.shape)}
