@@ -8,8 +8,13 @@ save/wait/close.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
+import weakref
 from typing import Any, Callable
+
+log = logging.getLogger("distckpt")
 
 
 class AsyncWriter:
@@ -36,6 +41,7 @@ class AsyncWriter:
 
         self._thread = threading.Thread(target=run, name="distckpt-writer", daemon=True)
         self._thread.start()
+        _register_exit_wait(self)
 
     def wait(self) -> tuple[Any, BaseException | None]:
         """Join the save in flight (if any); returns (result, error)."""
@@ -44,3 +50,52 @@ class AsyncWriter:
         self._thread.join()
         self._thread = None
         return self._result, self._error
+
+
+# Writers with a save in flight, finished at interpreter exit: a script that ends without
+# close() must not lose its last save silently (the thread is a daemon, so that a hung storage
+# call cannot keep a finished job alive forever; it is joined here instead, bounded).
+_IN_FLIGHT: "weakref.WeakSet[AsyncWriter]" = weakref.WeakSet()
+EXIT_WAIT_S = 600.0
+
+
+_registered = False
+
+
+def _register_exit_wait(writer: AsyncWriter) -> None:
+    """Finish in-flight saves at exit, before the thread pools the write uses shut down.
+
+    `atexit` handlers run too late: concurrent.futures refuses new work from the threading
+    module's own exit hook on ("cannot schedule new futures after interpreter shutdown", which
+    is how the write failed at exit when this used `atexit`). Hooks registered there run newest
+    first, so registering after concurrent.futures is imported runs this one before it.
+    """
+    global _registered
+    _IN_FLIGHT.add(writer)
+    if _registered:
+        return
+    import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
+
+    register = getattr(threading, "_register_atexit", atexit.register)
+    register(_finish_at_exit)
+    _registered = True
+
+
+def _finish_at_exit() -> None:
+    for writer in list(_IN_FLIGHT):
+        thread = writer._thread
+        if thread is None:
+            continue
+        log.warning("distckpt: the process is exiting with the background save of %s in flight and "
+                    "without CheckpointManager.close(); finishing it now (call close() at the end of "
+                    "training: it also reports the outcome to every rank)", writer.description)
+        thread.join(EXIT_WAIT_S)
+        if thread.is_alive():
+            log.error("distckpt: the background save of %s did not finish within %.0f s of exit; it is "
+                      "NOT committed", writer.description, EXIT_WAIT_S)
+        elif writer._error is not None:
+            log.error("distckpt: the background save of %s FAILED at exit and is not committed: %s: %s",
+                      writer.description, type(writer._error).__name__, writer._error)
+        else:
+            log.warning("distckpt: the background save of %s finished at exit", writer.description)
+        writer._thread = None

@@ -37,8 +37,9 @@ from typing import Any, Callable, Sequence
 from . import faults, fencing
 from . import manifest as mf
 from . import sharded
-from .capture import (PER_RANK, REPLICATED, SHARDED, Entry, capture_entry, loading_entry,
-                      resolve_sharded_entry, restore_entry, validate_entry, warn_extra_entries)
+from .capture import (PER_RANK, REPLICATED, SHARDED, Entry, capture_entry, capture_rank_buffers, loading_entry,
+                      resolve_sharded_entry, restore_entry, use_rank_buffers, validate_entry,
+                      warn_extra_entries)
 from .coord import Coordinator, Outcome, Reports, agree, hostname, raise_if_failed
 from .errors import (CheckpointExistsError, CoordinationError, CorruptCheckpointError, DistCkptError, FencedError,
                      IncompatibleCheckpointError, MissingFileError, RankDisagreementError,
@@ -172,6 +173,8 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
         own = {"step": step, "epoch": epoch, "rank": coord.rank, "world_size": coord.world_size,
                "rng": rng,
                "entries": {e.key: capture_entry(e) for e in entries if e.scope == PER_RANK}}
+        if coord.world_size > 1:
+            own["buffers"] = capture_rank_buffers(entries)
         rank_tree = _encode_checked(own, ("per-rank state",), stage=True)
         out.rank_file = b"".join(safetensors_chunks(rank_tree))
         stage: bool | StagingPool = staging if staging is not None else False
@@ -622,6 +625,8 @@ def _resolve_sharded(storage: Storage, entries: list[Entry], read: ReadCheckpoin
 
 
 def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: tuple[int, int]) -> None:
+    if read.per_rank_restored and "buffers" in read.own:
+        use_rank_buffers(read.replicated["entries"], read.own["buffers"], f"step {read.step}, rank {world[0]}")
     saved = {**read.replicated["entries"], **read.own["entries"]}
     for entry in entries:
         if entry.scope == PER_RANK and not read.per_rank_restored:

@@ -1,0 +1,56 @@
+"""The loop zoo: loops written the way users write them (tests/zoo_loop.py), each killed with
+SIGKILL under a real torchrun and resumed, compared with an uninterrupted run bit for bit
+(every rank's loss and parameter sum after every step).
+
+`make test` runs the cases marked below, one per counterexample found by trying loops from
+outside; `make test-faults` runs the whole matrix."""
+
+from __future__ import annotations
+
+import pytest
+
+from zoo import run_zoo_pair
+
+pytestmark = pytest.mark.slow
+
+faults = pytest.mark.faults
+
+# (ranks, loop options, kill steps): saves every 5 steps unless --every says otherwise; 8 steps
+# per epoch with a DistributedSampler at 2 ranks (4 at 4 ranks), 16 with a plain shuffle.
+ZOO = [
+    # FSDP2 with a BatchNorm switched to eval mode: its statistics are each rank's own.
+    pytest.param(2, ["--wrap", "fsdp2", "--bn-eval-at", "7"], "23", id="fsdp2-bn-eval"),
+    pytest.param(2, ["--wrap", "fsdp2", "--bn-eval-at", "7", "--async", "--workers", "2"], "23",
+                 id="fsdp2-bn-eval-async-workers", marks=faults),
+    pytest.param(4, ["--wrap", "fsdp2", "--optim", "sgd"], "23", id="fsdp2-4ranks", marks=faults),
+    # A loader without generator= draws its base seed from torch's global generator.
+    pytest.param(2, ["--no-loader-gen", "--workers", "2", "--bn-eval-at", "7", "--prefetch", "--async"], "23",
+                 id="ddp-no-loader-generator-workers-prefetch-async"),
+    pytest.param(2, ["--no-loader-gen", "--sampler", "random"], "23", id="ddp-no-generator-plain-shuffle",
+                 marks=faults),
+    # Gradient accumulation under no_sync(), wrapped and bare modules, at 4 ranks.
+    pytest.param(4, ["--accum", "2"], "23", id="ddp-no-sync-4ranks"),
+    pytest.param(4, ["--wrap", "bare", "--accum", "2"], "23", id="bare-module-no-sync-4ranks"),
+    pytest.param(4, ["--wrap", "bare"], "23", id="bare-module-4ranks", marks=faults),
+    pytest.param(2, ["--accum", "3", "--optim", "adam", "--sched", "onecycle"], "23",
+                 id="ddp-no-sync-adam-onecycle", marks=faults),
+    # torch.compile, GradScaler, EMA (AveragedModel), SGD with nesterov, SequentialLR.
+    pytest.param(2, ["--compile", "--scaler", "--ema", "--optim", "sgd", "--sched", "seq", "--bn-eval-at", "7"],
+                 "23", id="compiled-scaler-ema-sgd-seq", marks=faults),
+    pytest.param(4, ["--compile", "--accum", "2", "--ema"], "23", id="compiled-no-sync-ema-4ranks", marks=faults),
+    # A second resume inside the same epoch, the loader without a generator.
+    pytest.param(2, ["--every", "2", "--no-loader-gen", "--sampler", "random"], "20,22",
+                 id="two-resumes-in-one-epoch"),
+    pytest.param(2, ["--sampler", "random", "--workers", "2", "--optim", "adam", "--sched", "onecycle",
+                     "--prefetch", "--async"], "23", id="plain-shuffle-workers-prefetch-async", marks=faults),
+    pytest.param(4, ["--workers", "2", "--no-loader-gen", "--every", "3"], "17,19", id="4ranks-workers-two-resumes",
+                 marks=faults),
+]
+
+
+@pytest.mark.parametrize("ranks,options,kill_at", ZOO)
+def test_a_zoo_loop_killed_and_resumed_is_bitwise_identical(tmp_path, ranks, options, kill_at):
+    result = run_zoo_pair(str(tmp_path), ranks, options, kill_at, kill_rank=ranks - 1)
+    assert len(result.resumes) == len(kill_at.split(",")), result.resumes
+    assert result.identical, result.first_difference
+    assert result.lines == 30 * ranks
