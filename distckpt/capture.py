@@ -356,8 +356,10 @@ def _validate_tensor(target: torch.Tensor, saved: torch.Tensor, where: str) -> N
 
 # -- restore ----------------------------------------------------------------------------------
 
-def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any]) -> list[str]:
-    """Restore one validated entry in place; returns notes for the caller (config diffs)."""
+def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any],
+                  memo: dict[int, Any] | None = None) -> list[str]:
+    """Restore one validated entry in place; returns notes for the caller (config diffs).
+    Entries restored with one `memo` keep the tensors they share shared."""
     kind, value = entry.kind, saved["state"]
     if kind == "sharded_module":
         sharded.restore_module(unwrap_module(entry.target), value)
@@ -365,7 +367,7 @@ def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any]) ->
     if kind not in ("module", "tensor", "generator"):
         # Loaded tensors are views into the file's buffer; an owner that keeps them (an
         # optimizer keeps its state tensors as given) would keep the whole buffer alive.
-        value = _owned(value)
+        value = _owned(value, memo)
     if kind == "module":
         _restore_module(unwrap_module(entry.target), value)
     elif kind == "sharded_optimizer":
@@ -396,18 +398,32 @@ def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any]) ->
     return []
 
 
-def _owned(value: Any) -> Any:
+def _owned(value: Any, memo: dict[int, Any] | None = None) -> Any:
+    """`value` with every tensor copied into its own memory, keeping what the tree said: the
+    Parameter type, requires_grad, the layout, and ties (a tensor in two places stays one)."""
+    memo = {} if memo is None else memo
+    if id(value) in memo:
+        return memo[id(value)]
     if sharded.is_dtensor(value):
         return value  # assembled for this load: already its own memory
     if isinstance(value, torch.Tensor):
-        return value.clone()
+        copy = value.detach().clone()
+        if type(value) is nn.Parameter:
+            copy = nn.Parameter(copy, requires_grad=value.requires_grad)
+        elif value.requires_grad:
+            copy.requires_grad_(True)
+        memo[id(value)] = copy
+        return copy
     if isinstance(value, dict):
-        return {k: _owned(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_owned(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_owned(v) for v in value)
-    return value
+        out = type(value)((k, _owned(v, memo)) for k, v in value.items())
+    elif isinstance(value, list):
+        out = [_owned(v, memo) for v in value]
+    elif isinstance(value, tuple) and type(value) is tuple:
+        out = tuple(_owned(v, memo) for v in value)
+    else:
+        return value
+    memo[id(value)] = out
+    return out
 
 
 def _restore_module(module: nn.Module, saved: dict[str, Any]) -> None:
@@ -478,10 +494,27 @@ def config_differences(saved: Any, current: Any, path: tuple[Any, ...] = ("confi
             else:
                 out.extend(config_differences(saved[k], current[k], path + (k,)))
         return out
-    same = (saved == current) if not isinstance(saved, torch.Tensor) else torch.equal(saved, current)
-    if isinstance(current, tuple) and isinstance(saved, tuple):
-        same = list(saved) == list(current)
+    same = same_value(saved, current)
     return [] if same else [f"{key_path(path)}: {saved!r} in the checkpoint, {current!r} here"]
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Equal as stored values: NaN equals NaN, tensors by dtype, shape and values."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (a != a and b != b)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and bool(torch.equal(a, b) or (
+                    a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                    and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(same_value(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
 def warn_extra_entries(saved_keys: set[str], state_keys: set[str], where: str) -> None:

@@ -676,9 +676,10 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
         saved = {**read.replicated["entries"], **read.own["entries"]}
         kept = [] if read.per_rank_restored else [e.key for e in entries if e.scope == PER_RANK]
         warn_extra_entries(set(saved), {e.key for e in entries}, f"step {read.step}")
+        memo: dict[int, Any] = {}  # tensors shared between entries stay shared
         for entry in entries:
             if entry.key not in kept:
-                notes.extend(restore_entry(entry, saved[entry.key], state))
+                notes.extend(restore_entry(entry, saved[entry.key], state, memo))
         if read.per_rank_restored:
             restore_process_rng(read.own["rng"], f"rank {coord.rank}, step {read.step}")  # last
         else:

@@ -16,6 +16,21 @@ tagged so that types survive the round trip exactly::
     {"S": "name"}                sharded tensor (DTensor): its chunks live in the ranks' shard
                                  files, listed by the manifest (sharded.py); decodes to a ShardRef
     {"f": "nan" | "inf" | "-inf"} non-finite float
+    {"fb": "7ff8…"}              a NaN of another sign or payload, by its 64 bits
+    {"i": "-0x1f…"}              an int beyond 64 bits, in hex (decimal strings of over 4,300
+                                 digits are refused by Python's int/str conversion)
+    {"od": [[key, value], ...]}  collections.OrderedDict
+    {"z": [...]}                 torch.Size
+    {"n": ["<f8", "hex bytes"]}  a NumPy scalar (np.float32(1.5), np.int64(3), np.bool_(True))
+    {"T": name, "p": 1, "rg": 1, "o": [dims]}
+                                 a tensor that is an nn.Parameter ("p"), requires grad ("rg"),
+                                 or is laid out in another dimension order (channels_last,
+                                 transposed: "o", the dims from the outermost stride in)
+
+Every value comes back as the type it was saved as, or is refused at save time
+(UnstorableValueError naming its key path): subclasses of the plain types (IntEnum, namedtuple,
+defaultdict, str enums) would come back as their base type, and sparse, nested, meta and
+quantized tensors and tensor subclasses have no bytes of their own to store.
 
 Tensors are written as their own bytes: a view of a large buffer costs only its elements, a
 non-contiguous tensor is written in row-major order, and tensors that share the same storage
@@ -28,9 +43,11 @@ import json
 import math
 import struct
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol
 
+import numpy as np
 import torch
 
 from .errors import CorruptCheckpointError, UnstorableValueError
@@ -38,8 +55,15 @@ from .errors import CorruptCheckpointError, UnstorableValueError
 TREE_METADATA_KEY = "distckpt.tree"
 FORMAT_METADATA_KEY = "format"
 FORMAT_NAME = "distckpt-tree-v1"
-# A header larger than this is not one we wrote; refuse before parsing it.
-MAX_HEADER_BYTES = 64 * 1024 * 1024
+# The limits of a tree file, shared by the writer (checked at save, so a save never commits
+# what a load refuses) and the reader (checked before parsing). Sized for real models: a
+# million parameter tensors with their AdamW moments and steps is 4,000,000 tensors and a
+# header of ~400 MB. The reader never allocates by them before checking the file's real size.
+MAX_HEADER_BYTES = 1024 * 1024 * 1024
+MAX_TENSORS = 1 << 22
+MAX_DEPTH = 200  # containers inside containers; JSON parsers recurse once per level
+_CANONICAL_NAN = struct.pack("<d", float("nan"))
+_INT64 = 1 << 63
 
 _DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -123,30 +147,46 @@ class _Encoder:
         self._by_region: dict[tuple[Any, ...], str] = {}
 
     def encode(self, value: Any, path: tuple[Any, ...]) -> Any:
-        if value is None or isinstance(value, (bool, str)):
+        kind = type(value)
+        if value is None or kind is bool or kind is str:
             return value
-        if isinstance(value, int):
-            return int(value)  # int subclasses (IntEnum) become plain ints
-        if isinstance(value, float):
-            return value if math.isfinite(value) else {"f": repr(float(value))}
-        if isinstance(value, torch.Tensor) and is_dtensor(value) and self.shards is not None:
+        if kind is int:
+            return value if -_INT64 <= value < _INT64 else {"i": hex(value)}
+        if kind is float:
+            return value if math.isfinite(value) else _encode_nonfinite(value)
+        if isinstance(value, np.generic):
+            return _encode_numpy_scalar(value, path)
+        if isinstance(value, torch.Tensor):
+            return self._encode_tensor(value, path)
+        if len(path) > MAX_DEPTH:
+            raise UnstorableValueError(f"{key_path(path[:8])}... nests containers more than {MAX_DEPTH} deep: "
+                                       "flatten it")
+        if kind is dict or kind is OrderedDict:
+            items = [[self._check_key(k, path), self.encode(v, path + (k,))] for k, v in value.items()]
+            return {"d" if kind is dict else "od": items}
+        if kind is list:
+            return {"l": [self.encode(v, path + (i,)) for i, v in enumerate(value)]}
+        if kind is tuple:
+            return {"t": [self.encode(v, path + (i,)) for i, v in enumerate(value)]}
+        if kind is torch.Size:
+            return {"z": [int(d) for d in value]}
+        raise UnstorableValueError(f"{key_path(path)} is {_describe(value)}: {_advice(value)}")
+
+    def _encode_tensor(self, value: torch.Tensor, path: tuple[Any, ...]) -> Any:
+        if is_dtensor(value) and self.shards is not None:
             return {"S": self.shards.add(value, path)}
-        if isinstance(value, torch.Tensor) and self.split and self.shards is not None:
+        if self.split and self.shards is not None:
             self._check_dense(value, path)
             return {"S": self.shards.add_whole(value, path)}
-        if isinstance(value, torch.Tensor):
-            return {"T": self._add_tensor(value, path)}
-        if isinstance(value, dict):
-            return {"d": [[self._check_key(k, path), self.encode(v, path + (k,))]
-                          for k, v in value.items()]}
-        if isinstance(value, list):
-            return {"l": [self.encode(v, path + (i,)) for i, v in enumerate(value)]}
-        if isinstance(value, tuple):
-            return {"t": [self.encode(v, path + (i,)) for i, v in enumerate(value)]}
-        raise UnstorableValueError(
-            f"{key_path(path)} is {_describe(value)}: store tensors and plain values only "
-            "(None, bool, int, float, str, list, tuple, dict); convert it, or give its owner "
-            "state_dict()/load_state_dict()")
+        node: dict[str, Any] = {"T": self._add_tensor(value, path)}
+        if type(value) is torch.nn.Parameter:
+            node["p"] = 1
+        if value.requires_grad:
+            node["rg"] = 1
+        order = dim_order(value)
+        if order is not None:
+            node["o"] = order
+        return node
 
     @staticmethod
     def _check_key(key: Any, path: tuple[Any, ...]) -> str | int:
@@ -177,10 +217,22 @@ class _Encoder:
             raise UnstorableValueError(
                 f"{key_path(path)} is a DTensor outside a sharded module or optimizer: put the "
                 "FSDP2 / DTensor model itself and its optimizer in `state`, or store .full_tensor()")
-        if tensor.is_sparse or tensor.is_quantized:
+        if tensor.layout != torch.strided or tensor.is_quantized:
             raise UnstorableValueError(
-                f"{key_path(path)} is a {type(tensor).__name__} with layout {tensor.layout}: "
-                "only dense tensors are stored; convert it (e.g. .to_dense())")
+                f"{key_path(path)} is a tensor with layout {tensor.layout}"
+                f"{' (quantized)' if tensor.is_quantized else ''}: only dense tensors are stored; "
+                "convert it (e.g. .to_dense(), .dequantize())")
+        if tensor.is_nested:
+            raise UnstorableValueError(f"{key_path(path)} is a nested tensor: store its components "
+                                       "(.unbind()) as a list of tensors")
+        if tensor.device.type == "meta":
+            raise UnstorableValueError(f"{key_path(path)} is a meta tensor: it has no values to store; "
+                                       "materialise it first (.to_empty(device=...) and initialise)")
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            raise UnstorableValueError(
+                f"{key_path(path)} is a tensor subclass {type(tensor).__module__}.{type(tensor).__qualname__}, "
+                "which would come back as a plain tensor: store a plain tensor (e.g. torch.Tensor(t) "
+                "or its own state_dict())")
 
     def _unique_name(self, path: tuple[Any, ...]) -> str:
         base = "/".join(str(p) for p in path) or "tensor"
@@ -197,6 +249,60 @@ def check_dtype(tensor: torch.Tensor, path: tuple[Any, ...]) -> None:
             "cannot hold; convert it (complex: torch.view_as_real)")
 
 
+def dim_order(tensor: torch.Tensor) -> list[int] | None:
+    """The tensor's dimensions from the outermost stride in, when that is not 0, 1, 2...
+    (channels_last, a transpose); None for the usual row-major layout."""
+    if tensor.dim() < 2 or tensor.is_contiguous():
+        return None
+    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), d))
+    return None if order == list(range(tensor.dim())) else order
+
+
+def _restride(tensor: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """`tensor` (row-major) copied into a compact tensor of the same shape laid out in `order`."""
+    permuted_shape = [tensor.shape[d] for d in order]
+    out = torch.empty(permuted_shape, dtype=tensor.dtype).permute(*_inverse(order))
+    out.copy_(tensor)
+    return out
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inverse = [0] * len(order)
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return inverse
+
+
+def _encode_nonfinite(value: float) -> dict[str, str]:
+    bits = struct.pack("<d", value)
+    if value != value and bits != _CANONICAL_NAN:
+        return {"fb": bits.hex()}  # -nan and NaN payloads keep their bits
+    return {"f": repr(value)}
+
+
+def _encode_numpy_scalar(value: Any, path: tuple[Any, ...]) -> dict[str, Any]:
+    dtype = value.dtype
+    if dtype.kind not in "biufc" or dtype.hasobject:
+        raise UnstorableValueError(f"{key_path(path)} is a NumPy {dtype} scalar: store numbers only, "
+                                   "or convert it (.item(), str())")
+    return {"n": [dtype.str, value.tobytes().hex()]}
+
+
+def _advice(value: Any) -> str:
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return "a namedtuple would come back as a plain tuple: store value._asdict() or tuple(value)"
+    if isinstance(value, dict):
+        return f"a {type(value).__name__} would come back as a plain dict: store dict(value)"
+    if isinstance(value, (int, float, str, list, tuple)):
+        base = next(t for t in (bool, int, float, str, list, tuple) if isinstance(value, t))
+        return (f"a subclass of {base.__name__} would come back as a plain {base.__name__}: "
+                "store the plain value (e.g. .value of an Enum, int(x), str(x))")
+    if isinstance(value, np.ndarray):
+        return "store NumPy arrays as tensors (torch.from_numpy(a))"
+    return ("store tensors and plain values only (None, bool, int, float, str, list, tuple, dict); "
+            "convert it, or give its owner state_dict()/load_state_dict()")
+
+
 def is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and hasattr(value, "to_local")
 
@@ -211,6 +317,8 @@ def _region_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
 
 def _detach_for_write(tensor: torch.Tensor, stage: bool) -> torch.Tensor:
     t = tensor.detach()
+    if t.is_neg() or t.is_conj():
+        t = t.resolve_neg().resolve_conj()  # lazy views: their bytes are not the values
     if t.device.type != "cpu":
         return t.to("cpu", copy=True).contiguous()
     if stage:
@@ -235,31 +343,132 @@ def encode_tree(value: Any, path: tuple[Any, ...] = (), *, stage: "bool | Stagin
     other tensor goes to `shards` whole (split writes: ranks share the replicated payload).
     """
     encoder = _Encoder(stage, shards, split)
-    node = encoder.encode(value, path)
+    try:
+        node = encoder.encode(value, path)
+    except RecursionError as e:
+        raise UnstorableValueError(f"{key_path(path)} nests containers too deep to store: flatten it") from e
     if isinstance(stage, StagingPool):
         stage.sync()
-    return EncodedTree(node, encoder.tensors)
+    tree = EncodedTree(node, encoder.tensors)
+    check_limits(tree, key_path(path))
+    return tree
+
+
+def check_limits(tree: EncodedTree, where: str) -> None:
+    """Refuse at save time what the loader would refuse (the limits are the loader's)."""
+    if len(tree.tensors) > MAX_TENSORS:
+        raise UnstorableValueError(f"{where} holds {len(tree.tensors):,} tensors; one checkpoint file holds "
+                                   f"at most {MAX_TENSORS:,}: stack small tensors into larger ones")
+    # Each tensor's header entry is its name plus ~80 bytes; the tree is at least its JSON.
+    estimate = sum(len(name) + 80 for name in tree.tensors) + _json_size(tree.node)
+    if estimate > MAX_HEADER_BYTES:
+        raise UnstorableValueError(
+            f"{where}: its plain values and tensor names need about {estimate:,} bytes of header, more than "
+            f"the {MAX_HEADER_BYTES:,} a checkpoint file may hold: store large lists of numbers as tensors")
+
+
+def _json_size(node: Any) -> int:
+    return len(json.dumps(node, allow_nan=False, separators=(",", ":")))
 
 
 def decode_tree(node: Any, tensors: dict[str, torch.Tensor], where: str = "tree") -> Any:
     """Inverse of encode_tree; a node we never write is a CorruptCheckpointError."""
-    if node is None or isinstance(node, (bool, int, float, str)):
-        return node
-    if isinstance(node, dict) and len(node) == 1:
-        (tag, body), = node.items()
-        if tag == "d" and isinstance(body, list):
-            return {_pair(p, where)[0]: decode_tree(_pair(p, where)[1], tensors, where) for p in body}
+    return _Decoder(tensors, where).decode(node, 0)
+
+
+class _Decoder:
+    def __init__(self, tensors: dict[str, torch.Tensor], where: str) -> None:
+        self.tensors = tensors
+        self.where = where
+        self._made: dict[tuple[Any, ...], torch.Tensor] = {}  # one object per stored tensor: ties survive
+
+    def decode(self, node: Any, depth: int) -> Any:
+        if node is None or isinstance(node, (bool, str)):
+            return node
+        if isinstance(node, (int, float)):
+            return node
+        if depth > 3 * MAX_DEPTH + 8:
+            raise CorruptCheckpointError(f"{self.where}: the tree nests deeper than any we write")
+        if isinstance(node, dict) and "T" in node:
+            return self._tensor(node)
+        if isinstance(node, dict) and len(node) == 1:
+            (tag, body), = node.items()
+            value = self._container(tag, body, depth)
+            if value is not _NOT_A_NODE:
+                return value
+        raise CorruptCheckpointError(f"{self.where}: unexpected node {str(node)[:80]!r}")
+
+    def _container(self, tag: str, body: Any, depth: int) -> Any:
+        if tag in ("d", "od") and isinstance(body, list):
+            pairs = [_pair(p, self.where) for p in body]
+            items = ((k, self.decode(v, depth + 1)) for k, v in pairs)
+            return dict(items) if tag == "d" else OrderedDict(items)
         if tag == "l" and isinstance(body, list):
-            return [decode_tree(v, tensors, where) for v in body]
+            return [self.decode(v, depth + 1) for v in body]
         if tag == "t" and isinstance(body, list):
-            return tuple(decode_tree(v, tensors, where) for v in body)
-        if tag == "T" and isinstance(body, str) and body in tensors:
-            return tensors[body]
+            return tuple(self.decode(v, depth + 1) for v in body)
+        if tag == "z" and isinstance(body, list) and all(type(d) is int and d >= 0 for d in body):
+            return torch.Size(body)
         if tag == "S" and isinstance(body, str):
             return ShardRef(body)
         if tag == "f" and body in ("nan", "inf", "-inf"):
             return float(body)
-    raise CorruptCheckpointError(f"{where}: unexpected node {str(node)[:80]!r}")
+        if tag == "fb" and isinstance(body, str) and len(body) == 16:
+            return _float_from_hex(body, self.where)
+        if tag == "i" and isinstance(body, str) and len(body) < 1 << 20:
+            return _int_from_hex(body, self.where)
+        if tag == "n" and isinstance(body, list) and len(body) == 2:
+            return _numpy_scalar(body, self.where)
+        return _NOT_A_NODE
+
+    def _tensor(self, node: dict[str, Any]) -> torch.Tensor:
+        name = node["T"]
+        extras = set(node) - {"T", "p", "rg", "o"}
+        if not isinstance(name, str) or name not in self.tensors or extras:
+            raise CorruptCheckpointError(f"{self.where}: unexpected tensor node {str(node)[:80]!r}")
+        key = (name, node.get("p"), node.get("rg"), str(node.get("o")))
+        if key in self._made:
+            return self._made[key]
+        tensor = self.tensors[name]
+        order = node.get("o")
+        if order is not None:
+            if not isinstance(order, list) or sorted(order) != list(range(tensor.dim())):
+                raise CorruptCheckpointError(f"{self.where}: tensor {name!r} has a bad dimension order {order!r}")
+            tensor = _restride(tensor, order)
+        if node.get("p"):
+            tensor = torch.nn.Parameter(tensor, requires_grad=bool(node.get("rg")))
+        elif node.get("rg"):
+            tensor = tensor.requires_grad_(True) if order is not None else tensor.view_as(tensor).requires_grad_(True)
+        self._made[key] = tensor
+        return tensor
+
+
+_NOT_A_NODE = object()
+
+
+def _float_from_hex(body: str, where: str) -> float:
+    try:
+        return float(struct.unpack("<d", bytes.fromhex(body))[0])
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{where}: bad float bits {body!r}") from e
+
+
+def _int_from_hex(body: str, where: str) -> int:
+    try:
+        return int(body, 16)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{where}: bad integer {body[:40]!r}") from e
+
+
+def _numpy_scalar(body: list[Any], where: str) -> Any:
+    dtype_str, data = body
+    try:
+        dtype = np.dtype(dtype_str) if isinstance(dtype_str, str) and len(dtype_str) <= 8 else None
+        if dtype is None or dtype.kind not in "biufc" or not isinstance(data, str) or len(data) != 2 * dtype.itemsize:
+            raise ValueError(f"{body!r}")
+        return np.frombuffer(bytes.fromhex(data), dtype=dtype)[0]
+    except (TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: bad NumPy scalar {str(body)[:60]!r}") from e
 
 
 def _pair(p: Any, where: str) -> tuple[Any, Any]:
@@ -330,7 +539,8 @@ def load_tree_file(data: bytes | bytearray | memoryview, where: str) -> Any:
     if meta.get(FORMAT_METADATA_KEY) != FORMAT_NAME or TREE_METADATA_KEY not in meta:
         raise CorruptCheckpointError(f"{where}: not a {FORMAT_NAME} file")
     if len(header) > MAX_TENSORS:
-        raise CorruptCheckpointError(f"{where}: {len(header)} tensors is more than any checkpoint we write")
+        raise CorruptCheckpointError(f"{where}: {len(header)} tensors is more than any checkpoint holds "
+                                     f"(at most {MAX_TENSORS:,})")
     ranges = sorted((_checked_range(name, spec, len(data) - start, where) for name, spec in header.items()),
                     key=lambda r: r[1])
     end = 0
@@ -340,6 +550,14 @@ def load_tree_file(data: bytes | bytearray | memoryview, where: str) -> Any:
         end = stop
     if start + end != len(data):
         raise CorruptCheckpointError(f"{where}: {len(data) - start - end} bytes after the last tensor")
+    try:
+        tree = json.loads(meta[TREE_METADATA_KEY])
+    except (ValueError, RecursionError, TypeError) as e:
+        raise CorruptCheckpointError(f"{where}: the tree is not valid: {str(e)[:200]}") from e
+    unreferenced = len(set(header) - _referenced_names(tree))
+    if unreferenced:
+        raise CorruptCheckpointError(f"{where}: {unreferenced} tensors are not referenced by the tree "
+                                     "(a file we write references every tensor it holds)")
     buffer = memoryview(data)
     with warnings.catch_warnings():
         # A read-only buffer (bytes from an object store) is viewed too: restore only copies out
@@ -348,12 +566,24 @@ def load_tree_file(data: bytes | bytearray | memoryview, where: str) -> Any:
         tensors = {name: _tensor_at(buffer, start + begin, stop - begin, dtype, shape)
                    for name, begin, stop, dtype, shape in ranges}
     try:
-        return decode_tree(json.loads(meta[TREE_METADATA_KEY]), tensors, where)
+        return decode_tree(tree, tensors, where)
     except (ValueError, RecursionError, TypeError) as e:
         raise CorruptCheckpointError(f"{where}: the tree is not valid: {str(e)[:200]}") from e
 
 
-MAX_TENSORS = 100_000  # far above real models (thousands); bounds the parse of a hostile header
+def _referenced_names(tree: Any) -> set[str]:
+    """Every tensor name the tree references (iterative: a hostile tree may nest deep)."""
+    names: set[str] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("T"), str):
+                names.add(node["T"])
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return names
 
 
 def _checked_range(name: str, spec: Any, available: int, where: str) -> tuple[str, int, int, torch.dtype, list[int]]:

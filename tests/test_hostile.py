@@ -47,9 +47,19 @@ def test_overlapping_ranges_are_refused():
     refused(file_with(header, b"\0" * 12), "overlaps")
 
 
-def test_two_hundred_thousand_entries_are_refused_quickly():
+def test_two_hundred_thousand_unreferenced_entries_are_refused_quickly():
     header = {f"t{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(200_000)}
-    assert refused(file_with(header), "more than any checkpoint") < 10
+    assert refused(file_with(header), "not referenced by the tree") < 10
+
+
+def test_more_tensors_than_the_limit_are_refused_on_load_and_at_save(monkeypatch):
+    from distckpt import serialize
+
+    monkeypatch.setattr(serialize, "MAX_TENSORS", 1000)
+    header = {f"t{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(1001)}
+    assert refused(file_with(header), "more than any checkpoint holds") < 1
+    with pytest.raises(distckpt.UnstorableValueError, match="at most 1,000"):
+        encode_tree([torch.zeros(1) for _ in range(1001)])
 
 
 def test_deeply_nested_trees_are_refused():
