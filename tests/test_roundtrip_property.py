@@ -1,0 +1,199 @@
+"""Every value `save` accepts comes back from `load` identical, or is refused at save time with
+UnstorableValueError naming its key path. Trees are generated (hypothesis, seeded): plain values
+of every type, tensors of every dtype, layout and memory format, shared tensors."""
+
+from __future__ import annotations
+
+import collections
+import enum
+import math
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import distckpt
+from distckpt.serialize import encode_tree, load_tree_file, safetensors_chunks
+
+EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "60"))
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+          torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+@st.composite
+def tensors(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = draw(st.lists(st.integers(0, 4), min_size=0, max_size=4))
+    n = math.prod(shape)
+    if n == 0:
+        t = torch.empty(shape, dtype=dtype)
+    else:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        raw = draw(st.binary(min_size=n * itemsize, max_size=n * itemsize))  # any bits: NaNs of every kind
+        t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
+        t = t.bitwise_and(1).to(torch.bool).reshape(shape) if dtype == torch.bool else t.view(dtype).reshape(shape)
+    layout = draw(st.sampled_from(["contiguous", "transposed", "channels_last", "sliced"]))
+    if layout == "transposed" and t.dim() >= 2:
+        t = t.transpose(0, 1).contiguous().transpose(0, 1)
+    elif layout == "channels_last" and t.dim() == 4:
+        t = t.contiguous(memory_format=torch.channels_last)
+    elif layout == "sliced" and t.dim() >= 1 and t.shape[0] > 1:
+        t = t[1:]
+    kind = draw(st.sampled_from(["tensor", "parameter", "requires_grad"]))
+    if t.is_floating_point() and kind == "parameter":
+        return nn.Parameter(t, requires_grad=draw(st.booleans()))
+    if t.is_floating_point() and kind == "requires_grad":
+        return t.detach().requires_grad_(True)
+    return t
+
+
+def floats_with_bits():
+    specials = st.sampled_from([float("nan"), -float("nan"), float("inf"), -float("inf"), -0.0, 0.0,
+                                struct.unpack("<d", bytes.fromhex("01000000f0ff7f7f"))[0]])
+    return st.one_of(st.floats(allow_nan=True, allow_infinity=True), specials)
+
+
+numpy_scalars = st.one_of(st.integers(-2**63, 2**63 - 1).map(np.int64), st.floats(width=32).map(np.float32),
+                          st.floats().map(np.float64), st.booleans().map(np.bool_),
+                          st.integers(0, 255).map(np.uint8))
+# ints beyond 64 bits, up to past the 4,300 digits Python's int/str conversion refuses
+big_ints = st.tuples(st.sampled_from([1, -1]), st.integers(64, 20_000), st.integers(0, 2**64)).map(
+    lambda t: t[0] * (2 ** t[1] + t[2]))
+leaves = st.one_of(st.none(), st.booleans(), st.integers(), big_ints,
+                   floats_with_bits(), st.text(max_size=8), numpy_scalars, tensors(),
+                   st.lists(st.integers(0, 5), max_size=3).map(torch.Size))
+keys = st.one_of(st.text(max_size=6), st.integers(-5, 5))
+trees = st.recursive(leaves, lambda children: st.one_of(
+    st.lists(children, max_size=4), st.lists(children, max_size=4).map(tuple),
+    st.dictionaries(keys, children, max_size=4),
+    st.dictionaries(keys, children, max_size=4).map(collections.OrderedDict)), max_leaves=12)
+
+
+def assert_identical(a, b, path="value", seen=None):
+    assert type(a) is type(b), f"{path}: {type(a).__name__} saved, {type(b).__name__} loaded"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.requires_grad) == (b.dtype, b.shape, b.requires_grad), path
+        if a.is_contiguous() or a.is_contiguous(memory_format=torch.channels_last) or _dense(a):
+            assert a.stride() == b.stride(), f"{path}: strides {a.stride()} saved, {b.stride()} loaded"
+        assert torch.equal(a.detach().contiguous().view(-1).view(torch.uint8) if a.numel() else a.detach(),
+                           b.detach().contiguous().view(-1).view(torch.uint8) if b.numel() else b.detach()), path
+    elif isinstance(a, float):
+        assert struct.pack("<d", a) == struct.pack("<d", b), f"{path}: {a!r} saved, {b!r} loaded"
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_identical(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def _dense(t):
+    return t.dim() >= 2 and sorted(t.stride(), reverse=True) == list(torch.empty(
+        [t.shape[d] for d in sorted(range(t.dim()), key=lambda d: -t.stride(d))]).stride())
+
+
+def _ids_of_tensors(value, out):
+    if isinstance(value, torch.Tensor):
+        out.append(id(value))
+    elif isinstance(value, dict):
+        for v in value.values():
+            _ids_of_tensors(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _ids_of_tensors(v, out)
+    return out
+
+
+def _through_the_manager(tmp_path, value):
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        step = (max(mgr.committed_steps()) + 1) if mgr.committed_steps() else 0
+        mgr.save(step, {"v": distckpt.per_rank({"x": value}), "r": {"x": value}})
+    state = {"v": distckpt.per_rank({}), "r": {}}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load(state, step)
+    return state["v"].obj["x"], state["r"]["x"]
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+@given(value=trees)
+def test_every_stored_tree_comes_back_identical(tmp_path_factory, value):
+    back_rank, back_replicated = _through_the_manager(tmp_path_factory.mktemp("rt"), value)
+    assert_identical(value, back_rank)
+    assert_identical(value, back_replicated)
+
+
+@settings(max_examples=max(10, EXAMPLES // 3), deadline=None, derandomize=True)
+@given(value=trees)
+def test_a_tensor_in_two_places_comes_back_as_one(tmp_path_factory, value):
+    shared = torch.arange(6.0)
+    tree = {"a": shared, "b": [value, shared]}
+    _, back = _through_the_manager(tmp_path_factory.mktemp("tie"), tree)
+    assert back["a"] is back["b"][1]
+
+
+class Colour(enum.IntEnum):
+    RED = 1
+
+
+class Mode(str, enum.Enum):
+    TRAIN = "train"
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@pytest.mark.parametrize("bad, what", [
+    (Colour.RED, "subclass of int"), (Mode.TRAIN, "subclass of str"), (Point(1, 2), "namedtuple"),
+    (collections.defaultdict(list), "defaultdict"), (collections.Counter("ab"), "Counter"),
+    (np.arange(3), "NumPy arrays"), (np.str_("x"), "NumPy <U1"), (lambda: 0, "function"),
+    (torch.eye(3).to_sparse(), "layout torch.sparse_coo"), (torch.eye(3).to_sparse_csr(), "sparse_csr"),
+    (torch.eye(3).to_sparse_csc(), "sparse_csc"), (torch.eye(4).to_sparse_bsr((2, 2)), "sparse_bsr"),
+    (torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), "nested"),
+    (torch.empty(3, device="meta"), "meta tensor"), (torch.zeros(2, dtype=torch.complex64), "complex"),
+    (nn.parameter.UninitializedParameter(), "subclass"),
+])
+def test_what_cannot_come_back_identical_is_refused_at_save_naming_the_key(tmp_path, bad, what):
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(distckpt.UnstorableValueError, match=r"state\['cfg'\]\['deep'\]\[1\]") as info:
+            mgr.save(1, {"cfg": {"deep": [0, bad]}})
+        assert what.lower() in str(info.value).lower()
+        assert mgr.committed_steps() == []
+
+
+def test_a_deep_tree_is_refused_at_save_not_at_load(tmp_path):
+    deep: list = []
+    for _ in range(500):
+        deep = [deep]
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(distckpt.UnstorableValueError, match="deep"):
+            mgr.save(1, {"v": deep})
+
+
+def test_a_long_plain_list_is_stored_and_loaded(tmp_path):
+    # 4M floats in a plain list used to commit and then be refused by every load.
+    values = [float(i) / 3 for i in range(4_000_000)]
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"v": values})
+    state = {"v": []}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load_latest(state)
+    assert state["v"] == values
+
+
+def test_the_tree_limits_are_the_same_for_save_and_load():
+    from distckpt import serialize
+
+    data = b"".join(bytes(c) for c in safetensors_chunks(encode_tree({"x": [torch.zeros(1)] * 3})))
+    assert load_tree_file(bytearray(data), "t")["x"][0].shape == (1,)
+    assert serialize.MAX_TENSORS >= 4_000_000  # a million parameters with their AdamW state
