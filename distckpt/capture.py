@@ -2,7 +2,8 @@
 
 Entries are classified once, by their type:
 
-* per rank by nature: `torch.Generator`, NumPy `Generator`, samplers, data loaders with
+* per rank by nature: `torch.Generator`, NumPy `Generator` and `RandomState`, Python
+  `random.Random`, samplers, data loaders with
   `state_dict` (torchdata's `StatefulDataLoader`), and anything wrapped in :func:`per_rank`;
 * sharded (every rank writes its own pieces, sharded.py): modules whose parameters are DTensors
   (FSDP2 ``fully_shard``, tensor parallel) and the optimizers over them;
@@ -16,6 +17,7 @@ This module never touches storage or torch.distributed.
 from __future__ import annotations
 
 import logging
+import random
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -57,7 +59,7 @@ class Entry:
     key: str
     scope: str   # REPLICATED, PER_RANK or SHARDED
     kind: str    # module, sharded_module, stateful, sharded_optimizer, loader, sampler, generator,
-                 # np_generator, tensor, value, config
+                 # np_generator, np_random_state, py_random, tensor, value, config
     target: Any  # the object state is captured from and restored into
     owner: Any = None  # an optimizer's module (sharded state is named by the module's parameters)
 
@@ -107,6 +109,14 @@ def _kind_of(key: str, obj: Any) -> tuple[str, str]:
         return "generator", PER_RANK
     if isinstance(obj, np.random.Generator):
         return "np_generator", PER_RANK
+    if isinstance(obj, np.random.RandomState):
+        return "np_random_state", PER_RANK
+    if isinstance(obj, random.SystemRandom):
+        raise UnstorableValueError(
+            f"state[{key!r}] is a random.SystemRandom: it reads the operating system's entropy and has no "
+            "state to save; use random.Random(seed) for a stream that can resume")
+    if isinstance(obj, random.Random):
+        return "py_random", PER_RANK
     if isinstance(obj, torch.utils.data.DataLoader) and _has_state_dict(obj):
         return "loader", PER_RANK
     if isinstance(obj, torch.utils.data.DataLoader):
@@ -211,6 +221,8 @@ _CAPTURE: dict[str, Callable[[Any], Any]] = {
     "sampler": _capture_sampler,
     "generator": lambda g: {"state": g.get_state(), "device": str(g.device)},
     "np_generator": _capture_np_generator,
+    "np_random_state": lambda rs: _numpy_to_plain(rs.get_state(legacy=False)),
+    "py_random": lambda r: r.getstate(),
     "tensor": lambda t: t,
     "value": _capture_plain,
     "config": _capture_plain,
@@ -292,68 +304,6 @@ def resolve_sharded_entry(entry: Entry, saved_state: Any, reader: "sharded.Shard
     return sharded.resolve(saved_state, target, reader, path)
 
 
-def validate_entry(entry: Entry, saved: dict[str, Any], world: tuple[int, int]) -> None:
-    """Raise IncompatibleCheckpointError if `saved` cannot be restored into `entry` whole."""
-    where = f"state[{entry.key!r}]"
-    if entry.scope == SHARDED and saved.get("kind") == entry.kind:
-        return  # checked while its pieces were assembled (resolve_sharded_entry)
-    if saved.get("kind") != entry.kind:
-        raise IncompatibleCheckpointError(
-            f"{where} is a {entry.kind} entry here but a {saved.get('kind')} entry in the checkpoint")
-    state = saved["state"]
-    if entry.kind == "module":
-        _validate_module(unwrap_module(entry.target), state, where)
-    elif entry.kind == "stateful" and isinstance(entry.target, torch.optim.Optimizer):
-        _validate_optimizer(entry.target, state, where)
-    elif entry.kind == "sampler":
-        _validate_sampler(entry.target, state, where, world)
-    elif entry.kind == "tensor":
-        _validate_tensor(entry.target, state, where)
-
-
-def _validate_module(module: nn.Module, saved: dict[str, Any], where: str) -> None:
-    current = module.state_dict()
-    stored = saved["state_dict"]
-    missing = [k for k in current if k not in stored]
-    unexpected = [k for k in stored if k not in current]
-    wrong = [f"{k}: {tuple(stored[k].shape)} in checkpoint, {tuple(v.shape)} here"
-             for k, v in current.items()
-             if k in stored and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(stored[k].shape)]
-    names = {name for name, _ in module.named_modules()}
-    if missing or unexpected or wrong or set(saved["training"]) != names:
-        raise IncompatibleCheckpointError(
-            f"{where} does not match the checkpoint: missing keys {missing[:5]}, unexpected keys "
-            f"{unexpected[:5]}, shape mismatches {wrong[:5]}, submodules "
-            f"{sorted(set(saved['training']) ^ names)[:5]}; build the same model as the run that saved")
-
-
-def _validate_optimizer(opt: torch.optim.Optimizer, saved: Any, where: str) -> None:
-    groups = saved.get("param_groups", []) if isinstance(saved, dict) else []
-    here = [len(g["params"]) for g in opt.param_groups]
-    there = [len(g.get("params", [])) for g in groups]
-    if here != there:
-        raise IncompatibleCheckpointError(
-            f"{where}: the optimizer has parameter groups of sizes {here} but the checkpoint has "
-            f"{there}; build the optimizer over the same parameters as the run that saved")
-
-
-def _validate_sampler(sampler: Any, saved: dict[str, Any], where: str, world: tuple[int, int]) -> None:
-    if saved.get("type") != type(sampler).__name__:
-        raise IncompatibleCheckpointError(
-            f"{where} is a {type(sampler).__name__} but the checkpoint holds a {saved.get('type')}")
-    if "num_replicas" in saved and (saved["num_replicas"], saved["rank"]) != (sampler.num_replicas, sampler.rank):
-        raise IncompatibleCheckpointError(
-            f"{where}: DistributedSampler was saved as rank {saved['rank']} of {saved['num_replicas']} "
-            f"but is rank {sampler.rank} of {sampler.num_replicas} here")
-
-
-def _validate_tensor(target: torch.Tensor, saved: torch.Tensor, where: str) -> None:
-    if target.shape != saved.shape or target.dtype != saved.dtype:
-        raise IncompatibleCheckpointError(
-            f"{where}: tensor {tuple(saved.shape)} {saved.dtype} in the checkpoint, "
-            f"{tuple(target.shape)} {target.dtype} here")
-
-
 # -- restore ----------------------------------------------------------------------------------
 
 def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any],
@@ -383,6 +333,10 @@ def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any],
         entry.target.set_state(value["state"])
     elif kind == "np_generator":
         entry.target.bit_generator.state = _plain_to_numpy(value)
+    elif kind == "np_random_state":
+        entry.target.set_state(_plain_to_numpy(value))
+    elif kind == "py_random":
+        entry.target.setstate(value)
     elif kind == "tensor":
         with torch.no_grad():
             entry.target.copy_(value)

@@ -1,10 +1,24 @@
-"""The manager's settings: a small frozen object validated at construction."""
+"""The manager's settings: a small frozen object validated at construction.
+
+Every constructor argument of CheckpointManager is one field here, checked with its name and
+what to pass (ConfigError), so that nothing raw (TypeError, OverflowError, a silent truthy
+string) escapes from deeper in the code. SETTINGS lists them for the one test that covers all.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import datetime
+import math
+import numbers
+import signal
+from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import ConfigError
+
+MAX_TIMEOUT_S = 30 * 24 * 3600.0  # beyond this a deadline is a mistake (and overflows C++ timers)
+DEFAULT_TIMEOUT_S = 600.0
+_UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 
 
 @dataclass(frozen=True)
@@ -13,22 +27,90 @@ class ManagerConfig:
     keep_best: int | None = None
     best_mode: str = "min"
     async_save: bool = False
-    timeout: float = 600.0
+    timeout: float = DEFAULT_TIMEOUT_S
     leftover_grace_s: float = 3600.0
     world_size_policy: str = "refuse"
+    split_writes: bool = False
+    allow_dtype_cast: bool = False
+    missing_entries: str = "refuse"
+    preemption_signals: tuple[int, ...] = field(default=(signal.SIGTERM,))
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_best"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name}={value!r}: must be a positive int or None (keep all)")
-        if self.best_mode not in ("min", "max"):
-            raise ConfigError(f"best_mode={self.best_mode!r}: must be 'min' or 'max'")
-        if not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
-            raise ConfigError(f"timeout={self.timeout!r}: must be a positive number of seconds")
+        _choice("best_mode", self.best_mode, ("min", "max"))
+        for name in ("async_save", "split_writes", "allow_dtype_cast"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: must be True or False")
+        object.__setattr__(self, "timeout", seconds("timeout", self.timeout, default=DEFAULT_TIMEOUT_S))
         if self.world_size_policy not in ("refuse", "reshard", "replicated_only"):
             raise ConfigError(f"world_size_policy={self.world_size_policy!r}: must be 'refuse' (default) or "
                               "'reshard' (restore replicated and sharded state at another world size, keep "
                               "this run's per-rank state; 'replicated_only' is its older name)")
-        if not isinstance(self.leftover_grace_s, (int, float)) or self.leftover_grace_s < 0:
-            raise ConfigError(f"leftover_grace_s={self.leftover_grace_s!r}: must be >= 0 seconds")
+        grace = self.leftover_grace_s
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (0 <= grace < math.inf):
+            raise ConfigError(f"leftover_grace_s={grace!r}: must be a finite number of seconds >= 0")
+        _choice("missing_entries", self.missing_entries, ("refuse", "keep"))
+        object.__setattr__(self, "preemption_signals", signals("preemption_signals", self.preemption_signals))
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise ConfigError(f"{name}={value!r}: must be one of {', '.join(repr(a) for a in allowed)}")
+
+
+def seconds(name: str, value: Any, default: float | None = None) -> float:
+    """A positive, finite number of seconds from a number or a datetime.timedelta (as
+    torch.distributed takes it); None gives `default` where there is one."""
+    if value is None and default is not None:
+        return default
+    if isinstance(value, datetime.timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name}={value!r}: must be a number of seconds or a datetime.timedelta")
+    value = float(value)
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise ConfigError(f"{name}={value!r}: must be more than 0 and at most {MAX_TIMEOUT_S:.0f} s (30 days): "
+                          "every collective needs a finite deadline")
+    return value
+
+
+def signals(name: str, value: Any) -> tuple[int, ...]:
+    """Signals as numbers, from a signal, a name ("SIGTERM" or "TERM"), or a sequence of them."""
+    items = [value] if isinstance(value, (int, str, signal.Signals)) and not isinstance(value, bool) else value
+    try:
+        items = list(items)
+    except TypeError:
+        raise ConfigError(f"{name}={value!r}: must be a signal, a signal name, or a tuple of them") from None
+    out = []
+    for item in items:
+        sig = _one_signal(name, item)
+        if sig in _UNCATCHABLE:
+            raise ConfigError(f"{name}: {signal.Signals(sig).name} cannot be caught by any process; "
+                              "pre-emption notices arrive as SIGTERM (or SIGUSR1 on some schedulers)")
+        out.append(sig)
+    return tuple(dict.fromkeys(out))
+
+
+def _one_signal(name: str, item: Any) -> int:
+    if isinstance(item, str):
+        key = item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()
+        if key in signal.Signals.__members__:
+            return int(signal.Signals[key])
+        raise ConfigError(f"{name}: {item!r} is not a signal name (e.g. 'SIGTERM')")
+    if isinstance(item, bool) or not isinstance(item, int):
+        raise ConfigError(f"{name}: {item!r} is not a signal (e.g. signal.SIGTERM)")
+    try:
+        return int(signal.Signals(item))
+    except ValueError:
+        raise ConfigError(f"{name}: {item!r} is not a signal number on this system") from None
+
+
+# Every CheckpointManager setting and a value that must be refused, for the one test over all.
+SETTINGS = {
+    "keep_last": 0, "keep_best": "2", "best_mode": "lowest", "async_save": "no", "timeout": True,
+    "leftover_grace_s": float("nan"), "world_size_policy": "auto", "split_writes": 1,
+    "allow_dtype_cast": "yes", "missing_entries": "ignore", "preemption_signals": signal.SIGKILL,
+}

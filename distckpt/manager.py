@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
+import numbers
+import os
 import signal
 import time
 import uuid
@@ -24,6 +27,7 @@ from .protocol import (Progress, ReplacePolicy, ShardWrite, StagedSave, committe
 from .serialize import StagingPool
 from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed
 from .storage import open_storage
+from .validation import LoadRules
 from .versions import collect_versions
 
 log = logging.getLogger("distckpt")
@@ -44,20 +48,20 @@ class CheckpointManager:
     guarantees: the replicated entries hold the same values on every rank. Off by default.
     """
 
-    def __init__(self, url: str, *, keep_last: int | None = None, keep_best: int | None = None,
-                 best_mode: str = "min", async_save: bool = False,
-                 storage_options: dict[str, Any] | None = None, timeout: float = 600.0,
+    def __init__(self, url: str | os.PathLike[str], *, keep_last: int | None = None,
+                 keep_best: int | None = None, best_mode: str = "min", async_save: bool = False,
+                 storage_options: dict[str, Any] | None = None,
+                 timeout: float | datetime.timedelta | None = 600.0,
                  leftover_grace_s: float = 3600.0, world_size_policy: str = "refuse",
-                 preemption_signals: tuple[int, ...] = (signal.SIGTERM,), split_writes: bool = False) -> None:
-        if not isinstance(url, str) or not url:
-            raise ConfigError(f"url={url!r}: must be a local path or an fsspec URL such as s3://bucket/prefix")
-        self.config = ManagerConfig(keep_last, keep_best, best_mode, async_save, float(timeout), leftover_grace_s,
-                                    world_size_policy)
-        if not isinstance(split_writes, bool):
-            raise ConfigError(f"split_writes={split_writes!r}: must be True or False")
+                 preemption_signals: Any = (signal.SIGTERM,), split_writes: bool = False,
+                 allow_dtype_cast: bool = False, missing_entries: str = "refuse") -> None:
+        self.config = ManagerConfig(keep_last, keep_best, best_mode, async_save, timeout,  # type: ignore[arg-type]
+                                    leftover_grace_s, world_size_policy, split_writes, allow_dtype_cast,
+                                    missing_entries, preemption_signals)
         self.split_writes = split_writes  # replicated tensors written by all ranks in parallel
-        self.url = url
-        self.storage = open_storage(url, storage_options)
+        self.storage = open_storage(url, storage_options)  # type: ignore[arg-type]
+        self.url = os.fspath(url) if isinstance(url, os.PathLike) else url
+        self._rules = LoadRules(allow_dtype_cast, missing_entries)
         self._coord = make_coordinator(self.config.timeout)
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
         self.run_id = self._coord.broadcast(uuid.uuid4().hex, "init/run-id")
@@ -69,7 +73,7 @@ class CheckpointManager:
         self._floor: int | None = None   # the step this job resumed from (-1: found nothing)
         self._lease: Lease | None = None  # rank 0, taken at the first save (fencing.py)
         self._closed = False
-        self._preemption = PreemptionFlag(preemption_signals)
+        self._preemption = PreemptionFlag(self.config.preemption_signals)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.storage!r}, rank={self.rank}, world_size={self.world_size})"
@@ -87,7 +91,7 @@ class CheckpointManager:
         error on every rank when any rank fails.
         """
         self._check_open()
-        metric = _check_save_args(step, epoch, metric)
+        step, epoch, metric = _check_save_args(step, epoch, metric)
         self._finish_pending()
         entries = classify(state)
         replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)
@@ -174,6 +178,7 @@ class CheckpointManager:
 
     def load(self, state: dict[str, Any], step: int) -> Progress:
         """Restore `state` from committed checkpoint `step` (collective); no fallback."""
+        step = _check_step("step", step)
         progress = self._load(state, step)
         assert progress is not None  # load(step=...) raises rather than returning None
         return progress
@@ -182,7 +187,8 @@ class CheckpointManager:
         self._check_open()
         self._finish_pending()
         entries = classify(state)
-        progress = load(self._coord, self.storage, entries, state, step, self.config.world_size_policy)
+        progress = load(self._coord, self.storage, entries, state, step, self.config.world_size_policy,
+                        self._rules)
         if self._lease is None:
             self._floor = progress.step if progress is not None else -1
         for entry in entries:
@@ -254,16 +260,33 @@ class CheckpointManager:
             raise ConfigError("this CheckpointManager is closed; create a new one")
 
 
-def _check_save_args(step: Any, epoch: Any, metric: Any) -> float | None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ConfigError(f"step={step!r}: must be an int >= 0")
-    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
-        raise ConfigError(f"epoch={epoch!r}: must be an int >= 0 or None")
+def _check_step(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ConfigError(f"{name}={value!r}: must be an int >= 0")
+    return int(value)
+
+
+def _check_save_args(step: Any, epoch: Any, metric: Any) -> tuple[int, int | None, float | None]:
+    step = _check_step("step", step)
+    if epoch is not None:
+        epoch = _check_step("epoch", epoch)
     if metric is not None:
-        try:
-            metric = float(metric)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"metric={metric!r}: must be a number (e.g. the validation loss)") from e
-        if not math.isfinite(metric):
-            raise ConfigError(f"metric={metric!r}: must be finite to rank checkpoints by it")
-    return metric
+        metric = _check_metric(metric)
+    return step, epoch, metric
+
+
+def _check_metric(metric: Any) -> float:
+    """A finite number: int, float, NumPy number or a one-element tensor (a validation loss)."""
+    if hasattr(metric, "numel") and callable(metric.numel) and metric.numel() == 1 \
+            and not getattr(metric, "is_complex", lambda: False)():
+        metric = metric.item()
+    if isinstance(metric, bool) or not isinstance(metric, numbers.Real):
+        raise ConfigError(f"metric={metric!r}: must be a number (e.g. the validation loss), not "
+                          f"{type(metric).__name__}")
+    try:
+        value = float(metric)
+    except OverflowError:
+        raise ConfigError(f"metric={metric!r}: too large for a float") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"metric={metric!r}: must be finite to rank checkpoints by it")
+    return value

@@ -37,9 +37,8 @@ from typing import Any, Callable, Sequence
 from . import faults, fencing
 from . import manifest as mf
 from . import sharded
-from .capture import (PER_RANK, REPLICATED, SHARDED, Entry, capture_entry, capture_rank_buffers, loading_entry,
-                      resolve_sharded_entry, restore_entry, use_rank_buffers, validate_entry,
-                      warn_extra_entries)
+from .capture import (PER_RANK, CheckpointWarning, REPLICATED, SHARDED, Entry, capture_entry, capture_rank_buffers, loading_entry,
+                      resolve_sharded_entry, restore_entry, use_rank_buffers, warn_extra_entries)
 from .coord import Coordinator, Outcome, Reports, agree, hostname, raise_if_failed
 from .errors import (CheckpointExistsError, CoordinationError, CorruptCheckpointError, DistCkptError, FencedError,
                      IncompatibleCheckpointError, MissingFileError, RankDisagreementError,
@@ -48,6 +47,8 @@ from .fencing import Lease
 from .rng import capture_process_rng, restore_process_rng
 from .serialize import EncodedTree, StagingPool, encode_tree, load_tree_file, safetensors_chunks
 from .storage import Storage
+from .undo import LATE_KINDS, Undo, run_undos, snapshot
+from .validation import LoadRules, validate_entry
 
 log = logging.getLogger("distckpt")
 
@@ -535,13 +536,14 @@ def _read_tree(storage: Storage, base: str, name: str, manifest: dict[str, Any],
 
 
 def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict[str, Any],
-         step: int | None = None, world_size_policy: str = "refuse") -> Progress | None:
+         step: int | None = None, world_size_policy: str = "refuse",
+         rules: LoadRules = LoadRules()) -> Progress | None:
     """The load protocol (call on every rank). None when nothing is committed yet."""
     candidates, leases = _choose_phase(coord, storage, step)
     if not candidates:
         return None
-    chosen = _read_phase(coord, storage, entries, candidates, step is not None, world_size_policy, leases)
-    notes, kept = _apply_phase(coord, entries, state, chosen)
+    chosen = _read_phase(coord, storage, entries, candidates, step is not None, world_size_policy, leases, rules)
+    notes, kept = _apply_phase(coord, entries, state, chosen, rules)
     return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.get("metric"),
                     f"{storage.url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept))
 
@@ -569,9 +571,10 @@ def _choose_phase(coord: Coordinator, storage: Storage, step: int | None) -> tup
 
 
 def _read_phase(coord: Coordinator, storage: Storage, entries: list[Entry], candidates: list[int],
-                explicit: bool, world_size_policy: str, leases: list[Lease]) -> ReadCheckpoint:
+                explicit: bool, world_size_policy: str, leases: list[Lease],
+                rules: LoadRules = LoadRules()) -> ReadCheckpoint:
     for step in candidates:
-        read, exc = _try_read(coord, storage, entries, step, world_size_policy, leases)
+        read, exc = _try_read(coord, storage, entries, step, world_size_policy, leases, rules)
         if exc is None:
             info = {"step": read.step, "epoch": read.own["epoch"], "digest": read.digest}
             outcome = Outcome(coord.rank, info=info)
@@ -592,11 +595,12 @@ def _read_phase(coord: Coordinator, storage: Storage, entries: list[Entry], cand
 
 
 def _try_read(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
-              world_size_policy: str, leases: list[Lease]) -> tuple[ReadCheckpoint | None, BaseException | None]:
+              world_size_policy: str, leases: list[Lease],
+              rules: LoadRules = LoadRules()) -> tuple[ReadCheckpoint | None, BaseException | None]:
     try:
         read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy, leases)
         read.entries = _resolve_sharded(storage, entries, read)
-        _validate_against_state(read.entries, read, (coord.rank, coord.world_size))
+        _validate_against_state(read.entries, read, (coord.rank, coord.world_size), rules)
         faults.point("load/read", step=step, rank=coord.rank)
         return read, None
     except Exception as e:
@@ -624,18 +628,22 @@ def _resolve_sharded(storage: Storage, entries: list[Entry], read: ReadCheckpoin
     return out
 
 
-def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: tuple[int, int]) -> None:
+def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: tuple[int, int],
+                            rules: LoadRules = LoadRules()) -> None:
     if read.per_rank_restored and "buffers" in read.own:
         use_rank_buffers(read.replicated["entries"], read.own["buffers"], f"step {read.step}, rank {world[0]}")
     saved = {**read.replicated["entries"], **read.own["entries"]}
     for entry in entries:
         if entry.scope == PER_RANK and not read.per_rank_restored:
             continue
+        if entry.key not in saved and rules.missing_entries == "keep":
+            continue  # restored as nothing: keeps its live value (warned when applied)
         if entry.key not in saved:
             raise IncompatibleCheckpointError(
                 f"state[{entry.key!r}] is not in the checkpoint of step {read.step} (it holds "
-                f"{sorted(saved)}); remove it from `state` or start a new run directory")
-        validate_entry(entry, saved[entry.key], world)
+                f"{sorted(saved)}); remove it from `state`, start a new run directory, or pass "
+                "missing_entries='keep' to CheckpointManager to keep its live value")
+        validate_entry(entry, saved[entry.key], world, rules)
     if read.own.get("rank") != world[0]:
         raise CorruptCheckpointError(f"step {read.step}: the file for rank {world[0]} holds rank {read.own.get('rank')}")
 
@@ -666,30 +674,87 @@ def _check_agreement(outcomes: list[Outcome], step: int) -> None:
 
 
 def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any],
-                 read: ReadCheckpoint) -> tuple[list[str], list[str]]:
-    """Restore every entry (RNG last); returns (config notes, what was kept rather than restored)."""
-    notes: list[str] = []
-    kept: list[str] = []
-    exc: BaseException | None = None
+                 read: ReadCheckpoint, rules: LoadRules = LoadRules()) -> tuple[list[str], list[str]]:
+    """Restore every entry, in two agreed phases; returns (config notes, what was kept).
+
+    Phase 1 restores everything but modules and tensor entries, each after a snapshot of it;
+    if any rank fails, every rank puts its entries back and raises. Phase 2 restores the
+    modules and tensors (checked completely before: keys, shapes, dtypes) and the process RNG
+    streams, last. So a failure an owner's load_state_dict detects changes nothing anywhere.
+    """
     entries = read.entries or entries
+    saved = {**read.replicated["entries"], **read.own["entries"]}
+    kept = [] if read.per_rank_restored else [e.key for e in entries if e.scope == PER_RANK]
+    absent = [e.key for e in entries if e.key not in saved and e.key not in kept]
+    if absent:
+        _warn_kept_missing(absent, read.step, coord.rank)
+    warn_extra_entries(set(saved), {e.key for e in entries}, f"step {read.step}")
+    todo = [e for e in entries if e.key not in kept and e.key not in absent]
+    notes: list[str] = []
+    memo: dict[int, Any] = {}  # tensors shared between entries stay shared
+    undos: list[tuple[str, Undo]] = []
+    early = [e for e in todo if e.kind not in LATE_KINDS]
+    exc = _restore_all(early, saved, state, memo, notes, undos, coord.rank, read.step)
+    outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
+    _agree_or_undo(coord, outcome, exc, undos, f"restoring step {read.step}", "load/apply")
+    late = [e for e in todo if e.kind in LATE_KINDS]
+    rng_before = capture_process_rng()
+    undos.append(("rng", lambda: restore_process_rng(rng_before, f"rank {coord.rank}, undo")))
+    exc = _restore_all(late, saved, state, memo, notes, [], coord.rank, read.step)
+    if exc is None:
+        exc = _restore_rng(coord, read, kept)
+    outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
+    _agree_or_undo(coord, outcome, exc, undos, f"restoring the modules of step {read.step}", "load/apply-modules")
+    return notes, ([] if read.per_rank_restored else ["rng", *kept])
+
+
+def _restore_all(entries: list[Entry], saved: dict[str, Any], state: dict[str, Any], memo: dict[int, Any],
+                 notes: list[str], undos: list[tuple[str, Undo]], rank: int, step: int) -> BaseException | None:
+    """Restore `entries` in order, recording an undo before each; the first failure stops it."""
+    for entry in entries:
+        try:
+            undos.append((entry.key, snapshot(entry, state)))
+            notes.extend(restore_entry(entry, saved[entry.key], state, memo))
+        except DistCkptError as e:
+            return e
+        except Exception as e:
+            err = IncompatibleCheckpointError(
+                f"rank {rank}: restoring state[{entry.key!r}] of step {step} failed: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            return err
+    return None
+
+
+def _restore_rng(coord: Coordinator, read: ReadCheckpoint, kept: list[str]) -> BaseException | None:
     try:
-        saved = {**read.replicated["entries"], **read.own["entries"]}
-        kept = [] if read.per_rank_restored else [e.key for e in entries if e.scope == PER_RANK]
-        warn_extra_entries(set(saved), {e.key for e in entries}, f"step {read.step}")
-        memo: dict[int, Any] = {}  # tensors shared between entries stay shared
-        for entry in entries:
-            if entry.key not in kept:
-                notes.extend(restore_entry(entry, saved[entry.key], state, memo))
         if read.per_rank_restored:
             restore_process_rng(read.own["rng"], f"rank {coord.rank}, step {read.step}")  # last
         else:
             _warn_per_rank_kept(read, coord, kept)
         faults.point("load/applied", step=read.step, rank=coord.rank)
+        return None
     except DistCkptError as e:
-        exc = e
+        return e
     except Exception as e:
-        exc = IncompatibleCheckpointError(f"rank {coord.rank}: restoring step {read.step} failed: {type(e).__name__}: {e}")
-        exc.__cause__ = e
-    outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
-    agree(coord, outcome, "load/apply", f"restoring step {read.step}", exc)
-    return notes, ([] if read.per_rank_restored else ["rng", *kept])
+        err = IncompatibleCheckpointError(f"rank {coord.rank}: restoring step {read.step} failed: {type(e).__name__}: {e}")
+        err.__cause__ = e
+        return err
+
+
+def _agree_or_undo(coord: Coordinator, outcome: Outcome, exc: BaseException | None,
+                   undos: list[tuple[str, Undo]], what: str, phase: str) -> None:
+    """Agree on the outcome; if any rank failed, put this rank's entries back, then raise."""
+    try:
+        agree(coord, outcome, phase, what, exc)
+    except DistCkptError:
+        failed = run_undos(undos, f"rank {coord.rank}")
+        if failed:
+            log.error("rank %d: after the failed load, state entries %s could not be put back", coord.rank, failed)
+        raise
+
+
+def _warn_kept_missing(keys: list[str], step: int, rank: int) -> None:
+    message = (f"rank {rank}: step {step} holds no entries {keys}; they keep their live values "
+               "(missing_entries='keep')")
+    log.warning(message)
+    warnings.warn(message, CheckpointWarning, stacklevel=5)

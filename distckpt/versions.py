@@ -38,6 +38,9 @@ def _git_commit() -> str | None:
         return None
     if out.returncode != 0:
         return None
-    dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, timeout=5, check=False).stdout.strip()
+    try:  # a slow or hung git (a network file system) must not fail the manager's construction
+        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return out.stdout.strip() + "-unknown-dirty"
     return out.stdout.strip() + ("-dirty" if dirty else "")

@@ -16,11 +16,15 @@ This package never imports torch.distributed.
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import warnings
 from typing import Any, Iterable, Protocol
 
 import fsspec
 
-from ..errors import StorageError
+from ..errors import ConfigError
 from .fsspec_fs import FsspecStorage
 from .local import LocalStorage
 
@@ -60,19 +64,86 @@ class Storage(Protocol):
         """Abort uploads that never completed and are older than `grace_s`; returns how many."""
 
 
+class NonAtomicStorageWarning(UserWarning):
+    """The storage cannot create a file exclusively: two writers of one step could both commit."""
+
+
+# fsspec protocols whose open(..., "xb") is a real exclusive create (checked by the contract
+# suite); s3 has its own backend with If-None-Match. Others fall back to check-then-write.
+EXCLUSIVE_CREATE_PROTOCOLS = frozenset({"memory"})
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*):(//)?(.*)", re.DOTALL)
+log = logging.getLogger("distckpt")
+
+
+def normalize_url(url: Any) -> str:
+    """The checkpoint root as a string, checked: a local path, ``file://`` URL or fsspec URL.
+
+    Raises ConfigError for what would silently land somewhere else: ``s3:/bucket`` (a local
+    directory named "s3:"), ``S3://`` (schemes are lower case), an unknown scheme, a bucket-less
+    ``s3://``, ``file://host/...``, a NUL byte.
+    """
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"url={url!r}: must be a local path (str or pathlib.Path) or an fsspec URL "
+                          "such as s3://bucket/prefix")
+    if "\x00" in url:
+        raise ConfigError(f"url={url!r}: contains a NUL byte")
+    match = _SCHEME.fullmatch(url)
+    if match is None or len(match.group(1)) == 1:  # no scheme, or a Windows drive letter
+        return url
+    scheme, slashes, rest = match.groups()
+    if not slashes:
+        raise ConfigError(f"url={url!r}: looks like a URL without '//' ({scheme}://{rest.lstrip('/')}?); "
+                          "a local path must not start with a scheme")
+    if scheme != scheme.lower():
+        raise ConfigError(f"url={url!r}: URL schemes are lower case: use {scheme.lower()}://{rest}")
+    if scheme == "file":
+        host, _, path = rest.partition("/")
+        if host not in ("", "localhost"):
+            raise ConfigError(f"url={url!r}: file:// URLs name a local absolute path (file:///abs/path or "
+                              f"file://localhost/abs/path), not the host {host!r}")
+        return "file:///" + path
+    if scheme in ("s3", "s3a") and not rest.split("/", 1)[0]:
+        raise ConfigError(f"url={url!r}: names no bucket; use s3://bucket/prefix")
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ValueError as e:
+        raise ConfigError(f"url={url!r}: unknown scheme {scheme!r} (fsspec knows "
+                          f"{', '.join(sorted(fsspec.available_protocols())[:12])}, ...)") from e
+    except ImportError as e:
+        raise ConfigError(f"url={url!r}: the {scheme!r} filesystem needs a package that is not installed: {e}") from e
+    return url
+
+
 def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:
     """A backend for a local path, ``file://`` URL, ``s3://`` URL, or any other fsspec URL."""
+    url = normalize_url(url)
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise ConfigError(f"storage_options={storage_options!r}: must be a dict of fsspec options or None")
     if "://" not in url or url.startswith("file://"):
         path = url[len("file://"):] if url.startswith("file://") else url
         if storage_options:
-            raise StorageError(f"storage_options were given for the local path {url!r}; they apply to remote URLs only")
+            raise ConfigError(f"storage_options were given for the local path {url!r}; they apply to remote URLs only")
         return LocalStorage(path)
     if url.startswith(("s3://", "s3a://")):
         from .s3 import S3Storage
 
         return S3Storage.from_url(url, storage_options or {})
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    _warn_if_not_exclusive(fs, url)
     return FsspecStorage(fs, root, url)
 
 
-__all__ = ["FsspecStorage", "LocalStorage", "Storage", "open_storage"]
+def _warn_if_not_exclusive(fs: Any, url: str) -> None:
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    if protocols & EXCLUSIVE_CREATE_PROTOCOLS:
+        return
+    message = (f"{url}: the fsspec backend {type(fs).__name__} ({'/'.join(sorted(protocols))}) is not known to create "
+               "files exclusively; distckpt writes COMMITTED check-then-write there, so two writers of one "
+               "step could both commit. Run one writer per root (local disk and s3:// commit exclusively).")
+    log.warning(message)
+    warnings.warn(message, NonAtomicStorageWarning, stacklevel=3)
+
+
+__all__ = ["FsspecStorage", "LocalStorage", "NonAtomicStorageWarning", "Storage", "normalize_url", "open_storage"]

@@ -1,0 +1,125 @@
+"""Undoing a restore that failed part-way, so that a failed load leaves `state` as it was.
+
+Validation (validation.py) catches what can be seen before anything changes. What only an
+owner's own `load_state_dict` detects (a scheduler, a scaler, a user's Stateful object) fails
+while restoring; then every entry restored before it, on every rank, is put back from the
+snapshot taken just before it was restored. Snapshots are cheap by design: references where the
+owner replaces its state rather than mutating it (torch optimizers, loaders), small copies where
+it mutates (schedulers, generators, samplers, containers). Modules and tensor entries are not
+snapshotted (a second copy of a model is what a demanding user cannot afford): they are checked
+completely beforehand (keys, shapes, dtypes, submodules) and restored in a second phase, after
+every rank restored everything else.
+
+This module never touches storage or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+
+from .capture import Entry, _capture_sampler, _restore_sampler
+
+log = logging.getLogger("distckpt")
+
+Undo = Callable[[], None]
+
+# Restored in the second phase, after every rank restored the rest: checked completely first.
+LATE_KINDS = frozenset({"module", "sharded_module", "tensor"})
+
+
+def snapshot(entry: Entry, state: dict[str, Any]) -> Undo:
+    """A function that puts `entry` back as it is now."""
+    target, kind = entry.target, entry.kind
+    if kind in ("stateful", "sharded_optimizer") and isinstance(target, torch.optim.Optimizer):
+        return _optimizer_undo(target)
+    if kind == "stateful":
+        saved = copy.deepcopy(target.state_dict())
+        return lambda: target.load_state_dict(saved)
+    if kind == "loader":
+        attributes = dict(vars(target))  # StatefulDataLoader.load_state_dict only sets attributes
+        return lambda: (vars(target).clear(), vars(target).update(attributes))  # type: ignore[func-returns-value]
+    if kind == "sampler":
+        if callable(getattr(target, "state_dict", None)):
+            sd = copy.deepcopy(target.state_dict())
+            return lambda: target.load_state_dict(sd)
+        plain = _capture_sampler(target)
+        return lambda: _restore_sampler(target, plain)
+    return _SNAPSHOTS.get(kind, _value_undo)(entry, state)
+
+
+def _optimizer_undo(opt: torch.optim.Optimizer) -> Undo:
+    # load_state_dict builds new state and group dicts and swaps them in (__setstate__); DCP's
+    # set_optimizer_state_dict may first fill an empty state in place, hence the per-param copies.
+    attributes = dict(vars(opt))
+    per_param = {p: dict(s) for p, s in opt.state.items()}
+
+    def undo() -> None:
+        vars(opt).clear()
+        vars(opt).update(attributes)
+        opt.state = defaultdict(dict, per_param)
+    return undo
+
+
+def _generator_undo(entry: Entry, state: dict[str, Any]) -> Undo:
+    saved = entry.target.get_state()
+    return lambda: entry.target.set_state(saved)
+
+
+def _np_generator_undo(entry: Entry, state: dict[str, Any]) -> Undo:
+    saved = copy.deepcopy(entry.target.bit_generator.state)
+    return lambda: setattr(entry.target.bit_generator, "state", saved)
+
+
+def _np_random_state_undo(entry: Entry, state: dict[str, Any]) -> Undo:
+    saved = entry.target.get_state(legacy=False)
+    return lambda: entry.target.set_state(saved)
+
+
+def _py_random_undo(entry: Entry, state: dict[str, Any]) -> Undo:
+    saved = entry.target.getstate()
+    return lambda: entry.target.setstate(saved)
+
+
+def _value_undo(entry: Entry, state: dict[str, Any]) -> Undo:
+    target = entry.target
+    if isinstance(target, dict):
+        items = list(target.items())
+        return lambda: (target.clear(), target.update(items))  # type: ignore[func-returns-value]
+    if isinstance(target, list):
+        elements = list(target)
+        return lambda: target.__setitem__(slice(None), elements)
+    key, before = entry.key, state.get(entry.key)
+    return lambda: state.__setitem__(key, before)
+
+
+def _nothing(entry: Entry, state: dict[str, Any]) -> Undo:
+    return lambda: None
+
+
+_SNAPSHOTS: dict[str, Callable[[Entry, dict[str, Any]], Undo]] = {
+    "generator": _generator_undo,
+    "np_generator": _np_generator_undo,
+    "np_random_state": _np_random_state_undo,
+    "py_random": _py_random_undo,
+    "config": _nothing,  # compared, never written
+    "value": _value_undo,
+}
+
+
+def run_undos(undos: list[tuple[str, Undo]], where: str) -> list[str]:
+    """Undo in reverse order; returns the keys whose undo itself failed (logged)."""
+    failed = []
+    for key, undo in reversed(undos):
+        try:
+            undo()
+        except Exception as e:  # keep undoing the others; the load's own error is raised after
+            log.error("%s: putting state[%r] back after the failed load failed too: %s: %s",
+                      where, key, type(e).__name__, e)
+            failed.append(key)
+    return failed
+

@@ -1,0 +1,203 @@
+"""Checks of a saved entry against the live object it will be restored into, made on every rank
+before anything is changed, so that a load either restores everything or nothing.
+
+Each check names the entry and what to do. What only an owner's own `load_state_dict` can
+detect is left to it; the restore then undoes what was applied (undo.py).
+
+This module never touches storage or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .capture import SHARDED, Entry, unwrap_module
+from .errors import IncompatibleCheckpointError
+
+# Optimizer state keys that hold one value per parameter element (torch.optim's optimizers):
+# their shape must be the parameter's. Others (Adafactor's factored row/column statistics,
+# scalars such as `step`) are left to the optimizer.
+_PER_ELEMENT_KEYS = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
+                               "acc_delta", "sum", "grad_avg", "exp_inf", "ax", "prev", "mu_product_buffer"})
+
+
+@dataclass(frozen=True)
+class LoadRules:
+    """How strictly a load matches the checkpoint to the live state (CheckpointManager options)."""
+
+    allow_dtype_cast: bool = False  # a tensor saved as float32 may load into a bfloat16 model
+    missing_entries: str = "refuse"  # or "keep": a `state` entry the checkpoint lacks keeps its value
+
+
+def validate_entry(entry: Entry, saved: dict[str, Any], world: tuple[int, int],
+                   rules: LoadRules = LoadRules()) -> None:
+    """Raise IncompatibleCheckpointError if `saved` cannot be restored into `entry` whole."""
+    where = f"state[{entry.key!r}]"
+    if entry.scope == SHARDED and saved.get("kind") == entry.kind:
+        if entry.kind == "sharded_module" and not rules.allow_dtype_cast:
+            _check_dtypes(unwrap_module(entry.target).state_dict(), saved["state"]["state_dict"], where)
+        return  # shapes and keys were checked while its pieces were assembled (resolve_sharded_entry)
+    if saved.get("kind") != entry.kind:
+        raise IncompatibleCheckpointError(
+            f"{where} is a {entry.kind} entry here but a {saved.get('kind')} entry in the checkpoint")
+    check = _CHECKS.get(entry.kind)
+    if check is not None:
+        check(entry.target, saved["state"], where, world, rules)
+
+
+def _module(module: nn.Module, saved: dict[str, Any], where: str, world: tuple[int, int], rules: LoadRules) -> None:
+    module = unwrap_module(module)
+    current = module.state_dict()
+    stored = saved["state_dict"]
+    missing = [k for k in current if k not in stored]
+    unexpected = [k for k in stored if k not in current]
+    wrong = [f"{k}: {tuple(stored[k].shape)} in checkpoint, {tuple(v.shape)} here"
+             for k, v in current.items()
+             if k in stored and isinstance(v, torch.Tensor) and isinstance(stored[k], torch.Tensor)
+             and tuple(v.shape) != tuple(stored[k].shape)]
+    names = {name for name, _ in module.named_modules()}
+    if missing or unexpected or wrong or set(saved["training"]) != names:
+        raise IncompatibleCheckpointError(
+            f"{where} does not match the checkpoint: missing keys {missing[:5]}, unexpected keys "
+            f"{unexpected[:5]}, shape mismatches {wrong[:5]}, submodules "
+            f"{sorted(set(saved['training']) ^ names)[:5]}; build the same model as the run that saved")
+    if not rules.allow_dtype_cast:
+        _check_dtypes(current, stored, where)
+
+
+def _check_dtypes(current: Any, stored: Any, where: str) -> None:
+    wrong = [f"{k}: {stored[k].dtype} in the checkpoint, {v.dtype} here" for k, v in current.items()
+             if isinstance(v, torch.Tensor) and isinstance(stored.get(k), torch.Tensor) and stored[k].dtype != v.dtype]
+    if wrong:
+        raise IncompatibleCheckpointError(
+            f"{where}: tensors would be cast on load ({'; '.join(wrong[:5])}); convert the model to the "
+            "checkpoint's dtypes before loading, or pass allow_dtype_cast=True to CheckpointManager")
+
+
+def _optimizer(opt: Any, saved: Any, where: str, world: tuple[int, int], rules: LoadRules) -> None:
+    if not isinstance(opt, torch.optim.Optimizer):
+        return _stateful(opt, saved, where, world, rules)
+    groups = saved.get("param_groups", []) if isinstance(saved, dict) else []
+    here = [len(g["params"]) for g in opt.param_groups]
+    there = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in groups]
+    if here != there:
+        raise IncompatibleCheckpointError(
+            f"{where}: the optimizer has parameter groups of sizes {here} but the checkpoint has "
+            f"{there}; build the optimizer over the same parameters as the run that saved")
+    params = [p for g in opt.param_groups for p in g["params"]]
+    ids = [i for g in groups for i in g["params"]]
+    per_param = saved.get("state", {}) if isinstance(saved, dict) else {}
+    for index, param in zip(ids, params):
+        for key, value in (per_param.get(index) or {}).items():
+            if key in _PER_ELEMENT_KEYS and isinstance(value, torch.Tensor) and value.shape != param.shape:
+                raise IncompatibleCheckpointError(
+                    f"{where}: the checkpoint's {key!r} of parameter {index} has shape {tuple(value.shape)}, "
+                    f"the parameter here {tuple(param.shape)}: the optimizer lists its parameters in "
+                    "another order than the run that saved; build it over model.parameters() in the "
+                    "same order")
+    return None
+
+
+def _stateful(obj: Any, saved: Any, where: str, world: tuple[int, int], rules: LoadRules) -> None:
+    if isinstance(obj, torch.amp.GradScaler) or type(obj).__name__ == "GradScaler":
+        _grad_scaler(obj, saved, where)
+    elif isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+        _scheduler(obj, saved, where)
+
+
+def _grad_scaler(scaler: Any, saved: Any, where: str) -> None:
+    enabled_here = bool(scaler.is_enabled())
+    enabled_there = bool(saved)  # a disabled GradScaler saves {}
+    if enabled_here != enabled_there:
+        raise IncompatibleCheckpointError(
+            f"{where}: the GradScaler is {'enabled' if enabled_here else 'disabled'} here but was "
+            f"{'enabled' if enabled_there else 'disabled'} in the run that saved; build it the same way")
+
+
+def _scheduler(sched: Any, saved: Any, where: str) -> None:
+    current = sched.state_dict()
+    if not isinstance(saved, dict) or set(saved) != set(current):
+        keys = sorted(set(saved) ^ set(current)) if isinstance(saved, dict) else "not a dict"
+        raise IncompatibleCheckpointError(
+            f"{where}: the scheduler's state does not match the checkpoint's (keys differ: {keys}); build "
+            "the same scheduler as the run that saved")
+    for key in ("_schedulers",):  # SequentialLR, ChainedScheduler: one state per inner scheduler
+        if isinstance(current.get(key), list) and len(current[key]) != len(saved[key] or []):
+            raise IncompatibleCheckpointError(
+                f"{where}: {len(current[key])} inner schedulers here, {len(saved[key] or [])} in the checkpoint; "
+                "build the same scheduler as the run that saved")
+
+
+def _sampler(sampler: Any, saved: dict[str, Any], where: str, world: tuple[int, int], rules: LoadRules) -> None:
+    if saved.get("type") != type(sampler).__name__:
+        raise IncompatibleCheckpointError(
+            f"{where} is a {type(sampler).__name__} but the checkpoint holds a {saved.get('type')}")
+    if "num_replicas" in saved and (saved["num_replicas"], saved["rank"]) != (sampler.num_replicas, sampler.rank):
+        raise IncompatibleCheckpointError(
+            f"{where}: DistributedSampler was saved as rank {saved['rank']} of {saved['num_replicas']} "
+            f"but is rank {sampler.rank} of {sampler.num_replicas} here")
+    if "state_dict" in saved:
+        return
+    has_generator = isinstance(getattr(sampler, "generator", None), torch.Generator)
+    if has_generator != ("generator" in saved):
+        raise IncompatibleCheckpointError(
+            f"{where}: the sampler {'has' if has_generator else 'has no'} generator here but "
+            f"{'had one' if 'generator' in saved else 'had none'} in the run that saved; build it the same way")
+    inner = getattr(sampler, "sampler", None)
+    if "inner" in saved:
+        if not isinstance(inner, torch.utils.data.Sampler):
+            raise IncompatibleCheckpointError(f"{where}: the checkpoint holds an inner sampler, this sampler has none")
+        _sampler(inner, saved["inner"], f"{where}.sampler", world, rules)
+
+
+def _tensor(target: torch.Tensor, saved: Any, where: str, world: tuple[int, int], rules: LoadRules) -> None:
+    if not isinstance(saved, torch.Tensor) or target.shape != saved.shape or (
+            target.dtype != saved.dtype and not rules.allow_dtype_cast):
+        desc = f"{tuple(saved.shape)} {saved.dtype}" if isinstance(saved, torch.Tensor) else type(saved).__name__
+        raise IncompatibleCheckpointError(
+            f"{where}: tensor {desc} in the checkpoint, {tuple(target.shape)} {target.dtype} here")
+
+
+def _generator(gen: torch.Generator, saved: Any, where: str, world: tuple[int, int], rules: LoadRules) -> None:
+    state = saved.get("state") if isinstance(saved, dict) else None
+    if not isinstance(state, torch.Tensor) or saved.get("device") != str(gen.device) \
+            or state.numel() != gen.get_state().numel():
+        raise IncompatibleCheckpointError(
+            f"{where}: the checkpoint's generator (device {saved.get('device') if isinstance(saved, dict) else '?'}) "
+            f"does not fit this torch.Generator on {gen.device}; create it on the same device")
+
+
+def _np_generator(gen: np.random.Generator, saved: Any, where: str, world: tuple[int, int], rules: LoadRules) -> None:
+    here = gen.bit_generator.state.get("bit_generator")
+    there = saved.get("bit_generator") if isinstance(saved, dict) else None
+    if here != there:
+        raise IncompatibleCheckpointError(
+            f"{where}: a NumPy Generator over {there} was saved, this one runs {here}; create it with "
+            f"np.random.Generator(np.random.{there}()) or np.random.default_rng() as the run that saved did")
+
+
+def _np_random_state(rs: Any, saved: Any, where: str, world: tuple[int, int], rules: LoadRules) -> None:
+    if not isinstance(saved, dict) or saved.get("bit_generator") != "MT19937":
+        raise IncompatibleCheckpointError(f"{where}: the checkpoint holds no NumPy RandomState state")
+
+
+def _py_random(r: Any, saved: Any, where: str, world: tuple[int, int], rules: LoadRules) -> None:
+    if not (isinstance(saved, tuple) and len(saved) == 3 and isinstance(saved[1], tuple)):
+        raise IncompatibleCheckpointError(f"{where}: the checkpoint holds no random.Random state")
+
+
+_CHECKS = {
+    "module": _module,
+    "stateful": _optimizer,
+    "sampler": _sampler,
+    "tensor": _tensor,
+    "generator": _generator,
+    "np_generator": _np_generator,
+    "np_random_state": _np_random_state,
+    "py_random": _py_random,
+}
