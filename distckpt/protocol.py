@@ -44,7 +44,7 @@ from .errors import (CheckpointExistsError, CoordinationError, CorruptCheckpoint
                      IncompatibleCheckpointError, MissingFileError, RankDisagreementError,
                      StorageError, UnstorableValueError)
 from .fencing import Lease
-from .rng import capture_process_rng, restore_process_rng
+from .rng import capture_process_rng, check_process_rng, restore_process_rng
 from .serialize import EncodedTree, StagingPool, encode_tree, load_tree_file, safetensors_chunks
 from .storage import Storage
 from .undo import LATE_KINDS, Undo, run_undos, snapshot
@@ -630,6 +630,8 @@ def _resolve_sharded(storage: Storage, entries: list[Entry], read: ReadCheckpoin
 
 def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: tuple[int, int],
                             rules: LoadRules = LoadRules()) -> None:
+    if read.per_rank_restored:
+        check_process_rng(read.own.get("rng"), f"step {read.step}, rank {world[0]}")
     if read.per_rank_restored and "buffers" in read.own:
         use_rank_buffers(read.replicated["entries"], read.own["buffers"], f"step {read.step}, rank {world[0]}")
     saved = {**read.replicated["entries"], **read.own["entries"]}
@@ -700,7 +702,7 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
     late = [e for e in todo if e.kind in LATE_KINDS]
     rng_before = capture_process_rng()
     undos.append(("rng", lambda: restore_process_rng(rng_before, f"rank {coord.rank}, undo")))
-    exc = _restore_all(late, saved, state, memo, notes, [], coord.rank, read.step)
+    exc = _restore_all(late, saved, state, memo, notes, undos, coord.rank, read.step)
     if exc is None:
         exc = _restore_rng(coord, read, kept)
     outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import CorruptCheckpointError
+
 log = logging.getLogger("distckpt")
 
 
@@ -35,6 +37,23 @@ def capture_process_rng() -> dict[str, Any]:
     if _xpu_available():
         state["xpu"] = [torch.xpu.get_rng_state(i) for i in range(torch.xpu.device_count())]
     return state
+
+
+def check_process_rng(state: Any, where: str) -> None:
+    """CorruptCheckpointError unless `state` is what capture_process_rng makes, so that the
+    restore, which runs last, cannot fail after everything else was restored."""
+    try:
+        version, internal, _ = state["python"]
+        numpy_key = state["numpy"]["state"]["key"]
+        ok = (isinstance(version, int) and len(internal) == 625 and len(numpy_key) == 624
+              and isinstance(state["torch_cpu"], torch.Tensor)
+              and state["torch_cpu"].dtype == torch.uint8
+              and state["torch_cpu"].numel() == torch.get_rng_state().numel()
+              and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in state.get("cuda", [])))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: the RNG streams are malformed: {type(e).__name__}: {e}") from e
+    if not ok:
+        raise CorruptCheckpointError(f"{where}: the RNG streams are malformed")
 
 
 def restore_process_rng(state: dict[str, Any], where: str) -> None:

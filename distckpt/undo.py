@@ -21,8 +21,9 @@ from collections import defaultdict
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
-from .capture import Entry, _capture_sampler, _restore_sampler
+from .capture import Entry, _capture_sampler, _restore_sampler, unwrap_module
 
 log = logging.getLogger("distckpt")
 
@@ -35,6 +36,8 @@ LATE_KINDS = frozenset({"module", "sharded_module", "tensor"})
 def snapshot(entry: Entry, state: dict[str, Any]) -> Undo:
     """A function that puts `entry` back as it is now."""
     target, kind = entry.target, entry.kind
+    if kind in ("module", "sharded_module"):
+        return _module_undo(unwrap_module(target))
     if kind in ("stateful", "sharded_optimizer") and isinstance(target, torch.optim.Optimizer):
         return _optimizer_undo(target)
     if kind == "stateful":
@@ -50,6 +53,42 @@ def snapshot(entry: Entry, state: dict[str, Any]) -> Undo:
         plain = _capture_sampler(target)
         return lambda: _restore_sampler(target, plain)
     return _SNAPSHOTS.get(kind, _value_undo)(entry, state)
+
+
+def _module_undo(module: nn.Module) -> Undo:
+    """Modules restored by torch's own code are checked completely before (keys, shapes, dtypes,
+    submodules) and cannot fail half-way: nothing to copy. A module with load logic of its own
+    (load_state_dict hooks, its own _load_from_state_dict) can; its tensors are copied to host
+    memory first and copied back if the load fails."""
+    if not _has_own_load_logic(module):
+        return lambda: None
+    live = module.state_dict(keep_vars=True)
+    copies = {k: _local(v).detach().to("cpu", copy=True) for k, v in live.items() if isinstance(v, torch.Tensor)}
+    flags = {m: m.training for m in module.modules()}
+
+    def undo() -> None:
+        with torch.no_grad():
+            for k, v in module.state_dict(keep_vars=True).items():
+                if k in copies:
+                    _local(v).copy_(copies[k])
+        for m, flag in flags.items():
+            m.training = flag
+    return undo
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _has_own_load_logic(module: nn.Module) -> bool:
+    for m in module.modules():
+        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
+            return True
+        for method in ("_load_from_state_dict", "load_state_dict"):
+            defined_in = getattr(type(m), method).__module__ or ""
+            if not defined_in.startswith("torch."):
+                return True
+    return False
 
 
 def _optimizer_undo(opt: torch.optim.Optimizer) -> Undo:

@@ -1,0 +1,244 @@
+"""After any failed load, every tensor, optimizer state, scheduler, sampler, loader, RNG stream
+and plain value of `state` is what it was: a matrix where entry k of n fails, before and after
+its owner applied part of it, and the incompatibilities found by trying (each refused before
+anything changed)."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import distckpt
+from distckpt import capture, faults
+
+
+def build(seed: int = 0, **changes):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    # Load logic of the model's own (as many real models have): it could fail after applying.
+    model.register_load_state_dict_post_hook(lambda module, keys: None)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.SequentialLR(
+        opt, [torch.optim.lr_scheduler.LinearLR(opt, 0.5, total_iters=2),
+              torch.optim.lr_scheduler.StepLR(opt, 3)], milestones=[2])
+    sampler_gen = torch.Generator().manual_seed(3)
+    data = list(range(16))
+    sampler = torch.utils.data.RandomSampler(data, generator=sampler_gen)
+    loader = StatefulDataLoader(data, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(4))
+    state = {
+        "model": model, "optimizer": opt, "scheduler": sched,
+        "scaler": torch.amp.GradScaler("cpu", init_scale=8.0),
+        "gen": torch.Generator().manual_seed(5), "np_gen": np.random.default_rng(6),
+        "py_random": random.Random(7), "np_rs": np.random.RandomState(8),
+        "sampler": sampler, "loader": loader, "values": {"seen": [1, 2], "best": 0.5},
+        "config": {"lr": 0.01},
+    }
+    state.update(changes)
+    return state
+
+
+def train(state, steps: int = 2) -> None:
+    model, opt, sched = state["model"], state["optimizer"], state["scheduler"]
+    for _ in range(steps):
+        loss = model(torch.randn(6, 4)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    state["gen"].random_() if hasattr(state["gen"], "random_") else torch.rand(1, generator=state["gen"])
+    state["np_gen"].random()
+    state["py_random"].random()
+    state["np_rs"].rand()
+    it = iter(state["loader"])
+    next(it)
+    state["values"]["seen"].append(len(state["values"]["seen"]))
+    random.random(), np.random.rand(), torch.rand(1)
+
+
+def fingerprint(state) -> list:
+    out = []
+    out += [t.clone() for t in state["model"].state_dict().values()]
+    out += [(m, m.training) for m in state["model"].modules()]
+    out.append(copy.deepcopy(state["optimizer"].state_dict()))
+    out.append(copy.deepcopy(state["scheduler"].state_dict()))
+    out.append(state["scaler"].state_dict())
+    out.append(state["gen"].get_state())
+    out.append(copy.deepcopy(state["np_gen"].bit_generator.state))
+    out.append(state["py_random"].getstate())
+    out.append(state["np_rs"].get_state(legacy=False))
+    gen = state["sampler"].generator
+    out.append(gen.get_state() if gen is not None else None)
+    out.append((state["loader"]._iterator is not None, state["loader"].next_iter_state,
+                "_get_iterator" in vars(state["loader"])))
+    out.append(copy.deepcopy(state["values"]))
+    out.append((random.getstate(), np.random.get_state(legacy=False), torch.get_rng_state()))
+    return out
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.fixture
+def saved_root(tmp_path):
+    state = build()
+    train(state)
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, state)
+    return str(tmp_path)
+
+
+KEYS = list(build())
+
+
+@pytest.mark.parametrize("when", ["before-applying", "after-applying"])
+@pytest.mark.parametrize("failing", [k for k in KEYS if k != "config"])
+def test_an_entry_failing_while_restored_leaves_every_entry_as_it_was(saved_root, monkeypatch, failing, when):
+    state = build(seed=1)
+    train(state, steps=3)  # the live state differs from the checkpoint's everywhere
+    before = fingerprint(state)
+    real = capture.restore_entry
+
+    def failing_restore(entry, saved, st, memo=None):
+        if entry.key == failing and when == "before-applying":
+            raise RuntimeError(f"injected failure restoring {failing}")
+        notes = real(entry, saved, st, memo)
+        if entry.key == failing:
+            raise RuntimeError(f"injected failure after restoring {failing}")
+        return notes
+
+    monkeypatch.setattr("distckpt.protocol.restore_entry", failing_restore)
+    with distckpt.CheckpointManager(saved_root) as mgr:
+        with pytest.raises(distckpt.IncompatibleCheckpointError, match=f"state\\['{failing}'\\].*injected"):
+            mgr.load_latest(state)
+    after = fingerprint(state)
+    for i, (a, b) in enumerate(zip(before, after)):
+        assert same(a, b), f"item {i} of the fingerprint changed after the failed load of {failing!r}"
+
+
+def test_a_plain_torch_module_is_checked_completely_instead_of_copied(saved_root):
+    from distckpt.undo import _has_own_load_logic
+
+    plain = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    assert not _has_own_load_logic(plain)
+    plain.register_load_state_dict_post_hook(lambda module, keys: None)
+    assert _has_own_load_logic(plain)
+
+
+def test_a_failure_after_everything_was_restored_puts_everything_back(saved_root):
+    state = build(seed=1)
+    train(state, steps=3)
+    before_opt = copy.deepcopy(state["optimizer"].state_dict())
+    before_rng = torch.get_rng_state()
+
+    def fail(name, ctx):
+        if name == "load/applied":
+            raise RuntimeError("injected after the RNG restore")
+
+    remove = faults.on_point(fail)
+    try:
+        with distckpt.CheckpointManager(saved_root) as mgr:
+            with pytest.raises(distckpt.DistCkptError, match="injected"):
+                mgr.load_latest(state)
+    finally:
+        remove()
+    assert same(before_opt, state["optimizer"].state_dict())
+    assert torch.equal(before_rng, torch.get_rng_state())
+
+
+def _refused_before_anything_changed(saved_root, state, match):
+    before = fingerprint(state) if {"model", "gen"} <= set(state) and len(state) == len(KEYS) else None
+    with distckpt.CheckpointManager(saved_root) as mgr:
+        with pytest.raises(distckpt.IncompatibleCheckpointError, match=match):
+            mgr.load_latest(state)
+    if before is not None:
+        assert all(same(a, b) for a, b in zip(before, fingerprint(state)))
+
+
+def test_a_numpy_generator_of_another_bit_generator_is_refused(saved_root):
+    state = build(np_gen=np.random.Generator(np.random.MT19937(1)))
+    _refused_before_anything_changed(saved_root, state, "PCG64 was saved")
+
+
+def test_a_sampler_saved_with_a_generator_loaded_without_one_is_refused(saved_root):
+    sampler = torch.utils.data.RandomSampler(list(range(16)))
+    sampler.generator = None
+    _refused_before_anything_changed(saved_root, build(sampler=sampler), "has no generator here")
+
+
+def test_a_grad_scaler_saved_enabled_loaded_disabled_is_refused(saved_root):
+    _refused_before_anything_changed(saved_root, build(scaler=torch.amp.GradScaler("cpu", enabled=False)),
+                                     "GradScaler is disabled here")
+
+
+def test_an_optimizer_over_the_parameters_in_another_order_is_refused(saved_root):
+    state = build()
+    params = list(state["model"].parameters())
+    state["optimizer"] = torch.optim.AdamW(params[::-1], lr=0.01)
+    state["scheduler"] = torch.optim.lr_scheduler.SequentialLR(
+        state["optimizer"], [torch.optim.lr_scheduler.LinearLR(state["optimizer"], 0.5, total_iters=2),
+                             torch.optim.lr_scheduler.StepLR(state["optimizer"], 3)], milestones=[2])
+    _refused_before_anything_changed(saved_root, state, "another order")
+
+
+def test_a_sequential_schedule_of_three_is_refused_for_a_checkpoint_of_two(saved_root):
+    state = build()
+    opt = state["optimizer"]
+    lr = torch.optim.lr_scheduler
+    state["scheduler"] = lr.SequentialLR(opt, [lr.LinearLR(opt, 0.5, total_iters=2), lr.StepLR(opt, 3),
+                                               lr.ConstantLR(opt)], milestones=[2, 4])
+    _refused_before_anything_changed(saved_root, state, "3 inner schedulers here, 2 in the checkpoint")
+
+
+def test_an_fp32_checkpoint_into_a_bf16_model_is_refused_unless_a_cast_is_allowed(saved_root):
+    state = build()
+    state["model"].to(torch.bfloat16)
+    _refused_before_anything_changed(saved_root, state, "would be cast on load.*allow_dtype_cast=True")
+    state = build()
+    state["model"].to(torch.bfloat16)
+    with distckpt.CheckpointManager(saved_root, allow_dtype_cast=True) as mgr:
+        assert mgr.load_latest(state).step == 1
+    assert state["model"][0].weight.dtype == torch.bfloat16
+
+
+def test_an_entry_the_checkpoint_lacks_is_refused_or_kept_by_choice(saved_root):
+    state = build(extra={"added": "later"})
+    with distckpt.CheckpointManager(saved_root) as mgr:
+        with pytest.raises(distckpt.IncompatibleCheckpointError, match="missing_entries='keep'"):
+            mgr.load_latest(state)
+    with distckpt.CheckpointManager(saved_root, missing_entries="keep") as mgr:
+        with pytest.warns(distckpt.CheckpointWarning, match="extra"):
+            assert mgr.load_latest(state).step == 1
+    assert state["extra"] == {"added": "later"}
+
+
+def test_private_python_and_numpy_streams_resume_exactly(tmp_path):
+    state = {"r": random.Random(1), "rs": np.random.RandomState(2)}
+    state["r"].random(), state["rs"].rand()
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(0, state)
+    expected = (state["r"].random(), state["rs"].rand())
+    fresh = {"r": random.Random(99), "rs": np.random.RandomState(99)}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load_latest(fresh)
+    assert (fresh["r"].random(), fresh["rs"].rand()) == expected
+
+
+def test_system_random_is_refused_at_save(tmp_path):
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(distckpt.UnstorableValueError, match="SystemRandom"):
+            mgr.save(0, {"r": random.SystemRandom()})
