@@ -70,7 +70,10 @@ def seconds(name: str, value: Any, default: float | None = None) -> float:
         value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{name}={value!r}: must be a number of seconds or a datetime.timedelta")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:
+        value = math.inf
     if not 0 < value <= MAX_TIMEOUT_S:
         raise ConfigError(f"{name}={value!r}: must be more than 0 and at most {MAX_TIMEOUT_S:.0f} s (30 days): "
                           "every collective needs a finite deadline")

@@ -89,6 +89,8 @@ def normalize_url(url: Any) -> str:
                           "such as s3://bucket/prefix")
     if "\x00" in url:
         raise ConfigError(f"url={url!r}: contains a NUL byte")
+    if "::" in url:
+        return url  # an fsspec chain (simplecache::s3://...): fsspec parses and checks it
     match = _SCHEME.fullmatch(url)
     if match is None or len(match.group(1)) == 1:  # no scheme, or a Windows drive letter
         return url

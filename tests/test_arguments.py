@@ -1,0 +1,131 @@
+"""Every argument is checked: a bad one raises ConfigError naming it and saying what to pass,
+never a raw TypeError/ValueError/OverflowError from inside, and never accepted silently."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import pathlib
+import signal
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.config import SETTINGS, ManagerConfig
+from distckpt.storage import NonAtomicStorageWarning
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_every_setting_refuses_a_bad_value_naming_itself(tmp_path, name):
+    with pytest.raises(distckpt.ConfigError, match=name):
+        distckpt.CheckpointManager(str(tmp_path), **{name: SETTINGS[name]})
+
+
+def test_the_settings_table_covers_every_field():
+    import dataclasses
+
+    assert {f.name for f in dataclasses.fields(ManagerConfig)} == set(SETTINGS)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"timeout": None}, {"timeout": math.inf}, {"timeout": -1}, {"timeout": "60"}, {"timeout": 10**400},
+    {"timeout": datetime.timedelta(days=400)}, {"leftover_grace_s": math.inf}, {"leftover_grace_s": True},
+    {"preemption_signals": ["SIGTERM", "SIGKILL"]}, {"preemption_signals": "NOPE"}, {"preemption_signals": 12345},
+    {"preemption_signals": 3.5}, {"storage_options": "key=x"}, {"storage_options": {"key": "x"}},
+    {"keep_last": True}, {"keep_best": 1.5}, {"best_mode": None}, {"world_size_policy": ["refuse"]},
+])
+def test_bad_constructor_arguments_are_config_errors(tmp_path, kwargs):
+    if kwargs == {"timeout": None}:
+        assert distckpt.CheckpointManager(str(tmp_path), **kwargs).config.timeout == 600.0  # the default
+        return
+    with pytest.raises(distckpt.ConfigError, match=next(iter(kwargs))):
+        distckpt.CheckpointManager(str(tmp_path), **kwargs)
+
+
+def test_timeouts_as_torch_distributed_takes_them(tmp_path):
+    mgr = distckpt.CheckpointManager(str(tmp_path), timeout=datetime.timedelta(minutes=2))
+    assert mgr.config.timeout == 120.0
+
+
+def test_pre_emption_signals_as_names_or_one_signal(tmp_path):
+    assert distckpt.CheckpointManager(str(tmp_path), preemption_signals="TERM").config.preemption_signals == (
+        signal.SIGTERM,)
+    mgr = distckpt.CheckpointManager(str(tmp_path), preemption_signals=("SIGUSR1", signal.SIGTERM))
+    assert mgr.config.preemption_signals == (signal.SIGUSR1, signal.SIGTERM)
+    mgr.close()
+
+
+@pytest.mark.parametrize("url, match", [
+    ("s4://bucket/x", "unknown scheme"), ("S3://bucket/x", "lower case"), ("s3:/bucket/x", "without '//'"),
+    ("s3://", "names no bucket"), ("s3:///x", "names no bucket"), ("runs/\x00x", "NUL"), ("", "url"),
+    ("file://otherhost/x", "not the host"), (b"runs", "url"), (None, "url"), ("gcs://bucket/x", "not installed"),
+])
+def test_urls_that_would_land_somewhere_else_are_refused(url, match):
+    with pytest.raises(distckpt.ConfigError, match=match):
+        distckpt.CheckpointManager(url)
+
+
+def test_a_pathlib_path_and_file_urls_are_local_paths(tmp_path):
+    assert distckpt.CheckpointManager(tmp_path / "a").storage.url == str(tmp_path / "a")
+    assert distckpt.CheckpointManager(f"file://localhost{tmp_path}/b").storage.url == str(tmp_path / "b")
+    assert distckpt.CheckpointManager(f"file://{tmp_path}/c").storage.url == str(tmp_path / "c")
+    assert isinstance(pathlib.Path(tmp_path), pathlib.Path)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"step": 1.0}, "step"), ({"step": -1}, "step"), ({"step": True}, "step"), ({"step": "3"}, "step"),
+    ({"epoch": 1.5}, "epoch"), ({"metric": "0.5"}, "metric"), ({"metric": True}, "metric"),
+    ({"metric": 10**400}, "metric"), ({"metric": math.nan}, "metric"), ({"metric": torch.ones(2)}, "metric"),
+])
+def test_bad_save_arguments_are_config_errors(tmp_path, kwargs, match):
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        args = {"step": 1, **kwargs}
+        with pytest.raises(distckpt.ConfigError, match=match):
+            mgr.save(args.pop("step"), {"x": 1}, **args)
+        assert mgr.committed_steps() == []
+
+
+def test_metrics_may_be_numpy_numbers_and_one_element_tensors(tmp_path):
+    import numpy as np
+
+    with distckpt.CheckpointManager(str(tmp_path), keep_best=1) as mgr:
+        mgr.save(1, {"x": 1}, metric=np.float32(0.5))
+        mgr.save(2, {"x": 1}, metric=torch.tensor(0.25))
+    assert distckpt.CheckpointManager(str(tmp_path)).committed_steps()[0] == 2
+
+
+@pytest.mark.parametrize("step", [5.0, "5", -1, None])
+def test_bad_load_steps_are_config_errors(tmp_path, step):
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(distckpt.ConfigError, match="step"):
+            mgr.load({}, step)
+
+
+def test_a_backend_without_exclusive_create_is_said_at_construction(tmp_path):
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class PlainStore(MemoryFileSystem):  # a backend distckpt does not know to create exclusively
+        protocol = "plainstore"
+
+    fsspec.register_implementation("plainstore", PlainStore, clobber=True)
+    with pytest.warns(NonAtomicStorageWarning, match="PlainStore.*check-then-write"):
+        distckpt.CheckpointManager("plainstore://bucket/run")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NonAtomicStorageWarning)
+        distckpt.CheckpointManager("memory://exclusive-here")  # memory:// creates exclusively
+
+
+def test_a_slow_git_does_not_fail_the_constructor(tmp_path, monkeypatch):
+    import subprocess
+
+    from distckpt import versions
+
+    def slow(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], 5)
+
+    monkeypatch.setattr(versions.subprocess, "run", slow)
+    assert distckpt.CheckpointManager(str(tmp_path)).rank == 0
