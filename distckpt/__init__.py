@@ -8,7 +8,8 @@ from .capture import CheckpointWarning, PerRank, per_rank
 from .dist import DistInfo, init_distributed, shutdown_distributed
 from .errors import (AsyncSaveError, CheckpointExistsError, ConfigError, CoordinationError,
                      CorruptCheckpointError, DistCkptError, FencedError, IncompatibleCheckpointError,
-                     MissingFileError, RankDisagreementError, StorageError, UnstorableValueError)
+                     MissingFileError, RankDisagreementError, RunConflictError, StorageError,
+                     UnstorableValueError)
 from .manager import CheckpointManager
 from .preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from .protocol import CheckpointFallbackWarning, Progress
@@ -19,6 +20,6 @@ __all__ = [
     "AsyncSaveError", "CheckpointExistsError", "CheckpointFallbackWarning", "CheckpointManager",
     "CheckpointWarning", "ConfigError", "CoordinationError", "CorruptCheckpointError", "DistCkptError",
     "DistInfo", "FencedError", "IncompatibleCheckpointError", "MissingFileError", "PREEMPTED_EXIT_CODE", "PerRank", "Progress",
-    "RankDisagreementError", "RngRestoreWarning", "StorageError", "UnstorableValueError",
+    "RankDisagreementError", "RngRestoreWarning", "RunConflictError", "StorageError", "UnstorableValueError",
     "__version__", "init_distributed", "per_rank", "shutdown_distributed", "with_worker_rng",
 ]

@@ -7,17 +7,21 @@
     distckpt gc URL [--grace-s S] [--dry-run]         uncommitted leftovers, abandoned uploads
     distckpt diff URL A B [--json]                    what changed between steps A and B
 
-Exit codes: 0 success; 1 a problem was found (verify) or nothing to show; 2 bad usage or
-storage that cannot be read. S3 credentials and endpoint come from the AWS_* environment.
+Exit codes: 0 success; 1 a problem was found (verify) or nothing to show; 2 bad usage, a root
+that does not exist, or storage that cannot be read. With --json every outcome, errors included,
+is one JSON document on stdout ({"error": ..., "exit_code": ...} for errors; non-finite floats
+as the strings "nan", "inf", "-inf"). S3 credentials and endpoint come from the AWS_* environment.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from . import manifest as mf
 from .errors import DistCkptError
@@ -31,7 +35,27 @@ EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
-    print(json.dumps(data, indent=1, default=str) if args.json else text)
+    print(json.dumps(_json_safe(data), indent=1, default=str, allow_nan=False) if args.json else text)
+
+
+def _json_safe(value: Any) -> Any:
+    """JSON has no NaN or Infinity: they become the strings "nan", "inf", "-inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    """An error: one JSON document on stdout with --json, a line on stderr without."""
+    if getattr(args, "json", False):
+        print(json.dumps({"command": getattr(args, "command", None), "error": message, "exit_code": code}))
+    else:
+        print(f"distckpt {getattr(args, 'command', '')}: {message}", file=sys.stderr)
+    return code
 
 
 def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
@@ -65,8 +89,7 @@ def _steps(storage: Storage, args: argparse.Namespace) -> list[int]:
 def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
     steps = _steps(storage, args)
     if not steps:
-        print(f"no committed checkpoint at {storage.url}", file=sys.stderr)
-        return EXIT_PROBLEM
+        return _fail(args, f"no committed checkpoint at {storage.url}", EXIT_PROBLEM)
     d = describe_step(storage, steps[0])
     m = d["manifest"]
     lines = [f"step {m['step']}  epoch {m['epoch']}  metric {m['metric']}  world size {m['world_size']}  run {m['run_id']}",
@@ -90,8 +113,7 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
 def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     steps = _steps(storage, args)
     if not steps:
-        print(f"no committed checkpoint at {storage.url}", file=sys.stderr)
-        return EXIT_PROBLEM
+        return _fail(args, f"no committed checkpoint at {storage.url}", EXIT_PROBLEM)
     results = {}
     leases = read_leases(storage)
     with _progress(storage, steps) as bar:
@@ -156,13 +178,27 @@ def cmd_diff(storage: Storage, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one JSON document too when --json was asked for."""
+
+    def error(self, message: str) -> NoReturn:
+        if "--json" in (_ARGV or sys.argv[1:]):
+            print(json.dumps({"command": None, "error": f"usage: {message}", "exit_code": EXIT_USAGE}))
+            raise SystemExit(EXIT_USAGE)
+        super().error(message)
+
+
+_ARGV: list[str] = []
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="distckpt", description=__doc__.splitlines()[0],
-                                epilog="exit codes: 0 ok, 1 problem found, 2 usage or storage error")
+    p = _Parser(prog="distckpt", description=__doc__.splitlines()[0],
+                epilog="exit codes: 0 ok, 1 problem found, 2 usage, missing root or storage error")
     sub = p.add_subparsers(dest="command", required=True)
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_text)
+        s.error = p.error  # type: ignore[method-assign]  # the JSON-aware one
         s.add_argument("url", help="checkpoint root: a local path or fsspec URL (s3://bucket/prefix)")
         s.add_argument("--json", action="store_true", help="machine-readable output")
         return s
@@ -192,15 +228,38 @@ COMMANDS = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune":
 
 
 def main(argv: list[str] | None = None) -> int:
+    _ARGV[:] = list(argv or [])
     args = build_parser().parse_args(argv)
     if getattr(args, "keep_last", 1) is not None and getattr(args, "keep_last", 1) < 1:
-        print("distckpt prune: --keep-last must be >= 1", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(args, "--keep-last must be >= 1", EXIT_USAGE)
     try:
-        return COMMANDS[args.command](open_storage(args.url), args)
+        storage = open_storage(args.url)
+        if not _root_exists(storage, args.url):
+            return _fail(args, f"{args.url}: no such checkpoint root (nothing is stored there)", EXIT_USAGE)
+        code = COMMANDS[args.command](storage, args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below
+        return code
+    except BrokenPipeError:
+        _quiet_stdout()  # `distckpt ls URL | head`: the reader left; not an error
+        return EXIT_OK
     except (DistCkptError, OSError) as e:
-        print(f"distckpt {args.command}: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(args, str(e), EXIT_USAGE)
+
+
+def _root_exists(storage: Storage, url: str) -> bool:
+    local = getattr(storage, "root", None)
+    if "://" not in url or url.startswith("file://"):
+        return os.path.isdir(local) if isinstance(local, str) else True
+    return bool(storage.list_dir(""))  # an object store has no empty directories
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

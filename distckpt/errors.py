@@ -18,6 +18,8 @@ builtin, so code that already handles ``OSError`` keeps working::
     │   └── RankDisagreementError          ranks hold different step/epoch/digest
     ├── FencedError                        a newer incarnation of the job holds the lease;
     │                                      this one may no longer commit
+    ├── RunConflictError                   a writer that never loaded saves into a root
+    │                                      holding another run's commits
     └── AsyncSaveError(RuntimeError)       a background save failed (surfaced at the
                                            next save/wait/close, on every rank)
 """
@@ -67,6 +69,11 @@ class RankDisagreementError(CoordinationError):
 
 class FencedError(DistCkptError):
     """A newer incarnation of the job took the write lease; this (stale) one may not commit."""
+
+
+class RunConflictError(DistCkptError):
+    """A manager that never loaded tried its first save into a root holding another run's
+    commits; load_latest() first, or use another directory."""
 
 
 class AsyncSaveError(DistCkptError, RuntimeError):

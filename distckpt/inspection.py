@@ -163,6 +163,24 @@ def flatten(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
         yield path, value
 
 
+def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Bitwise equal (an unchanged NaN is unchanged)."""
+    if x.numel() == 0:
+        return True
+    return torch.equal(x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8))
+
+
+def _tensor_change(key: str, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    xd, yd = x.double(), y.double()
+    changed = ~((xd == yd) | (xd.isnan() & yd.isnan()))
+    if not bool(changed.any()):  # equal values in other bits: -0.0 for 0.0, another NaN payload
+        return {"key": key, "change": "bits", "changed_elements": 0, "max_abs_diff": 0.0}
+    delta = (xd - yd).abs()[changed]
+    finite = delta[delta.isfinite()]
+    return {"key": key, "change": "values", "changed_elements": int(changed.sum()),
+            "max_abs_diff": float(finite.max()) if finite.numel() == delta.numel() else float("inf")}
+
+
 def diff_steps(storage: Storage, a: int, b: int) -> list[dict[str, Any]]:
     """What changed between two steps: per tensor the max absolute difference, per value old/new."""
     left = dict(kv for name, tree in load_trees(storage, a).items() for kv in flatten(tree, name))
@@ -176,10 +194,8 @@ def diff_steps(storage: Storage, a: int, b: int) -> list[dict[str, Any]]:
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
             if x.shape != y.shape or x.dtype != y.dtype:
                 rows.append({"key": key, "change": f"{x.dtype}{list(x.shape)} -> {y.dtype}{list(y.shape)}"})
-            elif not torch.equal(x, y):
-                delta = (x.double() - y.double()).abs()
-                rows.append({"key": key, "change": "values", "max_abs_diff": float(delta.max()),
-                             "changed_elements": int((delta > 0).sum())})
+            elif not _same_bytes(x, y):
+                rows.append(_tensor_change(key, x, y))
         elif x != y and not (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)):
             rows.append({"key": key, "change": "value", "old": _plain(x), "new": _plain(y)})
     return rows

@@ -31,7 +31,10 @@ MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
 LEGACY_REPLICATED_FILE = "replicated/state.safetensors"  # generation 0: written before fencing
 _STEP_RE = re.compile(r"step-(\d{9,})")
-_MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+_MAX_MANIFEST_BYTES = 1024 * 1024 * 1024  # a sharded manifest lists every chunk of every tensor
+MAX_MARKER_BYTES = 4096
+MAX_LEASE_BYTES = 65536
+MAX_WORLD_SIZE = 1 << 20  # far above any job; a bound before the number meets the file list
 
 
 def step_dir(step: int) -> str:
@@ -39,8 +42,13 @@ def step_dir(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
+    """The step a directory name holds, only in the one spelling step_dir writes: a second
+    spelling of the same step (step-0000000001 beside step-000000001) is not a checkpoint."""
     m = _STEP_RE.fullmatch(name)
-    return int(m.group(1)) if m else None
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dir(step) == name else None
 
 
 def replicated_file(generation: int) -> str:
@@ -126,7 +134,14 @@ def verify_file(data: bytes | bytearray | memoryview, record: dict[str, Any], wh
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:
-    return json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode()
+    """The manifest's bytes; refused at save (UnstorableValueError) beyond what a load reads."""
+    data = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode()
+    if len(data) > _MAX_MANIFEST_BYTES:
+        from .errors import UnstorableValueError
+
+        raise UnstorableValueError(f"the manifest would be {len(data):,} bytes, more than the {_MAX_MANIFEST_BYTES:,} "
+                                   "a load reads: fewer, larger tensors")
+    return data
 
 
 @dataclass(frozen=True)
@@ -144,11 +159,16 @@ class Marker:
 
     @classmethod
     def parse(cls, data: bytes, where: str) -> "Marker":
+        if len(data) > MAX_MARKER_BYTES:
+            raise CorruptCheckpointError(f"{where}: commit marker of {len(data)} bytes is larger than any we write")
         try:
-            d = json.loads(data[:4096])
-            return cls(int(d["step"]), str(d["manifest_xxh3_64"]), str(d["run_id"]),
-                       int(d.get("generation", 0)), str(d.get("nonce", "")))
-        except (ValueError, KeyError, TypeError) as e:
+            d = json.loads(data)
+            step, generation = d["step"], d.get("generation", 0)
+            if not (_is_count(step) and _is_count(generation) and isinstance(d["manifest_xxh3_64"], str)
+                    and isinstance(d["run_id"], str) and isinstance(d.get("nonce", ""), str)):
+                raise TypeError("fields of the wrong type")
+            return cls(step, d["manifest_xxh3_64"], d["run_id"], generation, d.get("nonce", ""))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise CorruptCheckpointError(f"{where}: unreadable commit marker: {e}") from e
 
 
@@ -164,13 +184,50 @@ def parse_manifest(data: bytes, marker: Marker, where: str) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{where}: manifest is not JSON: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
         raise CorruptCheckpointError(f"{where}: manifest format {manifest.get('format') if isinstance(manifest, dict) else '?'} is not {FORMAT_VERSION}")
-    for path in manifest.get("files", {}):
-        check_relative_path(path, where)
+    check_manifest_schema(manifest, f"{where}/{MANIFEST}")
     if manifest.get("step") != marker.step:
         raise CorruptCheckpointError(f"{where}: manifest step {manifest.get('step')} differs from the marker's {marker.step}")
     if manifest.get("generation", 0) != marker.generation:
         raise CorruptCheckpointError(f"{where}: manifest generation {manifest.get('generation', 0)} differs from the marker's {marker.generation}")
     return manifest
+
+
+def check_manifest_schema(manifest: dict[str, Any], where: str) -> None:
+    """Types and ranges of every field the reader uses, before any is used: a manifest may come
+    from anywhere, and a number in it (world_size) must not size an allocation unchecked."""
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise CorruptCheckpointError(f"{where}: field 'files' must be a non-empty object of file records")
+    for path, record in files.items():
+        check_relative_path(path, where)
+        if not (isinstance(record, dict) and _is_count(record.get("size"))
+                and isinstance(record.get("xxh3_64"), str) and len(record["xxh3_64"]) <= 32):
+            raise CorruptCheckpointError(f"{where}: field 'files'[{path[:80]!r}] must hold 'size' (int >= 0) and "
+                                         "'xxh3_64' (hex string)")
+    world = manifest.get("world_size")
+    if not _is_count(world) or not 1 <= world <= min(MAX_WORLD_SIZE, len(files)):
+        raise CorruptCheckpointError(f"{where}: field 'world_size' is {str(world)[:40]}: must be an int from 1 to "
+                                     f"the {len(files)} files the manifest lists (one per rank at least)")
+    for name, kinds in (("step", (int,)), ("generation", (int,))):
+        value = manifest.get(name, 0)
+        if not _is_count(value):
+            raise CorruptCheckpointError(f"{where}: field {name!r} must be an int >= 0, got {str(value)[:40]}")
+    epoch = manifest.get("epoch")
+    if epoch is not None and not _is_count(epoch):
+        raise CorruptCheckpointError(f"{where}: field 'epoch' must be an int >= 0 or null")
+    metric = manifest.get("metric")
+    if metric is not None and (isinstance(metric, bool) or not isinstance(metric, (int, float))):
+        raise CorruptCheckpointError(f"{where}: field 'metric' must be a number or null")
+    ranks = manifest.get("ranks", [])
+    if not isinstance(ranks, list) or len(ranks) > world or not all(isinstance(r, dict) for r in ranks):
+        raise CorruptCheckpointError(f"{where}: field 'ranks' must be a list of at most world_size objects")
+    for name in ("entries", "versions", "sharded"):
+        if name in manifest and manifest[name] is not None and not isinstance(manifest[name], dict):
+            raise CorruptCheckpointError(f"{where}: field {name!r} must be an object")
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
 
 
 def payload_names(manifest: dict[str, Any]) -> tuple[str, list[str]]:

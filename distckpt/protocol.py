@@ -40,7 +40,7 @@ from . import sharded
 from .capture import (PER_RANK, CheckpointWarning, REPLICATED, SHARDED, Entry, capture_entry, capture_rank_buffers, loading_entry,
                       resolve_sharded_entry, restore_entry, use_rank_buffers, warn_extra_entries)
 from .coord import Coordinator, Outcome, Reports, agree, hostname, raise_if_failed
-from .errors import (CheckpointExistsError, CoordinationError, CorruptCheckpointError, DistCkptError, FencedError,
+from .errors import (CheckpointExistsError, RunConflictError, CoordinationError, CorruptCheckpointError, DistCkptError, FencedError,
                      IncompatibleCheckpointError, MissingFileError, RankDisagreementError,
                      StorageError, UnstorableValueError)
 from .fencing import Lease
@@ -170,6 +170,7 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
     try:
         rng = capture_process_rng()  # first: nothing below may draw before it is recorded
         if coord.rank == 0:
+            check_root_is_ours(storage, replaceable or ReplacePolicy())
             check_step_is_free(storage, step, replaceable or ReplacePolicy())
         own = {"step": step, "epoch": epoch, "rank": coord.rank, "world_size": coord.world_size,
                "rng": rng,
@@ -258,6 +259,21 @@ class ReplacePolicy:
     def allows(self, marker: mf.Marker) -> bool:
         return (self.floor is not None and marker.step > self.floor
                 and (self.generation is None or marker.generation < self.generation))
+
+
+def check_root_is_ours(storage: Storage, policy: ReplacePolicy) -> None:
+    """RunConflictError when a writer that never loaded makes its first save into a root that
+    holds another run's commits: its steps would interleave with that run's, and its restart
+    would resume from whichever step is newest, possibly the other run's."""
+    if policy.floor is not None or policy.generation is not None:
+        return  # it loaded (and so continues what is there), or it already saved here
+    committed = list_committed(storage)
+    if committed:
+        raise RunConflictError(
+            f"{storage.url} already holds committed steps {committed[:5]} of another run, and this "
+            "manager never loaded: call load_latest(state) first to continue that run (it returns None "
+            "on an empty root, and then saves freely), or give this run its own directory, or remove "
+            "the old checkpoints first")
 
 
 def check_step_is_free(storage: Storage, step: int, policy: ReplacePolicy) -> mf.Marker | None:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from . import manifest as mf
+from .errors import DistCkptError
 from .storage import Storage
 
 log = logging.getLogger("distckpt")
@@ -64,11 +65,15 @@ def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None
     for name in storage.list_dir(""):
         if mf.parse_step_dir(name) is None or storage.exists(f"{name}/{mf.MARKER}"):
             continue
-        newest = storage.newest_mtime(name)
-        if newest is not None and now - newest < grace_s:
+        try:
+            newest = storage.newest_mtime(name)
+            if newest is not None and now - newest < grace_s:
+                continue
+            log.info("collecting %s/%s: an uncommitted save", storage.url, name)
+            storage.remove_tree(name)
+        except (OSError, DistCkptError) as e:  # a stray file of that name: not ours, left alone
+            log.warning("gc: skipping %s/%s: %s", storage.url, name, e)
             continue
-        log.info("collecting %s/%s: an uncommitted save", storage.url, name)
-        storage.remove_tree(name)
         removed.append(name)
     aborted = storage.collect_abandoned_uploads(grace_s)
     if aborted:

@@ -536,11 +536,20 @@ def load_tree_file(data: bytes | bytearray | memoryview, where: str) -> Any:
     """
     header, start = read_header(data, where)
     meta = header.pop("__metadata__", None) or {}
-    if meta.get(FORMAT_METADATA_KEY) != FORMAT_NAME or TREE_METADATA_KEY not in meta:
-        raise CorruptCheckpointError(f"{where}: not a {FORMAT_NAME} file")
+    if not isinstance(meta, dict) or meta.get(FORMAT_METADATA_KEY) != FORMAT_NAME \
+            or not isinstance(meta.get(TREE_METADATA_KEY), str):
+        raise CorruptCheckpointError(f"{where}: not a {FORMAT_NAME} file (field '__metadata__')")
     if len(header) > MAX_TENSORS:
         raise CorruptCheckpointError(f"{where}: {len(header)} tensors is more than any checkpoint holds "
                                      f"(at most {MAX_TENSORS:,})")
+    try:
+        tree = json.loads(meta[TREE_METADATA_KEY])
+    except (ValueError, RecursionError, TypeError) as e:
+        raise CorruptCheckpointError(f"{where}: the tree is not valid: {str(e)[:200]}") from e
+    unreferenced = len(set(header) - _referenced_names(tree))
+    if unreferenced:
+        raise CorruptCheckpointError(f"{where}: {unreferenced} tensors are not referenced by the tree "
+                                     "(a file we write references every tensor it holds)")
     ranges = sorted((_checked_range(name, spec, len(data) - start, where) for name, spec in header.items()),
                     key=lambda r: r[1])
     end = 0
@@ -550,14 +559,6 @@ def load_tree_file(data: bytes | bytearray | memoryview, where: str) -> Any:
         end = stop
     if start + end != len(data):
         raise CorruptCheckpointError(f"{where}: {len(data) - start - end} bytes after the last tensor")
-    try:
-        tree = json.loads(meta[TREE_METADATA_KEY])
-    except (ValueError, RecursionError, TypeError) as e:
-        raise CorruptCheckpointError(f"{where}: the tree is not valid: {str(e)[:200]}") from e
-    unreferenced = len(set(header) - _referenced_names(tree))
-    if unreferenced:
-        raise CorruptCheckpointError(f"{where}: {unreferenced} tensors are not referenced by the tree "
-                                     "(a file we write references every tensor it holds)")
     buffer = memoryview(data)
     with warnings.catch_warnings():
         # A read-only buffer (bytes from an object store) is viewed too: restore only copies out
@@ -587,17 +588,20 @@ def _referenced_names(tree: Any) -> set[str]:
 
 
 def _checked_range(name: str, spec: Any, available: int, where: str) -> tuple[str, int, int, torch.dtype, list[int]]:
-    try:
-        dtype = _ST_TO_DTYPE[spec["dtype"]]
-        shape = [int(d) for d in spec["shape"]]
-        begin, stop = (int(x) for x in spec["data_offsets"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{where}: tensor {name!r} has a malformed entry: {str(spec)[:120]}") from e
-    numel = 1
-    for d in shape:
-        if d < 0:
-            raise CorruptCheckpointError(f"{where}: tensor {name!r} has a negative dimension")
-        numel *= d
+    ok = (isinstance(spec, dict) and isinstance(spec.get("dtype"), str) and spec["dtype"] in _ST_TO_DTYPE
+          and isinstance(spec.get("shape"), list) and len(spec["shape"]) <= 64
+          and all(type(d) is int and 0 <= d < _INT64 for d in spec["shape"])
+          and isinstance(spec.get("data_offsets"), list) and len(spec["data_offsets"]) == 2
+          and all(type(x) is int for x in spec["data_offsets"]))
+    if not ok:
+        raise CorruptCheckpointError(f"{where}: tensor {name!r} has a malformed entry (dtype, shape as a list of "
+                                     f"ints, two data_offsets): {str(spec)[:120]}")
+    dtype = _ST_TO_DTYPE[spec["dtype"]]
+    shape = list(spec["shape"])
+    begin, stop = spec["data_offsets"]
+    numel = math.prod(shape)
+    if numel == 0 and any(d > available for d in shape):
+        raise CorruptCheckpointError(f"{where}: tensor {name!r} has an empty shape {shape} beyond any we write")
     itemsize = torch.empty((), dtype=dtype).element_size()
     if not 0 <= begin <= stop <= available or stop - begin != numel * itemsize:
         raise CorruptCheckpointError(f"{where}: tensor {name!r} claims bytes [{begin}, {stop}) for "

@@ -40,8 +40,9 @@ class Storage(Protocol):
     def create_exclusive(self, path: str, data: bytes) -> None:
         """Create `path` holding `data`; CheckpointExistsError if it already exists."""
 
-    def read_bytes(self, path: str) -> bytes:
-        """The whole file; MissingFileError (a FileNotFoundError) if absent."""
+    def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
+        """The whole file; MissingFileError (a FileNotFoundError) if absent; with `max_bytes`,
+        StorageError(EFBIG) for a larger file, refused before it is read whole."""
 
     def read_buffer(self, path: str) -> bytes | bytearray | memoryview:
         """The whole file for parsing large payloads (local disk: mapped, not copied)."""

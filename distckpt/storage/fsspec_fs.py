@@ -61,9 +61,17 @@ class FsspecStorage:
         except OSError as e:
             raise StorageError(e.errno or errno.EIO, f"creating {self.public(target)} failed: {e}") from e
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
+        """The whole file; with `max_bytes`, only a file no larger (StorageError EFBIG), and
+        never more than max_bytes + 1 bytes are fetched."""
         target = _join(self.root, path)
-        return self._call("reading", target, "cat_file", target)
+        if max_bytes is None:
+            return self._call("reading", target, "cat_file", target)
+        data = self._call("reading", target, "cat_file", target, start=0, end=max_bytes + 1)
+        if len(data) > max_bytes:
+            raise StorageError(errno.EFBIG, f"{self.public(target)} is more than the {max_bytes:,} bytes such a "
+                               "file may hold; it was not read")
+        return data
 
     def read_buffer(self, path: str) -> bytes:
         return self.read_bytes(path)

@@ -72,7 +72,9 @@ class LocalStorage:
     @contextlib.contextmanager
     def _reading(self, full: str) -> Iterator[Any]:
         """Open for reading with errors translated; checkpoint files are never links, and one
-        planted in a step directory could point anywhere, so links are not followed."""
+        planted in a step directory could point anywhere, so links are not followed: neither
+        the file (O_NOFOLLOW) nor any directory between the root and it."""
+        self._refuse_linked_directories(full)
         try:
             with os.fdopen(os.open(full, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
                 yield f
@@ -84,9 +86,22 @@ class LocalStorage:
                                    "so it was not followed") from e
             raise StorageError(e.errno, f"reading {full} failed: {e.strerror or e}") from e
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
         with self._reading(self._abs(path)) as f:
+            if max_bytes is not None:
+                _check_size(os.fstat(f.fileno()).st_size, max_bytes, self._abs(path))
             return f.read()
+
+    def _refuse_linked_directories(self, full: str) -> None:
+        relative = os.path.relpath(os.path.dirname(full), self.root)
+        if relative == ".":
+            return
+        current = self.root
+        for part in relative.split(os.sep):
+            current = os.path.join(current, part)
+            if os.path.islink(current):
+                raise StorageError(errno.ELOOP, f"{current} is a symbolic link to a directory; checkpoint "
+                                   "directories never are, so it was not followed")
 
     def read_buffer(self, path: str) -> memoryview | bytes:
         """The file mapped copy-on-write: no copy out of the page cache, and writes to tensors
@@ -181,3 +196,9 @@ def _not_found(where: str) -> MissingFileError:
     return MissingFileError(errno.ENOENT, f"{where} does not exist")
 
 
+
+
+def _check_size(size: int, max_bytes: int, where: str) -> None:
+    if size > max_bytes:
+        raise StorageError(errno.EFBIG, f"{where} is {size:,} bytes, more than the {max_bytes:,} such a file "
+                           "may hold; it was not read")

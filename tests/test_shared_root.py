@@ -1,0 +1,51 @@
+"""Runs sharing one URL: a writer that never loaded refuses its first save into a root holding
+another run's commits, so two runs never interleave steps and a restart never resumes from the
+other run's step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import distckpt
+
+
+def test_a_new_job_that_never_loaded_cannot_save_under_an_old_runs_steps(tmp_path):
+    old = {"w": torch.ones(3)}
+    with distckpt.CheckpointManager(str(tmp_path), keep_last=1) as mgr:
+        assert mgr.load_latest(old) is None
+        mgr.save(10, old)
+    new = {"w": torch.zeros(3)}
+    with distckpt.CheckpointManager(str(tmp_path), keep_last=1) as mgr:
+        with pytest.raises(distckpt.RunConflictError, match=r"steps \[10\].*load_latest\(state\) first"):
+            mgr.save(6, new)
+        assert mgr.committed_steps() == [10]  # the old run's checkpoint is untouched, nothing added
+
+
+def test_two_jobs_that_never_loaded_do_not_interleave(tmp_path):
+    a = distckpt.CheckpointManager(str(tmp_path))
+    b = distckpt.CheckpointManager(str(tmp_path))
+    a.save(1, {"x": 1})
+    with pytest.raises(distckpt.RunConflictError):
+        b.save(2, {"x": 2})
+    a.save(3, {"x": 3})  # the first writer goes on
+    assert a.committed_steps() == [3, 1]
+    a.close()
+    b.close()
+
+
+def test_a_job_that_loaded_continues_the_run(tmp_path):
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"x": 1})
+    state = {"x": 0}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr.load_latest(state).step == 1
+        mgr.save(2, state)
+        assert mgr.committed_steps() == [2, 1]
+
+
+def test_a_fresh_start_on_an_empty_root_saves_freely(tmp_path):
+    with distckpt.CheckpointManager(str(tmp_path / "new")) as mgr:
+        mgr.save(0, {"x": 1})
+        mgr.save(1, {"x": 2})
+        assert mgr.committed_steps() == [1, 0]
