@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.distckpt-installed
 
-.PHONY: install demo demo-s3 test test-faults bench clean
+.PHONY: install demo demo-s3 compose-demo test test-faults bench clean
 
 install: $(STAMP)
 
@@ -21,6 +21,13 @@ demo: $(STAMP)
 
 demo-s3: $(STAMP)
 	$(PY) launch/demo.py --s3
+
+# docker/compose.yaml for real: S3 + 2 nodes x 2 ranks in containers, node 1's container killed
+# after a checkpoint is committed, the job restarted, every loss compared with an uninterrupted
+# run (docs/compose-cluster.md). Needs docker and compose, not .venv: the host's python3 only
+# drives it. As root it starts dockerd, and without a registry debootstraps the base image.
+compose-demo:
+	$(PYTHON) launch/compose_demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q

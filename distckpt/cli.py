@@ -27,7 +27,7 @@ from . import manifest as mf
 from .errors import DistCkptError
 from .fencing import read_leases
 from .inspection import describe_step, diff_steps, list_steps, read_manifest, verify_step
-from .protocol import list_committed
+from .commit import list_committed
 from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed
 from .storage import Storage, open_storage
 

@@ -59,6 +59,9 @@ class Lease:
                 f"{'resumed from step ' + str(self.floor) if self.floor is not None else 'not resumed'}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(self.created_unix))} UTC)")
 
 
+_MAX_LEASE_BYTES = 65536  # a lease is ~200 bytes; a larger file is not one and is not read whole
+
+
 def lease_path(generation: int) -> str:
     return f"{FENCE_DIR}/gen-{generation:09d}.json"
 
@@ -72,11 +75,11 @@ def read_leases(storage: Storage) -> list[Lease]:
     leases = []
     for gen in lease_generations(storage):
         try:
-            d = json.loads(storage.read_bytes(lease_path(gen))[:65536])
+            d = json.loads(storage.read_bytes(lease_path(gen), _MAX_LEASE_BYTES))
             floor = d["floor"]
             leases.append(Lease(gen, None if floor is None else int(floor), str(d["run_id"]), str(d.get("host", "")),
                                 int(d.get("pid", 0)), float(d.get("created_unix", 0.0))))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             log.warning("fence: lease %s is unreadable and ignored: %s", lease_path(gen), e)
     return leases
 

@@ -15,18 +15,16 @@ import torch
 from . import manifest as mf
 from .errors import CorruptCheckpointError, DistCkptError
 from .fencing import Lease, read_leases
-from .protocol import check_not_superseded, list_committed
+from .commit import check_not_superseded, list_committed, read_marker, read_verified_manifest
 from .serialize import TREE_METADATA_KEY, decode_tree, load_tree_file, read_header
 from .storage import Storage
 
 
 def read_manifest(storage: Storage, step: int, leases: list[Lease] | None = None) -> dict[str, Any]:
     """The verified manifest; with `leases`, a superseded writer's commit is refused as the loader does."""
-    base = mf.step_dir(step)
-    where = f"{storage.url}/{base}"
-    marker = mf.Marker.parse(storage.read_bytes(f"{base}/{mf.MARKER}"), where)
-    check_not_superseded(marker, leases or [], where)
-    return mf.parse_manifest(storage.read_bytes(f"{base}/{mf.MANIFEST}"), marker, where)
+    marker = read_marker(storage, step)
+    check_not_superseded(marker, leases or [], f"{storage.url}/{mf.step_dir(step)}")
+    return read_verified_manifest(storage, step, marker)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from .errors import AsyncSaveError, ConfigError, DistCkptError
 from .preemption import PreemptionFlag
 from .fencing import Lease, acquire
 from .fencing import prune as prune_leases
-from .protocol import (Progress, ReplacePolicy, ShardWrite, StagedSave, committed_generations, list_committed, load,
+from .commit import ReplacePolicy, committed_generations, list_committed
+from .protocol import (Progress, ShardWrite, StagedSave, load,
                        share_outcome, stage_save, write_and_commit)
 from .serialize import StagingPool
 from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed

@@ -43,6 +43,9 @@ from .coord import Coordinator, Outcome, Reports, agree, hostname, raise_if_fail
 from .errors import (CheckpointExistsError, RunConflictError, CoordinationError, CorruptCheckpointError, DistCkptError, FencedError,
                      IncompatibleCheckpointError, MissingFileError, RankDisagreementError,
                      StorageError, UnstorableValueError)
+from .commit import (ReplacePolicy, check_not_superseded, check_root_is_ours, check_step_is_free,
+                     clear_step_dir, committed_generations, create_manifest, create_marker, list_committed,
+                     read_marker, read_verified_manifest)
 from .fencing import Lease
 from .rng import capture_process_rng, check_process_rng, restore_process_rng
 from .serialize import EncodedTree, StagingPool, encode_tree, load_tree_file, safetensors_chunks
@@ -247,52 +250,6 @@ def _check_same_progress(infos: list[dict[str, Any]], what: str) -> None:
                                     "every rank must call save() with the same step and epoch")
 
 
-@dataclass(frozen=True)
-class ReplacePolicy:
-    """Which existing commit of a step a writer may replace: only zombie output, i.e. one of an
-    older generation than `generation` at a step after `floor` (the step this incarnation
-    resumed from). The default replaces nothing."""
-
-    floor: int | None = None
-    generation: int | None = None  # None: the lease is not taken yet, so every existing one is older
-
-    def allows(self, marker: mf.Marker) -> bool:
-        return (self.floor is not None and marker.step > self.floor
-                and (self.generation is None or marker.generation < self.generation))
-
-
-def check_root_is_ours(storage: Storage, policy: ReplacePolicy) -> None:
-    """RunConflictError when a writer that never loaded makes its first save into a root that
-    holds another run's commits: its steps would interleave with that run's, and its restart
-    would resume from whichever step is newest, possibly the other run's."""
-    if policy.floor is not None or policy.generation is not None:
-        return  # it loaded (and so continues what is there), or it already saved here
-    committed = list_committed(storage)
-    if committed:
-        raise RunConflictError(
-            f"{storage.url} already holds committed steps {committed[:5]} of another run, and this "
-            "manager never loaded: call load_latest(state) first to continue that run (it returns None "
-            "on an empty root, and then saves freely), or give this run its own directory, or remove "
-            "the old checkpoints first")
-
-
-def check_step_is_free(storage: Storage, step: int, policy: ReplacePolicy) -> mf.Marker | None:
-    """CheckpointExistsError if `step` holds a commit the writer may not replace; else that
-    commit's marker (to be replaced) or None."""
-    base = mf.step_dir(step)
-    try:
-        marker = mf.Marker.parse(storage.read_bytes(f"{base}/{mf.MARKER}"), f"{storage.url}/{base}")
-    except MissingFileError:
-        return None
-    except CorruptCheckpointError:
-        marker = mf.Marker(step, "", "?", 0)  # unreadable: treat as the oldest generation
-    if policy.allows(marker):
-        return marker
-    raise CheckpointExistsError(
-        errno.EEXIST, f"step {step} is already committed at {storage.url}/{base}; "
-        "resume with load_latest() so steps continue after it, or use another directory")
-
-
 def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any], lease: Lease,
                      reports: Reports | None = None) -> str:
     """Phases write and commit (rank 0). Returns the manifest digest. Never touches other steps
@@ -318,7 +275,7 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
     fencing.check_current(storage, lease)
     base = mf.step_dir(staged.step)
     policy = ReplacePolicy(lease.floor, lease.generation)
-    _clear_step_dir(storage, staged.step, policy)
+    clear_step_dir(storage, staged.step, policy)
     gen = lease.generation
     files = {mf.replicated_file(gen): _write(storage, f"{base}/{mf.replicated_file(gen)}",
                                              safetensors_chunks(staged.replicated))}
@@ -339,11 +296,11 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
     if table is not None:
         manifest["sharded"] = table
     data = mf.manifest_bytes(manifest)
-    _create_manifest(storage, base, data, gen, policy, staged.step)
+    create_manifest(storage, base, data, gen, policy, staged.step)
     digest = mf.checksum_of(data)
     faults.point("save/manifest-written", step=staged.step, rank=0)
     fencing.check_current(storage, lease)  # last check before the point of no return
-    _create_marker(storage, mf.Marker(staged.step, digest, staged.run_id, gen), policy)
+    create_marker(storage, mf.Marker(staged.step, digest, staged.run_id, gen), policy)
     _check_still_current(storage, lease, staged.step)
     staged.timings.update(write_s=t1 - t0, commit_s=time.perf_counter() - t1)
     faults.point("save/committed", step=staged.step, rank=0)
@@ -382,69 +339,6 @@ def _check_still_current(storage: Storage, lease: Lease, step: int) -> None:
         log.warning("rank 0: step %d is committed, but checking the fence after it failed: %s", step, e)
 
 
-def _clear_step_dir(storage: Storage, step: int, policy: ReplacePolicy) -> None:
-    """Remove a zombie's commit of `step`: its marker first, then the files its manifest lists,
-    then the manifest. Nothing else: other ranks may be writing their shard files into this
-    directory right now, and uncommitted leftovers carry their generation in their names, so
-    they are never confused with ours (gc collects them)."""
-    base = mf.step_dir(step)
-    replaced = check_step_is_free(storage, step, policy)
-    if replaced is None:
-        return
-    log.warning("rank 0: replacing %s/%s, committed by superseded generation %d after this job "
-                "resumed from step %s", storage.url, base, replaced.generation, policy.floor)
-    storage.remove_file(f"{base}/{mf.MARKER}")
-    try:
-        listed = json.loads(storage.read_bytes(f"{base}/{mf.MANIFEST}")).get("files", {})
-        for name in listed:
-            mf.check_relative_path(name, base)
-            storage.remove_file(f"{base}/{name}")
-        storage.remove_file(f"{base}/{mf.MANIFEST}")
-    except (OSError, ValueError, AttributeError, CorruptCheckpointError) as e:
-        # the stale writer may still be adding files; no marker names them, so they are ignored
-        log.warning("rank 0: could not clear all of %s/%s (%s); its stray files are ignored", storage.url, base, e)
-
-
-def _create_manifest(storage: Storage, base: str, data: bytes, generation: int, policy: ReplacePolicy,
-                     step: int) -> None:
-    """Exclusive create: of two writers of one step, the second learns it here, before any marker.
-    An existing manifest is replaced only if it is ours (an earlier failed attempt) or a
-    superseded writer's in the range this job took over."""
-    path = f"{base}/{mf.MANIFEST}"
-    for attempt in range(2):
-        try:
-            storage.create_exclusive(path, data)
-            return
-        except CheckpointExistsError:
-            other = _manifest_generation(storage, path)
-            ours_or_zombie = other == generation or (other < generation and policy.floor is not None
-                                                     and step > policy.floor)
-            if attempt or not ours_or_zombie:
-                raise CheckpointExistsError(
-                    errno.EEXIST, f"{storage.url}/{path} exists, written by generation {other} (this writer: "
-                    f"{generation}): another save of step {step} is in progress or was left unfinished; "
-                    "one save per step commits (gc removes unfinished ones after leftover_grace_s)") from None
-            storage.remove_file(path)
-
-
-def _manifest_generation(storage: Storage, path: str) -> int:
-    try:
-        return int(json.loads(storage.read_bytes(path)).get("generation", 0))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return 0
-
-
-def _create_marker(storage: Storage, marker: mf.Marker, policy: ReplacePolicy) -> None:
-    path = f"{mf.step_dir(marker.step)}/{mf.MARKER}"
-    try:
-        storage.create_exclusive(path, marker.to_bytes())
-    except CheckpointExistsError:
-        if check_step_is_free(storage, marker.step, policy) is None:  # raises unless a zombie's
-            raise
-        storage.remove_file(path)
-        storage.create_exclusive(path, marker.to_bytes())
-
-
 def _write(storage: Storage, path: str, chunks: Any) -> dict[str, Any]:
     check = mf.Checksum()
     storage.write_file(path, check.wrap(chunks))
@@ -459,24 +353,6 @@ def share_outcome(coord: Coordinator, exc: BaseException | None, phase: str, wha
 
 
 # -- load -------------------------------------------------------------------------------------
-
-def list_committed(storage: Storage) -> list[int]:
-    """Committed steps, newest first: a step directory with a COMMITTED marker."""
-    steps = [s for s in (mf.parse_step_dir(n) for n in storage.list_dir("")) if s is not None]
-    return sorted((s for s in steps if storage.exists(f"{mf.step_dir(s)}/{mf.MARKER}")), reverse=True)
-
-
-def committed_generations(storage: Storage) -> list[int]:
-    """The writer generation of every committed step (one marker read each)."""
-    out = []
-    for step in list_committed(storage):
-        base = mf.step_dir(step)
-        try:
-            out.append(mf.Marker.parse(storage.read_bytes(f"{base}/{mf.MARKER}"), base).generation)
-        except (MissingFileError, CorruptCheckpointError):
-            out.append(0)  # unreadable or gone meanwhile: keep every lease
-    return out
-
 
 @dataclass
 class ReadCheckpoint:
@@ -504,9 +380,9 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
     base = mf.step_dir(step)
     where = f"{storage.url}/{base}"
     try:
-        marker = mf.Marker.parse(storage.read_bytes(f"{base}/{mf.MARKER}"), where)
+        marker = read_marker(storage, step)
         check_not_superseded(marker, leases or [], where)
-        manifest = mf.parse_manifest(storage.read_bytes(f"{base}/{mf.MANIFEST}"), marker, where)
+        manifest = read_verified_manifest(storage, step, marker)
     except MissingFileError as e:
         raise CorruptCheckpointError(f"{where}: {e}") from e
     replicated_name, rank_names = mf.payload_names(manifest)
@@ -524,15 +400,6 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
     replicated = _read_tree(storage, base, replicated_name, manifest, where)
     own = _read_tree(storage, base, rank_names[rank], manifest, where)
     return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own)
-
-
-def check_not_superseded(marker: mf.Marker, leases: list[Lease], where: str) -> None:
-    """CorruptCheckpointError for zombie output (see fencing.py): never loaded, never preferred."""
-    newer = fencing.superseded_by(marker.generation, marker.step, leases)
-    if newer is not None:
-        raise CorruptCheckpointError(
-            f"{where}: committed by generation {marker.generation} after a newer incarnation took over "
-            f"from step {newer.floor} ({newer.describe()}): output of a superseded writer, not loaded")
 
 
 def _read_tree(storage: Storage, base: str, name: str, manifest: dict[str, Any], where: str) -> Any:

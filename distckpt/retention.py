@@ -43,9 +43,9 @@ def read_committed(storage: Storage, steps: list[int]) -> list[Committed]:
     out = []
     for step in steps:
         try:
-            manifest = json.loads(storage.read_bytes(f"{mf.step_dir(step)}/{mf.MANIFEST}"))
-            metric = manifest.get("metric")
-        except (OSError, ValueError) as e:  # unreadable: never "best", still subject to keep_last
+            manifest = json.loads(storage.read_bytes(f"{mf.step_dir(step)}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES))
+            metric = manifest.get("metric") if isinstance(manifest, dict) else None
+        except (OSError, ValueError, RecursionError) as e:  # unreadable: never "best", still subject to keep_last
             log.warning("retention: cannot read the manifest of step %d: %s", step, e)
             metric = None
         out.append(Committed(step, metric if isinstance(metric, (int, float)) else None))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import subprocess
@@ -122,7 +124,8 @@ def test_diff_reports_what_changed(url, capsys):
 
 
 def test_errors_and_exit_codes(tmp_path, capsys):
-    assert cli.main(["inspect", str(tmp_path / "empty")]) == 1
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["inspect", str(tmp_path / "empty")]) == 1  # a root with nothing to show
     assert cli.main(["verify", str(tmp_path / "empty")]) == 1
     make_run(str(tmp_path / "c"), steps=(1,))
     assert cli.main(["inspect", str(tmp_path / "c"), "--step", "5"]) == 2
@@ -134,3 +137,66 @@ def test_entry_point_runs(tmp_path):
     out = subprocess.run([sys.executable, "-m", "distckpt", "ls", str(tmp_path / "c")], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "committed" in out.stdout
+
+
+@pytest.mark.parametrize("command", [["ls"], ["inspect"], ["verify"], ["prune", "--keep-last", "1"], ["gc"],
+                                     ["diff", "--", "1", "2"]])
+def test_a_root_that_does_not_exist_is_an_error_with_the_documented_code(tmp_path, capsys, command):
+    name, *rest = command
+    args = [name, str(tmp_path / "nowhere"), *rest]
+    assert cli.main(args) == 2
+    assert "no such checkpoint root" in capsys.readouterr().err
+    assert cli.main([*args, "--json"] if name != "diff" else [name, "--json", str(tmp_path / "nowhere"), "1", "2"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert out["exit_code"] == 2 and "no such checkpoint root" in out["error"]
+
+
+def test_every_json_outcome_is_one_json_document(tmp_path, capsys):
+    make_run(str(tmp_path / "c"), steps=(1,))
+    for args, code in ((["inspect", str(tmp_path / "c"), "--step", "5", "--json"], 2),
+                       (["verify", str(tmp_path / "c"), "--json"], 0),
+                       (["prune", str(tmp_path / "c"), "--keep-last", "0", "--json"], 2),
+                       (["ls", "--json", str(tmp_path / "c"), "--bogus"], 2)):
+        with pytest.raises(SystemExit) if "--bogus" in args else contextlib.nullcontext() as ctx:
+            assert cli.main(args) == code
+        if ctx is not None and hasattr(ctx, "value"):
+            assert ctx.value.code == code
+        json.loads(capsys.readouterr().out)  # one document, errors included
+
+
+def test_step_names_parse_strictly_and_stray_files_do_not_stop_gc(tmp_path, capsys):
+    root = tmp_path / "c"
+    make_run(str(root), steps=(1,))
+    (root / "step-0000000001").mkdir()  # a second spelling of step 1: not a checkpoint
+    (root / "step-000000007").write_text("not a directory")
+    assert cli.main(["ls", str(root), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["step"] for r in rows if r["status"] == "committed"] == [1]  # once, not twice
+    assert cli.main(["gc", str(root), "--grace-s", "0"]) == 0
+    assert (root / "step-000000007").exists()  # not ours: left alone
+
+
+def test_diff_of_an_unchanged_nan_is_no_change_and_json_is_valid(tmp_path, capsys):
+    import torch
+
+    import distckpt
+
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.save(1, {"t": torch.tensor([float("nan"), 1.0]), "m": {"x": float("nan")}})
+        mgr.save(2, {"t": torch.tensor([float("nan"), 2.0]), "m": {"x": float("inf")}})
+    assert cli.main(["diff", str(tmp_path / "c"), "1", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)  # strict JSON: no NaN / Infinity literals
+    by_key = {r["key"]: r for r in rows}
+    assert [r["changed_elements"] for r in rows if r["change"] == "values"] == [1]
+    assert any(r.get("new") == "inf" for r in by_key.values())
+
+
+def test_output_piped_into_head_prints_no_traceback(tmp_path):
+    import distckpt
+
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        for step in range(40):
+            mgr.save(step, {"x": step})
+    cmd = f"{sys.executable} -m distckpt ls {tmp_path / 'c'} | head -n 1"
+    out = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
