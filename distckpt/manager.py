@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import logging
 import math
 import numbers
@@ -18,7 +19,7 @@ from .capture import classify
 from .config import ManagerConfig
 from .coord import make_coordinator
 from .ddp import install_bucket_warmup
-from .errors import AsyncSaveError, ConfigError, DistCkptError
+from .errors import AsyncSaveError, ConfigError, DistCkptError, StorageError
 from .preemption import PreemptionFlag
 from .fencing import Lease, acquire
 from .fencing import prune as prune_leases
@@ -121,7 +122,15 @@ class CheckpointManager:
         if staged is None:
             return
         start = time.perf_counter()
-        write_and_commit(self.storage, staged, self._versions, self._take_lease(), self._coord.reports)
+        try:
+            write_and_commit(self.storage, staged, self._versions, self._take_lease(), self._coord.reports)
+        except StorageError as e:
+            if e.errno != errno.ENOSPC or self.config.keep_last is None:
+                raise
+            raise StorageError(errno.ENOSPC, f"{e}. Retention removes old checkpoints only after a new one "
+                               f"commits, so the disk must hold keep_last + 1 = {self.config.keep_last + 1} "
+                               "checkpoints; the committed ones are intact. Free space, or lower keep_last "
+                               "and prune (distckpt prune URL --keep-last N)") from e
         self._retain(staged.step)
         faults.point("save/retained", step=staged.step, rank=0)
         t = staged.timings

@@ -49,3 +49,25 @@ def test_a_fresh_start_on_an_empty_root_saves_freely(tmp_path):
         mgr.save(0, {"x": 1})
         mgr.save(1, {"x": 2})
         assert mgr.committed_steps() == [1, 0]
+
+
+def test_a_full_disk_with_retention_says_the_disk_must_hold_keep_last_plus_one(tmp_path):
+    import errno
+
+    from distckpt import faults
+
+    with distckpt.CheckpointManager(str(tmp_path), keep_last=2) as mgr:
+        mgr.save(0, {"x": 0})
+
+        def full(name, ctx):
+            if name == "save/replicated-written":
+                raise distckpt.StorageError(errno.ENOSPC, "No space left on device")
+
+        remove = faults.on_point(full)
+        try:
+            with pytest.raises(distckpt.StorageError, match=r"keep_last \+ 1 = 3 checkpoints") as info:
+                mgr.save(1, {"x": 1})
+        finally:
+            remove()
+        assert info.value.errno == errno.ENOSPC
+        assert mgr.committed_steps() == [0]
