@@ -16,7 +16,7 @@ from . import manifest as mf
 from .errors import CorruptCheckpointError, DistCkptError
 from .fencing import Lease, read_leases
 from .commit import check_not_superseded, list_committed, read_marker, read_verified_manifest
-from .serialize import TREE_METADATA_KEY, decode_tree, load_tree_file, read_header
+from .serialize import checked_header, decode_tree, load_tree_file
 from .storage import Storage
 
 
@@ -75,17 +75,13 @@ def verify_step(storage: Storage, step: int, progress: Callable[[int], None] = l
 
 
 def _header_tree(data: bytes, where: str) -> tuple[Any, list[dict[str, Any]]]:
-    """The tree with tensors shown as descriptions, from the header alone (no tensor bytes)."""
-    header, _ = read_header(data, where)
-    meta = header.get("__metadata__") or {}
-    if TREE_METADATA_KEY not in meta:
-        raise CorruptCheckpointError(f"{where}: not a distckpt tree file")
-    import json
-
-    table = [{"name": k, "dtype": v["dtype"], "shape": v["shape"],
-              "bytes": v["data_offsets"][1] - v["data_offsets"][0]} for k, v in header.items() if k != "__metadata__"]
+    """The tree with tensors shown as descriptions, from the checked header alone (no tensor
+    bytes, no checksum: that is `verify`'s job)."""
+    tree, ranges, _ = checked_header(data, where)
+    table = [{"name": name, "dtype": str(dtype).replace("torch.", ""), "shape": shape, "bytes": stop - begin}
+             for name, begin, stop, dtype, shape in sorted(ranges)]
     placeholders = {t["name"]: _TensorRef(t["dtype"], tuple(t["shape"])) for t in table}
-    return decode_tree(json.loads(meta[TREE_METADATA_KEY]), placeholders, where), table  # type: ignore[arg-type]
+    return decode_tree(tree, placeholders, where), table  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -99,6 +95,14 @@ class _TensorRef:
 
 def describe_step(storage: Storage, step: int) -> dict[str, Any]:
     """Manifest, per-rank summaries (RNG streams, samplers, loaders), config, tensor table."""
+    try:
+        return _describe_step(storage, step)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        raise CorruptCheckpointError(f"{storage.url}/{mf.step_dir(step)}: a tree does not have the structure "
+                                     f"distckpt writes ({type(e).__name__}: {str(e)[:120]})") from e
+
+
+def _describe_step(storage: Storage, step: int) -> dict[str, Any]:
     manifest = read_manifest(storage, step)
     base = mf.step_dir(step)
     replicated_name, rank_names = mf.payload_names(manifest)

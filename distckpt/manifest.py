@@ -14,6 +14,7 @@ never overwrite the files of a newer one, even inside the same step directory.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import threading
@@ -193,8 +194,9 @@ def parse_manifest(data: bytes, marker: Marker, where: str) -> dict[str, Any]:
 
 
 def check_manifest_schema(manifest: dict[str, Any], where: str) -> None:
-    """Types and ranges of every field the reader uses, before any is used: a manifest may come
-    from anywhere, and a number in it (world_size) must not size an allocation unchecked."""
+    """Types and ranges of every field a reader uses (the loader, inspect, ls, verify), before any
+    is used: a manifest may come from anywhere, and a number in it (world_size) must not size an
+    allocation unchecked. CorruptCheckpointError names the field."""
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise CorruptCheckpointError(f"{where}: field 'files' must be a non-empty object of file records")
@@ -208,26 +210,62 @@ def check_manifest_schema(manifest: dict[str, Any], where: str) -> None:
     if not _is_count(world) or not 1 <= world <= min(MAX_WORLD_SIZE, len(files)):
         raise CorruptCheckpointError(f"{where}: field 'world_size' is {str(world)[:40]}: must be an int from 1 to "
                                      f"the {len(files)} files the manifest lists (one per rank at least)")
-    for name, kinds in (("step", (int,)), ("generation", (int,))):
-        value = manifest.get(name, 0)
-        if not _is_count(value):
-            raise CorruptCheckpointError(f"{where}: field {name!r} must be an int >= 0, got {str(value)[:40]}")
-    epoch = manifest.get("epoch")
-    if epoch is not None and not _is_count(epoch):
-        raise CorruptCheckpointError(f"{where}: field 'epoch' must be an int >= 0 or null")
-    metric = manifest.get("metric")
-    if metric is not None and (isinstance(metric, bool) or not isinstance(metric, (int, float))):
-        raise CorruptCheckpointError(f"{where}: field 'metric' must be a number or null")
-    ranks = manifest.get("ranks", [])
-    if not isinstance(ranks, list) or len(ranks) > world or not all(isinstance(r, dict) for r in ranks):
-        raise CorruptCheckpointError(f"{where}: field 'ranks' must be a list of at most world_size objects")
-    for name in ("entries", "versions", "sharded"):
-        if name in manifest and manifest[name] is not None and not isinstance(manifest[name], dict):
-            raise CorruptCheckpointError(f"{where}: field {name!r} must be an object")
+    for name, check, what in _FIELDS:
+        if name not in manifest and name in _OPTIONAL:
+            continue
+        if not check(manifest.get(name, _ABSENT)):
+            raise CorruptCheckpointError(f"{where}: field {name!r} must be {what}, got {str(manifest.get(name, 'nothing'))[:40]}")
+    ranks = manifest["ranks"]
+    if len(ranks) not in (0, world):
+        raise CorruptCheckpointError(f"{where}: field 'ranks' lists {len(ranks)} ranks for a world of {world}")
+    for i, info in enumerate(ranks):
+        for name, check, what in _RANK_FIELDS:
+            if not check(info.get(name, _ABSENT)):
+                raise CorruptCheckpointError(f"{where}: field 'ranks'[{i}][{name!r}] must be {what}")
 
 
 def _is_count(value: Any) -> bool:
     return type(value) is int and value >= 0
+
+
+_ABSENT = object()
+_OPTIONAL = {"generation", "sharded", "payload_bytes"}  # older writers, unsharded saves
+
+
+def _is_entry_kinds(value: Any) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("kind"), str) and isinstance(v.get("scope"), str)
+        for k, v in value.items())
+
+
+def _is_time(value: Any) -> bool:
+    return type(value) in (int, float) and 0 <= value < 2 ** 33  # seconds since 1970, before year 2242
+
+
+def _is_optional_count(value: Any) -> bool:
+    return value is None or _is_count(value)
+
+
+_FIELDS: list[tuple[str, Any, str]] = [
+    ("step", _is_count, "an int >= 0"),
+    ("generation", _is_count, "an int >= 0"),
+    ("epoch", _is_optional_count, "an int >= 0 or null"),
+    ("metric", lambda v: v is None or (type(v) in (int, float) and math.isfinite(v)), "a finite number or null"),
+    ("run_id", lambda v: isinstance(v, str), "a string"),
+    ("created_unix", _is_time, "seconds since 1970"),
+    ("payload_bytes", _is_count, "an int >= 0"),
+    ("entries", _is_entry_kinds, "an object of {kind, scope} records"),
+    ("versions", lambda v: isinstance(v, dict) and all(isinstance(x, (str, type(None))) for x in v.values()),
+     "an object of version strings"),
+    ("ranks", lambda v: isinstance(v, list) and all(isinstance(r, dict) for r in v), "a list of objects"),
+    ("sharded", lambda v: v is None or isinstance(v, dict), "an object"),
+]
+_RANK_FIELDS: list[tuple[str, Any, str]] = [
+    ("rank", _is_count, "an int >= 0"),
+    ("step", _is_count, "an int >= 0"),
+    ("epoch", _is_optional_count, "an int >= 0 or null"),
+    ("host", lambda v: isinstance(v, str), "a string"),
+]
 
 
 def payload_names(manifest: dict[str, Any]) -> tuple[str, list[str]]:

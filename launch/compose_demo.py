@@ -37,7 +37,8 @@ from demo import compare, read_losses, resumed_from  # noqa: E402
 
 PROJECT = "distckpt-demo"  # its own compose project: `down -v` never touches a cluster of yours
 COMPOSE_FILE = os.path.join(ROOT, "docker", "compose.yaml")
-REGISTRY_BASE = "python:3.11-slim"
+REGISTRY_BASE = "python:3.11-slim"  # docker/Dockerfile's defaults (tests/test_cluster.py keeps them equal)
+REGISTRY_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 OFFLINE_BASE = "distckpt-base:bookworm"
 OFFLINE_TORCH_INDEX = "https://pypi.org/simple"  # + the base's local CPU wheel (docker/offline-base.sh)
 INSTALL_HINT = ("install a container engine and compose, e.g. on Debian/Ubuntu: "
@@ -101,15 +102,15 @@ def choose_base(offline: bool) -> tuple[str, str, str]:
     """(BASE, TORCH_INDEX, how it was chosen) for docker/Dockerfile's build arguments."""
     if os.environ.get("DISTCKPT_BASE"):
         return (os.environ["DISTCKPT_BASE"],
-                os.environ.get("DISTCKPT_TORCH_INDEX", "https://download.pytorch.org/whl/cpu"),
+                os.environ.get("DISTCKPT_TORCH_INDEX", REGISTRY_TORCH_INDEX),
                 "from DISTCKPT_BASE")
     if not offline:
         if sh(["docker", "image", "inspect", REGISTRY_BASE]).returncode == 0:
-            return REGISTRY_BASE, "https://download.pytorch.org/whl/cpu", "present locally"
+            return REGISTRY_BASE, REGISTRY_TORCH_INDEX, "present locally"
         try:
             pulled = sh(["docker", "pull", REGISTRY_BASE], timeout=120)
             if pulled.returncode == 0:
-                return REGISTRY_BASE, "https://download.pytorch.org/whl/cpu", "pulled"
+                return REGISTRY_BASE, REGISTRY_TORCH_INDEX, "pulled"
             why = (pulled.stderr.strip().splitlines() or ["failed"])[-1]
         except subprocess.TimeoutExpired:
             why = "timed out after 120s"
@@ -207,7 +208,8 @@ def run_job(cluster: Cluster, label: str, nodes: int, per_node: int, logs: str, 
     # takes a second to start, in which this job trains ten more steps.
     sh(["docker", "kill", cids[node]], timeout=60)
     lost_at = time.monotonic()
-    say(f"{label}: node {node} logged step {after_step}: SIGKILL to its container (agent and workers)")
+    say(f"{label}: node {node} logged step {after_step}, {lost_at - started:.0f}s after the start: SIGKILL to its "
+        "container (agent and workers)")
     survivors = [c for i, c in enumerate(cids) if i != node]
     try:
         codes = cluster.wait(survivors, 120)
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     bucket = settings["S3_BUCKET"]
     killed_logs = os.path.join(logs, "killed")
     try:
-        cluster("down", "-v", "--remove-orphans")  # what an interrupted earlier run left
+        cluster("down", "-v", "--remove-orphans", "--timeout", "1")  # what an interrupted earlier run left
         start = time.monotonic()
         say(f"image: building distckpt:cpu (log: {cluster.log})")
         cluster("build", timeout=None)
@@ -290,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         if args.keep:
             say(f"kept the containers: {' '.join(cluster.base)} down -v   # when done")
-        else:  # containers, network and the S3 volume: a rerun starts fresh
-            cluster("down", "-v", "--remove-orphans", check=False)
+        else:  # containers, network and the S3 volume: a rerun starts fresh. A 1 s stop timeout:
+            # SeaweedFS takes over 10 s to stop gracefully, and its data are being deleted anyway.
+            cluster("down", "-v", "--remove-orphans", "--timeout", "1", check=False)
         times["clean-up"] = time.monotonic() - start
         say(f"compose demo: {time.monotonic() - t0:.0f}s in all ("
             + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()) + ")")

@@ -1,6 +1,9 @@
-"""The multi-node topology: docker/compose.yaml checked against the repository, the S3 service's
-commands run for real, and launch/cluster.sh (the same topology as plain processes) run end to
-end: a node SIGKILLed mid-run, the job restarted, every rank's loss bitwise equal."""
+"""The multi-node topology: docker/compose.yaml checked against the repository (its commands, its
+health check's credentials, its build arguments against docker/Dockerfile, and what `make
+compose-demo` relies on), the S3 service's commands run for real, and launch/cluster.sh (the
+same topology as plain processes) run end to end: a node SIGKILLed mid-run, the job restarted,
+every rank's loss bitwise equal. The images themselves are built and run by `make compose-demo`
+(launch/compose_demo.py), not here: the test machines have no container engine."""
 
 from __future__ import annotations
 
@@ -52,8 +55,14 @@ def test_compose_names_only_what_exists():
                     assert option in result.stdout, (name, option)
         else:
             assert os.access(os.path.join(ROOT, command[0]), os.X_OK), (name, command)
-        for test in service.get("healthcheck", {}).get("test", [])[1:2]:
-            assert test == "python", name
+        health = service.get("healthcheck", {}).get("test", [])
+        if health:
+            assert health[0] == "CMD" and health[1] == "python" and health[2] == "launch/seaweed.py", name
+            result = subprocess.run([sys.executable, os.path.join(ROOT, health[2]), *health[3:], "--help"],
+                                    capture_output=True, text=True)
+            assert result.returncode == 0, (name, result.stderr)
+            for option in (a for a in health[3:] if a.startswith("--")):
+                assert option in result.stdout, (name, option)
     node = spec["services"]["node0"]
     assert node["command"] == ["launch/node.sh"] and spec["services"]["node1"]["command"] == ["launch/node.sh"]
 
@@ -71,12 +80,80 @@ def test_every_setting_node_sh_reads_is_provided_by_compose_and_by_cluster_sh():
     assert not missing, f"launch/cluster.py does not provide {missing} to launch/node.sh"
 
 
+def flag_value(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_the_s3_health_check_and_every_client_use_the_servers_credentials():
+    # The health check once ran `seaweed.py ready` without them: SeaweedFS refused the probe ("The
+    # access key ID you provided does not exist"), s3 never turned healthy and no trainer started.
+    services = compose()["services"]
+    serve = services["s3"]["command"]
+    keys = (flag_value(serve, "--access-key"), flag_value(serve, "--secret-key"))
+    health = services["s3"]["healthcheck"]["test"]
+    assert health[3] == "ready" and (flag_value(health, "--access-key"), flag_value(health, "--secret-key")) == keys
+    bucket = services["bucket"]["command"]
+    assert (flag_value(bucket, "--access-key"), flag_value(bucket, "--secret-key")) == keys
+    for node in ("node0", "node1"):
+        env = services[node]["environment"]
+        assert (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]) == keys, node
+        assert env["AWS_ENDPOINT_URL"] == flag_value(bucket, "--endpoint") == f"http://s3:{flag_value(serve, '--s3-port')}"
+    assert flag_value(bucket, "--bucket") == env_file()["S3_BUCKET"]
+
+
+def dockerfile_args() -> dict[str, str]:
+    text = open(os.path.join(ROOT, "docker", "Dockerfile")).read()
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+
+
+def test_compose_build_args_are_the_dockerfiles_with_the_same_defaults():
+    # Unset, the variables give the ordinary build (python:3.11-slim, PyTorch's CPU index);
+    # make compose-demo sets them to docker/offline-base.sh's base where no registry answers.
+    import compose_demo
+
+    args = dockerfile_args()
+    assert {"BASE", "TORCH_INDEX"} <= set(args)
+    assert (args["BASE"], args["TORCH_INDEX"]) == (compose_demo.REGISTRY_BASE, compose_demo.REGISTRY_TORCH_INDEX)
+    for name, service in compose()["services"].items():
+        if "build" not in service:
+            continue
+        for arg, value in service["build"]["args"].items():
+            variable, default = re.fullmatch(r"\$\{(\w+):-(.+)\}", value).groups()
+            assert variable == f"DISTCKPT_{arg}" and default == args[arg], (name, arg, value)
+
+
+def test_make_compose_demo_runs_the_demo_on_the_compose_file():
+    makefile = open(os.path.join(ROOT, "Makefile")).read()
+    assert "compose-demo" in re.search(r"^\.PHONY:(.*)$", makefile, re.M).group(1).split()
+    recipe = re.search(r"^compose-demo:.*\n\t(.+)$", makefile, re.M).group(1)
+    assert "launch/compose_demo.py" in recipe
+    # The demo needs no torch on the host: it runs under `python3 -I` (no .venv, no site dirs).
+    result = subprocess.run(["python3", "-I", os.path.join(ROOT, "launch", "compose_demo.py"), "--help"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    base = os.path.join(ROOT, "docker", "offline-base.sh")
+    assert os.access(base, os.X_OK) and subprocess.run(["sh", "-n", base]).returncode == 0
+    spec = compose()
+    # The demo binds a host directory at /logs through DISTCKPT_LOGS and names runs with DISTCKPT_RUN.
+    for node in ("node0", "node1"):
+        service = spec["services"][node]
+        assert service["volumes"] == ["${DISTCKPT_LOGS:-logs}:/logs"], node
+        assert service["environment"]["LOSS_LOG"].startswith("/logs/${DISTCKPT_RUN")
+        assert service["environment"]["CKPT_URL"] == f"s3://{env_file()['S3_BUCKET']}/${{DISTCKPT_RUN:-compose}}"
+
+
 def test_dockerfile_copies_only_what_exists():
     text = open(os.path.join(ROOT, "docker", "Dockerfile")).read()
     for sources in re.findall(r"^COPY (.+) \S+$", text, re.M):
         for source in sources.split():
             assert os.path.exists(os.path.join(ROOT, source)), source
     assert "torch==2.13.0" in text and "whl/cpu" in text  # the CPU build, pinned like the Makefile
+    # .dockerignore sends only what is allowed back in (`!path`): every COPY source must be.
+    ignore = [line.strip() for line in open(os.path.join(ROOT, ".dockerignore"))]
+    allowed = {line[1:] for line in ignore if line.startswith("!")}
+    for sources in re.findall(r"^COPY (.+) \S+$", text, re.M):
+        for source in sources.split():
+            assert source.split("/")[0] in allowed, source
 
 
 def test_the_s3_service_commands_serve_answer_and_make_a_bucket(tmp_path):

@@ -1,0 +1,184 @@
+"""A generated corpus of hostile metadata: manifests, markers, leases and safetensors headers with
+fields mutated to other types, ranges or shapes, re-signed so that only the structure is wrong.
+Each is refused fast and small with a distckpt error (never a raw KeyError/TypeError, never a
+large allocation), or loads identically."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import struct
+import time
+
+import pytest
+import torch
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import distckpt
+from distckpt import cli
+
+EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "15"))
+hostile_values = st.one_of(
+    st.none(), st.booleans(), st.integers(-2**70, 2**70), st.sampled_from([10**8, 2**63, 2**64, -1, 0]),
+    st.floats(allow_nan=True), st.text(max_size=12), st.lists(st.integers(0, 2**64), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+
+
+def _digest(data: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def _step_dir(root: str) -> str:
+    return os.path.join(root, "step-000000001")
+
+
+def _build(root: str) -> dict:
+    state = {"w": torch.arange(6.0), "cfg": {"lr": 0.1, "names": ["a", "b"]}}
+    with distckpt.CheckpointManager(root) as mgr:
+        mgr.load_latest({"w": torch.zeros(6), "cfg": {}})
+        mgr.save(1, state)
+    return state
+
+
+def _resign_manifest(step_dir: str, manifest: dict | bytes) -> None:
+    raw = manifest if isinstance(manifest, bytes) else json.dumps(manifest, indent=1, sort_keys=True).encode()
+    with open(os.path.join(step_dir, "manifest.json"), "wb") as f:
+        f.write(raw)
+    marker = json.load(open(os.path.join(step_dir, "COMMITTED")))
+    marker["manifest_xxh3_64"] = _digest(raw)
+    with open(os.path.join(step_dir, "COMMITTED"), "w") as f:
+        json.dump(marker, f)
+
+
+def _mutate_json(obj, path, value, delete):
+    *parents, last = path
+    for p in parents:
+        obj = obj[p]
+    if delete:
+        del obj[last]
+    else:
+        obj[last] = value
+
+
+def _paths(obj, prefix=()):
+    """Every (path) to a field of a JSON object, depth-first."""
+    out = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.append(prefix + (k,))
+            out += _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj[:3]):
+            out.append(prefix + (i,))
+            out += _paths(v, prefix + (i,))
+    return out
+
+
+def _load_is_refused_or_identical(root: str, original: dict) -> None:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    target = {"w": torch.zeros(6), "cfg": {}}
+    try:
+        with distckpt.CheckpointManager(root) as mgr:
+            progress = mgr.load_latest(target)
+        if progress is not None:  # loaded: it must be the very state that was saved
+            assert torch.equal(target["w"], original["w"])
+    except distckpt.DistCkptError:
+        pass  # refused with one of ours: never a raw KeyError/TypeError/MemoryError
+    assert time.monotonic() - start < 5
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 300 * 1024, f"the load grew the peak RSS by {grown_kib} KiB"
+    for command in (["inspect", root, "--json"], ["verify", root, "--json"], ["ls", root, "--json"]):
+        assert cli.main(command) in (0, 1, 2)
+
+
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(data=st.data())
+def test_a_mutated_manifest_is_refused_or_loads_identically(tmp_path_factory, data):
+    root = str(tmp_path_factory.mktemp("m"))
+    original = _build(root)
+    step_dir = _step_dir(root)
+    manifest = json.load(open(os.path.join(step_dir, "manifest.json")))
+    path = data.draw(st.sampled_from(_paths(manifest)))
+    _mutate_json(manifest, path, data.draw(hostile_values), delete=data.draw(st.booleans()))
+    _resign_manifest(step_dir, manifest)
+    _load_is_refused_or_identical(root, original)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_a_mutated_marker_or_lease_is_refused_or_loads_identically(tmp_path_factory, data):
+    root = str(tmp_path_factory.mktemp("k"))
+    original = _build(root)
+    lease = os.path.join(root, "fence", sorted(os.listdir(os.path.join(root, "fence")))[0])
+    which = data.draw(st.sampled_from([os.path.join(_step_dir(root), "COMMITTED"), lease]))
+    doc = json.load(open(which))
+    key = data.draw(st.sampled_from(sorted(doc)))
+    _mutate_json(doc, (key,), data.draw(hostile_values), delete=data.draw(st.booleans()))
+    with open(which, "w") as f:
+        json.dump(doc, f)
+    _load_is_refused_or_identical(root, original)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_a_mutated_safetensors_header_is_refused_or_loads_identically(tmp_path_factory, data):
+    root = str(tmp_path_factory.mktemp("h"))
+    original = _build(root)
+    step_dir = _step_dir(root)
+    manifest = json.load(open(os.path.join(step_dir, "manifest.json")))
+    name = data.draw(st.sampled_from(sorted(manifest["files"])))
+    blob = open(os.path.join(step_dir, name), "rb").read()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    path = data.draw(st.sampled_from(_paths(header)))
+    _mutate_json(header, path, data.draw(hostile_values), delete=data.draw(st.booleans()))
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    new = struct.pack("<Q", len(raw)) + raw + blob[8 + n:]
+    with open(os.path.join(step_dir, name), "wb") as f:
+        f.write(new)
+    manifest["files"][name] = {"size": len(new), "xxh3_64": _digest(new)}
+    _resign_manifest(step_dir, manifest)
+    _load_is_refused_or_identical(root, original)
+
+
+@pytest.mark.parametrize("name", ["COMMITTED", "manifest.json"])
+def test_a_huge_metadata_file_is_not_read_whole(tmp_path, name):
+    root = str(tmp_path)
+    original = _build(root)
+    with open(os.path.join(_step_dir(root), name), "r+b") as f:
+        f.truncate((2 << 30) if name == "manifest.json" else 1 << 20)  # sparse: costs no disk
+    _load_is_refused_or_identical(root, original)
+
+
+def test_a_world_size_of_a_hundred_million_is_refused_before_any_allocation(tmp_path):
+    root = str(tmp_path)
+    original = _build(root)
+    manifest = json.load(open(os.path.join(_step_dir(root), "manifest.json")))
+    manifest["world_size"] = 10**8
+    _resign_manifest(_step_dir(root), manifest)
+    with distckpt.CheckpointManager(root, world_size_policy="reshard") as mgr:
+        with pytest.raises(distckpt.CorruptCheckpointError, match="world_size"):
+            mgr.load_latest({"w": torch.zeros(6), "cfg": {}})
+    _load_is_refused_or_identical(root, original)
+
+
+def test_a_directory_symlink_planted_in_a_step_is_not_followed(tmp_path):
+    root = str(tmp_path / "c")
+    original = _build(root)
+    elsewhere = tmp_path / "elsewhere"
+    os.rename(os.path.join(_step_dir(root), "replicated"), elsewhere)
+    os.symlink(elsewhere, os.path.join(_step_dir(root), "replicated"))
+    with distckpt.CheckpointManager(root) as mgr:
+        with pytest.raises(distckpt.CorruptCheckpointError, match="verifies"), \
+                pytest.warns(distckpt.CheckpointFallbackWarning, match="symbolic link"):
+            mgr.load_latest({"w": torch.zeros(6), "cfg": {}})
+    _load_is_refused_or_identical(root, original)
