@@ -6,10 +6,21 @@ __version__ = "0.1.0"
 
 from .capture import CheckpointWarning, PerRank, per_rank
 from .dist import DistInfo, init_distributed, shutdown_distributed
-from .errors import (AsyncSaveError, CheckpointExistsError, ConfigError, CoordinationError,
-                     CorruptCheckpointError, DistCkptError, FencedError, IncompatibleCheckpointError,
-                     MissingFileError, RankDisagreementError, RunConflictError, StorageError,
-                     UnstorableValueError)
+from .errors import (
+                     AsyncSaveError,
+                     CheckpointExistsError,
+                     ConfigError,
+                     CoordinationError,
+                     CorruptCheckpointError,
+                     DistCkptError,
+                     FencedError,
+                     IncompatibleCheckpointError,
+                     MissingFileError,
+                     RankDisagreementError,
+                     RunConflictError,
+                     StorageError,
+                     UnstorableValueError,
+)
 from .manager import CheckpointManager
 from .preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from .protocol import CheckpointFallbackWarning, Progress

@@ -368,6 +368,7 @@ def _owned(value: Any, memo: dict[int, Any] | None = None) -> Any:
             copy.requires_grad_(True)
         memo[id(value)] = copy
         return copy
+    out: Any
     if isinstance(value, dict):
         out = type(value)((k, _owned(v, memo)) for k, v in value.items())
     elif isinstance(value, list):

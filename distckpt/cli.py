@@ -24,10 +24,10 @@ import time
 from typing import Any, NoReturn
 
 from . import manifest as mf
+from .commit import list_committed
 from .errors import DistCkptError
 from .fencing import read_leases
 from .inspection import describe_step, diff_steps, list_steps, read_manifest, verify_step
-from .commit import list_committed
 from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed
 from .storage import Storage, open_storage
 
@@ -67,7 +67,8 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
                      "bytes": sum(f["size"] for f in m.get("files", {}).values()) if m else None})
     lines = [f"{'step':>10} {'epoch':>6} {'world':>5} {'bytes':>12} {'metric':>12} {'created':>20}  status"]
     for r in rows:
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created_unix"])) if r["created_unix"] else ""
+        stamp = r["created_unix"]
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) if isinstance(stamp, (int, float)) else ""
         lines.append(f"{r['step']:>10} {_s(r['epoch']):>6} {_s(r['world_size']):>5} {_s(r['bytes']):>12} "
                      f"{_s(r['metric']):>12} {created:>20}  {r['status']}")
     _emit(args, rows, "\n".join(lines))

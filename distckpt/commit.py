@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 from . import fencing
 from . import manifest as mf
-from .errors import (CheckpointExistsError, CorruptCheckpointError, MissingFileError, RunConflictError,
-                     StorageError)
+from .errors import CheckpointExistsError, CorruptCheckpointError, MissingFileError, RunConflictError, StorageError
 from .fencing import Lease
 from .storage import Storage
 
@@ -175,7 +174,6 @@ def committed_generations(storage: Storage) -> list[int]:
     """The writer generation of every committed step (one marker read each)."""
     out = []
     for step in list_committed(storage):
-        base = mf.step_dir(step)
         try:
             out.append(read_marker(storage, step).generation)
         except (MissingFileError, CorruptCheckpointError):

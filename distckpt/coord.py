@@ -280,7 +280,7 @@ def make_coordinator(timeout_s: float) -> Coordinator:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return GlooCoordinator(timeout_s)
+        return GlooCoordinator(timeout_s)  # type: ignore[return-value]  # StoreReports is a Reports
     return SingleProcess()
 
 

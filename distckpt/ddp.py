@@ -77,7 +77,7 @@ def _warmup_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     syncing = module.require_backward_grad_sync
     try:
         module.eval()
-        module.require_backward_grad_sync = True  # no_sync() would skip recording the order
+        module.require_backward_grad_sync = True  # type: ignore[assignment]  # no_sync() would skip recording the order
         output = module(*args, **kwargs)
         zero = sum((t.sum() * 0.0 for t in _tensors(output) if t.requires_grad), torch.zeros(()))
         if isinstance(zero, torch.Tensor) and zero.requires_grad:

@@ -14,6 +14,7 @@ POINTS = (
     "save/gathered",        # rank 0, per-rank files in hand, nothing written
     "save/replicated-written",
     "save/rank-files-written",
+    "save/shards-written",   # a rank's shard file durable and reported, before rank 0 commits
     "save/manifest-written",  # data and manifest durable, marker not yet written
     "save/committed",        # rank 0, marker written, before retention
     "save/retained",         # rank 0, retention and leftover collection done

@@ -103,7 +103,7 @@ def check_current(storage: Storage, lease: Lease) -> None:
     """FencedError if a resumed incarnation of a higher generation exists (one LIST when none)."""
     if not any(g > lease.generation for g in lease_generations(storage)):
         return
-    newer = [l for l in read_leases(storage) if l.generation > lease.generation and l.floor is not None]
+    newer = [other for other in read_leases(storage) if other.generation > lease.generation and other.floor is not None]
     if newer:
         raise FencedError(
             f"this job ({lease.describe()}) was superseded at {storage.url}: a newer incarnation holds "

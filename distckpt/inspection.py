@@ -13,9 +13,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import manifest as mf
+from .commit import check_not_superseded, list_committed, read_marker, read_verified_manifest
 from .errors import CorruptCheckpointError, DistCkptError
 from .fencing import Lease, read_leases
-from .commit import check_not_superseded, list_committed, read_marker, read_verified_manifest
 from .serialize import checked_header, decode_tree, load_tree_file
 from .storage import Storage
 

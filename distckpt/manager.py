@@ -16,18 +16,17 @@ from typing import Any
 from . import faults
 from .async_writer import AsyncWriter
 from .capture import classify
+from .commit import ReplacePolicy, committed_generations, list_committed
 from .config import ManagerConfig
 from .coord import make_coordinator
 from .ddp import install_bucket_warmup
 from .errors import AsyncSaveError, ConfigError, DistCkptError, StorageError
-from .preemption import PreemptionFlag
 from .fencing import Lease, acquire
 from .fencing import prune as prune_leases
-from .commit import ReplacePolicy, committed_generations, list_committed
-from .protocol import (Progress, ShardWrite, StagedSave, load,
-                       share_outcome, stage_save, write_and_commit)
-from .serialize import StagingPool
+from .preemption import PreemptionFlag
+from .protocol import Progress, ShardWrite, StagedSave, load, share_outcome, stage_save, write_and_commit
 from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed
+from .serialize import StagingPool
 from .storage import open_storage
 from .validation import LoadRules
 from .versions import collect_versions

@@ -207,7 +207,7 @@ def check_manifest_schema(manifest: dict[str, Any], where: str) -> None:
             raise CorruptCheckpointError(f"{where}: field 'files'[{path[:80]!r}] must hold 'size' (int >= 0) and "
                                          "'xxh3_64' (hex string)")
     world = manifest.get("world_size")
-    if not _is_count(world) or not 1 <= world <= min(MAX_WORLD_SIZE, len(files)):
+    if not isinstance(world, int) or not _is_count(world) or not 1 <= world <= min(MAX_WORLD_SIZE, len(files)):
         raise CorruptCheckpointError(f"{where}: field 'world_size' is {str(world)[:40]}: must be an int from 1 to "
                                      f"the {len(files)} files the manifest lists (one per rank at least)")
     for name, check, what in _FIELDS:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import logging
 import os
 import time
@@ -34,18 +33,47 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from . import faults, fencing
+from . import faults, fencing, sharded
 from . import manifest as mf
-from . import sharded
-from .capture import (PER_RANK, CheckpointWarning, REPLICATED, SHARDED, Entry, capture_entry, capture_rank_buffers, loading_entry,
-                      resolve_sharded_entry, restore_entry, use_rank_buffers, warn_extra_entries)
+from .capture import (
+    PER_RANK,
+    REPLICATED,
+    SHARDED,
+    CheckpointWarning,
+    Entry,
+    capture_entry,
+    capture_rank_buffers,
+    loading_entry,
+    resolve_sharded_entry,
+    restore_entry,
+    use_rank_buffers,
+    warn_extra_entries,
+)
+from .commit import (
+    ReplacePolicy,
+    check_not_superseded,
+    check_root_is_ours,
+    check_step_is_free,
+    clear_step_dir,
+    create_manifest,
+    create_marker,
+    list_committed,
+    read_marker,
+    read_verified_manifest,
+)
 from .coord import Coordinator, Outcome, Reports, agree, hostname, raise_if_failed
-from .errors import (CheckpointExistsError, RunConflictError, CoordinationError, CorruptCheckpointError, DistCkptError, FencedError,
-                     IncompatibleCheckpointError, MissingFileError, RankDisagreementError,
-                     StorageError, UnstorableValueError)
-from .commit import (ReplacePolicy, check_not_superseded, check_root_is_ours, check_step_is_free,
-                     clear_step_dir, committed_generations, create_manifest, create_marker, list_committed,
-                     read_marker, read_verified_manifest)
+from .errors import (
+    CheckpointExistsError,
+    CoordinationError,
+    CorruptCheckpointError,
+    DistCkptError,
+    FencedError,
+    IncompatibleCheckpointError,
+    MissingFileError,
+    RankDisagreementError,
+    StorageError,
+    UnstorableValueError,
+)
 from .fencing import Lease
 from .rng import capture_process_rng, check_process_rng, restore_process_rng
 from .serialize import EncodedTree, StagingPool, encode_tree, load_tree_file, safetensors_chunks
@@ -188,7 +216,7 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
             if coord.rank == 0 and take_lease is not None:
                 out.generation = take_lease().generation  # other ranks' shard names carry it
         if coord.rank == 0:
-            tree = {"step": step, "epoch": epoch,
+            tree: dict[str, Any] = {"step": step, "epoch": epoch,
                     "entries": {e.key: capture_entry(e) for e in entries if e.scope in (REPLICATED, SHARDED)}}
             out.replicated = _encode_checked(tree, ("replicated",), entries, stage=stage, shards=out.shards,
                                              split=split)
@@ -388,7 +416,7 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
     replicated_name, rank_names = mf.payload_names(manifest)
     if manifest["world_size"] != world_size and world_size_policy in ("reshard", "replicated_only"):
         replicated = _read_tree(storage, base, replicated_name, manifest, where)
-        own = {"epoch": manifest.get("epoch"), "rank": rank, "entries": {}, "rng": None}
+        own: dict[str, Any] = {"epoch": manifest.get("epoch"), "rank": rank, "entries": {}, "rng": None}
         return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, per_rank_restored=False)
     if manifest["world_size"] != world_size:
         raise IncompatibleCheckpointError(
@@ -458,11 +486,11 @@ def _read_phase(coord: Coordinator, storage: Storage, entries: list[Entry], cand
                 rules: LoadRules = LoadRules()) -> ReadCheckpoint:
     for step in candidates:
         read, exc = _try_read(coord, storage, entries, step, world_size_policy, leases, rules)
-        if exc is None:
+        if read is not None:
             info = {"step": read.step, "epoch": read.own["epoch"], "digest": read.digest}
             outcome = Outcome(coord.rank, info=info)
         else:
-            outcome = Outcome.failure(coord.rank, exc)
+            outcome = Outcome.failure(coord.rank, exc or CoordinationError("read failed"))
         outcomes = coord.all_gather(outcome, f"load/read step {step}")
         damaged = [o for o in outcomes if o.error_type == CorruptCheckpointError.__name__]
         if damaged and len(damaged) == len([o for o in outcomes if not o.ok]) and not explicit:
@@ -505,7 +533,7 @@ def _resolve_sharded(storage: Storage, entries: list[Entry], read: ReadCheckpoin
         if entry.scope == SHARDED and isinstance(saved, dict) and saved.get("kind") == entry.kind:
             saved["state"] = resolve_sharded_entry(entry, saved["state"], reader)
         out.append(entry)
-    for key, saved in saved_entries.items():  # replicated tensors stored by split writes
+    for saved in saved_entries.values():  # replicated tensors stored by split writes
         if isinstance(saved, dict) and saved.get("kind") not in ("sharded_module", "sharded_optimizer"):
             saved["state"] = sharded.resolve_whole(saved.get("state"), reader)
     return out

@@ -33,9 +33,10 @@ def plan_retention(committed: list[Committed], keep_last: int | None, keep_best:
     by_step = sorted(committed, key=lambda c: c.step, reverse=True)
     keep = {c.step for c in by_step[:keep_last]} if keep_last is not None else {c.step for c in by_step}
     if keep_best:
-        scored = [c for c in by_step if c.metric is not None]
-        scored.sort(key=lambda c: c.metric if best_mode == "min" else -c.metric)  # type: ignore[operator]
-        keep |= {c.step for c in scored[:keep_best]}
+        scored = [(c.metric, c.step) for c in by_step if c.metric is not None]
+        scored.sort(key=lambda ms: ms[0] if best_mode == "min" else -ms[0])
+        keep |= {step for _, step in scored[:keep_best]}
+
     return sorted(c.step for c in committed if c.step not in keep)
 
 

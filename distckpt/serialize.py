@@ -254,7 +254,8 @@ def dim_order(tensor: torch.Tensor) -> list[int] | None:
     (channels_last, a transpose); None for the usual row-major layout."""
     if tensor.dim() < 2 or tensor.is_contiguous():
         return None
-    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), d))
+    strides = tensor.stride()
+    order = sorted(range(tensor.dim()), key=lambda d: (-strides[d], d))
     return None if order == list(range(tensor.dim())) else order
 
 
@@ -500,7 +501,7 @@ def safetensors_chunks(tree: EncodedTree) -> Iterator[memoryview]:
     yield memoryview(struct.pack("<Q", len(raw)) + raw)
     for _, t in _aligned_order(tree.tensors):
         if t.numel():
-            yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            yield memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
 
 
 def _aligned_order(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -510,7 +511,7 @@ def _aligned_order(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Te
     return sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
 
 
-def read_header(data: bytes | memoryview, where: str) -> tuple[dict[str, Any], int]:
+def read_header(data: bytes | bytearray | memoryview, where: str) -> tuple[dict[str, Any], int]:
     """Parse the safetensors header; returns (header, data_start). Bounded before parsing."""
     if len(data) < 8:
         raise CorruptCheckpointError(f"{where}: {len(data)} bytes is too short for a header")

@@ -29,8 +29,19 @@ from torch import nn
 
 from . import manifest as mf
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, UnstorableValueError
-from .serialize import (_DTYPE_TO_ST, _ST_TO_DTYPE, EncodedTree, ShardRef, StagingPool, _region_key,
-                        check_dtype, encode_tree, is_dtensor, key_path, load_tree_file)
+from .serialize import (
+    _DTYPE_TO_ST,
+    _ST_TO_DTYPE,
+    EncodedTree,
+    ShardRef,
+    StagingPool,
+    _region_key,
+    check_dtype,
+    encode_tree,
+    is_dtensor,
+    key_path,
+    load_tree_file,
+)
 from .storage import Storage
 
 SHARDED = "sharded"

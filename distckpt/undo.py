@@ -45,7 +45,7 @@ def snapshot(entry: Entry, state: dict[str, Any]) -> Undo:
         return lambda: target.load_state_dict(saved)
     if kind == "loader":
         attributes = dict(vars(target))  # StatefulDataLoader.load_state_dict only sets attributes
-        return lambda: (vars(target).clear(), vars(target).update(attributes))  # type: ignore[func-returns-value]
+        return lambda: _replace_dict(vars(target), attributes.items())
     if kind == "sampler":
         if callable(getattr(target, "state_dict", None)):
             sd = copy.deepcopy(target.state_dict())
@@ -128,12 +128,17 @@ def _value_undo(entry: Entry, state: dict[str, Any]) -> Undo:
     target = entry.target
     if isinstance(target, dict):
         items = list(target.items())
-        return lambda: (target.clear(), target.update(items))  # type: ignore[func-returns-value]
+        return lambda: _replace_dict(target, items)
     if isinstance(target, list):
         elements = list(target)
         return lambda: target.__setitem__(slice(None), elements)
     key, before = entry.key, state.get(entry.key)
     return lambda: state.__setitem__(key, before)
+
+
+def _replace_dict(target: dict[Any, Any], items: Any) -> None:
+    target.clear()
+    target.update(items)
 
 
 def _nothing(entry: Entry, state: dict[str, Any]) -> Undo:

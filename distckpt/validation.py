@@ -10,7 +10,7 @@ This module never touches storage or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -191,7 +191,7 @@ def _py_random(r: Any, saved: Any, where: str, world: tuple[int, int], rules: Lo
         raise IncompatibleCheckpointError(f"{where}: the checkpoint holds no random.Random state")
 
 
-_CHECKS = {
+_CHECKS: dict[str, Callable[[Any, Any, str, tuple[int, int], LoadRules], None]] = {
     "module": _module,
     "stateful": _optimizer,
     "sampler": _sampler,

@@ -249,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     if not int(settings["CKPT_EVERY"]) < args.kill_after_step < steps - 1:
         raise SystemExit(f"--kill-after-step must lie after the first checkpoint (step {settings['CKPT_EVERY']}) "
                          f"and before the last step ({steps - 1})")
+    if not 0 <= args.kill_node < nodes:
+        raise SystemExit(f"--kill-node must be one of 0..{nodes - 1}")
     say(f"compose demo: {nodes} nodes x {per_node} workers + S3 (SeaweedFS) in containers, {steps} steps, "
         f"checkpoints every {settings['CKPT_EVERY']}; logs in {workdir}")
     try:

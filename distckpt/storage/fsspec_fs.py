@@ -54,9 +54,10 @@ class FsspecStorage:
         except FileExistsError as e:
             raise CheckpointExistsError(errno.EEXIST, f"{self.public(target)} already exists: another writer created it first") from e
         except (ValueError, NotImplementedError):
-            # No exclusive mode here: check then write (not atomic against a second writer).
+            # No exclusive mode here: check then write (not atomic against a second writer;
+            # said at construction with a NonAtomicStorageWarning).
             if self.exists(path):
-                raise CheckpointExistsError(errno.EEXIST, f"{self.public(target)} already exists: another writer created it first")
+                raise CheckpointExistsError(errno.EEXIST, f"{self.public(target)} already exists: another writer created it first") from None
             self._call("creating", target, "pipe_file", target, data)
         except OSError as e:
             raise StorageError(e.errno or errno.EIO, f"creating {self.public(target)} failed: {e}") from e

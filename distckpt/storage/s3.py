@@ -112,7 +112,7 @@ class S3Storage(FsspecStorage):
             raise StorageError(e.errno or errno.EIO, f"writing {self.public(target)} failed: {type(e).__name__}: {e}") from e
         self.fs.invalidate_cache(target)
 
-    def read_buffer(self, path: str) -> bytes | bytearray:
+    def read_buffer(self, path: str) -> bytes:  # type: ignore[override]  # a bytearray, as bytes-like
         """A large object fetched as concurrent ranged GETs of `range_bytes` into one buffer
         (one GET stream ran at ~125 MiB/s here, the whole load's cost); small ones in one GET."""
         from fsspec.asyn import sync
@@ -125,7 +125,7 @@ class S3Storage(FsspecStorage):
             return sync(self.fs.loop, self._get_ranges, target, size)
         except FileNotFoundError as e:
             raise MissingFileError(errno.ENOENT, f"{self.public(target)} does not exist") from e
-        except (TimeoutError, OSError, *_client_errors()) as e:
+        except (TimeoutError, OSError, *_client_errors()) as e:  # type: ignore[misc]  # a tuple of classes
             raise StorageError(getattr(e, "errno", None) or errno.EIO,
                                f"reading {self.public(target)} failed: {type(e).__name__}: {e}") from e
 
