@@ -168,6 +168,7 @@ def test_keep_last_and_keep_best(ckpt_dir):
         assert mgr.committed_steps() == [5, 4, 2]
     assert sorted(os.listdir(ckpt_dir)) == ["fence", "step-000000002", "step-000000004", "step-000000005"]
     with distckpt.CheckpointManager(ckpt_dir, keep_last=1, keep_best=1, best_mode="max") as mgr:
+        mgr.load_latest({"x": 0})  # continue the run (a manager that never loaded may not)
         mgr.save(6, {"x": 6}, metric=0.95)
         assert mgr.committed_steps() == [6]
 
@@ -194,6 +195,7 @@ def test_leftovers_of_uncommitted_saves_are_collected(ckpt_dir):
         mgr.save(1, {"x": 1})
     assert os.path.isdir(leftover)  # young: could be a save in progress
     with distckpt.CheckpointManager(ckpt_dir, leftover_grace_s=0) as mgr:
+        mgr.load_latest({"x": 0})  # continue the run (a manager that never loaded may not)
         mgr.save(2, {"x": 1})
     assert not os.path.exists(os.path.dirname(leftover))
 
@@ -209,6 +211,7 @@ def test_complete_data_without_a_marker_is_neither_loaded_nor_deleted_while_youn
         mgr.save(3, {"x": 3})
     assert os.path.exists(os.path.join(ckpt_dir, "step-000000002", "manifest.json"))  # young: kept
     with distckpt.CheckpointManager(ckpt_dir, leftover_grace_s=0) as mgr:
+        mgr.load_latest({"x": 0})  # continue the run (a manager that never loaded may not)
         mgr.save(4, {"x": 4})
         assert mgr.committed_steps() == [4, 3, 1]
     assert not os.path.exists(os.path.join(ckpt_dir, "step-000000002"))  # old enough: collected
