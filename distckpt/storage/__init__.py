@@ -119,23 +119,39 @@ def normalize_url(url: Any) -> str:
     return url
 
 
+def _open_local(url: str, options: dict[str, Any]) -> Storage:
+    if options:
+        raise ConfigError(f"storage_options were given for the local path {url!r}; they apply to remote URLs only")
+    return LocalStorage(url[len("file://"):] if url.startswith("file://") else url)
+
+
+def _open_s3(url: str, options: dict[str, Any]) -> Storage:
+    from .s3 import S3Storage  # s3fs is an optional dependency
+
+    return S3Storage.from_url(url, options)
+
+
+def _open_fsspec(url: str, options: dict[str, Any]) -> Storage:
+    fs, root = fsspec.core.url_to_fs(url, **options)
+    _warn_if_not_exclusive(fs, url)
+    return FsspecStorage(fs, root, url)
+
+
+# scheme -> backend. A new backend is one module plus one line here (and a parameter of the
+# contract suite, tests/test_storage_contract.py); any other scheme goes through fsspec.
+BACKENDS: dict[str, Any] = {"": _open_local, "file": _open_local, "s3": _open_s3, "s3a": _open_s3}
+
+
 def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:
     """A backend for a local path, ``file://`` URL, ``s3://`` URL, or any other fsspec URL."""
     url = normalize_url(url)
     if storage_options is not None and not isinstance(storage_options, dict):
         raise ConfigError(f"storage_options={storage_options!r}: must be a dict of fsspec options or None")
-    if "://" not in url or url.startswith("file://"):
-        path = url[len("file://"):] if url.startswith("file://") else url
-        if storage_options:
-            raise ConfigError(f"storage_options were given for the local path {url!r}; they apply to remote URLs only")
-        return LocalStorage(path)
-    if url.startswith(("s3://", "s3a://")):
-        from .s3 import S3Storage
-
-        return S3Storage.from_url(url, storage_options or {})
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    _warn_if_not_exclusive(fs, url)
-    return FsspecStorage(fs, root, url)
+    scheme = url.split("://", 1)[0] if "://" in url and "::" not in url else ""
+    if "::" in url:
+        return _open_fsspec(url, storage_options or {})
+    opener = BACKENDS.get(scheme, _open_fsspec)
+    return opener(url, storage_options or {})  # type: ignore[no-any-return]
 
 
 def _warn_if_not_exclusive(fs: Any, url: str) -> None:

@@ -37,6 +37,8 @@ class FsspecStorage:
             return getattr(self.fs, method)(*args, **kwargs)
         except FileNotFoundError as e:
             raise MissingFileError(errno.ENOENT, f"{self.public(target)} does not exist") from e
+        except FileExistsError as e:  # an exclusive create lost: kept distinct, never flattened
+            raise CheckpointExistsError(errno.EEXIST, f"{self.public(target)} already exists") from e
         except OSError as e:
             raise StorageError(e.errno or errno.EIO, f"{what} {self.public(target)} failed: "
                                f"{type(e).__name__}: {e}") from e

@@ -201,14 +201,17 @@ class S3Storage(FsspecStorage):
         try:
             self._call("creating", target, "pipe_file", target, data, mode="create")
             return
+        except CheckpointExistsError as e:  # s3fs recognised the failed If-None-Match
+            first_error: StorageError = e
+            conflict = True
         except StorageError as e:
-            first_error = e
+            first_error, conflict = e, _is_precondition_failed(e)
         current = self._read_back(path)
         if current == data:
             log.info("%s: the conditional write was applied by an earlier attempt of this request",
                      self.public(target))
             return
-        if current is not None or _is_precondition_failed(first_error):
+        if current is not None or conflict:
             raise CheckpointExistsError(errno.EEXIST, f"{self.public(target)} already exists: another "
                                         "writer committed this step") from first_error
         raise first_error
@@ -299,6 +302,13 @@ def _client_errors() -> tuple[type[BaseException], ...]:
     return (BotoCoreError, ClientError, aiohttp.ClientError)
 
 
+# The one translation table for a conditional create that lost: S3 error codes and HTTP statuses
+# (s3fs maps PreconditionFailed to FileExistsError only when the server names the condition,
+# which SeaweedFS does not; then the botocore response in the cause chain still says it).
+CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
+CONFLICT_STATUSES = frozenset({409, 412})
+
+
 def _is_precondition_failed(e: BaseException) -> bool:
     seen: BaseException | None = e
     while seen is not None:
@@ -306,9 +316,7 @@ def _is_precondition_failed(e: BaseException) -> bool:
         if isinstance(response, dict):
             code = response.get("Error", {}).get("Code")
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code == "PreconditionFailed" or status == 412:
+            if code in CONFLICT_CODES or status in CONFLICT_STATUSES:
                 return True
-        if "pre-condition" in str(seen) or "PreconditionFailed" in str(seen):
-            return True
         seen = seen.__cause__ or seen.__context__
     return False
