@@ -15,9 +15,10 @@ import json
 import logging
 import socket
 import threading
+import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 from . import errors
 from .errors import CoordinationError, DistCkptError
@@ -166,7 +167,7 @@ def encode_message(obj: Any) -> bytes:
             used[0] += len(blob)
             return {"__bytes__": [used[0] - len(blob), len(blob)]}
         if isinstance(o, Outcome):
-            return {"__outcome__": [o.rank, o.error_type, o.message, o.info]}
+            return {"__outcome__": [o.rank, o.error_type, o.message, o.info, o.traceback]}
         raise TypeError(f"a coordination message cannot carry {type(o).__name__}")
 
     text = json.dumps(obj, default=tag).encode()
@@ -182,8 +183,8 @@ def decode_message(data: bytes) -> Any:
             start, length = d["__bytes__"]
             return bytes(blobs[start:start + length])
         if "__outcome__" in d:
-            rank, error_type, message, info = d["__outcome__"]
-            return Outcome(rank, error_type, message, info)
+            rank, error_type, message, info, *trace = d["__outcome__"]
+            return Outcome(rank, error_type, message, info, trace[0] if trace else None)
         return d
 
     return json.loads(data[8:8 + size], object_hook=untag)
@@ -284,6 +285,9 @@ def make_coordinator(timeout_s: float) -> Coordinator:
     return SingleProcess()
 
 
+T = TypeVar("T")
+
+
 @dataclass
 class Outcome:
     """What one rank reports at the end of a phase."""
@@ -292,6 +296,7 @@ class Outcome:
     error_type: str | None = None
     message: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    traceback: str | None = None  # where it failed on that rank (the last frames)
 
     @property
     def ok(self) -> bool:
@@ -299,7 +304,22 @@ class Outcome:
 
     @classmethod
     def failure(cls, rank: int, exc: BaseException, info: dict[str, Any] | None = None) -> "Outcome":
-        return cls(rank, type(exc).__name__, str(exc), dict(info or {}))
+        frames = traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-6)
+        return cls(rank, type(exc).__name__, str(exc), dict(info or {}), "".join(frames)[-4000:])
+
+
+def run_phase(coord: Coordinator, phase: str, what: str, fn: Callable[[], T],
+              info: Callable[[T], dict[str, Any]] | None = None) -> tuple[T, list[Outcome]]:
+    """Run `fn` on this rank as the phase `phase`, then agree: if it failed on any rank, every
+    rank raises the same error, naming each failed rank with its traceback (`rank_tracebacks`
+    of the raised error); otherwise returns (this rank's result, every rank's outcome)."""
+    try:
+        result = fn()
+    except Exception as e:  # reported to every rank, then raised here too
+        agree(coord, Outcome.failure(coord.rank, e), phase, what, e)
+        raise  # unreachable: agree raised
+    outcome = Outcome(coord.rank, info=info(result) if info else {})
+    return result, agree(coord, outcome, phase, what)
 
 
 def agree(coord: Coordinator, outcome: Outcome, phase: str, what: str,
@@ -320,7 +340,9 @@ def raise_if_failed(coord: Coordinator, outcomes: list[Outcome], what: str,
         raise local_exc  # a world of one: the original error, untouched
     lines = "; ".join(f"rank {o.rank}: {o.error_type}: {o.message}" for o in failed)
     cls = _error_class(failed[0].error_type)
-    raise cls(f"{what} failed on rank(s) {[o.rank for o in failed]} — {lines}") from local_exc
+    error = cls(f"{what} failed on rank(s) {[o.rank for o in failed]} — {lines}")
+    error.rank_tracebacks = {o.rank: o.traceback for o in failed}  # type: ignore[attr-defined]
+    raise error from local_exc
 
 
 def _error_class(name: str | None) -> type[DistCkptError]:

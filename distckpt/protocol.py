@@ -61,7 +61,7 @@ from .commit import (
     read_marker,
     read_verified_manifest,
 )
-from .coord import Coordinator, Outcome, Reports, agree, hostname, raise_if_failed
+from .coord import Coordinator, Outcome, Reports, agree, hostname, raise_if_failed, run_phase
 from .errors import (
     CheckpointExistsError,
     CoordinationError,
@@ -165,13 +165,17 @@ def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step:
     replicated tensors across the ranks."""
     t0 = time.perf_counter()
     split = split_writes and coord.world_size > 1
-    local, exc = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable, take_lease, split)
-    faults.point("save/captured", step=step, rank=coord.rank)
-    info = {"rank": coord.rank, "step": step, "epoch": epoch, "host": hostname(), "pid": os.getpid(),
-            "per_rank_entries": sorted(e.key for e in entries if e.scope == PER_RANK),
-            "generation": local.generation}
-    outcome = Outcome.failure(coord.rank, exc, info) if exc else Outcome(coord.rank, info=info)
-    outcomes = agree(coord, outcome, "save/capture", f"save of step {step}", exc)
+    def capture() -> _Captured:
+        local = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable, take_lease, split)
+        faults.point("save/captured", step=step, rank=coord.rank)
+        return local
+
+    def described(local: _Captured) -> dict[str, Any]:
+        return {"rank": coord.rank, "step": step, "epoch": epoch, "host": hostname(), "pid": os.getpid(),
+                "per_rank_entries": sorted(e.key for e in entries if e.scope == PER_RANK),
+                "generation": local.generation}
+
+    local, outcomes = run_phase(coord, "save/capture", f"save of step {step}", capture, described)
     _check_same_progress([o.info for o in outcomes], f"save of step {step}")
     t1 = time.perf_counter()
     keys = [f"distckpt/{run_id}/save-{save_seq}/shards/rank-{r}" for r in range(coord.world_size)]
@@ -196,41 +200,39 @@ def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step:
 
 def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
                    epoch: int | None, staging: StagingPool | None, replaceable: "ReplacePolicy | None",
-                   take_lease: Callable[[], Lease] | None, split: bool) -> tuple[_Captured, BaseException | None]:
+                   take_lease: Callable[[], Lease] | None, split: bool) -> _Captured:
+    """This rank's capture: RNG first, then its per-rank entries; rank 0 the replicated ones."""
     out = _Captured()
-    try:
-        rng = capture_process_rng()  # first: nothing below may draw before it is recorded
-        if coord.rank == 0:
-            check_root_is_ours(storage, replaceable or ReplacePolicy())
-            check_step_is_free(storage, step, replaceable or ReplacePolicy())
-        own = {"step": step, "epoch": epoch, "rank": coord.rank, "world_size": coord.world_size,
-               "rng": rng,
-               "entries": {e.key: capture_entry(e) for e in entries if e.scope == PER_RANK}}
-        if coord.world_size > 1:
-            own["buffers"] = capture_rank_buffers(entries)
-        rank_tree = _encode_checked(own, ("per-rank state",), stage=True)
-        out.rank_file = b"".join(safetensors_chunks(rank_tree))
-        stage: bool | StagingPool = staging if staging is not None else False
-        if split or any(e.scope == SHARDED for e in entries):
-            out.shards = sharded.LocalShards(stage, coord.rank, coord.world_size)
-            if coord.rank == 0 and take_lease is not None:
-                out.generation = take_lease().generation  # other ranks' shard names carry it
-        if coord.rank == 0:
-            tree: dict[str, Any] = {"step": step, "epoch": epoch,
-                    "entries": {e.key: capture_entry(e) for e in entries if e.scope in (REPLICATED, SHARDED)}}
-            out.replicated = _encode_checked(tree, ("replicated",), entries, stage=stage, shards=out.shards,
-                                             split=split)
-        elif out.shards is not None:
-            scopes = (REPLICATED, SHARDED) if split else (SHARDED,)
-            tree = {"entries": {e.key: capture_entry(e) for e in entries if e.scope in scopes}}
-            if split:
-                _check_storable(tree["entries"], entries)
-            encode_tree(tree, ("replicated",), shards=out.shards, split=split)  # the same names as rank 0's
-        if out.shards is not None:
-            out.shards.sync()
-        return out, None
-    except Exception as e:  # reported to every rank by `agree`
-        return _Captured(), e
+    rng = capture_process_rng()  # first: nothing below may draw before it is recorded
+    if coord.rank == 0:
+        check_root_is_ours(storage, replaceable or ReplacePolicy())
+        check_step_is_free(storage, step, replaceable or ReplacePolicy())
+    own = {"step": step, "epoch": epoch, "rank": coord.rank, "world_size": coord.world_size,
+           "rng": rng,
+           "entries": {e.key: capture_entry(e) for e in entries if e.scope == PER_RANK}}
+    if coord.world_size > 1:
+        own["buffers"] = capture_rank_buffers(entries)
+    rank_tree = _encode_checked(own, ("per-rank state",), stage=True)
+    out.rank_file = b"".join(safetensors_chunks(rank_tree))
+    stage: bool | StagingPool = staging if staging is not None else False
+    if split or any(e.scope == SHARDED for e in entries):
+        out.shards = sharded.LocalShards(stage, coord.rank, coord.world_size)
+        if coord.rank == 0 and take_lease is not None:
+            out.generation = take_lease().generation  # other ranks' shard names carry it
+    if coord.rank == 0:
+        tree: dict[str, Any] = {"step": step, "epoch": epoch,
+                "entries": {e.key: capture_entry(e) for e in entries if e.scope in (REPLICATED, SHARDED)}}
+        out.replicated = _encode_checked(tree, ("replicated",), entries, stage=stage, shards=out.shards,
+                                         split=split)
+    elif out.shards is not None:
+        scopes = (REPLICATED, SHARDED) if split else (SHARDED,)
+        tree = {"entries": {e.key: capture_entry(e) for e in entries if e.scope in scopes}}
+        if split:
+            _check_storable(tree["entries"], entries)
+        encode_tree(tree, ("replicated",), shards=out.shards, split=split)  # the same names as rank 0's
+    if out.shards is not None:
+        out.shards.sync()
+    return out
 
 
 class _NoShards:
