@@ -273,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         say(f"image: building distckpt:cpu (log: {cluster.log})")
         cluster("build", timeout=None)
+        # Each rebuild leaves the previous distckpt:cpu untagged; remove those (and only those:
+        # the filter is the Dockerfile's label), so reruns do not fill the disk.
+        sh(["docker", "image", "prune", "-f", "--filter", "label=distckpt.image=cpu"], timeout=300)
         times["build"], start = time.monotonic() - start, time.monotonic()
         say(f"image: built in {times['build']:.0f}s")
 
