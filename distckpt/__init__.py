@@ -25,6 +25,7 @@ from .manager import CheckpointManager
 from .preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from .protocol import CheckpointFallbackWarning, Progress
 from .rng import RngRestoreWarning
+from .weights import WeightsReport, export_weights, load_weights
 from .workers import with_worker_rng
 
 __all__ = [
@@ -32,5 +33,6 @@ __all__ = [
     "CheckpointWarning", "ConfigError", "CoordinationError", "CorruptCheckpointError", "DistCkptError",
     "DistInfo", "FencedError", "IncompatibleCheckpointError", "MissingFileError", "PREEMPTED_EXIT_CODE", "PerRank", "Progress",
     "RankDisagreementError", "RngRestoreWarning", "RunConflictError", "StorageError", "UnstorableValueError",
-    "__version__", "init_distributed", "per_rank", "shutdown_distributed", "with_worker_rng",
+    "WeightsReport", "__version__", "export_weights", "init_distributed", "load_weights", "per_rank",
+    "shutdown_distributed", "with_worker_rng",
 ]

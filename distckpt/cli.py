@@ -6,6 +6,8 @@
     distckpt prune URL --keep-last N [--keep-best K] [--best-mode min|max] [--dry-run]
     distckpt gc URL [--grace-s S] [--dry-run]         uncommitted leftovers, abandoned uploads
     distckpt diff URL A B [--json]                    what changed between steps A and B
+    distckpt export URL OUT_DIR [--step N] [--entry model] [--dtype bf16] [--max-shard-size 5GB] [--json]
+                                                      the model as Hugging Face safetensors, verified
 
 Exit codes: 0 success; 1 a problem was found (verify) or nothing to show; 2 bad usage, a root
 that does not exist, or storage that cannot be read. With --json every outcome, errors included,
@@ -192,6 +194,31 @@ class _Parser(argparse.ArgumentParser):
 _ARGV: list[str] = []
 
 
+def cmd_export(storage: Storage, args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .weights import export_weights, open_checkpoint_model
+
+    source = open_checkpoint_model(args.url, step=args.step, entry=args.entry)
+    total = sum(_nbytes(d, s) for d, s in source.spec.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=not sys.stderr.isatty(),
+              file=sys.stderr) as bar:
+        summary = export_weights(args.url, args.out_dir, step=source.step, entry=args.entry, dtype=args.dtype,
+                                 max_shard_size=args.max_shard_size, progress=bar.update)
+    text = (f"exported step {summary.step}: {summary.tensors} tensors, {summary.total_size:,} bytes into "
+            f"{summary.out_dir} ({', '.join(summary.files)}); every tensor read back and verified")
+    _emit(args, vars(summary), text)
+    return EXIT_OK
+
+
+def _nbytes(dtype: Any, shape: list[int]) -> int:
+    import math as _math
+
+    import torch
+
+    return _math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="distckpt", description=__doc__.splitlines()[0],
                 epilog="exit codes: 0 ok, 1 problem found, 2 usage, missing root or storage error")
@@ -218,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--grace-s", type=float, default=3600.0,
                     help="only collect leftovers older than this (a save may be in progress)")
     gc.add_argument("--dry-run", action="store_true")
+    export = command("export", "the model entry as Hugging Face safetensors (shards + index when large)")
+    export.add_argument("out_dir")
+    export.add_argument("--step", type=int)
+    export.add_argument("--entry", default="model", help="the key of the model in `state` (default: model)")
+    export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating-point tensors")
+    export.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB (Hugging Face's convention)")
     diff = command("diff", "what changed between two steps")
     diff.add_argument("a", type=int)
     diff.add_argument("b", type=int)
@@ -225,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune": cmd_prune,
-            "gc": cmd_gc, "diff": cmd_diff}
+            "gc": cmd_gc, "diff": cmd_diff, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,400 @@
+"""Weights in and out of checkpoints, in one process without a process group.
+
+* `load_weights(source, module)`: the model entry of a distckpt checkpoint written by any number
+  of ranks (replicated, split writes or FSDP2 shards), or a Hugging Face safetensors file or
+  directory (with `model.safetensors.index.json`), into a module; nothing changes unless every
+  check passes (keys, shapes; strict by default).
+* `export_weights(url, out_dir)`: the model entry as `model.safetensors`, or shards plus
+  `model.safetensors.index.json` (the Hugging Face layout), keys as the bare module names them;
+  written one tensor at a time, each read back and checked against the source after writing.
+
+Files are verified against their manifest checksums before a tensor is taken from them; nothing
+unpickles. This module never touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import xxhash
+from torch import nn
+
+from . import manifest as mf
+from .capture import unwrap_module
+from .commit import list_committed, read_marker, read_verified_manifest
+from .errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError, MissingFileError
+from .serialize import _DTYPE_TO_ST, _ST_TO_DTYPE, ShardRef, load_tree_file
+from .sharded import ShardReader
+from .storage import Storage, open_storage
+
+log = logging.getLogger("distckpt")
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?", re.IGNORECASE)
+
+
+@dataclass
+class WeightsReport:
+    """What `load_weights` did: the source, and keys missing, unexpected, cast or ignored."""
+
+    source: str
+    step: int | None = None
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    cast: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+
+# -- reading the model entry of a checkpoint ---------------------------------------------------
+
+class ModelSource:
+    """The tensors of one model entry, by state_dict name, materialised one at a time."""
+
+    def __init__(self, names: list[str], spec: dict[str, tuple[torch.dtype, list[int]]],
+                 getter: Callable[[str], torch.Tensor], where: str, step: int | None = None) -> None:
+        self.names, self.spec, self._get, self.where, self.step = names, spec, getter, where, step
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._get(name)
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.names:
+            yield name, self._get(name)
+
+
+def open_checkpoint_model(url: str, *, step: int | None = None, entry: str = "model",
+                          storage_options: dict[str, Any] | None = None) -> ModelSource:
+    """The model entry of a committed distckpt checkpoint (the newest that verifies, or `step`)."""
+    storage = open_storage(url, storage_options)
+    steps = list_committed(storage)
+    if step is not None:
+        if step not in steps:
+            raise IncompatibleCheckpointError(f"step {step} is not committed at {storage.url} (committed: {steps[:10]})")
+        steps = [step]
+    if not steps:
+        raise MissingFileError(2, f"no committed checkpoint at {storage.url}")
+    errors = []
+    for candidate in steps:
+        try:
+            return _model_of_step(storage, candidate, entry)
+        except CorruptCheckpointError as e:
+            if step is not None:
+                raise
+            errors.append(str(e))
+            log.warning("step %d at %s is damaged, trying the previous one: %s", candidate, storage.url, e)
+    raise CorruptCheckpointError(f"no committed checkpoint at {storage.url} verifies: {'; '.join(errors)[:600]}")
+
+
+def _model_of_step(storage: Storage, step: int, entry: str) -> ModelSource:
+    marker = read_marker(storage, step)
+    manifest = read_verified_manifest(storage, step, marker)
+    base = mf.step_dir(step)
+    where = f"{storage.url}/{base}"
+    name, _ = mf.payload_names(manifest)
+    record = manifest["files"].get(name)
+    if record is None:
+        raise CorruptCheckpointError(f"{where}: the manifest lists no {name}")
+    data = storage.read_buffer(f"{base}/{name}")
+    mf.verify_file(data, record, f"{where}/{name}")
+    tree = load_tree_file(data, f"{where}/{name}")
+    entries = tree.get("entries", {}) if isinstance(tree, dict) else {}
+    saved = entries.get(entry)
+    if not isinstance(saved, dict) or saved.get("kind") not in ("module", "sharded_module"):
+        modules = sorted(k for k, v in entries.items() if isinstance(v, dict) and v.get("kind") in ("module", "sharded_module"))
+        raise IncompatibleCheckpointError(f"{where}: no module entry {entry!r} (module entries: {modules}); "
+                                          "pass entry=<the key of the model in `state`>")
+    state_dict = saved["state"]["state_dict"]
+    reader = ShardReader(storage, base, manifest, where)
+    spec: dict[str, tuple[torch.dtype, list[int]]] = {}
+    for key, value in state_dict.items():
+        if isinstance(value, ShardRef):
+            dtype, shape, _ = reader.spec(value.name)
+            spec[key] = (dtype, shape)
+        elif isinstance(value, torch.Tensor):
+            spec[key] = (value.dtype, list(value.shape))
+
+    def getter(key: str) -> torch.Tensor:
+        value = state_dict[key]
+        if isinstance(value, ShardRef):
+            dtype, shape = spec[key]
+            return reader.assemble(value.name, [0] * len(shape), shape)
+        return value
+
+    return ModelSource(list(spec), spec, getter, where, step)
+
+
+def open_hf_model(path: str) -> ModelSource:
+    """A Hugging Face safetensors file, or a directory with one or with an index of shards."""
+    from safetensors import safe_open
+
+    if os.path.isdir(path):
+        index = os.path.join(path, INDEX_NAME)
+        if os.path.exists(index):
+            weight_map = _read_index(index)
+            files = {k: os.path.join(path, v) for k, v in weight_map.items()}
+        elif os.path.exists(os.path.join(path, SINGLE_NAME)):
+            files = None
+            path = os.path.join(path, SINGLE_NAME)
+        else:
+            raise MissingFileError(2, f"{path}: neither {SINGLE_NAME} nor {INDEX_NAME} is there")
+    else:
+        files = None
+    if files is None:
+        with safe_open(path, framework="pt") as f:
+            names = list(f.keys())
+        files = {name: path for name in names}
+    spec: dict[str, tuple[torch.dtype, list[int]]] = {}
+    for file in sorted(set(files.values())):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if files.get(name) == file:
+                    sl = f.get_slice(name)
+                    spec[name] = (_ST_TO_DTYPE.get(sl.get_dtype(), torch.float32), list(sl.get_shape()))
+
+    def getter(name: str) -> torch.Tensor:
+        with safe_open(files[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+    return ModelSource(list(files), spec, getter, path)
+
+
+def _read_index(index: str) -> dict[str, str]:
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map must map names to file names")
+        for file in set(weight_map.values()):
+            mf.check_relative_path(file, index)
+        return weight_map
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{index}: not a safetensors index: {e}") from e
+
+
+def open_model_source(source: str, *, step: int | None = None, entry: str = "model",
+                      storage_options: dict[str, Any] | None = None) -> ModelSource:
+    """A distckpt root (it has committed steps) or a Hugging Face file / directory."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"source={source!r}: must be a distckpt URL or a safetensors file / directory")
+    source = os.fspath(source)
+    local = "://" not in source
+    if local and (source.endswith(".safetensors") or os.path.exists(os.path.join(source, INDEX_NAME))
+                  or os.path.exists(os.path.join(source, SINGLE_NAME))):
+        return open_hf_model(source)
+    return open_checkpoint_model(source, step=step, entry=entry, storage_options=storage_options)
+
+
+# -- load_weights -----------------------------------------------------------------------------
+
+def load_weights(source: str, module: nn.Module, *, step: int | None = None, strict: bool = True,
+                 entry: str = "model", prefix_map: dict[str, str] | None = None,
+                 ignore: tuple[str, ...] | list[str] = (), allow_cast: bool = True,
+                 storage_options: dict[str, Any] | None = None) -> WeightsReport:
+    """Load weights into `module` (bare, DDP-wrapped or compiled) from a distckpt checkpoint of any
+    world size (its `entry`, the newest committed step unless `step`) or a Hugging Face
+    safetensors file / directory. One process, no process group.
+
+    `prefix_map` renames source keys before matching ({"transformer.": ""} drops a prefix);
+    `ignore` holds fnmatch patterns of source or module keys to leave out. Every check (keys with
+    `strict`, shapes, dtypes unless `allow_cast`) passes before any parameter changes; raises
+    IncompatibleCheckpointError naming the keys otherwise. Returns a WeightsReport.
+    """
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"module={type(module).__name__}: must be an nn.Module")
+    if not isinstance(strict, bool) or not isinstance(allow_cast, bool):
+        raise ConfigError("strict and allow_cast must be True or False")
+    src = open_model_source(source, step=step, entry=entry, storage_options=storage_options)
+    target = unwrap_module(module).state_dict(keep_vars=True)
+    mapping = _map_keys(src.names, prefix_map or {})
+    report = WeightsReport(src.where, src.step)
+    report.ignored = sorted(k for k in mapping if _ignored(k, ignore) or _ignored(mapping[k], ignore))
+    wanted = {mapping[k]: k for k in mapping if k not in report.ignored}
+    report.unexpected = sorted(k for k in wanted if k not in target)
+    report.missing = sorted(k for k in target if k not in wanted and not _ignored(k, ignore))
+    problems = []
+    for key, src_key in wanted.items():
+        if key not in target:
+            continue
+        dtype, shape = src.spec[src_key]
+        if list(target[key].shape) != shape:
+            problems.append(f"{key}: {shape} in the source, {list(target[key].shape)} here")
+        elif dtype != target[key].dtype:
+            report.cast.append(key)
+    if strict and (report.missing or report.unexpected):
+        problems.append(f"missing {report.missing[:8]}, unexpected {report.unexpected[:8]}")
+    if report.cast and not allow_cast:
+        problems.append(f"dtypes differ for {report.cast[:8]} (pass allow_cast=True)")
+    if problems:
+        raise IncompatibleCheckpointError(f"{src.where} does not fit the module: {'; '.join(problems)}; "
+                                          "strict=False loads the common keys, prefix_map renames keys")
+    with torch.no_grad():
+        for key, src_key in wanted.items():
+            if key in target:
+                target[key].copy_(src.tensor(src_key))
+                report.loaded.append(key)
+    return report
+
+
+def _map_keys(names: list[str], prefix_map: dict[str, str]) -> dict[str, str]:
+    out = {}
+    for name in names:
+        mapped = name
+        for old, new in prefix_map.items():
+            if mapped.startswith(old):
+                mapped = new + mapped[len(old):]
+                break
+        out[name] = mapped
+    return out
+
+
+def _ignored(key: str, patterns: tuple[str, ...] | list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(key, p) for p in patterns)
+
+
+# -- export -----------------------------------------------------------------------------------
+
+@dataclass
+class ExportSummary:
+    out_dir: str
+    step: int | None
+    files: list[str]
+    tensors: int
+    total_size: int
+    dtype: str | None
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, as Hugging Face's max_shard_size."""
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
+        return text
+    match = _SIZE.fullmatch(str(text).strip())
+    if not match:
+        raise ConfigError(f"max_shard_size={text!r}: a size such as 5GB, 500MB or 2GiB")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    size = int(number * scale)
+    if size <= 0:
+        raise ConfigError(f"max_shard_size={text!r}: must be positive")
+    return size
+
+
+def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: str = "model",
+                   dtype: str | None = None, max_shard_size: str | int = "5GB",
+                   storage_options: dict[str, Any] | None = None,
+                   progress: Callable[[int], None] = lambda n: None) -> ExportSummary:
+    """Write the model entry as Hugging Face safetensors under `out_dir` (see the module doc)."""
+    cast = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else None
+    if dtype is not None and cast is None:
+        raise ConfigError(f"dtype={dtype!r}: one of {sorted(_DTYPES)}")
+    limit = parse_size(max_shard_size)
+    src = open_checkpoint_model(url, step=step, entry=entry, storage_options=storage_options)
+    out_spec = {name: (_out_dtype(d, cast), shape) for name, (d, shape) in src.spec.items()}
+    shards = _plan_shards(src.names, out_spec, limit)
+    os.makedirs(out_dir, exist_ok=True)
+    files = []
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards):
+        file = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        digests = _write_shard(os.path.join(out_dir, file), names, out_spec, src, cast, progress)
+        _verify_shard(os.path.join(out_dir, file), digests)
+        files.append(file)
+        weight_map.update({name: file for name in names})
+    total = sum(_nbytes(*out_spec[n]) for n in src.names)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        _atomic_write(os.path.join(out_dir, INDEX_NAME), json.dumps(index, indent=2).encode())
+        files.append(INDEX_NAME)
+    return ExportSummary(out_dir, src.step, files, len(src.names), total, dtype)
+
+
+def _out_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
+    return cast if cast is not None and dtype.is_floating_point else dtype
+
+
+def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _plan_shards(names: list[str], spec: dict[str, tuple[torch.dtype, list[int]]], limit: int) -> list[list[str]]:
+    """Tensors in state_dict order, a new shard whenever the next would pass the limit (a tensor
+    larger than the limit gets a shard of its own, as Hugging Face's save does)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        n = _nbytes(*spec[name])
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def _write_shard(path: str, names: list[str], spec: dict[str, tuple[torch.dtype, list[int]]], src: ModelSource,
+                 cast: torch.dtype | None, progress: Callable[[int], None]) -> dict[str, str]:
+    """Header first (known from the specs), then one tensor at a time: at most one tensor of the
+    source in memory besides the file being written. Returns each tensor's xxh3 of its bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        dtype, shape = spec[name]
+        n = _nbytes(dtype, shape)
+        header[name] = {"dtype": _DTYPE_TO_ST[dtype], "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    digests = {}
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name in names:
+            tensor = src.tensor(name).detach()
+            if cast is not None and tensor.is_floating_point():
+                tensor = tensor.to(cast)
+            data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+            digests[name] = xxhash.xxh3_64_hexdigest(data)
+            f.write(data)
+            progress(len(data))
+            del tensor, data
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return digests
+
+
+def _verify_shard(path: str, digests: dict[str, str]) -> None:
+    """Read every tensor back with the safetensors library and compare its bytes."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        if set(f.keys()) != set(digests):
+            raise CorruptCheckpointError(f"{path}: holds other tensors than written")
+        for name, digest in digests.items():
+            t = f.get_tensor(name)
+            data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            if xxhash.xxh3_64_hexdigest(data) != digest:
+                raise CorruptCheckpointError(f"{path}: {name} reads back differently than written")
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

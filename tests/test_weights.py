@@ -1,0 +1,150 @@
+"""Weights out and in: `distckpt export` to Hugging Face safetensors and `distckpt.load_weights`
+from a distckpt root (any world size) or an exported directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import distckpt
+from distckpt import cli
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.block = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+        self.norm = nn.LayerNorm(16)
+        self.lm_head = nn.Linear(16, 32, bias=False)
+        self.lm_head.weight = self.embed.weight  # tied
+
+
+def _trained(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    model = TinyLM()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _save(root: str, model: nn.Module) -> None:
+    with distckpt.CheckpointManager(root) as mgr:
+        mgr.load_latest({"model": model})
+        mgr.save(3, {"model": model, "config": {"lr": 0.1}})
+
+
+@pytest.mark.parametrize("wrap", ["bare", "compiled"])
+def test_export_writes_bare_keys_that_load_bitwise_into_a_fresh_module(tmp_path, wrap):
+    model = _trained()
+    stored = torch.compile(model, backend="eager") if wrap == "compiled" else model
+    _save(str(tmp_path / "ckpt"), stored)
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--json"]) == 0
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    expected = model.state_dict()
+    assert sorted(tensors) == sorted(expected)  # no module. / _orig_mod. prefixes, tied key present
+    for k, v in expected.items():
+        assert torch.equal(tensors[k], v), k
+    fresh = TinyLM()
+    report = distckpt.load_weights(str(tmp_path / "hf"), fresh)
+    assert not report.missing and not report.unexpected
+    for k, v in expected.items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+
+
+def test_export_in_shards_writes_a_correct_index(tmp_path):
+    model = _trained()
+    _save(str(tmp_path / "ckpt"), model)
+    summary = distckpt.export_weights(str(tmp_path / "ckpt"), str(tmp_path / "hf"), max_shard_size="5KB")
+    index = json.load(open(tmp_path / "hf" / "model.safetensors.index.json"))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards == sorted(f for f in summary.files if f.endswith(".safetensors"))
+    sizes = {k: v.numel() * v.element_size() for k, v in model.state_dict().items()}
+    assert index["metadata"]["total_size"] == sum(sizes.values())
+    for name, file in index["weight_map"].items():
+        assert torch.equal(load_file(str(tmp_path / "hf" / file))[name], model.state_dict()[name])
+    fresh = TinyLM()
+    distckpt.load_weights(str(tmp_path / "hf"), fresh)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_export_casts_floating_point_tensors_on_request(tmp_path):
+    model = _trained()
+    _save(str(tmp_path / "ckpt"), model)
+    distckpt.export_weights(str(tmp_path / "ckpt"), str(tmp_path / "hf"), dtype="bf16")
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert torch.equal(tensors["norm.weight"], model.norm.weight.detach().to(torch.bfloat16))
+
+
+def test_load_weights_from_a_checkpoint_needs_no_process_group_and_is_strict(tmp_path):
+    model = _trained()
+    _save(str(tmp_path / "ckpt"), model)
+    fresh = TinyLM()
+    report = distckpt.load_weights(str(tmp_path / "ckpt"), fresh)
+    assert report.step == 3 and sorted(report.loaded) == sorted(model.state_dict())
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+    other = nn.Sequential(nn.Linear(16, 16))
+    before = [p.clone() for p in other.parameters()]
+    with pytest.raises(distckpt.IncompatibleCheckpointError, match="unexpected"):
+        distckpt.load_weights(str(tmp_path / "ckpt"), other)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))  # nothing changed
+
+
+def test_load_weights_maps_prefixes_and_ignores_patterns(tmp_path):
+    model = _trained()
+    _save(str(tmp_path / "ckpt"), model)
+    wrapper = nn.Module()
+    wrapper.backbone = TinyLM()
+    wrapper.head = nn.Linear(16, 2)
+    report = distckpt.load_weights(str(tmp_path / "ckpt"), wrapper, prefix_map={"": "backbone."},
+                                   ignore=["head.*"], strict=True)
+    assert torch.equal(wrapper.backbone.norm.weight, model.norm.weight)
+    assert report.missing == [] and "head.weight" not in report.loaded
+
+
+def test_a_damaged_checkpoint_refuses_to_export(tmp_path):
+    model = _trained()
+    _save(str(tmp_path / "ckpt"), model)
+    step_dir = tmp_path / "ckpt" / "step-000000003" / "replicated"
+    payload = next(step_dir.iterdir())
+    data = bytearray(payload.read_bytes())
+    data[-5] ^= 0xFF
+    payload.write_bytes(bytes(data))
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 2
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_an_fsdp2_checkpoint_of_two_ranks_exports_whole(tmp_path):
+    sys.path.insert(0, HERE)
+    from zoo import torchrun
+
+    result = torchrun(2, ["--ckpt", str(tmp_path / "ckpt"), "--loss-log", str(tmp_path / "log"), "--wrap", "fsdp2",
+                          "--steps", "5", "--every", "5"], 0)
+    assert result.returncode == 0, result.stderr[-3000:]
+    from zoo_loop import Net
+
+    whole = Net()  # the reference: the manager's own 2 -> 1 reshard into a plain model
+    with distckpt.CheckpointManager(str(tmp_path / "ckpt"), world_size_policy="reshard") as mgr:
+        with pytest.warns(UserWarning):
+            mgr.load_latest({"model": whole})
+    fresh = Net()
+    report = distckpt.load_weights(str(tmp_path / "ckpt"), fresh)
+    assert not report.missing and not report.unexpected
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in whole.state_dict().items())
+    distckpt.export_weights(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(tensors) == sorted(whole.state_dict())
+    for k, v in whole.state_dict().items():
+        assert torch.equal(tensors[k], v), k
+    assert tensors["fc1.weight"].shape == (16, 8)  # whole, not one rank's shard
