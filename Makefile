@@ -30,7 +30,7 @@ compose-demo:
 	$(PYTHON) launch/compose_demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The fault tests with their whole matrices (make test runs a sample of the long ones: the loop
 # zoo's marked cases, 6-60 generated examples per property); each trial prints one line.
