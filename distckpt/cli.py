@@ -6,6 +6,8 @@
     distckpt prune URL --keep-last N [--keep-best K] [--best-mode min|max] [--dry-run]
     distckpt gc URL [--grace-s S] [--dry-run]         uncommitted leftovers, abandoned uploads
     distckpt diff URL A B [--json]                    what changed between steps A and B
+    distckpt doctor --kill-at N [--kill-rank R] [--json] -- <launch command>
+                                                      does the job resume bit for bit? names what breaks it
     distckpt export URL OUT_DIR [--step N] [--entry model] [--dtype bf16] [--max-shard-size 5GB] [--json]
                                                       the model as Hugging Face safetensors, verified
 
@@ -262,6 +264,11 @@ COMMANDS = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune":
 
 
 def main(argv: list[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:1] == ["doctor"]:  # its own parser: everything after -- is the user's command
+        from .doctor import main as doctor_main
+
+        return doctor_main(raw[1:])
     _ARGV[:] = list(argv or [])
     args = build_parser().parse_args(argv)
     if getattr(args, "keep_last", 1) is not None and getattr(args, "keep_last", 1) < 1:

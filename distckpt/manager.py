@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Any
 
+from . import doctor as doctor_hooks
 from . import faults
 from .async_writer import AsyncWriter
 from .capture import classify
@@ -60,7 +61,8 @@ class CheckpointManager:
                                     leftover_grace_s, world_size_policy, split_writes, allow_dtype_cast,
                                     missing_entries, preemption_signals)
         self.split_writes = split_writes  # replicated tensors written by all ranks in parallel
-        self.storage = open_storage(url, storage_options)  # type: ignore[arg-type]
+        # `distckpt doctor` runs the job into roots of its own (DISTCKPT_DOCTOR_ROOT; README)
+        self.storage = open_storage(doctor_hooks.root_override(url), storage_options)  # type: ignore[arg-type]
         self.url = os.fspath(url) if isinstance(url, os.PathLike) else url
         self._rules = LoadRules(allow_dtype_cast, missing_entries)
         self._coord = make_coordinator(self.config.timeout)
@@ -113,6 +115,7 @@ class CheckpointManager:
         if staged is None:
             faults.point("save/awaiting-commit", step=step, rank=self.rank)
         share_outcome(self._coord, exc, "save/commit", f"save of step {step}")
+        doctor_hooks.after_commit(step, self.rank, self.world_size)
 
     def _write(self, staged: StagedSave | None, shards: ShardWrite | None) -> None:
         """This rank's part of the write: its shard file (if any); on rank 0 the rest and the commit."""
@@ -172,6 +175,7 @@ class CheckpointManager:
             exc = AsyncSaveError(f"background save of step {step} failed: {type(err).__name__}: {err}")
             exc.__cause__ = err
         share_outcome(self._coord, exc, "save/async-outcome", f"background save of step {step}")
+        doctor_hooks.after_commit(step, self.rank, self.world_size)
 
     # -- load -----------------------------------------------------------------------------
 

@@ -79,6 +79,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--kill-at", default="")
     p.add_argument("--kill-rank", type=int, default=0)
+    # Deliberately broken loops, for `distckpt doctor` to find (tests/test_doctor.py):
+    p.add_argument("--unsaved-random", action="store_true", help="noise from a random.Random not in state")
+    p.add_argument("--no-worker-rng", action="store_true", help="workers without distckpt.with_worker_rng")
+    p.add_argument("--no-set-epoch", action="store_true", help="never call sampler.set_epoch")
     return p.parse_args()
 
 
@@ -124,7 +128,7 @@ def main() -> int:
     stored = net if args.wrap == "bare" else trained
 
     dataset = NoisyDataset()
-    if args.workers:
+    if args.workers and not args.no_worker_rng:
         dataset = distckpt.with_worker_rng(dataset)
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -172,7 +176,7 @@ def main() -> int:
             return next(iterator)
         except StopIteration:
             epoch += 1
-            if sampler is not None:
+            if sampler is not None and not args.no_set_epoch:
                 sampler.set_epoch(epoch)
             iterator = iter(loader)
             return next(iterator)
@@ -183,6 +187,7 @@ def main() -> int:
         else:
             saved = state["next_batch"].obj  # type: ignore[attr-defined]
             batch = (saved["x"], saved["y"])
+    hidden = random.Random(99)  # --unsaved-random: a stream the checkpoint never sees
     kills = [int(s) for s in args.kill_at.split(",") if s]
     incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     for step in range(start, args.steps):
@@ -197,6 +202,8 @@ def main() -> int:
                 batch = draw()  # the next batch, drawn before the step (and before the save)
             else:
                 x, y = draw()
+            if args.unsaved_random:
+                x = x + hidden.random() * 1e-3
             last = micro == args.accum - 1
             syncing = last or not isinstance(trained, nn.parallel.DistributedDataParallel)
             ctx = trained.no_sync() if not syncing and hasattr(trained, "no_sync") else _nullcontext()

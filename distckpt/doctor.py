@@ -1,0 +1,283 @@
+"""`distckpt doctor`: prove that a training script resumes bit for bit, and name what breaks it.
+
+    distckpt doctor [--kill-at N] [--kill-rank R] [--json] [--workdir DIR] -- <launch command ...>
+
+Runs the user's command unchanged, twice, each into a checkpoint root of its own: every
+CheckpointManager of the job uses the root in DISTCKPT_DOCTOR_ROOT instead of its URL (the
+override). The first run is uninterrupted. In the second, the rank DISTCKPT_DOCTOR_KILL_RANK
+SIGKILLs itself right after the commit of step DISTCKPT_DOCTOR_KILL_AFTER (once: a marker file
+records it), and the command is relaunched (or torchrun restarts it, with --max-restarts). Then
+every step both runs committed is compared entry by entry, per rank, stream by stream; the
+report names the first step that differs, the entries, and the likely cause. Exit 0 iff every
+common step is bitwise equal and the killed run resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .commit import list_committed
+from .errors import DistCkptError
+from .storage import open_storage
+
+ROOT_ENV = "DISTCKPT_DOCTOR_ROOT"
+KILL_AFTER_ENV = "DISTCKPT_DOCTOR_KILL_AFTER"
+KILL_RANK_ENV = "DISTCKPT_DOCTOR_KILL_RANK"
+KILLED_MARK_ENV = "DISTCKPT_DOCTOR_KILLED_MARK"
+
+
+# -- the hooks the manager calls ---------------------------------------------------------------
+
+def root_override(url: Any) -> Any:
+    """The doctor's root for this job, or `url` when not run by the doctor."""
+    return os.environ.get(ROOT_ENV) or url
+
+
+def after_commit(step: int, rank: int, world_size: int) -> None:
+    """SIGKILL this rank right after the commit of the doctor's step (once per doctor run)."""
+    target = os.environ.get(KILL_AFTER_ENV)
+    mark = os.environ.get(KILLED_MARK_ENV)
+    if target is None or mark is None or int(target) != step:
+        return
+    if rank != int(os.environ.get(KILL_RANK_ENV, world_size - 1)) % max(world_size, 1):
+        return
+    try:
+        fd = os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # the relaunch must not kill again
+    except FileExistsError:
+        return
+    os.write(fd, f"rank {rank} killed after step {step}\n".encode())
+    os.close(fd)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- comparing two runs' checkpoints ---------------------------------------------------------------
+
+@dataclass
+class Difference:
+    step: int
+    where: str      # "replicated" or "rank R"
+    entry: str      # top-level key of `state`, or "rng"
+    path: str       # inside the entry
+    detail: str
+
+
+@dataclass
+class Report:
+    common_steps: list[int]
+    only_uninterrupted: list[int]
+    only_killed: list[int]
+    first_step: int | None
+    differences: list[Difference] = field(default_factory=list)
+    causes: list[str] = field(default_factory=list)
+    resumed: bool = False
+
+    @property
+    def identical(self) -> bool:
+        return bool(self.common_steps) and self.first_step is None and self.resumed
+
+
+def compare_roots(reference: str, resumed: str) -> Report:
+    """Every step committed in both roots, compared leaf by leaf (tensors by their bytes)."""
+    a, b = open_storage(reference), open_storage(resumed)
+    steps_a, steps_b = set(list_committed(a)), set(list_committed(b))
+    common = sorted(steps_a & steps_b)
+    report = Report(common, sorted(steps_a - steps_b), sorted(steps_b - steps_a), None)
+    for step in common:
+        diffs = _compare_step(a, b, step)
+        if diffs:
+            report.first_step, report.differences = step, diffs
+            report.causes = likely_causes(diffs, report)
+            break
+    return report
+
+
+def _compare_step(a: Any, b: Any, step: int) -> list[Difference]:
+    trees_a, trees_b = _trees(a, step), _trees(b, step)
+    out = []
+    for where in sorted(set(trees_a) | set(trees_b)):
+        name = where
+        left = dict(_leaves(trees_a.get(name, {})))
+        right = dict(_leaves(trees_b.get(name, {})))
+        for path in sorted(set(left) | set(right)):
+            if path in ("step", "epoch", "world_size", "rank"):
+                continue
+            x, y = left.get(path, _MISSING), right.get(path, _MISSING)
+            if not _same(x, y):
+                entry, _, inner = path.partition("/")
+                if entry == "entries":
+                    entry, _, inner = inner.partition("/")
+                out.append(Difference(step, where, entry, inner, _describe(x, y)))
+    return out
+
+
+def _trees(storage: Any, step: int) -> dict[str, Any]:
+    """The step's trees by role ("replicated", "rank R", "shards of rank R"): file names carry
+    the writer's generation, which differs between the runs by design."""
+    from .inspection import load_trees
+
+    return {_where(name): tree for name, tree in load_trees(storage, step).items()}
+
+
+def _where(file: str) -> str:
+    if file.startswith("ranks/rank-"):
+        return f"rank {int(file[len('ranks/rank-'):].split('.')[0])}"
+    if file.startswith("shards/rank-"):
+        return f"shards of rank {int(file[len('shards/rank-'):].split('.')[0])}"
+    return "replicated"
+
+
+_MISSING = object()
+
+
+def _leaves(value: Any, path: str = "") -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [kv for k, v in value.items() for kv in _leaves(v, f"{path}/{k}" if path else str(k))]
+    if isinstance(value, (list, tuple)) and len(value) > 0 and any(isinstance(v, (dict, list, tuple, torch.Tensor))
+                                                                     for v in value):
+        return [kv for i, v in enumerate(value) for kv in _leaves(v, f"{path}/{i}")]
+    return [(path, value)]
+
+
+def _same(x: Any, y: Any) -> bool:
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return x.dtype == y.dtype and x.shape == y.shape and (x.numel() == 0 or torch.equal(
+            x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8)))
+    if isinstance(x, float) and isinstance(y, float):
+        return struct.pack("<d", x) == struct.pack("<d", y)
+    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(_same(p, q) for p, q in zip(x, y))
+    return type(x) is type(y) and x == y
+
+
+def _describe(x: Any, y: Any) -> str:
+    if x is _MISSING or y is _MISSING:
+        return "only in the " + ("killed-and-resumed run" if x is _MISSING else "uninterrupted run")
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape and x.is_floating_point():
+        delta = (x.double() - y.double()).abs()
+        finite = delta[delta.isfinite()]
+        return f"{int((delta != 0).sum())} of {x.numel()} elements differ, max |diff| {float(finite.max()) if finite.numel() else math.inf:.3g}"
+    if isinstance(x, torch.Tensor):
+        return f"tensor {x.dtype}{list(x.shape)} vs {getattr(y, 'dtype', type(y).__name__)}{list(getattr(y, 'shape', []))}"
+    return f"{str(x)[:60]} uninterrupted, {str(y)[:60]} resumed"
+
+
+def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
+    """What usually makes these entries differ, and the fix."""
+    by_entry = {(d.where, d.entry) for d in diffs}
+    entries = {e for _, e in by_entry}
+    ranks = sorted({w for w, _ in by_entry if w.startswith("rank")})
+    causes = []
+    if any(d.entry == "loader" and "worker_rng" in d.path for d in diffs):
+        causes.append(f"{', '.join(ranks) or 'a rank'}: `loader` worker streams differ from step {report.first_step} → wrap "
+                      "the dataset with distckpt.with_worker_rng")
+    if any(d.entry == "sampler" and d.path.endswith("epoch") for d in diffs):
+        causes.append("the sampler's epoch differs → call sampler.set_epoch(epoch) at every epoch start "
+                      "(and pass epoch= to save)")
+    if any(d.path.startswith("training/") or "/training/" in d.path for d in diffs):
+        causes.append("a module's training flag differs → a validation pass left a submodule in eval mode "
+                      "differently; put the model in state as trained and call .train() after validation")
+    if any(d.entry == "loader" and "worker_rng" not in d.path for d in diffs):
+        causes.append("the loader's position differs → a batch drawn before the save (prefetching) is not in "
+                      "state; keep it there (see the README's loop patterns)")
+    if "rng" in entries:
+        causes.append("a process-wide stream (Python, NumPy, torch) differs → something draws random numbers "
+                      "at a different point after a resume (a fresh DDP/compile warm-up, an iterator created "
+                      "twice); look at what the loop does before its first step")
+    if not causes and entries & {"model", "optimizer", "scheduler"} or not causes:
+        causes.append(f"every captured stream equal at the step before, {', '.join(sorted(entries))} differ at step "
+                      f"{report.first_step} → a random stream outside `state` was drawn in between (a random.Random "
+                      "or np.random.Generator instance kept elsewhere, a dataset's own generator), or a batch "
+                      "drawn before the save; put it in `state` (distckpt.per_rank for per-rank objects)")
+    return causes
+
+
+# -- running the two jobs ----------------------------------------------------------------------------
+
+def run_doctor(command: list[str], kill_at: int, kill_rank: int | None = None, workdir: str | None = None,
+               timeout: float = 3600.0) -> Report:
+    workdir = workdir or tempfile.mkdtemp(prefix="distckpt-doctor-")
+    reference, killed = os.path.join(workdir, "uninterrupted"), os.path.join(workdir, "killed")
+    mark = os.path.join(workdir, "killed.mark")
+    _run(command, {ROOT_ENV: reference}, timeout, "the uninterrupted run")
+    env = {ROOT_ENV: killed, KILL_AFTER_ENV: str(kill_at), KILLED_MARK_ENV: mark}
+    if kill_rank is not None:
+        env[KILL_RANK_ENV] = str(kill_rank)
+    first = _run(command, env, timeout, "the killed run", check=False)
+    if first.returncode != 0 and os.path.exists(mark):
+        _run(command, env, timeout, "the relaunch after the kill")  # torchrun did not restart it
+    elif first.returncode != 0:
+        raise DistCkptError(f"the killed run failed before step {kill_at} was committed:\n{first.stderr[-2000:]}")
+    report = compare_roots(reference, killed)
+    report.resumed = os.path.exists(mark)
+    return report
+
+
+def _run(command: list[str], extra: dict[str, str], timeout: float, what: str,
+         check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, **extra}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise DistCkptError(f"{what} exited {result.returncode}:\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def report_text(report: Report) -> str:
+    lines = [f"steps committed by both runs: {report.common_steps}"]
+    if report.only_uninterrupted or report.only_killed:
+        lines.append(f"only uninterrupted: {report.only_uninterrupted}; only killed-and-resumed: {report.only_killed}")
+    if not report.resumed:
+        lines.append("the killed run never reached the step to kill at: nothing was proven")
+    if report.first_step is None:
+        lines.append("VERDICT: bitwise identical at every common step" if report.identical else "VERDICT: not proven")
+        return "\n".join(lines)
+    lines.append(f"VERDICT: differs — first at step {report.first_step}")
+    lines.append(f"{'where':<16} {'entry':<18} {'path':<40} detail")
+    for d in report.differences[:30]:
+        lines.append(f"{d.where:<16} {d.entry:<18} {d.path[:40]:<40} {d.detail}")
+    if len(report.differences) > 30:
+        lines.append(f"... and {len(report.differences) - 30} more")
+    lines += ["likely cause:"] + [f"  {c}" for c in report.causes]
+    return "\n".join(lines)
+
+
+def report_json(report: Report) -> str:
+    data = asdict(report)
+    data["identical"] = report.identical
+    return json.dumps(data, default=str)
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="distckpt doctor", description=__doc__.splitlines()[0])
+    p.add_argument("--kill-at", type=int, required=True, help="SIGKILL a rank right after the commit of this step")
+    p.add_argument("--kill-rank", type=int, help="which rank (default: the last)")
+    p.add_argument("--workdir", help="where the two runs' roots go (default: a temporary directory)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- the launch command, as you run it")
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        p.error("give the launch command after --")
+    start = time.monotonic()
+    try:
+        report = run_doctor(command, args.kill_at, args.kill_rank, args.workdir)
+    except (DistCkptError, OSError, subprocess.TimeoutExpired) as e:
+        print(json.dumps({"error": str(e)[-3000:]}) if args.json else f"distckpt doctor: {e}",
+              file=sys.stdout if args.json else sys.stderr)
+        return 2
+    print(report_json(report) if args.json else report_text(report) + f"\n({time.monotonic() - start:.0f} s)")
+    return 0 if report.identical else 1
+

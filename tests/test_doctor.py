@@ -1,0 +1,54 @@
+"""`distckpt doctor` on real torchrun jobs: a loop that resumes exactly passes; deliberately
+broken loops fail, naming the first step, the entry and the likely cause."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from distckpt import cli
+
+pytestmark = pytest.mark.slow
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _command(*options: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--monitor-interval", "0.5",
+            os.path.join(HERE, "zoo_loop.py"), "--ckpt", "/unused/the/doctor/overrides/it",
+            "--loss-log", "LOG", "--steps", "20", "--every", "5", *options]
+
+
+def _doctor(tmp_path, capsys, *options: str) -> tuple[int, dict]:
+    os.environ.setdefault("PYTHONPATH", ROOT)
+    command = [a.replace("LOG", str(tmp_path / "log")) for a in _command(*options)]
+    code = cli.main(["doctor", "--kill-at", "9", "--json", "--workdir", str(tmp_path / "doctor"), "--", *command])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_a_loop_that_resumes_exactly_passes(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    code, report = _doctor(tmp_path, capsys, "--workers", "2")
+    assert report["resumed"] and report["common_steps"] == [14, 19], report
+    assert code == 0 and report["identical"], report
+
+
+def test_an_uncaptured_random_stream_is_found_with_its_first_step(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    code, report = _doctor(tmp_path, capsys, "--unsaved-random")
+    assert code == 1 and report["first_step"] == 14, report
+    entries = {d["entry"] for d in report["differences"]}
+    assert {"model", "optimizer"} <= entries and "rng" not in entries
+    assert any("a random stream outside `state`" in c for c in report["causes"])
+
+
+@pytest.mark.faults
+def test_workers_without_with_worker_rng_are_named(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    code, report = _doctor(tmp_path, capsys, "--workers", "2", "--no-worker-rng")
+    assert code == 1, report
+    assert any("model" == d["entry"] for d in report["differences"])
