@@ -388,6 +388,8 @@ def _restore_module(module: nn.Module, saved: dict[str, Any]) -> None:
     sd._metadata = OrderedDict((k, dict(v)) for k, v in saved["metadata"].items())  # type: ignore[attr-defined]
     module.load_state_dict(sd, strict=True)
     flags = saved["training"]
+    if flags is None:
+        return  # imported from a file that never recorded them: the module keeps its own
     for name, sub in module.named_modules():
         sub.training = bool(flags[name])  # set each flag itself: .train() would overwrite children
 
@@ -435,6 +437,26 @@ def _restore_sampler(sampler: Any, saved: dict[str, Any]) -> None:
         sampler.generator.set_state(saved["generator"])
     if "inner" in saved:
         _restore_sampler(sampler.sampler, saved["inner"])
+
+
+IMPORTED = "imported"  # an entry of an imported torch.save / DCP checkpoint: its kind is the live entry's
+
+
+def normalize_imported(entry: Entry, saved: dict[str, Any]) -> dict[str, Any]:
+    """An imported entry shaped as the live entry's kind stores it (a module's state_dict gets
+    the module record around it, with no training flags); others are returned unchanged."""
+    if not isinstance(saved, dict) or saved.get("kind") != IMPORTED:
+        return saved
+    state = saved.get("state")
+    if entry.kind == "module":
+        if not isinstance(state, dict):
+            raise IncompatibleCheckpointError(f"state[{entry.key!r}]: the imported entry is not a state_dict")
+        return {"kind": "module", "state": {"state_dict": state, "metadata": {}, "training": None}}
+    if entry.kind in ("sharded_module", "sharded_optimizer"):
+        raise IncompatibleCheckpointError(
+            f"state[{entry.key!r}] is sharded (FSDP2) here; an imported checkpoint holds whole tensors: load "
+            "them into the unsharded model first (distckpt.load_weights), then shard it")
+    return {"kind": entry.kind, "state": state}
 
 
 def config_differences(saved: Any, current: Any, path: tuple[Any, ...] = ("config",)) -> list[str]:

@@ -8,6 +8,8 @@
     distckpt diff URL A B [--json]                    what changed between steps A and B
     distckpt doctor --kill-at N [--kill-rank R] [--json] -- <launch command>
                                                       does the job resume bit for bit? names what breaks it
+    distckpt import-torch FILE URL --trust-pickle [--world-size N] [--step S]   a torch.save file in
+    distckpt import-dcp DCP_DIR URL --trust-pickle [--world-size N] [--step S]  a DCP checkpoint in
     distckpt export URL OUT_DIR [--step N] [--entry model] [--dtype bf16] [--max-shard-size 5GB] [--json]
                                                       the model as Hugging Face safetensors, verified
 
@@ -213,6 +215,16 @@ def cmd_export(storage: Storage, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_import(storage: Storage, args: argparse.Namespace) -> int:
+    from .importing import import_dcp, import_torch
+
+    run = import_torch if args.command == "import-torch" else import_dcp
+    step = run(args.source, args.url, trust_pickle=args.trust_pickle, world_size=args.world_size, step=args.step)
+    _emit(args, {"url": args.url, "step": step, "world_size": args.world_size},
+          f"imported {args.source} into {args.url} as committed step {step} (world size {args.world_size})")
+    return EXIT_OK
+
+
 def _nbytes(dtype: Any, shape: list[int]) -> int:
     import math as _math
 
@@ -253,6 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--entry", default="model", help="the key of the model in `state` (default: model)")
     export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating-point tensors")
     export.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB (Hugging Face's convention)")
+    for name, what in (("import-torch", "a torch.save file"), ("import-dcp", "a torch.distributed.checkpoint directory")):
+        imp = sub.add_parser(name, help=f"{what} in, as a committed checkpoint")
+        imp.error = p.error  # type: ignore[method-assign]
+        imp.add_argument("source", help=what)
+        imp.add_argument("url", help="the new checkpoint root")
+        imp.add_argument("--trust-pickle", action="store_true", help="required: the source is a pickle")
+        imp.add_argument("--world-size", type=int, default=1, help="ranks of the job that will resume from it")
+        imp.add_argument("--step", type=int, help="the step to commit it as (default: its 'step', else 0)")
+        imp.add_argument("--json", action="store_true")
     diff = command("diff", "what changed between two steps")
     diff.add_argument("a", type=int)
     diff.add_argument("b", type=int)
@@ -260,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune": cmd_prune,
-            "gc": cmd_gc, "diff": cmd_diff, "export": cmd_export}
+            "gc": cmd_gc, "diff": cmd_diff, "export": cmd_export, "import-torch": cmd_import,
+            "import-dcp": cmd_import}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args, "--keep-last must be >= 1", EXIT_USAGE)
     try:
         storage = open_storage(args.url)
-        if not _root_exists(storage, args.url):
+        if not args.command.startswith("import") and not _root_exists(storage, args.url):
             return _fail(args, f"{args.url}: no such checkpoint root (nothing is stored there)", EXIT_USAGE)
         code = COMMANDS[args.command](storage, args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below

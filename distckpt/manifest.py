@@ -229,7 +229,7 @@ def _is_count(value: Any) -> bool:
 
 
 _ABSENT = object()
-_OPTIONAL = {"generation", "sharded", "payload_bytes"}  # older writers, unsharded saves
+_OPTIONAL = {"generation", "sharded", "payload_bytes", "imported"}  # older writers, unsharded saves, imports
 
 
 def _is_entry_kinds(value: Any) -> bool:
@@ -259,6 +259,7 @@ _FIELDS: list[tuple[str, Any, str]] = [
      "an object of version strings"),
     ("ranks", lambda v: isinstance(v, list) and all(isinstance(r, dict) for r in v), "a list of objects"),
     ("sharded", lambda v: v is None or isinstance(v, dict), "an object"),
+    ("imported", lambda v: isinstance(v, str), "the source's description"),
 ]
 _RANK_FIELDS: list[tuple[str, Any, str]] = [
     ("rank", _is_count, "an int >= 0"),

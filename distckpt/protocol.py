@@ -44,6 +44,7 @@ from .capture import (
     capture_entry,
     capture_rank_buffers,
     loading_entry,
+    normalize_imported,
     resolve_sharded_entry,
     restore_entry,
     use_rank_buffers,
@@ -117,6 +118,7 @@ class StagedSave:
     timings: dict[str, float] = field(default_factory=dict)
     shard_meta: dict[str, dict[str, Any]] = field(default_factory=dict)  # global dtype/shape by name
     shard_report_keys: list[str] = field(default_factory=list)           # one per rank; [] if none
+    manifest_extra: dict[str, Any] = field(default_factory=dict)        # imports: {"imported": source}
 
 
 @dataclass
@@ -325,6 +327,7 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
     }
     if table is not None:
         manifest["sharded"] = table
+    manifest.update(staged.manifest_extra)
     data = mf.manifest_bytes(manifest)
     create_manifest(storage, base, data, gen, policy, staged.step)
     digest = mf.checksum_of(data)
@@ -416,7 +419,8 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
     except MissingFileError as e:
         raise CorruptCheckpointError(f"{where}: {e}") from e
     replicated_name, rank_names = mf.payload_names(manifest)
-    if manifest["world_size"] != world_size and world_size_policy in ("reshard", "replicated_only"):
+    imported = bool(manifest.get("imported"))  # from torch.save / DCP: no per-rank state in the source
+    if imported or (manifest["world_size"] != world_size and world_size_policy in ("reshard", "replicated_only")):
         replicated = _read_tree(storage, base, replicated_name, manifest, where)
         own: dict[str, Any] = {"epoch": manifest.get("epoch"), "rank": rank, "entries": {}, "rng": None}
         return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, per_rank_restored=False)
@@ -547,6 +551,9 @@ def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: t
         check_process_rng(read.own.get("rng"), f"step {read.step}, rank {world[0]}")
     if read.per_rank_restored and "buffers" in read.own:
         use_rank_buffers(read.replicated["entries"], read.own["buffers"], f"step {read.step}, rank {world[0]}")
+    for entry in entries:
+        if entry.key in read.replicated["entries"]:
+            read.replicated["entries"][entry.key] = normalize_imported(entry, read.replicated["entries"][entry.key])
     saved = {**read.replicated["entries"], **read.own["entries"]}
     for entry in entries:
         if entry.scope == PER_RANK and not read.per_rank_restored:
@@ -564,6 +571,13 @@ def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: t
 
 
 def _warn_per_rank_kept(read: ReadCheckpoint, coord: Coordinator, kept: list[str]) -> None:
+    if read.manifest.get("imported"):
+        message = (f"rank {coord.rank}: step {read.step} was imported from {read.manifest['imported']}, which holds no "
+                   f"per-rank state: the RNG streams and the per-rank entries {kept} keep what this process set. "
+                   "The run continues from the imported state, not bit for bit.")
+        log.warning(message)
+        warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
+        return
     message = (f"rank {coord.rank}: step {read.step} was written by {read.manifest['world_size']} ranks and "
                f"is loaded by {coord.world_size} (world_size_policy='reshard'): replicated and sharded state "
                f"restored; kept as this process set them, not restored: the RNG streams (Python, NumPy, "

@@ -61,11 +61,12 @@ def _module(module: nn.Module, saved: dict[str, Any], where: str, world: tuple[i
              if k in stored and isinstance(v, torch.Tensor) and isinstance(stored[k], torch.Tensor)
              and tuple(v.shape) != tuple(stored[k].shape)]
     names = {name for name, _ in module.named_modules()}
-    if missing or unexpected or wrong or set(saved["training"]) != names:
+    flags = saved["training"]
+    if missing or unexpected or wrong or (flags is not None and set(flags) != names):
         raise IncompatibleCheckpointError(
             f"{where} does not match the checkpoint: missing keys {missing[:5]}, unexpected keys "
             f"{unexpected[:5]}, shape mismatches {wrong[:5]}, submodules "
-            f"{sorted(set(saved['training']) ^ names)[:5]}; build the same model as the run that saved")
+            f"{sorted(set(flags or names) ^ names)[:5]}; build the same model as the run that saved")
     if not rules.allow_dtype_cast:
         _check_dtypes(current, stored, where)
 

@@ -1,0 +1,110 @@
+"""Existing checkpoints in: a `torch.save` file or a `torch.distributed.checkpoint` directory
+written as a committed distckpt checkpoint that a resuming job loads with `load_latest`.
+
+Both sources are pickles (torch.save files; DCP's `.metadata`), so reading them can run code:
+the caller must say it trusts the file (`trust_pickle=True`, `--trust-pickle`). What comes out is
+safe to open anywhere, as every distckpt checkpoint. Each top-level key of the source becomes an
+entry that restores into whatever the resuming job's `state` holds under that key: a module's
+state_dict into the module (training flags are not in the source: the module keeps its own), an
+optimizer's into the optimizer, a plain value as a value. The source holds no per-rank state
+(RNG streams, loader positions): a job resuming from an import keeps its own, with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from typing import Any
+
+from .capture import IMPORTED
+from .commit import list_committed
+from .errors import CheckpointExistsError, ConfigError, UnstorableValueError
+from .fencing import acquire
+from .protocol import StagedSave, write_and_commit
+from .serialize import encode_tree, safetensors_chunks
+from .storage import open_storage
+from .versions import collect_versions
+
+PICKLE_WARNING = ("{source} is a pickle: loading it can run any code it holds. Pass --trust-pickle "
+                  "(trust_pickle=True) only for files you or a trusted job wrote; the checkpoint "
+                  "written from it never needs unpickling again.")
+
+
+def import_torch(file: str, url: str, *, trust_pickle: bool = False, world_size: int = 1,
+                 step: int | None = None, storage_options: dict[str, Any] | None = None) -> int:
+    """Write `file` (a torch.save of a dict of state_dicts and values) as a committed checkpoint
+    at `url`; returns its step (from the file's "step"/"global_step", else `step`, else 0)."""
+    if not trust_pickle:
+        raise ConfigError(PICKLE_WARNING.format(source=file))
+    import torch
+
+    obj = torch.load(file, map_location="cpu", weights_only=False)  # the caller vouched for it
+    return _write_import(obj, url, f"torch.save file {os.path.basename(file)}", world_size, step, storage_options)
+
+
+def import_dcp(directory: str, url: str, *, trust_pickle: bool = False, world_size: int = 1,
+               step: int | None = None, storage_options: dict[str, Any] | None = None) -> int:
+    """Write a DCP checkpoint directory (any world size that wrote it) as a committed checkpoint."""
+    if not trust_pickle:
+        raise ConfigError(PICKLE_WARNING.format(source=os.path.join(directory, ".metadata")))
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory(prefix="distckpt-import-") as tmp:
+        whole = os.path.join(tmp, "whole.pt")
+        dcp_to_torch_save(directory, whole)  # one process, no process group
+        import torch
+
+        obj = torch.load(whole, map_location="cpu", weights_only=False)
+    return _write_import(_optimizer_keys_as_ints(obj), url, f"DCP checkpoint {os.path.basename(os.path.normpath(directory))}",
+                         world_size, step, storage_options)
+
+
+def _write_import(obj: Any, url: str, source: str, world_size: int, step: int | None,
+                  storage_options: dict[str, Any] | None) -> int:
+    if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
+        raise UnstorableValueError(f"{source} holds a {type(obj).__name__}; an import needs a dict of named "
+                                   "entries (e.g. {'model': model.state_dict(), 'optimizer': opt.state_dict()})")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size={world_size!r}: must be an int >= 1 (the ranks of the resuming job)")
+    step = _step_of(obj, step)
+    epoch = obj.get("epoch") if type(obj.get("epoch")) is int and obj["epoch"] >= 0 else None
+    storage = open_storage(url, storage_options)
+    if step in list_committed(storage):
+        raise CheckpointExistsError(17, f"step {step} is already committed at {storage.url}; import into a new root")
+    entries = {key: {"kind": IMPORTED, "state": value} for key, value in obj.items()}
+    replicated = encode_tree({"step": step, "epoch": epoch, "entries": entries}, ("imported",))
+    rank_files = [b"".join(safetensors_chunks(encode_tree(
+        {"step": step, "epoch": epoch, "rank": r, "world_size": world_size, "rng": None, "entries": {}})))
+        for r in range(world_size)]
+    run_id = uuid.uuid4().hex
+    ranks: list[dict[str, Any]] = [{"rank": r, "step": step, "epoch": epoch, "host": "import", "pid": os.getpid(),
+              "per_rank_entries": [], "generation": None} for r in range(world_size)]
+    kinds = {key: {"scope": "replicated", "kind": IMPORTED} for key in obj}
+    staged = StagedSave(step, epoch, None, run_id, replicated, rank_files, ranks, kinds,
+                        {"capture_s": 0.0, "gather_s": 0.0}, manifest_extra={"imported": source})
+    write_and_commit(storage, staged, collect_versions(), acquire(storage, run_id, None))
+    return step
+
+
+def _optimizer_keys_as_ints(value: Any) -> Any:
+    """DCP flattens keys to strings: an optimizer's per-parameter state comes back under "0", "1"
+    while its param_groups still list 0, 1. Put the ints back, so load_state_dict matches them."""
+    if isinstance(value, dict):
+        if isinstance(value.get("state"), dict) and isinstance(value.get("param_groups"), list):
+            state = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in value["state"].items()}
+            return {**value, "state": state}
+        return {k: _optimizer_keys_as_ints(v) for k, v in value.items()}
+    return value
+
+
+def _step_of(obj: dict[str, Any], step: int | None) -> int:
+    if step is not None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step={step!r}: must be an int >= 0")
+        return step
+    for key in ("step", "global_step", "iteration"):
+        if type(obj.get(key)) is int and obj[key] >= 0:
+            return int(obj[key])
+    return 0
+

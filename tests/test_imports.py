@@ -1,0 +1,79 @@
+"""Existing checkpoints in: torch.save files and DCP directories become committed checkpoints
+a job resumes from with load_latest; both are pickles, so the flag is required."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import distckpt
+from distckpt import cli
+
+
+def _trained():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(3):
+        model(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _fresh():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _assert_resumed(url, model, opt, step):
+    fresh, fresh_opt = _fresh()
+    with distckpt.CheckpointManager(url) as mgr:
+        with pytest.warns(distckpt.CheckpointFallbackWarning, match="imported"):
+            progress = mgr.load_latest({"model": fresh, "optimizer": fresh_opt})
+        assert progress.step == step
+        mgr.save(step + 1, {"model": fresh, "optimizer": fresh_opt})  # the resumed job goes on saving
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
+    sa, sb = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    assert all(torch.equal(sa[i]["exp_avg"], sb[i]["exp_avg"]) and torch.equal(sa[i]["step"], sb[i]["step"]) for i in sa)
+
+
+def test_a_torch_save_file_imports_and_resumes(tmp_path):
+    model, opt = _trained()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 300, "epoch": 2}, tmp_path / "c.pt")
+    assert cli.main(["import-torch", str(tmp_path / "c.pt"), str(tmp_path / "root"), "--trust-pickle"]) == 0
+    assert cli.main(["verify", str(tmp_path / "root")]) == 0
+    _assert_resumed(str(tmp_path / "root"), model, opt, 300)
+
+
+def test_an_import_without_trust_is_refused_saying_why(tmp_path, capsys):
+    model, opt = _trained()
+    torch.save({"model": model.state_dict()}, tmp_path / "c.pt")
+    assert cli.main(["import-torch", str(tmp_path / "c.pt"), str(tmp_path / "root")]) == 2
+    assert "is a pickle" in capsys.readouterr().err
+    assert not (tmp_path / "root").exists()
+
+
+def test_a_dcp_checkpoint_imports_and_resumes(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _trained()
+    dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+    assert cli.main(["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "root"), "--trust-pickle",
+                     "--step", "40"]) == 0
+    _assert_resumed(str(tmp_path / "root"), model, opt, 40)
+
+
+def test_an_import_for_two_ranks_is_loadable_by_a_two_rank_job(tmp_path):
+    model, opt = _trained()
+    torch.save({"model": model.state_dict()}, tmp_path / "c.pt")
+    from distckpt.importing import import_torch
+
+    import_torch(str(tmp_path / "c.pt"), str(tmp_path / "root"), trust_pickle=True, world_size=2)
+    import json
+
+    manifest = json.load(open(tmp_path / "root" / "step-000000000" / "manifest.json"))
+    assert manifest["world_size"] == 2 and manifest["imported"].startswith("torch.save")
