@@ -30,6 +30,7 @@ def _doctor(tmp_path, capsys, *options: str) -> tuple[int, dict]:
     return code, json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.faults  # make test-faults; make test runs the broken loop below (both need both runs)
 def test_a_loop_that_resumes_exactly_passes(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ROOT)
     code, report = _doctor(tmp_path, capsys, "--workers", "2")

@@ -40,7 +40,7 @@ ZOO = [
     pytest.param(4, ["--compile", "--accum", "2", "--ema"], "23", id="compiled-no-sync-ema-4ranks", marks=faults),
     # A second resume inside the same epoch, the loader without a generator.
     pytest.param(2, ["--every", "2", "--no-loader-gen", "--sampler", "random"], "20,22",
-                 id="two-resumes-in-one-epoch"),
+                 id="two-resumes-in-one-epoch", marks=faults),
     pytest.param(2, ["--sampler", "random", "--workers", "2", "--optim", "adam", "--sched", "onecycle",
                      "--prefetch", "--async"], "23", id="plain-shuffle-workers-prefetch-async", marks=faults),
     pytest.param(4, ["--workers", "2", "--no-loader-gen", "--every", "3"], "17,19", id="4ranks-workers-two-resumes",

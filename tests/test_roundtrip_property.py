@@ -20,7 +20,7 @@ from torch import nn
 import distckpt
 from distckpt.serialize import encode_tree, load_tree_file, safetensors_chunks
 
-EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "40"))
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool]
 
