@@ -63,6 +63,12 @@ def _mutate_json(obj, path, value, delete):
         obj[last] = value
 
 
+def _mutate_some_field(data, doc) -> None:
+    """Draw one field of `doc` (at any depth) and give it a hostile value, or delete it."""
+    path = data.draw(st.sampled_from(_paths(doc)))
+    _mutate_json(doc, path, data.draw(hostile_values), delete=data.draw(st.booleans()))
+
+
 def _paths(obj, prefix=()):
     """Every (path) to a field of a JSON object, depth-first."""
     out = []
@@ -106,8 +112,7 @@ def test_a_mutated_manifest_is_refused_or_loads_identically(tmp_path_factory, da
     original = _build(root)
     step_dir = _step_dir(root)
     manifest = json.load(open(os.path.join(step_dir, "manifest.json")))
-    path = data.draw(st.sampled_from(_paths(manifest)))
-    _mutate_json(manifest, path, data.draw(hostile_values), delete=data.draw(st.booleans()))
+    _mutate_some_field(data, manifest)
     _resign_manifest(step_dir, manifest)
     _load_is_refused_or_identical(root, original)
 
@@ -120,8 +125,7 @@ def test_a_mutated_marker_or_lease_is_refused_or_loads_identically(tmp_path_fact
     lease = os.path.join(root, "fence", sorted(os.listdir(os.path.join(root, "fence")))[0])
     which = data.draw(st.sampled_from([os.path.join(_step_dir(root), "COMMITTED"), lease]))
     doc = json.load(open(which))
-    key = data.draw(st.sampled_from(sorted(doc)))
-    _mutate_json(doc, (key,), data.draw(hostile_values), delete=data.draw(st.booleans()))
+    _mutate_some_field(data, doc)
     with open(which, "w") as f:
         json.dump(doc, f)
     _load_is_refused_or_identical(root, original)
@@ -138,8 +142,7 @@ def test_a_mutated_safetensors_header_is_refused_or_loads_identically(tmp_path_f
     blob = open(os.path.join(step_dir, name), "rb").read()
     (n,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8:8 + n])
-    path = data.draw(st.sampled_from(_paths(header)))
-    _mutate_json(header, path, data.draw(hostile_values), delete=data.draw(st.booleans()))
+    _mutate_some_field(data, header)
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     new = struct.pack("<Q", len(raw)) + raw + blob[8 + n:]
