@@ -183,6 +183,7 @@ def test_the_s3_service_commands_serve_answer_and_make_a_bucket(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.faults  # make test-faults; CI runs the same topology in containers (make compose-demo)
 def test_cluster_sh_kills_a_node_and_the_job_resumes_bitwise(tmp_path):
     result = subprocess.run([os.path.join(ROOT, "launch", "cluster.sh"), "--workdir", str(tmp_path)],
                             capture_output=True, text=True, timeout=1200,

@@ -13,7 +13,9 @@ pytestmark = pytest.mark.slow
 
 
 # Without loader workers is in make test-faults: with 2 workers covers the same path and more.
-@pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.faults), 2])
+# make test-faults runs both; make test covers this path with the loop zoo's 2-worker DDP case and
+# `make demo` runs it as the main job.
+@pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.faults), pytest.param(2, marks=pytest.mark.faults)])
 def test_two_ranks_killed_between_checkpoints(tmp_path, workers):
     # Steps 0-32 are epoch 0 (33 steps per epoch): the resume lands mid-epoch 1 and then
     # crosses two epoch boundaries.

@@ -78,7 +78,7 @@ def assert_identical(a, b, path="value", seen=None):
     assert type(a) is type(b), f"{path}: {type(a).__name__} saved, {type(b).__name__} loaded"
     if isinstance(a, torch.Tensor):
         assert (a.dtype, a.shape, a.requires_grad) == (b.dtype, b.shape, b.requires_grad), path
-        if a.is_contiguous() or a.is_contiguous(memory_format=torch.channels_last) or _dense(a):
+        if a.numel() and (a.is_contiguous() or a.is_contiguous(memory_format=torch.channels_last) or _dense(a)):
             assert a.stride() == b.stride(), f"{path}: strides {a.stride()} saved, {b.stride()} loaded"
         assert torch.equal(a.detach().contiguous().view(-1).view(torch.uint8) if a.numel() else a.detach(),
                            b.detach().contiguous().view(-1).view(torch.uint8) if b.numel() else b.detach()), path
