@@ -1,6 +1,6 @@
 """`distckpt doctor`: prove that a training script resumes bit for bit, and name what breaks it.
 
-    distckpt doctor [--kill-at N] [--kill-rank R] [--json] [--workdir DIR] -- <launch command ...>
+    distckpt doctor [--kill-at N] [--steps M] [--kill-rank R] [--json] [--workdir DIR] -- <launch command ...>
 
 Runs the user's command unchanged, twice, each into a checkpoint root of its own: every
 CheckpointManager of the job uses the root in DISTCKPT_DOCTOR_ROOT instead of its URL (the
@@ -36,6 +36,8 @@ ROOT_ENV = "DISTCKPT_DOCTOR_ROOT"
 KILL_AFTER_ENV = "DISTCKPT_DOCTOR_KILL_AFTER"
 KILL_RANK_ENV = "DISTCKPT_DOCTOR_KILL_RANK"
 KILLED_MARK_ENV = "DISTCKPT_DOCTOR_KILLED_MARK"
+STOP_AFTER_ENV = "DISTCKPT_DOCTOR_STOP_AFTER"
+FIRST = "first"  # --kill-at not given: kill after the first commit of the run
 
 
 # -- the hooks the manager calls ---------------------------------------------------------------
@@ -46,10 +48,21 @@ def root_override(url: Any) -> Any:
 
 
 def after_commit(step: int, rank: int, world_size: int) -> None:
-    """SIGKILL this rank right after the commit of the doctor's step (once per doctor run)."""
+    """Called on every rank once the commit of `step` is known everywhere. Under the doctor: the
+    chosen rank SIGKILLs itself after the chosen commit (once per doctor run), and with --steps
+    every rank ends the job after the commit of that step (all ranks decide alike)."""
+    stop = os.environ.get(STOP_AFTER_ENV)
+    _maybe_kill(step, rank, world_size)
+    if stop is not None and step >= int(stop):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _maybe_kill(step: int, rank: int, world_size: int) -> None:
     target = os.environ.get(KILL_AFTER_ENV)
     mark = os.environ.get(KILLED_MARK_ENV)
-    if target is None or mark is None or int(target) != step:
+    if target is None or mark is None or (target != FIRST and int(target) != step):
         return
     if rank != int(os.environ.get(KILL_RANK_ENV, world_size - 1)) % max(world_size, 1):
         return
@@ -205,13 +218,14 @@ def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
 
 # -- running the two jobs ----------------------------------------------------------------------------
 
-def run_doctor(command: list[str], kill_at: int, kill_rank: int | None = None, workdir: str | None = None,
-               timeout: float = 3600.0) -> Report:
+def run_doctor(command: list[str], kill_at: int | None, kill_rank: int | None = None, workdir: str | None = None,
+               timeout: float = 3600.0, steps: int | None = None) -> Report:
     workdir = workdir or tempfile.mkdtemp(prefix="distckpt-doctor-")
     reference, killed = os.path.join(workdir, "uninterrupted"), os.path.join(workdir, "killed")
     mark = os.path.join(workdir, "killed.mark")
-    _run(command, {ROOT_ENV: reference}, timeout, "the uninterrupted run")
-    env = {ROOT_ENV: killed, KILL_AFTER_ENV: str(kill_at), KILLED_MARK_ENV: mark}
+    stop = {STOP_AFTER_ENV: str(steps)} if steps is not None else {}
+    _run(command, {ROOT_ENV: reference, **stop}, timeout, "the uninterrupted run")
+    env = {ROOT_ENV: killed, KILL_AFTER_ENV: FIRST if kill_at is None else str(kill_at), KILLED_MARK_ENV: mark, **stop}
     if kill_rank is not None:
         env[KILL_RANK_ENV] = str(kill_rank)
     first = _run(command, env, timeout, "the killed run", check=False)
@@ -262,7 +276,8 @@ def main(argv: list[str]) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="distckpt doctor", description=__doc__.splitlines()[0])
-    p.add_argument("--kill-at", type=int, required=True, help="SIGKILL a rank right after the commit of this step")
+    p.add_argument("--kill-at", type=int, help="SIGKILL a rank right after the commit of this step (default: the first)")
+    p.add_argument("--steps", type=int, help="end both runs after the commit of this step (the manager exits the job)")
     p.add_argument("--kill-rank", type=int, help="which rank (default: the last)")
     p.add_argument("--workdir", help="where the two runs' roots go (default: a temporary directory)")
     p.add_argument("--json", action="store_true")
@@ -273,7 +288,7 @@ def main(argv: list[str]) -> int:
         p.error("give the launch command after --")
     start = time.monotonic()
     try:
-        report = run_doctor(command, args.kill_at, args.kill_rank, args.workdir)
+        report = run_doctor(command, args.kill_at, args.kill_rank, args.workdir, steps=args.steps)
     except (DistCkptError, OSError, subprocess.TimeoutExpired) as e:
         print(json.dumps({"error": str(e)[-3000:]}) if args.json else f"distckpt doctor: {e}",
               file=sys.stdout if args.json else sys.stderr)

@@ -48,6 +48,15 @@ def test_an_uncaptured_random_stream_is_found_with_its_first_step(tmp_path, caps
 
 
 @pytest.mark.faults
+def test_steps_ends_both_runs_early_and_the_kill_defaults_to_the_first_commit(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    command = [a.replace("LOG", str(tmp_path / "log")) for a in _command()]
+    code = cli.main(["doctor", "--steps", "9", "--json", "--workdir", str(tmp_path / "doctor"), "--", *command])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["common_steps"] == [4, 9] and report["resumed"], report
+
+
+@pytest.mark.faults
 def test_workers_without_with_worker_rng_are_named(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ROOT)
     code, report = _doctor(tmp_path, capsys, "--workers", "2", "--no-worker-rng")
