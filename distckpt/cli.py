@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from typing import Any, NoReturn
@@ -288,8 +289,6 @@ COMMANDS = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune":
 def main(argv: list[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     if raw[:1] == ["doctor"]:  # its own parser: everything after -- is the user's command
-        from .doctor import main as doctor_main
-
         return doctor_main(raw[1:])
     _ARGV[:] = list(argv or [])
     args = build_parser().parse_args(argv)
@@ -307,6 +306,32 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     except (DistCkptError, OSError) as e:
         return _fail(args, str(e), EXIT_USAGE)
+
+
+def doctor_main(argv: list[str]) -> int:
+    """`distckpt doctor`: its own parser, since everything after -- is the user's command."""
+    from .doctor import report_json, report_text, run_doctor
+
+    p = argparse.ArgumentParser(prog="distckpt doctor", description="does the job resume bit for bit? names what breaks it")
+    p.add_argument("--kill-at", type=int, help="SIGKILL a rank right after the commit of this step (default: the first)")
+    p.add_argument("--steps", type=int, help="end both runs after the commit of this step (the manager exits the job)")
+    p.add_argument("--kill-rank", type=int, help="which rank (default: the last)")
+    p.add_argument("--workdir", help="where the two runs' roots go (default: a temporary directory)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- the launch command, as you run it")
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        p.error("give the launch command after --")
+    start = time.monotonic()
+    try:
+        report = run_doctor(command, args.kill_at, args.kill_rank, args.workdir, steps=args.steps)
+    except (DistCkptError, OSError, subprocess.TimeoutExpired) as e:
+        print(json.dumps({"error": str(e)[-3000:]}) if args.json else f"distckpt doctor: {e}",
+              file=sys.stdout if args.json else sys.stderr)
+        return 2
+    print(report_json(report) if args.json else report_text(report) + f"\n({time.monotonic() - start:.0f} s)")
+    return 0 if report.identical else 1
 
 
 def _root_exists(storage: Storage, url: str) -> bool:

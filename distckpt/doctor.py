@@ -22,7 +22,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -270,29 +269,3 @@ def report_json(report: Report) -> str:
     data = asdict(report)
     data["identical"] = report.identical
     return json.dumps(data, default=str)
-
-
-def main(argv: list[str]) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="distckpt doctor", description=__doc__.splitlines()[0])
-    p.add_argument("--kill-at", type=int, help="SIGKILL a rank right after the commit of this step (default: the first)")
-    p.add_argument("--steps", type=int, help="end both runs after the commit of this step (the manager exits the job)")
-    p.add_argument("--kill-rank", type=int, help="which rank (default: the last)")
-    p.add_argument("--workdir", help="where the two runs' roots go (default: a temporary directory)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- the launch command, as you run it")
-    args = p.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        p.error("give the launch command after --")
-    start = time.monotonic()
-    try:
-        report = run_doctor(command, args.kill_at, args.kill_rank, args.workdir, steps=args.steps)
-    except (DistCkptError, OSError, subprocess.TimeoutExpired) as e:
-        print(json.dumps({"error": str(e)[-3000:]}) if args.json else f"distckpt doctor: {e}",
-              file=sys.stdout if args.json else sys.stderr)
-        return 2
-    print(report_json(report) if args.json else report_text(report) + f"\n({time.monotonic() - start:.0f} s)")
-    return 0 if report.identical else 1
-

@@ -26,9 +26,10 @@ from .serialize import encode_tree, safetensors_chunks
 from .storage import open_storage
 from .versions import collect_versions
 
-PICKLE_WARNING = ("{source} is a pickle: loading it can run any code it holds. Pass --trust-pickle "
-                  "(trust_pickle=True) only for files you or a trusted job wrote; the checkpoint "
-                  "written from it never needs unpickling again.")
+PICKLE_WARNING = ("{source} is a pickle: loading it can run code it holds (distckpt reads it with torch's "
+                  "restricted weights_only unpickler, and DCP's metadata with torch's own reader). Pass "
+                  "--trust-pickle (trust_pickle=True) only for files you or a trusted job wrote; the "
+                  "checkpoint written from it never needs unpickling again.")
 
 
 def import_torch(file: str, url: str, *, trust_pickle: bool = False, world_size: int = 1,
@@ -37,10 +38,8 @@ def import_torch(file: str, url: str, *, trust_pickle: bool = False, world_size:
     at `url`; returns its step (from the file's "step"/"global_step", else `step`, else 0)."""
     if not trust_pickle:
         raise ConfigError(PICKLE_WARNING.format(source=file))
-    import torch
-
-    obj = torch.load(file, map_location="cpu", weights_only=False)  # the caller vouched for it
-    return _write_import(obj, url, f"torch.save file {os.path.basename(file)}", world_size, step, storage_options)
+    return _write_import(_load_weights_only(file), url, f"torch.save file {os.path.basename(file)}", world_size,
+                         step, storage_options)
 
 
 def import_dcp(directory: str, url: str, *, trust_pickle: bool = False, world_size: int = 1,
@@ -53,11 +52,23 @@ def import_dcp(directory: str, url: str, *, trust_pickle: bool = False, world_si
     with tempfile.TemporaryDirectory(prefix="distckpt-import-") as tmp:
         whole = os.path.join(tmp, "whole.pt")
         dcp_to_torch_save(directory, whole)  # one process, no process group
-        import torch
-
-        obj = torch.load(whole, map_location="cpu", weights_only=False)
+        obj = _load_weights_only(whole)
     return _write_import(_optimizer_keys_as_ints(obj), url, f"DCP checkpoint {os.path.basename(os.path.normpath(directory))}",
                          world_size, step, storage_options)
+
+
+def _load_weights_only(file: str) -> Any:
+    """torch.load with weights_only=True: torch's restricted unpickler, which builds tensors and
+    plain containers only, so even a trusted file cannot run code here; what it refuses (a
+    pickled class) could not be stored as a checkpoint value anyway."""
+    import torch
+
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError, RuntimeError or others for refused globals
+        raise UnstorableValueError(
+            f"{file} holds more than tensors and plain values ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            "save a dict of state_dicts and plain values (e.g. vars(args), not args) and import that") from e
 
 
 def _write_import(obj: Any, url: str, source: str, world_size: int, step: int | None,

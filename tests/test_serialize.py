@@ -150,17 +150,20 @@ def test_loading_never_unpickles(tmp_path):
 
 def test_no_code_path_unpickles():
     """No module unpickles, except importing.py, which reads torch.save / DCP sources only behind
-    trust_pickle=True (tests/test_imports.py checks the refusal without it)."""
+    trust_pickle=True and with torch's restricted weights_only=True unpickler (tests/test_imports.py
+    checks the refusal without the flag)."""
     pkg = os.path.dirname(distckpt.__file__)
     offenders = []
     for root, _, files in os.walk(pkg):
         for name in files:
-            if name.endswith(".py") and name != "importing.py":
+            if name.endswith(".py") and name != "importing.py":  # checked on its own below
                 text = open(os.path.join(root, name)).read()
                 for bad in ("pickle.load", "torch.load(", "weights_only=False", "import pickle", "cPickle"):
                     if bad in text:
                         offenders.append(f"{name}: {bad}")
     assert offenders == []
+    importing = open(os.path.join(pkg, "importing.py")).read()
+    assert "weights_only=False" not in importing and "pickle.load" not in importing
 
 
 def _deep_equal(a, b) -> bool:
