@@ -28,6 +28,11 @@ class AsyncWriter:
     def busy(self) -> bool:
         return self._thread is not None
 
+    @property
+    def finished(self) -> bool:
+        """A submitted job has ended and waits to be collected by wait()."""
+        return self._thread is not None and not self._thread.is_alive()
+
     def submit(self, fn: Callable[[], Any], description: str) -> None:
         if self._thread is not None:
             raise RuntimeError("a background save is already in flight; call wait() first")

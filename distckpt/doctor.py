@@ -46,6 +46,12 @@ def root_override(url: Any) -> Any:
     return os.environ.get(ROOT_ENV) or url
 
 
+def local_override(local_dir: Any) -> Any:
+    """The doctor's local tier for this job (next to its root), or `local_dir` unchanged."""
+    root = os.environ.get(ROOT_ENV)
+    return f"{root.rstrip('/')}-local" if root and local_dir is not None else local_dir
+
+
 def after_commit(step: int, rank: int, world_size: int) -> None:
     """Called on every rank once the commit of `step` is known everywhere. Under the doctor: the
     chosen rank SIGKILLs itself after the chosen commit (once per doctor run), and with --steps

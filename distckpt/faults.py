@@ -19,6 +19,9 @@ POINTS = (
     "save/committed",        # rank 0, marker written, before retention
     "save/retained",         # rank 0, retention and leftover collection done
     "save/awaiting-commit",  # every other rank, waiting for rank 0's outcome (sync saves)
+    "upload/started",        # rank 0's uploader, a committed local step about to be copied to the URL
+    "upload/files-written",  # uploader: every file durable at the URL, no manifest or marker yet
+    "upload/committed",      # uploader: the marker at the URL written, before durable retention
     "load/read",             # every rank, files read and verified, nothing restored
     "load/applied",          # every rank, state restored, before the final agreement
 )

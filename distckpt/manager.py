@@ -11,12 +11,13 @@ import os
 import signal
 import time
 import uuid
+import warnings
 from typing import Any
 
 from . import doctor as doctor_hooks
 from . import faults
 from .async_writer import AsyncWriter
-from .capture import classify
+from .capture import SHARDED, classify
 from .commit import ReplacePolicy, committed_generations, list_committed
 from .config import ManagerConfig
 from .coord import make_coordinator
@@ -29,6 +30,7 @@ from .protocol import Progress, ShardWrite, StagedSave, load, share_outcome, sta
 from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed
 from .serialize import StagingPool
 from .storage import open_storage
+from .tiers import DurableUploadWarning, Nodes, TierSettings, node_name, ship_to_nodes, upload_step
 from .validation import LoadRules
 from .versions import collect_versions
 
@@ -56,7 +58,9 @@ class CheckpointManager:
                  timeout: float | datetime.timedelta | None = 600.0,
                  leftover_grace_s: float = 3600.0, world_size_policy: str = "refuse",
                  preemption_signals: Any = (signal.SIGTERM,), split_writes: bool = False,
-                 allow_dtype_cast: bool = False, missing_entries: str = "refuse") -> None:
+                 allow_dtype_cast: bool = False, missing_entries: str = "refuse",
+                 local_dir: str | os.PathLike[str] | None = None, durable_every: int | None = None,
+                 keep_local: int | None = None) -> None:
         self.config = ManagerConfig(keep_last, keep_best, best_mode, async_save, timeout,  # type: ignore[arg-type]
                                     leftover_grace_s, world_size_policy, split_writes, allow_dtype_cast,
                                     missing_entries, preemption_signals)
@@ -77,6 +81,24 @@ class CheckpointManager:
         self._lease: Lease | None = None  # rank 0, taken at the first save (fencing.py)
         self._closed = False
         self._preemption = PreemptionFlag(self.config.preemption_signals)
+        self._preempting = False  # agreed by preemption_requested(): the next save is made durable
+        self._init_tiers(local_dir, durable_every, keep_local)
+
+    def _init_tiers(self, local_dir: Any, durable_every: Any, keep_local: Any) -> None:
+        """Two tiers (tiers.py): every save commits to `local_dir`, every Nth also to the URL."""
+        self.tiers = TierSettings.check(self.storage.url, doctor_hooks.local_override(local_dir),
+                                        durable_every, keep_local)
+        self.local = open_storage(self.tiers.local_dir) if self.tiers.local_dir is not None else None
+        names = [node_name()] if self.local is None or self.world_size == 1 else \
+            self._coord.all_gather(node_name(), "init/nodes")
+        self._nodes = Nodes(tuple(names))
+        self._uploader = AsyncWriter()   # rank 0: one upload to the durable tier in flight
+        self._upload_failures: list[tuple[int, str]] = []  # rank 0: not yet reported to the ranks
+        self._uploading: int | None = None   # rank 0: the step being uploaded (local retention spares it)
+        self._last_local: int | None = None  # rank 0: the newest step committed on the local tier
+        self._last_durable: int | None = None  # rank 0: the newest step uploaded
+        self._saves = 0        # save() calls: every durable_every-th is durable
+        self._catch_up = False  # an upload failed: the next save is durable
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.storage!r}, rank={self.rank}, world_size={self.world_size})"
@@ -96,44 +118,81 @@ class CheckpointManager:
         self._check_open()
         step, epoch, metric = _check_save_args(step, epoch, metric)
         self._finish_pending()
+        self._report_uploads(block=False)
         entries = classify(state)
+        durable = self._next_save_is_durable(entries)
         replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)
         self._save_seq += 1
-        staged, shards = stage_save(self._coord, self.storage, entries, step, epoch, metric, self.run_id,
+        staged, shards = stage_save(self._coord, self._target, entries, step, epoch, metric, self.run_id,
                                     self._staging if self.config.async_save else None, replaceable,
-                                    self._take_lease, self._save_seq, self.split_writes)
+                                    self._take_lease, self._save_seq, self.split_writes,
+                                    self.storage if self.local is not None else None)
         if self.config.async_save:
             if staged is not None or shards is not None:
-                self._writer.submit(lambda: self._write(staged, shards), f"step {step}")
+                self._writer.submit(lambda: self._write(staged, shards, durable), f"step {step}")
             self._pending_step = step
+            if durable and self._preempting:
+                self._finish_pending()  # the VM's disk goes with the VM: this save must reach the URL
+                self._report_uploads(block=True, final=True)
             return
         exc = None
         try:
-            self._write(staged, shards)
+            self._write(staged, shards, durable)
         except Exception as e:
             exc = e
         if staged is None:
             faults.point("save/awaiting-commit", step=step, rank=self.rank)
         share_outcome(self._coord, exc, "save/commit", f"save of step {step}")
+        self._ship_to_nodes(step)
+        if durable and self._preempting:
+            self._report_uploads(block=True, final=True)
         doctor_hooks.after_commit(step, self.rank, self.world_size)
 
-    def _write(self, staged: StagedSave | None, shards: ShardWrite | None) -> None:
+    @property
+    def _target(self) -> Any:
+        """Where save() commits: the local tier when there is one, else the URL."""
+        return self.local if self.local is not None else self.storage
+
+    def _next_save_is_durable(self, entries: list[Any]) -> bool:
+        """Every durable_every-th save, the one after a failed upload, and the pre-emption save
+        (decided alike on every rank: the counts and flags are agreed)."""
+        if self.local is None:
+            return False
+        if self._nodes.count > 1 and (self.split_writes or any(e.scope == SHARDED for e in entries)):
+            raise ConfigError("local_dir= with sharded entries (FSDP2) or split_writes=True across several nodes "
+                              "is not supported: each node's local tier would hold only its own ranks' shard "
+                              "files; checkpoint such jobs to the URL only (no local_dir)")
+        self._saves += 1
+        durable = self._saves % self.tiers.durable_every == 0 or self._catch_up or self._preempting
+        self._catch_up = False
+        return durable
+
+    def _write(self, staged: StagedSave | None, shards: ShardWrite | None, durable: bool = False) -> None:
         """This rank's part of the write: its shard file (if any); on rank 0 the rest and the commit."""
+        target = self._target
         if shards is not None:
-            shards.run(self.storage, self._coord.reports)
+            shards.run(target, self._coord.reports)
         if staged is None:
             return
         start = time.perf_counter()
         try:
-            write_and_commit(self.storage, staged, self._versions, self._take_lease(), self._coord.reports)
+            write_and_commit(target, staged, self._versions, self._take_lease(), self._coord.reports)
         except StorageError as e:
-            if e.errno != errno.ENOSPC or self.config.keep_last is None:
+            keep, name = (self.tiers.keep_local, "keep_local") if self.local is not None else \
+                (self.config.keep_last, "keep_last")
+            if e.errno != errno.ENOSPC or keep is None:
                 raise
             raise StorageError(errno.ENOSPC, f"{e}. Retention removes old checkpoints only after a new one "
-                               f"commits, so the disk must hold keep_last + 1 = {self.config.keep_last + 1} "
-                               "checkpoints; the committed ones are intact. Free space, or lower keep_last "
+                               f"commits, so the disk must hold {name} + 1 = {keep + 1} "
+                               f"checkpoints; the committed ones are intact. Free space, or lower {name} "
                                "and prune (distckpt prune URL --keep-last N)") from e
-        self._retain(staged.step)
+        if self.local is not None:
+            self._last_local = staged.step
+            self._retain(self.local, staged.step, self.tiers.keep_local, None)
+            if durable:
+                self._start_upload(staged.step)
+        else:
+            self._retain(self.storage, staged.step, self.config.keep_last, self.config.keep_best)
         faults.point("save/retained", step=staged.step, rank=0)
         t = staged.timings
         log.info("rank 0: committed step %d at %s in %.3fs (capture %.3fs, gather %.3fs, write %.3fs, "
@@ -147,22 +206,95 @@ class CheckpointManager:
             self._lease = acquire(self.storage, self.run_id, self._floor)
         return self._lease
 
-    def _retain(self, just_committed: int) -> None:
-        """Retention and leftover collection; failures here never undo the commit."""
+    def _retain(self, storage: Any, just_committed: int, keep_last: int | None, keep_best: int | None) -> None:
+        """Retention and leftover collection; failures here never undo the commit. On the local
+        tier the step being uploaded is spared, and leases live only on the durable root."""
         try:
-            no_policy = self.config.keep_last is None and self.config.keep_best is None
-            committed = [] if no_policy else read_committed(self.storage, list_committed(self.storage))
-            for step in plan_retention(committed, self.config.keep_last, self.config.keep_best,
-                                       self.config.best_mode):
-                if step != just_committed:
-                    delete_checkpoint(self.storage, step)
-                    log.info("rank 0: retention removed step %d", step)
-            collect_leftovers(self.storage, self.config.leftover_grace_s)
-            if self._lease is not None:
-                prune_leases(self.storage, self._lease, lambda: committed_generations(self.storage))
+            no_policy = keep_last is None and keep_best is None
+            committed = [] if no_policy else read_committed(storage, list_committed(storage))
+            for step in plan_retention(committed, keep_last, keep_best, self.config.best_mode):
+                if step != just_committed and not (storage is self.local and step == self._uploading):
+                    delete_checkpoint(storage, step)
+                    log.info("rank 0: retention removed step %d from %s", step, storage.url)
+            collect_leftovers(storage, self.config.leftover_grace_s)
+            if self._lease is not None and storage is self.storage:
+                prune_leases(storage, self._lease, lambda: committed_generations(storage))
         except (OSError, DistCkptError) as e:
             log.warning("rank 0: retention after step %d failed (the checkpoint is committed): %s",
                         just_committed, e)
+
+    # -- the durable tier (two tiers only) -------------------------------------------------
+
+    def _start_upload(self, step: int) -> None:
+        """Rank 0: upload committed local `step` in the background; one upload in flight, so a
+        durable save waits here for the previous upload (the documented one-in-flight rule)."""
+        self._join_upload()
+        self._uploading = step
+        self._uploader.submit(lambda: self._upload(step), f"upload of step {step}")
+
+    def _upload(self, step: int) -> None:
+        assert self.local is not None and self._lease is not None  # rank 0 after a local commit
+        start = time.perf_counter()
+        faults.point("upload/started", step=step, rank=0)
+        if upload_step(self.local, self.storage, step, self._lease):
+            log.info("rank 0: step %d made durable at %s in %.3fs", step, self.storage.url,
+                     time.perf_counter() - start)
+        faults.point("upload/committed", step=step, rank=0)
+        self._retain(self.storage, step, self.config.keep_last, self.config.keep_best)
+
+    def _join_upload(self) -> None:
+        """Rank 0: collect the upload in flight (if any), recording its failure for the ranks."""
+        if not self._uploader.busy:
+            return
+        step = self._uploading
+        _, err = self._uploader.wait()
+        self._uploading = None
+        if err is not None and step is not None:
+            self._upload_failures.append((step, f"{type(err).__name__}: {err}"))
+        elif step is not None:
+            self._last_durable = step
+
+    def _report_uploads(self, block: bool, final: bool = False) -> None:
+        """Tell every rank about failed uploads (collective; two tiers only). `block` waits for
+        the upload in flight; `final` raises AsyncSaveError on every rank if one failed."""
+        if self.local is None:
+            return
+        report: Any = None
+        if self.rank == 0:
+            if block or self._uploader.finished:
+                self._join_upload()
+            report, self._upload_failures = self._upload_failures, []
+        failures = self._coord.broadcast(report, "tiers/upload-status")
+        if not failures:
+            return
+        self._catch_up = True
+        steps = [step for step, _ in failures]
+        message = (f"rank {self.rank}: making step(s) {steps} durable at {self.storage.url} failed — "
+                   + "; ".join(f"step {s}: {m}" for s, m in failures)
+                   + f"; they are committed on the local tier {self._target.url} only")
+        if final:
+            raise AsyncSaveError(message + "; the newest checkpoint is not durable: retry close(), or copy the "
+                                 "local tier (distckpt ls --local-dir) before this node goes away")
+        message += "; the next save is made durable"
+        log.error(message)
+        warnings.warn(message, DurableUploadWarning, stacklevel=3)
+
+    def _ship_to_nodes(self, step: int) -> None:
+        """With several nodes: rank 0's committed local step to every other node's local tier."""
+        if self.local is not None and self._nodes.count > 1:
+            ship_to_nodes(self._coord, self.local, self._nodes, step, self._lease)
+
+    def _make_last_save_durable(self) -> None:
+        """close(): the newest local step also reaches the URL, and every rank hears the outcome."""
+        if self.local is None:
+            return
+        self._report_uploads(block=True)
+        if self.rank == 0 and self._last_local is not None and self._last_local != self._last_durable:
+            try:
+                self._start_upload(self._last_local)
+            except Exception as e:  # reported to every rank like any upload failure
+                self._upload_failures.append((self._last_local, f"{type(e).__name__}: {e}"))
+        self._report_uploads(block=True, final=True)
 
     def _finish_pending(self) -> None:
         """Share the outcome of the background save in flight with every rank (collective)."""
@@ -175,6 +307,7 @@ class CheckpointManager:
             exc = AsyncSaveError(f"background save of step {step} failed: {type(err).__name__}: {err}")
             exc.__cause__ = err
         share_outcome(self._coord, exc, "save/async-outcome", f"background save of step {step}")
+        self._ship_to_nodes(step)
         doctor_hooks.after_commit(step, self.rank, self.world_size)
 
     # -- load -----------------------------------------------------------------------------
@@ -201,7 +334,7 @@ class CheckpointManager:
         self._finish_pending()
         entries = classify(state)
         progress = load(self._coord, self.storage, entries, state, step, self.config.world_size_policy,
-                        self._rules)
+                        self._rules, self.local)
         if self._lease is None:
             self._floor = progress.step if progress is not None else -1
         for entry in entries:
@@ -210,8 +343,8 @@ class CheckpointManager:
         if progress is not None:
             for line in progress.config_diff:
                 log.warning("rank %d: config differs from the checkpoint's: %s", self.rank, line)
-            log.info("rank %d: resumed from %s (step %d, epoch %s)", self.rank, progress.url,
-                     progress.step, progress.epoch)
+            log.info("rank %d: resumed from %s (step %d, epoch %s%s)", self.rank, progress.url,
+                     progress.step, progress.epoch, f", {progress.tier} tier" if self.local is not None else "")
         return progress
 
     def preemption_requested(self) -> bool:
@@ -230,27 +363,38 @@ class CheckpointManager:
         self._check_open()
         self._preemption.armed = True
         flags = self._coord.all_gather(self._preemption.requested, "preemption/agree")
+        self._preempting = self._preempting or any(flags)
         if any(flags) and self.rank == 0:
             log.warning("rank 0: pre-emption requested by rank(s) %s", [r for r, f in enumerate(flags) if f])
         return any(flags)
 
     def committed_steps(self) -> list[int]:
-        """Committed steps, newest first (reads storage; not collective)."""
-        return list_committed(self.storage)
+        """Committed steps, newest first (reads storage; not collective). With two tiers: the
+        steps committed on either, as this rank sees them (its node's local tier and the URL)."""
+        steps = set(list_committed(self.storage))
+        if self.local is not None:
+            steps |= set(list_committed(self.local))
+        return sorted(steps, reverse=True)
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Wait for the save in flight and raise its failure on every rank (collective)."""
+        """Wait for the save in flight and raise its failure on every rank (collective). With
+        two tiers it also waits for the upload in flight; a failed upload is a warning here
+        (DurableUploadWarning) and makes the next save durable."""
         self._check_open()
         self._finish_pending()
+        self._report_uploads(block=True)
 
     def close(self) -> None:
-        """Wait for the save in flight, then release the manager's process group (collective)."""
+        """Wait for the save in flight, then release the manager's process group (collective).
+        With two tiers the newest local step is made durable first; AsyncSaveError on every rank
+        if it could not be."""
         if self._closed:
             return
         try:
             self._finish_pending()
+            self._make_last_save_durable()
         finally:
             self._closed = True
             self._preemption.uninstall()

@@ -33,7 +33,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from . import faults, fencing, sharded
+from . import faults, fencing, sharded, tiers
 from . import manifest as mf
 from .capture import (
     PER_RANK,
@@ -101,6 +101,8 @@ class Progress:
     # world_size_policy="reshard" at another world size: what this rank did not restore but kept
     # as its own seeding made it ("rng" and per-rank entry keys); () after an exact resume
     rederived: tuple[str, ...] = ()
+    # which tier it came from: "local" (the manager's local_dir) or "durable" (its URL)
+    tier: str = "durable"
 
 
 @dataclass
@@ -161,14 +163,17 @@ def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step:
                epoch: int | None, metric: float | None, run_id: str,
                staging: StagingPool | None, replaceable: "ReplacePolicy | None" = None,
                take_lease: Callable[[], Lease] | None = None,
-               save_seq: int = 0, split_writes: bool = False) -> tuple[StagedSave | None, ShardWrite | None]:
+               save_seq: int = 0, split_writes: bool = False,
+               durable: Storage | None = None) -> tuple[StagedSave | None, ShardWrite | None]:
     """Phases capture, agree and gather (call on every rank). Rank 0 gets the StagedSave; every
     rank gets its ShardWrite when the state has sharded entries or `split_writes` spreads the
-    replicated tensors across the ranks."""
+    replicated tensors across the ranks. With two tiers `storage` is the local one, and rank 0
+    also checks that the `durable` root is this run's."""
     t0 = time.perf_counter()
     split = split_writes and coord.world_size > 1
     def capture() -> _Captured:
-        local = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable, take_lease, split)
+        local = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable, take_lease, split,
+                               durable)
         faults.point("save/captured", step=step, rank=coord.rank)
         return local
 
@@ -202,12 +207,15 @@ def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step:
 
 def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
                    epoch: int | None, staging: StagingPool | None, replaceable: "ReplacePolicy | None",
-                   take_lease: Callable[[], Lease] | None, split: bool) -> _Captured:
+                   take_lease: Callable[[], Lease] | None, split: bool,
+                   durable: Storage | None = None) -> _Captured:
     """This rank's capture: RNG first, then its per-rank entries; rank 0 the replicated ones."""
     out = _Captured()
     rng = capture_process_rng()  # first: nothing below may draw before it is recorded
     if coord.rank == 0:
         check_root_is_ours(storage, replaceable or ReplacePolicy())
+        if durable is not None:
+            check_root_is_ours(durable, replaceable or ReplacePolicy())
         check_step_is_free(storage, step, replaceable or ReplacePolicy())
     own = {"step": step, "epoch": epoch, "rank": coord.rank, "world_size": coord.world_size,
            "rng": rng,
@@ -454,60 +462,84 @@ def _read_tree(storage: Storage, base: str, name: str, manifest: dict[str, Any],
 
 def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict[str, Any],
          step: int | None = None, world_size_policy: str = "refuse",
-         rules: LoadRules = LoadRules()) -> Progress | None:
-    """The load protocol (call on every rank). None when nothing is committed yet."""
-    candidates, leases = _choose_phase(coord, storage, step)
+         rules: LoadRules = LoadRules(), local: Storage | None = None) -> Progress | None:
+    """The load protocol (call on every rank). None when nothing is committed yet. With a
+    `local` tier (tiers.py), a step committed on every node's local tier is tried before the
+    durable copy of the same step, and a damaged copy falls back to the next candidate."""
+    candidates, leases = _choose_phase(coord, storage, step, local)
     if not candidates:
         return None
-    chosen = _read_phase(coord, storage, entries, candidates, step is not None, world_size_policy, leases, rules)
+    storages = {tiers.DURABLE: storage, tiers.LOCAL: local or storage}
+    chosen, tier = _read_phase(coord, storages, entries, candidates, step is not None, world_size_policy,
+                               leases, rules)
     notes, kept = _apply_phase(coord, entries, state, chosen, rules)
     return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.get("metric"),
-                    f"{storage.url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept))
+                    f"{storages[tier].url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept), tier)
 
 
-def _choose_phase(coord: Coordinator, storage: Storage, step: int | None) -> tuple[list[int], list[Lease]]:
+def _choose_phase(coord: Coordinator, storage: Storage, step: int | None,
+                  local: Storage | None = None) -> tuple[list[tuple[int, str]], list[Lease]]:
     exc: BaseException | None = None
     steps: list[int] = []
     leases: list[Lease] = []
+    local_steps = tiers.common_local_steps(coord, local) if local is not None else []
     if coord.rank == 0:
         try:
-            steps = list_committed(storage)
-            leases = fencing.read_leases(storage) if steps else []
-            if step is not None:
-                if step not in steps:
-                    raise IncompatibleCheckpointError(
-                        f"step {step} is not committed at {storage.url} (committed: {steps[:10]})")
-                steps = [step]
+            steps, leases = _durable_steps(storage, local_steps)
+            if step is not None and step not in steps and step not in local_steps:
+                raise IncompatibleCheckpointError(
+                    f"step {step} is not committed at {storage.url} (committed: {steps[:10]})"
+                    + (f" nor on every node's local tier (common: {local_steps[:10]})" if local is not None else ""))
         except Exception as e:
             exc = e
-    info = {"steps": steps, "leases": [dataclasses.asdict(lease) for lease in leases]}
+    candidates = tiers.merge_candidates(local_steps, steps, step)
+    info = {"candidates": candidates, "leases": [dataclasses.asdict(lease) for lease in leases]}
     mine = Outcome.failure(0, exc) if exc else Outcome(0, info=info)
     outcome = coord.broadcast(mine if coord.rank == 0 else None, "load/choose")
     raise_if_failed(coord, [outcome], "choosing a checkpoint to load", exc)
-    return list(outcome.info["steps"]), [Lease(**d) for d in outcome.info["leases"]]
+    return ([(int(s), str(t)) for s, t in outcome.info["candidates"]],
+            [Lease(**d) for d in outcome.info["leases"]])
 
 
-def _read_phase(coord: Coordinator, storage: Storage, entries: list[Entry], candidates: list[int],
-                explicit: bool, world_size_policy: str, leases: list[Lease],
-                rules: LoadRules = LoadRules()) -> ReadCheckpoint:
-    for step in candidates:
-        read, exc = _try_read(coord, storage, entries, step, world_size_policy, leases, rules)
+def _durable_steps(storage: Storage, local_steps: list[int]) -> tuple[list[int], list[Lease]]:
+    """The durable root's committed steps and leases. With local candidates, an unreachable
+    durable root is a warning (the local tier is still loadable), not an error."""
+    try:
+        steps = list_committed(storage)
+        return steps, (fencing.read_leases(storage) if steps or local_steps else [])
+    except (OSError, DistCkptError) as e:
+        if not local_steps:
+            raise
+        log.warning("rank 0: the durable tier %s cannot be read (%s); choosing among the local tier's steps "
+                    "without its fencing leases", storage.url, e)
+        return [], []
+
+
+def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[Entry],
+                candidates: list[tuple[int, str]], explicit: bool, world_size_policy: str, leases: list[Lease],
+                rules: LoadRules = LoadRules()) -> tuple[ReadCheckpoint, str]:
+    tiered = storages[tiers.LOCAL] is not storages[tiers.DURABLE]
+    for i, (step, tier) in enumerate(candidates):
+        read, exc = _try_read(coord, storages[tier], entries, step, world_size_policy, leases, rules)
         if read is not None:
             info = {"step": read.step, "epoch": read.own["epoch"], "digest": read.digest}
             outcome = Outcome(coord.rank, info=info)
         else:
             outcome = Outcome.failure(coord.rank, exc or CoordinationError("read failed"))
-        outcomes = coord.all_gather(outcome, f"load/read step {step}")
+        outcomes = coord.all_gather(outcome, f"load/read step {step} ({tier})")
         damaged = [o for o in outcomes if o.error_type == CorruptCheckpointError.__name__]
-        if damaged and len(damaged) == len([o for o in outcomes if not o.ok]) and not explicit:
-            _warn_fallback(step, damaged, coord.rank)
+        following = candidates[i + 1] if i + 1 < len(candidates) else None
+        may_fall_back = not explicit or (following is not None and following[0] == step)
+        if damaged and len(damaged) == len([o for o in outcomes if not o.ok]) and may_fall_back:
+            _warn_fallback(step, tier, following, damaged, coord.rank, tiered)
             continue
         raise_if_failed(coord, outcomes, f"loading step {step}", exc)
         _check_agreement(outcomes, step)
         assert read is not None  # every rank succeeded
-        return read
+        return read, tier
+    where = storages[tiers.DURABLE].url + (f" or {storages[tiers.LOCAL].url}" if tiered else "")
     raise CorruptCheckpointError(
-        f"no committed checkpoint at {storage.url} verifies (tried steps {candidates}); "
+        f"no committed checkpoint at {where} verifies (tried {candidates}); "
         "see the warnings above for each damaged file; `distckpt verify` lists them")
 
 
@@ -586,9 +618,17 @@ def _warn_per_rank_kept(read: ReadCheckpoint, coord: Coordinator, kept: list[str
     warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
 
 
-def _warn_fallback(step: int, damaged: list[Outcome], rank: int) -> None:
+def _warn_fallback(step: int, tier: str, following: tuple[int, str] | None, damaged: list[Outcome],
+                   rank: int, tiered: bool) -> None:
     detail = "; ".join(f"rank {o.rank}: {o.message}" for o in damaged)
-    message = f"rank {rank}: committed step {step} is damaged and was skipped — {detail}; loading the previous committed step"
+    where = f"step {step} on the {tier} tier" if tiered else f"step {step}"
+    if following is None:
+        then = "no other committed checkpoint is left to try"
+    elif tiered or following[1] != tier:
+        then = f"loading step {following[0]} from the {following[1]} tier"
+    else:
+        then = "loading the previous committed step"
+    message = f"rank {rank}: committed {where} is damaged and was skipped — {detail}; {then}"
     log.warning(message)
     warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
 

@@ -86,14 +86,16 @@ def compare(reference: dict[int, dict[int, str]], resumed: dict[int, dict[int, s
 
 def run_pair(workdir: str, nproc: int, steps: int, kill_at: str, workers: int,
              ckpt_url: str | None = None, extra: list[str] | None = None,
-             show_steps: list[int] | None = None, env: dict[str, str] | None = None) -> tuple[Comparison, list[str]]:
-    """The uninterrupted run and the killed-and-resumed run; returns the comparison."""
+             show_steps: list[int] | None = None, env: dict[str, str] | None = None,
+             killed_extra: list[str] | None = None) -> tuple[Comparison, list[str]]:
+    """The uninterrupted run and the killed-and-resumed run (with `killed_extra` arguments
+    too); returns the comparison."""
     extra = extra or []
     common = ["--steps", str(steps), "--workers", str(workers), *extra]
     ref_ckpt = os.path.join(workdir, "ckpt-reference")
     killed_ckpt = ckpt_url or os.path.join(workdir, "ckpt-killed")
     for label, ckpt, more, restarts in (("reference", ref_ckpt, [], 0),
-                                        ("killed", killed_ckpt, ["--kill-at", kill_at], 1)):
+                                        ("killed", killed_ckpt, ["--kill-at", kill_at, *(killed_extra or [])], 1)):
         result = torchrun(nproc, ["--ckpt", ckpt, "--loss-log", os.path.join(workdir, f"log-{label}"),
                                   *common, *more], max_restarts=restarts, env=env)
         if result.returncode != 0:

@@ -122,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--local-dir", default=None, help="two tiers: every save commits to this node-local "
+                   "directory, every --durable-every'th also to --ckpt (and the pre-emption and last saves)")
+    p.add_argument("--durable-every", type=int, default=None)
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--world-size-policy", default="refuse", help="see CheckpointManager (reshard: "
                    "resume at another number of ranks)")
@@ -195,14 +198,16 @@ def main(argv: list[str] | None = None) -> None:
              "loader": loader, "loader_generator": generator,
              "config": {"lr": 3e-3, "batch_size": args.batch, "block": block, "workers": args.workers}}
     mgr = distckpt.CheckpointManager(args.ckpt, keep_last=args.keep_last, async_save=args.async_save,
-                                     timeout=120, world_size_policy=args.world_size_policy)
+                                     timeout=120, world_size_policy=args.world_size_policy,
+                                     local_dir=args.local_dir, durable_every=args.durable_every)
     progress = mgr.load_latest(state)
     step = progress.step + 1 if progress else 0
     epoch = progress.epoch if progress else 0
     os.makedirs(args.loss_log, exist_ok=True)
     log = open(os.path.join(args.loss_log, f"rank-{info.rank}.txt"), "a", buffering=1)
     if progress:
-        log.write(f"# resumed from step {progress.step} epoch {progress.epoch}\n")
+        tier = f" ({progress.tier} tier)" if args.local_dir else ""
+        log.write(f"# resumed from step {progress.step} epoch {progress.epoch}{tier}\n")
 
     val_loss = float("nan")
     while step < args.steps:

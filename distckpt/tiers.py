@@ -1,0 +1,219 @@
+"""Two tiers: a fast node-local root written at every save, the durable root every Nth save.
+
+Both tiers are ordinary distckpt roots: the same layout, marker, checksums and commit rule, so a
+local step directory copied anywhere is a valid checkpoint. They share one generation space:
+the write lease is taken on the durable root (the one that outlives a VM), the local tier's
+files and markers carry its generation, and a reader of either tier applies the durable root's
+leases. So the zombie predicate (fencing.superseded_by) means the same on both tiers.
+
+* `upload_step`: copies a committed local step to the durable root, every file re-verified
+  against its checksum on the way (damaged local bytes are never made durable), manifest by
+  exclusive create, marker last. An upload that stops half-way leaves no marker: not committed.
+* `ship_to_nodes`: with several nodes, rank 0 (which gathered every rank's files) sends the
+  committed step to one rank per other node, which commits it into its own `local_dir`.
+* `local_candidates`: the steps every node holds committed locally (a collective), the only
+  local steps a load may choose.
+
+This module never imports torch.distributed: collectives go through the coordinator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from . import faults, fencing
+from . import manifest as mf
+from .commit import ReplacePolicy, clear_step_dir, create_manifest, create_marker, list_committed, read_marker
+from .coord import Coordinator, Outcome
+from .errors import ConfigError, CorruptCheckpointError, DistCkptError, MissingFileError
+from .fencing import Lease
+from .storage import Storage
+
+log = logging.getLogger("distckpt")
+
+LOCAL, DURABLE = "local", "durable"
+NODE_ENV = "DISTCKPT_NODE"  # overrides the host name as a node's identity (containers, tests)
+
+
+class DurableUploadWarning(UserWarning):
+    """A checkpoint committed on the local tier could not be made durable (yet)."""
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """The two-tier settings of a CheckpointManager; `local_dir` None means one tier."""
+
+    local_dir: str | None = None
+    durable_every: int = 10
+    keep_local: int | None = None
+
+    @classmethod
+    def check(cls, url: str, local_dir: Any, durable_every: Any, keep_local: Any) -> "TierSettings":
+        if local_dir is None:
+            for name, value in (("durable_every", durable_every), ("keep_local", keep_local)):
+                if value is not None:
+                    raise ConfigError(f"{name}={value!r} needs local_dir= (the node-local tier it counts "
+                                      "saves of); without local_dir every save goes to the URL")
+            return cls()
+        path = _local_path(local_dir)
+        if "://" not in url and os.path.abspath(path) == os.path.abspath(url):
+            raise ConfigError(f"local_dir={local_dir!r} is the checkpoint URL itself: the local tier must be "
+                              "another directory, on node-local disk")
+        every = 10 if durable_every is None else durable_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigError(f"durable_every={durable_every!r}: must be an int >= 1 (every Nth save is also "
+                              "made durable; 1: every save)")
+        if keep_local is not None and (isinstance(keep_local, bool) or not isinstance(keep_local, int)
+                                       or keep_local < 1):
+            raise ConfigError(f"keep_local={keep_local!r}: must be a positive int or None (keep all)")
+        return cls(path, every, keep_local)
+
+
+def _local_path(local_dir: Any) -> str:
+    if isinstance(local_dir, os.PathLike):
+        local_dir = os.fspath(local_dir)
+    if not isinstance(local_dir, str) or not local_dir.strip():
+        raise ConfigError(f"local_dir={local_dir!r}: must be a directory path on node-local disk")
+    if local_dir.startswith("file://"):
+        local_dir = local_dir[len("file://"):]
+    if "://" in local_dir:
+        raise ConfigError(f"local_dir={local_dir!r}: must be a path on node-local disk, not a URL; the durable "
+                          "tier is the first argument")
+    return local_dir
+
+
+def node_name() -> str:
+    import socket
+
+    return os.environ.get(NODE_ENV) or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Which rank runs on which node; the lowest rank of a node writes its local tier."""
+
+    names: tuple[str, ...]  # by rank
+
+    def leader_of(self, rank: int) -> int:
+        return self.names.index(self.names[rank])
+
+    @property
+    def count(self) -> int:
+        return len(set(self.names))
+
+    def leaders(self) -> list[int]:
+        return sorted({self.leader_of(r) for r in range(len(self.names))})
+
+
+def upload_step(local: Storage, durable: Storage, step: int, lease: Lease) -> bool:
+    """Make committed local `step` durable; returns False if it already was (same marker)."""
+    base = mf.step_dir(step)
+    where = f"{local.url}/{base}"
+    marker = read_marker(local, step)
+    manifest_bytes = local.read_bytes(f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES)
+    manifest = mf.parse_manifest(manifest_bytes, marker, where)
+    if _same_marker(durable, step, marker):
+        return False
+    policy = ReplacePolicy(lease.floor, lease.generation)
+    fencing.check_current(durable, lease)
+    clear_step_dir(durable, step, policy)  # only a superseded writer's commit of this step
+    for name, record in manifest["files"].items():
+        mf.check_relative_path(name, where)
+        data = local.read_buffer(f"{base}/{name}")
+        mf.verify_file(data, record, f"{where}/{name}")  # damaged local bytes never become durable
+        durable.write_file(f"{base}/{name}", [memoryview(data)])
+    faults.point("upload/files-written", step=step, rank=0)
+    create_manifest(durable, base, manifest_bytes, lease.generation, policy, step)
+    fencing.check_current(durable, lease)  # last check before the durable commit
+    create_marker(durable, marker, policy)
+    return True
+
+
+def _same_marker(storage: Storage, step: int, marker: mf.Marker) -> bool:
+    try:
+        return read_marker(storage, step) == marker
+    except (MissingFileError, CorruptCheckpointError):
+        return False
+
+
+def committed_files(storage: Storage, step: int) -> dict[str, bytes]:
+    """Every file of committed `step` (manifest and marker included), verified."""
+    base = mf.step_dir(step)
+    where = f"{storage.url}/{base}"
+    marker = read_marker(storage, step)
+    manifest_bytes = storage.read_bytes(f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES)
+    manifest = mf.parse_manifest(manifest_bytes, marker, where)
+    out = {mf.MANIFEST: manifest_bytes, mf.MARKER: marker.to_bytes()}
+    for name, record in manifest["files"].items():
+        mf.check_relative_path(name, where)
+        data = storage.read_buffer(f"{base}/{name}")
+        mf.verify_file(data, record, f"{where}/{name}")
+        out[name] = bytes(data)
+    return out
+
+
+def commit_files(storage: Storage, step: int, files: dict[str, bytes], lease: Lease) -> None:
+    """Write a shipped committed step into this node's local tier, marker last."""
+    base = mf.step_dir(step)
+    policy = ReplacePolicy(lease.floor, lease.generation)
+    clear_step_dir(storage, step, policy)
+    for name, data in files.items():
+        if name not in (mf.MANIFEST, mf.MARKER):
+            storage.write_file(f"{base}/{name}", [data])
+    create_manifest(storage, base, files[mf.MANIFEST], lease.generation, policy, step)
+    create_marker(storage, mf.Marker.parse(files[mf.MARKER], f"{storage.url}/{base}"), policy)
+
+
+def ship_to_nodes(coord: Coordinator, local: Storage, nodes: Nodes, step: int, lease: Lease | None) -> list[int]:
+    """Rank 0's committed local `step` to the local tier of every other node (collective).
+    Returns the ranks whose node failed to commit it (they then resume from elsewhere)."""
+    payload: Any = None
+    if coord.rank == 0:
+        try:
+            payload = {"files": committed_files(local, step), "lease": dataclasses.asdict(lease) if lease else None}
+        except (OSError, DistCkptError) as e:
+            payload = {"error": f"{type(e).__name__}: {e}"}
+    payload = coord.broadcast(payload, f"tiers/ship step {step}")
+    outcome = Outcome(coord.rank)
+    if "error" in payload:
+        outcome = Outcome.failure(coord.rank, OSError(payload["error"]))
+    elif coord.rank != 0 and nodes.leader_of(coord.rank) == coord.rank and nodes.names[coord.rank] != nodes.names[0]:
+        try:
+            commit_files(local, step, payload["files"], Lease(**payload["lease"]))
+        except (OSError, DistCkptError) as e:
+            outcome = Outcome.failure(coord.rank, e)
+    outcomes = coord.all_gather(outcome, f"tiers/shipped step {step}")
+    failed = [o.rank for o in outcomes if not o.ok]
+    if failed and coord.rank == 0:
+        log.warning("rank 0: step %d is not on the local tier of rank(s) %s' node(s) (%s); a resume needs it on "
+                    "every node, so it would load an older step or the durable tier", step, failed,
+                    "; ".join(o.message for o in outcomes if not o.ok))
+    return failed
+
+
+def local_steps(storage: Storage, rank: int) -> list[int]:
+    """This node's committed local steps; an unreadable local dir holds none (with a warning)."""
+    try:
+        return list_committed(storage)
+    except (OSError, DistCkptError) as e:
+        log.warning("rank %d: cannot list the local tier %s (%s); treating it as empty", rank, storage.url, e)
+        return []
+
+
+def common_local_steps(coord: Coordinator, storage: Storage) -> list[int]:
+    """Steps committed on the local tier of every rank's node, newest first (collective)."""
+    views = coord.all_gather(local_steps(storage, coord.rank), "load/local-steps")
+    common = set(views[0]).intersection(*map(set, views[1:]))
+    return sorted(common, reverse=True)
+
+
+def merge_candidates(local: list[int], durable: list[int], step: int | None) -> list[tuple[int, str]]:
+    """(step, tier) to try in order: newest step first; of one step, the local copy first."""
+    pairs = [(s, LOCAL) for s in local] + [(s, DURABLE) for s in durable]
+    if step is not None:
+        pairs = [p for p in pairs if p[0] == step]
+    return sorted(pairs, key=lambda p: (-p[0], p[1] != LOCAL))

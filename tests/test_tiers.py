@@ -1,0 +1,294 @@
+"""Two tiers: every save commits to a node-local root, every Nth (and the pre-emption and last
+saves) also to the durable URL; loads take the newest step that verifies on a tier every rank
+can read, falling back across tiers with a warning."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+
+import distckpt
+from distckpt import faults
+from distckpt import manifest as mf
+from distckpt.commit import list_committed
+from distckpt.storage import open_storage
+from distckpt.testing import run_world
+from distckpt.tiers import DurableUploadWarning
+
+import step_states
+from faultproxy import Rule
+from test_s3 import fast_options
+
+
+def steps_at(root: str) -> list[int]:
+    return sorted(list_committed(open_storage(root)))
+
+
+def flip_a_byte(root: str, step: int) -> None:
+    base = os.path.join(root, mf.step_dir(step), "replicated")
+    path = os.path.join(base, next(n for n in sorted(os.listdir(base)) if n.endswith(".safetensors")))
+    data = bytearray(open(path, "rb").read())
+    data[-5] ^= 0x40
+    open(path, "wb").write(data)
+
+
+def run_saves(durable: str, local: str, steps: range, **options) -> None:
+    with distckpt.CheckpointManager(durable, local_dir=local, **options) as mgr:
+        mgr.load_latest(step_states.blank())
+        for step in steps:
+            mgr.save(step, step_states.state_for(step))
+
+
+def load(durable: str, local: str | None, **kw) -> tuple[distckpt.Progress, dict]:
+    state = step_states.blank()
+    with distckpt.CheckpointManager(durable, local_dir=local) as mgr:
+        progress = mgr.load(state, **kw) if kw else mgr.load_latest(state)
+    return progress, state
+
+
+def assert_holds(state: dict, step: int) -> None:
+    expected = step_states.state_for(step)
+    assert torch.equal(state["model"].weight, expected["model"].weight)
+    assert torch.equal(state["gen"].get_state(), expected["gen"].get_state())
+
+
+@pytest.fixture
+def roots(tmp_path):
+    return str(tmp_path / "durable"), str(tmp_path / "local")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_every_nth_save_and_the_last_before_close_are_durable(roots, async_save):
+    durable, local = roots
+    run_saves(durable, local, range(7), durable_every=3, keep_local=2, keep_last=2, async_save=async_save)
+    assert steps_at(local) == [5, 6]    # keep_local
+    assert steps_at(durable) == [5, 6]  # saves 3 and 6 (steps 2, 5) and the last before close; keep_last=2
+    progress, state = load(durable, local)
+    assert (progress.step, progress.tier) == (6, "local")
+    assert progress.url.startswith(local)
+    assert_holds(state, 6)
+
+
+def test_a_local_tier_each_node_lost_resumes_from_the_durable_tier(roots):
+    durable, local = roots
+    run_saves(durable, local, range(5), durable_every=2)
+    assert steps_at(durable) == [1, 3, 4]
+    shutil.rmtree(local)  # a replaced node: empty local disk
+    progress, state = load(durable, local)
+    assert (progress.step, progress.tier) == (4, "durable")
+    assert_holds(state, 4)
+
+
+def test_a_damaged_local_copy_falls_back_to_the_durable_copy_then_to_older_steps(roots):
+    durable, local = roots
+    run_saves(durable, local, range(4), durable_every=2)  # durable: 1, 3 (and 3 is the last)
+    assert steps_at(local) == [0, 1, 2, 3] and steps_at(durable) == [1, 3]
+    flip_a_byte(local, 3)
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="step 3 on the local tier .*step 3 from the durable"):
+        progress, state = load(durable, local)
+    assert (progress.step, progress.tier) == (3, "durable")
+    assert_holds(state, 3)
+    flip_a_byte(durable, 3)  # both copies of step 3 damaged: the next newest is local step 2
+    with pytest.warns(distckpt.CheckpointFallbackWarning):
+        progress, state = load(durable, local)
+    assert (progress.step, progress.tier) == (2, "local")
+    assert_holds(state, 2)
+
+
+def test_an_explicit_step_falls_back_only_to_the_other_copy_of_that_step(roots):
+    durable, local = roots
+    run_saves(durable, local, range(4), durable_every=2)
+    flip_a_byte(local, 1)
+    with pytest.warns(distckpt.CheckpointFallbackWarning):
+        progress, state = load(durable, local, step=1)
+    assert (progress.step, progress.tier) == (1, "durable")
+    assert_holds(state, 1)
+    flip_a_byte(local, 2)  # step 2 is local only: no other copy, so no fallback
+    with pytest.raises(distckpt.CorruptCheckpointError):
+        load(durable, local, step=2)
+    with pytest.raises(distckpt.IncompatibleCheckpointError, match="step 9 is not committed"):
+        load(durable, local, step=9)
+
+
+def test_the_durable_root_alone_loads_what_was_uploaded(roots):
+    durable, local = roots
+    run_saves(durable, local, range(3), durable_every=2)
+    progress, state = load(durable, None)  # e.g. an evaluation job elsewhere
+    assert (progress.step, progress.tier) == (2, "durable")
+    assert_holds(state, 2)
+
+
+def test_damaged_local_bytes_are_never_uploaded(roots):
+    durable, local = roots
+
+    def damage(name: str, context: dict) -> None:
+        if name == "upload/started" and context["step"] == 0:
+            flip_a_byte(local, 0)
+
+    remove = faults.on_point(damage)
+    try:
+        with distckpt.CheckpointManager(durable, local_dir=local, durable_every=1) as mgr:
+            mgr.save(0, step_states.state_for(0))
+            with pytest.warns(DurableUploadWarning, match="step\\(s\\) \\[0\\].*checksum"):
+                mgr.wait()
+            assert steps_at(durable) == []
+            mgr.save(1, step_states.state_for(1))
+    finally:
+        remove()
+    assert steps_at(durable) == [1]
+
+
+def test_an_upload_stopped_half_way_is_not_committed_and_the_next_save_catches_up(roots):
+    durable, local = roots
+    failing = {"on": True}
+
+    def stop(name: str, context: dict) -> None:
+        if name == "upload/files-written" and failing["on"]:
+            raise OSError(5, "the object store went away mid-upload")
+
+    remove = faults.on_point(stop)
+    try:
+        mgr = distckpt.CheckpointManager(durable, local_dir=local, durable_every=10)
+        mgr.load_latest(step_states.blank())
+        for step in range(10):  # step 9 is the 10th save: durable, and its upload stops half-way
+            mgr.save(step, step_states.state_for(step))
+        with pytest.warns(DurableUploadWarning, match="step\\(s\\) \\[9\\]"):
+            mgr.wait()
+        assert steps_at(durable) == []                      # files written, no marker: not committed
+        assert os.path.isdir(os.path.join(durable, mf.step_dir(9)))
+        failing["on"] = False
+        mgr.save(10, step_states.state_for(10))             # not a 10th save, but made durable: catch-up
+        mgr.wait()
+        assert steps_at(durable) == [10]
+        failing["on"] = True
+        mgr.save(11, step_states.state_for(11))
+        with pytest.raises(distckpt.AsyncSaveError, match="newest checkpoint is not durable"):
+            mgr.close()                                     # the last save's upload fails: loud
+    finally:
+        remove()
+    assert steps_at(local)[-1] == 11 and steps_at(durable) == [10]
+    progress, state = load(durable, local)
+    assert (progress.step, progress.tier) == (11, "local")
+    assert_holds(state, 11)
+
+
+def test_tier_arguments_are_checked(roots, tmp_path):
+    durable, local = roots
+    bad = [dict(durable_every=5), dict(keep_local=2), dict(local_dir=local, durable_every=0),
+           dict(local_dir=local, durable_every=True), dict(local_dir=local, keep_local=0),
+           dict(local_dir=local, keep_local="2"), dict(local_dir="s3://bucket/x"), dict(local_dir=""),
+           dict(local_dir=durable), dict(local_dir=3)]
+    for kwargs in bad:
+        name = next(k for k in ("durable_every", "keep_local", "local_dir") if k in kwargs and
+                    (k != "local_dir" or len(kwargs) == 1))
+        with pytest.raises(distckpt.ConfigError, match=name):
+            distckpt.CheckpointManager(durable, **kwargs)
+    assert not os.path.exists(durable) or steps_at(durable) == []
+
+
+def test_a_new_run_refuses_a_durable_root_holding_another_runs_steps(roots, tmp_path):
+    durable, local = roots
+    run_saves(durable, local, range(2), durable_every=1)
+    with distckpt.CheckpointManager(durable, local_dir=str(tmp_path / "other-local")) as mgr:
+        with pytest.raises(distckpt.RunConflictError):
+            mgr.save(0, step_states.state_for(0))  # never loaded: it would interleave with that run
+
+
+def test_s3_down_during_uploads_local_saves_continue_and_the_next_durable_save_catches_up(
+        tmp_path, s3_server, s3_url, proxy):
+    local = str(tmp_path / "local")
+    options = fast_options(s3_server.storage_options(proxy.endpoint), retries=1)
+    with distckpt.CheckpointManager(s3_url, local_dir=local, durable_every=2, storage_options=options) as mgr:
+        mgr.load_latest(step_states.blank())
+        mgr.save(0, step_states.state_for(0))
+        mgr.save(1, step_states.state_for(1))  # durable
+        mgr.wait()
+        proxy.add(Rule("*", ".", "status", times=10**6, status=500))  # the store is down
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(2, 6):
+                mgr.save(step, step_states.state_for(step))   # never raises: the local tier commits
+            mgr.wait()
+        assert any(issubclass(w.category, DurableUploadWarning) for w in caught)
+        assert steps_at(local)[-1] == 5
+        proxy.rules.clear()  # the store is back
+        mgr.save(6, step_states.state_for(6))  # catch-up after the failure: durable
+        mgr.wait()
+        durable_steps = mgr.committed_steps()
+    direct = fast_options(s3_server.storage_options())
+    with distckpt.CheckpointManager(s3_url, storage_options=direct) as reader:
+        assert reader.committed_steps()[0] == 6 and 1 in reader.committed_steps()
+        assert not {3, 5} & set(reader.committed_steps())
+        state = step_states.blank()
+        assert reader.load_latest(state).step == 6
+    assert_holds(state, 6)
+    assert durable_steps[0] == 6
+    shutil.rmtree(local)
+    state = step_states.blank()
+    with distckpt.CheckpointManager(s3_url, local_dir=local, storage_options=direct) as mgr:
+        progress = mgr.load_latest(state)
+    assert (progress.step, progress.tier) == (6, "durable")
+
+
+def test_a_resume_from_the_local_tier_works_while_the_durable_root_is_unreachable(tmp_path, s3_server, s3_url, proxy):
+    local = str(tmp_path / "local")
+    direct = fast_options(s3_server.storage_options())
+    run_saves(s3_url, local, range(3), durable_every=2, storage_options=direct)
+    proxy.add(Rule("*", ".", "status", times=10**6, status=500))
+    state = step_states.blank()
+    options = fast_options(s3_server.storage_options(proxy.endpoint), retries=1)
+    with distckpt.CheckpointManager(s3_url, local_dir=local, storage_options=options) as mgr:
+        progress = mgr.load_latest(state)
+        proxy.rules.clear()
+    assert (progress.step, progress.tier) == (2, "local")
+    assert_holds(state, 2)
+
+
+def two_nodes(rank: int, world: int, root: str, wipe_node: int | None) -> dict:
+    """Each rank plays a node of its own (its own local_dir, its own node name)."""
+    os.environ["DISTCKPT_NODE"] = f"node-{rank}"
+    local = os.path.join(root, f"local-{rank}")
+    durable = os.path.join(root, "durable")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    state = {"model": model, "gen": torch.Generator().manual_seed(rank), "sampler": distckpt.per_rank({"pos": rank})}
+    if wipe_node is None:
+        with distckpt.CheckpointManager(durable, local_dir=local, durable_every=3, timeout=30) as mgr:
+            mgr.load_latest(state)
+            for step in range(4):
+                with torch.no_grad():
+                    model.weight.add_(1.0)
+                torch.rand(1, generator=state["gen"])
+                mgr.save(step, state)
+        return {"local": steps_at(local), "weight": float(model.weight.sum()),
+                "gen": state["gen"].get_state().tolist()}
+    if rank == wipe_node:
+        shutil.rmtree(local)
+    with torch.no_grad():
+        model.weight.zero_()
+    state["gen"].manual_seed(12345)
+    with distckpt.CheckpointManager(durable, local_dir=local, timeout=30) as mgr:
+        progress = mgr.load_latest(state)
+    return {"step": progress.step, "tier": progress.tier, "weight": float(model.weight.sum()),
+            "gen": state["gen"].get_state().tolist()}
+
+
+@pytest.mark.slow
+def test_two_nodes_each_hold_their_local_tier_and_a_lost_node_resumes_all_from_durable(tmp_path):
+    root = str(tmp_path)
+    saved = run_world("test_tiers:two_nodes", 2, root=root, wipe_node=None)
+    assert all(r.error is None for r in saved), [r.error for r in saved]
+    assert [r.value["local"] for r in saved] == [[0, 1, 2, 3], [0, 1, 2, 3]]  # shipped to node 1
+    assert steps_at(os.path.join(root, "durable")) == [2, 3]
+    both = run_world("test_tiers:two_nodes", 2, root=root, wipe_node=-1)
+    assert all(r.error is None for r in both), [r.error for r in both]
+    assert [(r.value["step"], r.value["tier"]) for r in both] == [(3, "local"), (3, "local")]
+    back = run_world("test_tiers:two_nodes", 2, root=root, wipe_node=1)
+    assert all(r.error is None for r in back), [r.error for r in back]
+    assert [(r.value["step"], r.value["tier"]) for r in back] == [(3, "durable"), (3, "durable")]
+    for before, after in zip(saved, back):
+        assert after.value["weight"] == before.value["weight"] and after.value["gen"] == before.value["gen"]
