@@ -292,3 +292,51 @@ def test_two_nodes_each_hold_their_local_tier_and_a_lost_node_resumes_all_from_d
     assert [(r.value["step"], r.value["tier"]) for r in back] == [(3, "durable"), (3, "durable")]
     for before, after in zip(saved, back):
         assert after.value["weight"] == before.value["weight"] and after.value["gen"] == before.value["gen"]
+
+
+@pytest.mark.slow
+def test_torchrun_job_killed_resumes_from_the_local_tier_bit_for_bit(tmp_path):
+    from demo import run_pair
+
+    durable, local = str(tmp_path / "ckpt-killed"), str(tmp_path / "local")
+    # Saves at steps 20 and 40; every 3rd is durable, so when rank 1 is SIGKILLed at step 53 both
+    # are on the local tier only: the relaunch must take step 40 from it, and match bit for bit.
+    result, resumes = run_pair(str(tmp_path), nproc=2, steps=70, kill_at="step:53:1", workers=0,
+                               killed_extra=["--local-dir", local, "--durable-every", "3"])
+    assert resumes == ["resumed from step 40 epoch 1 (local tier)"]
+    assert result.identical, result.table
+    # Saves 20, 40 (first incarnation) and 60 (after the resume) are none a 3rd save; 60 is the
+    # last before close(), so it alone is durable.
+    assert steps_at(durable) == [60] and steps_at(local) == [20, 40, 60]
+
+
+@pytest.mark.slow
+def test_sigterm_pre_emption_save_reaches_the_durable_tier(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from demo import HERE
+    from test_preemption import max_step
+
+    durable, local, logs = str(tmp_path / "durable"), str(tmp_path / "local"), str(tmp_path / "log")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(HERE)}
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+                              os.path.join(HERE, "train.py"), "--ckpt", durable, "--loss-log", logs,
+                              "--steps", "200", "--ckpt-every", "5", "--workers", "0",
+                              "--local-dir", local, "--durable-every", "100"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while max_step(logs) < 22 and time.monotonic() < deadline and agent.poll() is None:
+        time.sleep(0.05)
+    assert agent.poll() is None, agent.stdout.read()[-3000:]
+    agent.send_signal(signal.SIGTERM)
+    out, _ = agent.communicate(timeout=60)
+    preempted = [line for line in open(os.path.join(logs, "rank-0.txt")) if line.startswith("# pre-empted")]
+    assert preempted, out[-3000:]
+    step = int(preempted[0].split()[-1])
+    assert step % 5 != 0  # the pre-emption save itself, not a scheduled one
+    assert steps_at(durable) == [step]  # no scheduled save was durable (every 100th): only this one
+    assert steps_at(local)[-1] == step
