@@ -1,8 +1,9 @@
 """The `distckpt` command line: read and tidy checkpoints with exactly the loader's rules.
 
-    distckpt ls URL [--json]                          committed steps, and uncommitted leftovers
-    distckpt inspect URL [--step N] [--json]          manifest, versions, ranks, config, tensors
-    distckpt verify URL [--step N | --all] [--json]   sizes, checksums, structure
+    distckpt ls URL [--local-dir D] [--json]          committed steps, and uncommitted leftovers
+    distckpt inspect URL [--step N] [--local-dir D] [--json]   manifest, versions, ranks, config, tensors
+    distckpt verify URL [--step N | --all] [--local-dir D] [--json]   sizes, checksums, structure
+                      (--local-dir: a two-tier job's local tier as well, each row saying which)
     distckpt prune URL --keep-last N [--keep-best K] [--best-mode min|max] [--dry-run]
     distckpt gc URL [--grace-s S] [--dry-run]         uncommitted leftovers, abandoned uploads
     distckpt diff URL A B [--json]                    what changed between steps A and B
@@ -65,19 +66,34 @@ def _fail(args: argparse.Namespace, message: str, code: int) -> int:
     return code
 
 
+def _tiers(storage: Storage, args: argparse.Namespace) -> list[tuple[str, Storage]]:
+    """The roots a command reads: the URL, and with --local-dir the local tier too (a manager's
+    local_dir=; the same rules, the same layout)."""
+    tiers = [("durable", storage)]
+    if getattr(args, "local_dir", None):
+        tiers.append(("local", open_storage(args.local_dir)))
+    return tiers
+
+
 def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
     rows = []
-    for s in list_steps(storage):
-        m = s.manifest or {}
-        rows.append({"step": s.step, "status": s.status, "epoch": m.get("epoch"), "metric": m.get("metric"),
-                     "world_size": m.get("world_size"), "created_unix": m.get("created_unix"),
-                     "bytes": sum(f["size"] for f in m.get("files", {}).values()) if m else None})
-    lines = [f"{'step':>10} {'epoch':>6} {'world':>5} {'bytes':>12} {'metric':>12} {'created':>20}  status"]
+    tiers = _tiers(storage, args)
+    for tier, root in tiers:
+        for s in list_steps(root):
+            m = s.manifest or {}
+            row = {"step": s.step, "status": s.status, "epoch": m.get("epoch"), "metric": m.get("metric"),
+                   "world_size": m.get("world_size"), "created_unix": m.get("created_unix"),
+                   "bytes": sum(f["size"] for f in m.get("files", {}).values()) if m else None}
+            rows.append({**row, "tier": tier} if len(tiers) > 1 else row)
+    if len(tiers) > 1:
+        rows.sort(key=lambda r: (r["step"], r["tier"] == "local"))
+    lines = [f"{'step':>10} {'epoch':>6} {'world':>5} {'bytes':>12} {'metric':>12} {'created':>20}  status"
+             + ("  tier" if len(tiers) > 1 else "")]
     for r in rows:
         stamp = r["created_unix"]
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) if isinstance(stamp, (int, float)) else ""
         lines.append(f"{r['step']:>10} {_s(r['epoch']):>6} {_s(r['world_size']):>5} {_s(r['bytes']):>12} "
-                     f"{_s(r['metric']):>12} {created:>20}  {r['status']}")
+                     f"{_s(r['metric']):>12} {created:>20}  {r['status']}" + (f"  {r['tier']}" if "tier" in r else ""))
     _emit(args, rows, "\n".join(lines))
     return EXIT_OK
 
@@ -95,10 +111,15 @@ def _steps(storage: Storage, args: argparse.Namespace) -> list[int]:
 
 
 def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
-    steps = _steps(storage, args)
-    if not steps:
+    found = [(step, tier, root) for tier, root in _tiers(storage, args) for step in _steps(root, args)
+             if args.step is None or step in list_committed(root)] or \
+        [(step, "durable", storage) for step in _steps(storage, args)]
+    if not found:
         return _fail(args, f"no committed checkpoint at {storage.url}", EXIT_PROBLEM)
-    d = describe_step(storage, steps[0])
+    step, tier, storage = max(found, key=lambda f: (f[0], f[1] == "local"))  # newest; the local copy first
+    d = describe_step(storage, step)
+    if getattr(args, "local_dir", None):
+        d["tier"] = tier
     m = d["manifest"]
     lines = [f"step {m['step']}  epoch {m['epoch']}  metric {m['metric']}  world size {m['world_size']}  run {m['run_id']}",
              "versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
@@ -119,18 +140,22 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
 
 
 def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
-    steps = _steps(storage, args)
-    if not steps:
+    tiers = _tiers(storage, args)
+    todo = [(tier, root, step) for tier, root in tiers for step in _steps(root, args)
+            if len(tiers) == 1 or args.step is None or step in list_committed(root)]
+    if not todo:
         return _fail(args, f"no committed checkpoint at {storage.url}", EXIT_PROBLEM)
-    results = {}
-    leases = read_leases(storage)
-    with _progress(storage, steps) as bar:
-        for step in steps:
-            results[step] = verify_step(storage, step, bar.update, leases)
-    lines = [f"step {s}: ok" if not p else f"step {s}: BAD\n" + "\n".join(f"  {x}" for x in p)
-             for s, p in results.items()]
-    _emit(args, [{"step": s, "ok": not p, "problems": p} for s, p in results.items()], "\n".join(lines))
-    return EXIT_PROBLEM if any(results.values()) else EXIT_OK
+    leases = read_leases(storage)  # the durable root's leases judge both tiers (tiers.py)
+    rows: list[dict[str, Any]] = []
+    for tier, root, step in todo:
+        with _progress(root, [step]) as bar:
+            problems = verify_step(root, step, bar.update, leases)
+        rows.append({"step": step, "ok": not problems, "problems": problems, **({"tier": tier} if len(tiers) > 1 else {})})
+    label = (lambda r: f"step {r['step']} ({r['tier']})") if len(tiers) > 1 else (lambda r: f"step {r['step']}")
+    lines = [f"{label(r)}: ok" if r["ok"] else f"{label(r)}: BAD\n" + "\n".join(f"  {x}" for x in r["problems"])
+             for r in rows]
+    _emit(args, rows, "\n".join(lines))
+    return EXIT_PROBLEM if any(not r["ok"] for r in rows) else EXIT_OK
 
 
 def _progress(storage: Storage, steps: list[int]) -> Any:
@@ -246,9 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--json", action="store_true", help="machine-readable output")
         return s
 
-    command("ls", "committed checkpoints and uncommitted leftovers")
-    command("inspect", "one checkpoint in detail").add_argument("--step", type=int)
+    tiered = []
+    tiered.append(command("ls", "committed checkpoints and uncommitted leftovers"))
+    inspect = command("inspect", "one checkpoint in detail")
+    inspect.add_argument("--step", type=int)
     verify = command("verify", "check sizes, checksums and structure")
+    tiered += [inspect, verify]
+    for tiered_command in tiered:
+        tiered_command.add_argument("--local-dir", help="a two-tier job's local_dir: show that tier too")
     verify.add_argument("--step", type=int)
     verify.add_argument("--all", action="store_true")
     prune = command("prune", "apply a retention policy")

@@ -28,6 +28,25 @@ def test_the_settings_table_covers_every_field():
     assert {f.name for f in dataclasses.fields(ManagerConfig)} == set(SETTINGS)
 
 
+# The two-tier settings (tiers.TierSettings), each refused by name; the last two with a local_dir.
+TIER_SETTINGS = {"local_dir": {"local_dir": 3}, "durable_every": {"local_dir": "L", "durable_every": 0},
+                 "keep_local": {"local_dir": "L", "keep_local": -1}}
+
+
+@pytest.mark.parametrize("name", sorted(TIER_SETTINGS))
+def test_every_tier_setting_refuses_a_bad_value_naming_itself(tmp_path, name):
+    kwargs = {k: (str(tmp_path / v) if v == "L" else v) for k, v in TIER_SETTINGS[name].items()}
+    with pytest.raises(distckpt.ConfigError, match=name):
+        distckpt.CheckpointManager(str(tmp_path / "root"), **kwargs)
+
+
+def test_every_constructor_parameter_is_checked_by_one_of_the_tables():
+    import inspect
+
+    params = set(inspect.signature(distckpt.CheckpointManager.__init__).parameters) - {"self", "url"}
+    assert params == set(SETTINGS) | set(TIER_SETTINGS) | {"storage_options"}
+
+
 @pytest.mark.parametrize("kwargs", [
     {"timeout": None}, {"timeout": math.inf}, {"timeout": -1}, {"timeout": "60"}, {"timeout": 10**400},
     {"timeout": datetime.timedelta(days=400)}, {"leftover_grace_s": math.inf}, {"leftover_grace_s": True},

@@ -340,3 +340,25 @@ def test_sigterm_pre_emption_save_reaches_the_durable_tier(tmp_path):
     assert step % 5 != 0  # the pre-emption save itself, not a scheduled one
     assert steps_at(durable) == [step]  # no scheduled save was durable (every 100th): only this one
     assert steps_at(local)[-1] == step
+
+
+def test_the_command_line_shows_and_verifies_both_tiers(roots, capsys):
+    import json
+
+    from distckpt.cli import main
+
+    durable, local = roots
+    run_saves(durable, local, range(3), durable_every=2)  # durable: 1, 2; local: 0, 1, 2
+    assert main(["ls", durable, "--local-dir", local, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["tier"]) for r in rows] == [(0, "local"), (1, "durable"), (1, "local"),
+                                                     (2, "durable"), (2, "local")]
+    flip_a_byte(local, 1)
+    assert main(["verify", durable, "--local-dir", local, "--all", "--json"]) == 1
+    bad = [(r["step"], r["tier"]) for r in json.loads(capsys.readouterr().out) if not r["ok"]]
+    assert bad == [(1, "local")]
+    assert main(["inspect", durable, "--local-dir", local, "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert (described["manifest"]["step"], described["tier"]) == (2, "local")
+    assert main(["ls", durable, "--json"]) == 0  # without --local-dir: the URL alone, as before
+    assert [r["step"] for r in json.loads(capsys.readouterr().out)] == [1, 2]
