@@ -188,3 +188,14 @@ def check_not_superseded(marker: mf.Marker, leases: list[Lease], where: str) -> 
         raise CorruptCheckpointError(
             f"{where}: committed by generation {marker.generation} after a newer incarnation took over "
             f"from step {newer.floor} ({newer.describe()}): output of a superseded writer, not loaded")
+
+
+def check_written_under_a_lease(marker: mf.Marker, leases: list[Lease], where: str) -> None:
+    """CorruptCheckpointError unless a lease of the durable root names the marker's writer
+    (generation and run): a local tier step of another job, or of a job of another durable
+    root, is never loaded as this job's."""
+    if not any(lease.generation == marker.generation and lease.run_id == marker.run_id for lease in leases):
+        raise CorruptCheckpointError(
+            f"{where}: committed by generation {marker.generation} (run {marker.run_id[:8]}), which holds no "
+            "lease at the durable root: this local tier was written by another job (or for another URL); not "
+            "loaded. Give each run its own local_dir, or remove this one")

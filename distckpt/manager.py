@@ -217,8 +217,10 @@ class CheckpointManager:
                     delete_checkpoint(storage, step)
                     log.info("rank 0: retention removed step %d from %s", step, storage.url)
             collect_leftovers(storage, self.config.leftover_grace_s)
-            if self._lease is not None and storage is self.storage:
-                prune_leases(storage, self._lease, lambda: committed_generations(storage))
+            if self._lease is not None and storage is self.storage:  # local steps need their leases too
+                local = self.local
+                prune_leases(storage, self._lease, lambda: committed_generations(storage)
+                             + (committed_generations(local) if local is not None else []))
         except (OSError, DistCkptError) as e:
             log.warning("rank 0: retention after step %d failed (the checkpoint is committed): %s",
                         just_committed, e)

@@ -55,6 +55,7 @@ from .commit import (
     check_not_superseded,
     check_root_is_ours,
     check_step_is_free,
+    check_written_under_a_lease,
     clear_step_dir,
     create_manifest,
     create_marker,
@@ -410,7 +411,8 @@ WORLD_SIZE_POLICIES = ("refuse", "reshard", "replicated_only")  # the last: the 
 
 
 def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
-                    world_size_policy: str = "refuse", leases: list[Lease] | None = None) -> ReadCheckpoint:
+                    world_size_policy: str = "refuse", leases: list[Lease] | None = None,
+                    owned_by_leases: bool = False) -> ReadCheckpoint:
     """Read and verify what this rank needs of one committed step. Raises CorruptCheckpointError.
 
     With another world size than the writer's: "refuse" raises IncompatibleCheckpointError;
@@ -423,6 +425,8 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
     try:
         marker = read_marker(storage, step)
         check_not_superseded(marker, leases or [], where)
+        if owned_by_leases:  # a local tier step: written by a job of this durable root
+            check_written_under_a_lease(marker, leases or [], where)
         manifest = read_verified_manifest(storage, step, marker)
     except MissingFileError as e:
         raise CorruptCheckpointError(f"{where}: {e}") from e
@@ -478,10 +482,12 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
 
 
 def _choose_phase(coord: Coordinator, storage: Storage, step: int | None,
-                  local: Storage | None = None) -> tuple[list[tuple[int, str]], list[Lease]]:
+                  local: Storage | None = None) -> tuple[list[tuple[int, str]], list[Lease] | None]:
+    """The candidates (step, tier), newest first, and the durable root's leases (None: it could
+    not be read, so local steps are loaded without checking who wrote them)."""
     exc: BaseException | None = None
     steps: list[int] = []
-    leases: list[Lease] = []
+    leases: list[Lease] | None = []
     local_steps = tiers.common_local_steps(coord, local) if local is not None else []
     if coord.rank == 0:
         try:
@@ -493,15 +499,17 @@ def _choose_phase(coord: Coordinator, storage: Storage, step: int | None,
         except Exception as e:
             exc = e
     candidates = tiers.merge_candidates(local_steps, steps, step)
-    info = {"candidates": candidates, "leases": [dataclasses.asdict(lease) for lease in leases]}
+    info = {"candidates": candidates,
+            "leases": None if leases is None else [dataclasses.asdict(lease) for lease in leases]}
     mine = Outcome.failure(0, exc) if exc else Outcome(0, info=info)
     outcome = coord.broadcast(mine if coord.rank == 0 else None, "load/choose")
     raise_if_failed(coord, [outcome], "choosing a checkpoint to load", exc)
+    got = outcome.info["leases"]
     return ([(int(s), str(t)) for s, t in outcome.info["candidates"]],
-            [Lease(**d) for d in outcome.info["leases"]])
+            None if got is None else [Lease(**d) for d in got])
 
 
-def _durable_steps(storage: Storage, local_steps: list[int]) -> tuple[list[int], list[Lease]]:
+def _durable_steps(storage: Storage, local_steps: list[int]) -> tuple[list[int], list[Lease] | None]:
     """The durable root's committed steps and leases. With local candidates, an unreachable
     durable root is a warning (the local tier is still loadable), not an error."""
     try:
@@ -512,15 +520,16 @@ def _durable_steps(storage: Storage, local_steps: list[int]) -> tuple[list[int],
             raise
         log.warning("rank 0: the durable tier %s cannot be read (%s); choosing among the local tier's steps "
                     "without its fencing leases", storage.url, e)
-        return [], []
+        return [], None
 
 
 def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[Entry],
-                candidates: list[tuple[int, str]], explicit: bool, world_size_policy: str, leases: list[Lease],
-                rules: LoadRules = LoadRules()) -> tuple[ReadCheckpoint, str]:
+                candidates: list[tuple[int, str]], explicit: bool, world_size_policy: str,
+                leases: list[Lease] | None, rules: LoadRules = LoadRules()) -> tuple[ReadCheckpoint, str]:
     tiered = storages[tiers.LOCAL] is not storages[tiers.DURABLE]
     for i, (step, tier) in enumerate(candidates):
-        read, exc = _try_read(coord, storages[tier], entries, step, world_size_policy, leases, rules)
+        owned = tier == tiers.LOCAL and leases is not None
+        read, exc = _try_read(coord, storages[tier], entries, step, world_size_policy, leases or [], rules, owned)
         if read is not None:
             info = {"step": read.step, "epoch": read.own["epoch"], "digest": read.digest}
             outcome = Outcome(coord.rank, info=info)
@@ -544,10 +553,11 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
 
 
 def _try_read(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
-              world_size_policy: str, leases: list[Lease],
-              rules: LoadRules = LoadRules()) -> tuple[ReadCheckpoint | None, BaseException | None]:
+              world_size_policy: str, leases: list[Lease], rules: LoadRules = LoadRules(),
+              owned_by_leases: bool = False) -> tuple[ReadCheckpoint | None, BaseException | None]:
     try:
-        read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy, leases)
+        read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy, leases,
+                               owned_by_leases)
         read.entries = _resolve_sharded(storage, entries, read)
         _validate_against_state(read.entries, read, (coord.rank, coord.world_size), rules)
         faults.point("load/read", step=step, rank=coord.rank)

@@ -362,3 +362,14 @@ def test_the_command_line_shows_and_verifies_both_tiers(roots, capsys):
     assert (described["manifest"]["step"], described["tier"]) == (2, "local")
     assert main(["ls", durable, "--json"]) == 0  # without --local-dir: the URL alone, as before
     assert [r["step"] for r in json.loads(capsys.readouterr().out)] == [1, 2]
+
+
+def test_a_local_tier_left_by_another_job_is_never_loaded_as_this_jobs(tmp_path):
+    local = str(tmp_path / "local")
+    run_saves(str(tmp_path / "exp1"), local, range(3), durable_every=100)  # close(): step 2 durable
+    run_saves(str(tmp_path / "exp2"), str(tmp_path / "local2"), range(1), durable_every=1)
+    # exp2's job is relaunched with exp1's scratch dir: its local steps 0-2 are exp1's.
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="holds no lease at the durable root"):
+        progress, state = load(str(tmp_path / "exp2"), local)
+    assert (progress.step, progress.tier) == (0, "durable")
+    assert_holds(state, 0)
