@@ -49,7 +49,11 @@ def root_override(url: Any) -> Any:
 def local_override(local_dir: Any) -> Any:
     """The doctor's local tier for this job (next to its root), or `local_dir` unchanged."""
     root = os.environ.get(ROOT_ENV)
-    return f"{root.rstrip('/')}-local" if root and local_dir is not None else local_dir
+    return local_root(root) if root and local_dir is not None else local_dir
+
+
+def local_root(root: str) -> str:
+    return f"{root.rstrip('/')}-local"
 
 
 def after_commit(step: int, rank: int, world_size: int) -> None:
@@ -107,18 +111,29 @@ class Report:
 
 
 def compare_roots(reference: str, resumed: str) -> Report:
-    """Every step committed in both roots, compared leaf by leaf (tensors by their bytes)."""
-    a, b = open_storage(reference), open_storage(resumed)
-    steps_a, steps_b = set(list_committed(a)), set(list_committed(b))
+    """Every step committed in both roots, compared leaf by leaf (tensors by their bytes). A job
+    with two tiers also committed into each root's local tier (local_override): both count."""
+    where_a, where_b = _committed(reference), _committed(resumed)
+    steps_a, steps_b = set(where_a), set(where_b)
     common = sorted(steps_a & steps_b)
     report = Report(common, sorted(steps_a - steps_b), sorted(steps_b - steps_a), None)
     for step in common:
-        diffs = _compare_step(a, b, step)
+        diffs = _compare_step(where_a[step], where_b[step], step)
         if diffs:
             report.first_step, report.differences = step, diffs
             report.causes = likely_causes(diffs, report)
             break
     return report
+
+
+def _committed(root: str) -> dict[int, Any]:
+    """step -> the storage holding it: the root, or its local tier (preferred: every save is there)."""
+    out: dict[int, Any] = {}
+    for path in (root, local_root(root)):
+        if os.path.isdir(path):
+            storage = open_storage(path)
+            out.update({step: storage for step in list_committed(storage)})
+    return out
 
 
 def _compare_step(a: Any, b: Any, step: int) -> list[Difference]:
