@@ -338,6 +338,10 @@ def main() -> int:
             from training import training_table
 
             training = training_table(os.path.join(root, "training"))
+            if not args.no_s3:
+                from tiers import tier_tables
+
+                training += "\n\n" + tier_tables(os.path.join(root, "tiers"), args.mib)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())

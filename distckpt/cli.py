@@ -7,7 +7,7 @@
     distckpt prune URL --keep-last N [--keep-best K] [--best-mode min|max] [--dry-run]
     distckpt gc URL [--grace-s S] [--dry-run]         uncommitted leftovers, abandoned uploads
     distckpt diff URL A B [--json]                    what changed between steps A and B
-    distckpt doctor --kill-at N [--kill-rank R] [--json] -- <launch command>
+    distckpt doctor [--kill-at N] [--steps M] [--every K] [--kill-rank R] [--json] -- <launch command>
                                                       does the job resume bit for bit? names what breaks it
     distckpt import-torch FILE URL --trust-pickle [--world-size N] [--step S]   a torch.save file in
     distckpt import-dcp DCP_DIR URL --trust-pickle [--world-size N] [--step S]  a DCP checkpoint in
@@ -346,6 +346,8 @@ def doctor_main(argv: list[str]) -> int:
     p.add_argument("--kill-at", type=int, help="SIGKILL a rank right after the commit of this step (default: the first)")
     p.add_argument("--steps", type=int, help="end both runs after the commit of this step (the manager exits the job)")
     p.add_argument("--kill-rank", type=int, help="which rank (default: the last)")
+    p.add_argument("--every", type=int, help="also fingerprint the parameters every K optimizer steps, to find "
+                   "the first differing step between checkpoints")
     p.add_argument("--workdir", help="where the two runs' roots go (default: a temporary directory)")
     p.add_argument("--json", action="store_true")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the launch command, as you run it")
@@ -355,7 +357,9 @@ def doctor_main(argv: list[str]) -> int:
         p.error("give the launch command after --")
     start = time.monotonic()
     try:
-        report = run_doctor(command, args.kill_at, args.kill_rank, args.workdir, steps=args.steps)
+        if args.every is not None and args.every < 1:
+            p.error("--every must be >= 1")
+        report = run_doctor(command, args.kill_at, args.kill_rank, args.workdir, steps=args.steps, every=args.every)
     except (DistCkptError, OSError, subprocess.TimeoutExpired) as e:
         print(json.dumps({"error": str(e)[-3000:]}) if args.json else f"distckpt doctor: {e}",
               file=sys.stdout if args.json else sys.stderr)

@@ -1,6 +1,6 @@
 """`distckpt doctor`: prove that a training script resumes bit for bit, and name what breaks it.
 
-    distckpt doctor [--kill-at N] [--steps M] [--kill-rank R] [--json] [--workdir DIR] -- <launch command ...>
+    distckpt doctor [--kill-at N] [--steps M] [--every K] [--kill-rank R] [--json] [--workdir DIR] -- <launch command ...>
 
 Runs the user's command unchanged, twice, each into a checkpoint root of its own: every
 CheckpointManager of the job uses the root in DISTCKPT_DOCTOR_ROOT instead of its URL (the
@@ -9,7 +9,9 @@ SIGKILLs itself right after the commit of step DISTCKPT_DOCTOR_KILL_AFTER (once:
 records it), and the command is relaunched (or torchrun restarts it, with --max-restarts). Then
 every step both runs committed is compared entry by entry, per rank, stream by stream; the
 report names the first step that differs, the entries, and the likely cause. Exit 0 iff every
-common step is bitwise equal and the killed run resumed.
+common step is bitwise equal and the killed run resumed. With --every K each run also hashes
+every rank's parameters after every K-th optimizer step (a hook on the state's optimizers), so a
+difference is located to the optimizer step, between two checkpoints.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ KILL_AFTER_ENV = "DISTCKPT_DOCTOR_KILL_AFTER"
 KILL_RANK_ENV = "DISTCKPT_DOCTOR_KILL_RANK"
 KILLED_MARK_ENV = "DISTCKPT_DOCTOR_KILLED_MARK"
 STOP_AFTER_ENV = "DISTCKPT_DOCTOR_STOP_AFTER"
+EVERY_ENV = "DISTCKPT_DOCTOR_EVERY"  # --every K: fingerprint the parameters every K optimizer steps
 FIRST = "first"  # --kill-at not given: kill after the first commit of the run
 
 
@@ -52,8 +55,79 @@ def local_override(local_dir: Any) -> Any:
     return local_root(root) if root and local_dir is not None else local_dir
 
 
+def keeps_everything() -> bool:
+    """Under the doctor, retention is off in its roots, so that every step both runs committed
+    can be compared (they are the doctor's own directories)."""
+    return bool(os.environ.get(ROOT_ENV))
+
+
 def local_root(root: str) -> str:
     return f"{root.rstrip('/')}-local"
+
+
+def fingerprint_root(root: str) -> str:
+    return f"{root.rstrip('/')}-fingerprints"
+
+
+class _Fingerprints:
+    """Under `--every K`: after every optimizer step, label it and, every K labels, append a hash
+    of this rank's parameters to <root>-fingerprints/rank-R.txt. The label is the step of the
+    last save or load plus the optimizer steps since, so both runs label a step alike even when
+    a GradScaler skipped steps; it is the loop's step when each loop step steps once."""
+
+    def __init__(self, every: int, path: str) -> None:
+        self.every, self.path, self.base, self.since = every, path, -1, 0
+        self.modules: list[Any] = []
+
+    def rebase(self, step: int) -> None:
+        self.base, self.since = step, 0
+
+    def after_optimizer_step(self, *_: Any) -> None:
+        self.since += 1
+        label = self.base + self.since
+        if label % self.every == 0:
+            with open(self.path, "a") as f:
+                f.write(f"{label} {self._digest()}\n")
+
+    def _digest(self) -> str:
+        import xxhash
+
+        h = xxhash.xxh3_64()
+        for module in self.modules:
+            for name, p in module.named_parameters():
+                local = p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+                h.update(name.encode())
+                h.update(local.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+
+_fingerprints: _Fingerprints | None = None
+
+
+def install_fingerprints(entries: list[Any], step: int | None, rank: int) -> None:
+    """Called by every load (the step loaded, None on a fresh start): under `--every K`, hook the
+    state's optimizers once and label the next optimizer step step+1."""
+    global _fingerprints
+    every, root = os.environ.get(EVERY_ENV), os.environ.get(ROOT_ENV)
+    if not every or not root:
+        return
+    if _fingerprints is None:
+        os.makedirs(fingerprint_root(root), exist_ok=True)
+        _fingerprints = _Fingerprints(int(every), os.path.join(fingerprint_root(root), f"rank-{rank}.txt"))
+    for entry in entries:
+        if entry.kind in ("module", "sharded_module") and entry.target not in _fingerprints.modules:
+            _fingerprints.modules.append(entry.target)
+        hooked = getattr(entry.target, "_distckpt_fingerprinted", False)
+        if isinstance(entry.target, torch.optim.Optimizer) and not hooked:
+            entry.target.register_step_post_hook(_fingerprints.after_optimizer_step)
+            entry.target._distckpt_fingerprinted = True
+    _fingerprints.rebase(-1 if step is None else step)
+
+
+def rebase_fingerprints(step: int) -> None:
+    """Called by every save: optimizer steps are counted from the saved step on."""
+    if _fingerprints is not None:
+        _fingerprints.rebase(step)
 
 
 def after_commit(step: int, rank: int, world_size: int) -> None:
@@ -104,6 +178,9 @@ class Report:
     differences: list[Difference] = field(default_factory=list)
     causes: list[str] = field(default_factory=list)
     resumed: bool = False
+    per_step: dict[int, list[str]] = field(default_factory=dict)  # step -> entries that differ there
+    fingerprint_every: int | None = None       # --every K
+    first_fingerprint_step: int | None = None  # the first optimizer step whose parameters differ
 
     @property
     def identical(self) -> bool:
@@ -119,11 +196,30 @@ def compare_roots(reference: str, resumed: str) -> Report:
     report = Report(common, sorted(steps_a - steps_b), sorted(steps_b - steps_a), None)
     for step in common:
         diffs = _compare_step(where_a[step], where_b[step], step)
-        if diffs:
+        report.per_step[step] = sorted({f"{d.where}: {d.entry}" for d in diffs})
+        if diffs and report.first_step is None:
             report.first_step, report.differences = step, diffs
             report.causes = likely_causes(diffs, report)
-            break
     return report
+
+
+def compare_fingerprints(reference: str, resumed: str) -> int | None:
+    """The first labelled optimizer step at which any rank's parameters differ between the runs
+    (a step logged twice by the killed run keeps its last, i.e. the resumed, value)."""
+    a, b = _read_fingerprints(fingerprint_root(reference)), _read_fingerprints(fingerprint_root(resumed))
+    common = sorted({(r, s) for r in a for s in a[r]} & {(r, s) for r in b for s in b[r]}, key=lambda rs: rs[1])
+    return next((s for r, s in common if a[r][s] != b[r][s]), None)
+
+
+def _read_fingerprints(directory: str) -> dict[int, dict[int, str]]:
+    out: dict[int, dict[int, str]] = {}
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        if name.startswith("rank-") and name.endswith(".txt"):
+            steps = out.setdefault(int(name[5:-4]), {})
+            for line in open(os.path.join(directory, name)):
+                label, digest = line.split()
+                steps[int(label)] = digest
+    return out
 
 
 def _committed(root: str) -> dict[int, Any]:
@@ -239,11 +335,13 @@ def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
 # -- running the two jobs ----------------------------------------------------------------------------
 
 def run_doctor(command: list[str], kill_at: int | None, kill_rank: int | None = None, workdir: str | None = None,
-               timeout: float = 3600.0, steps: int | None = None) -> Report:
+               timeout: float = 3600.0, steps: int | None = None, every: int | None = None) -> Report:
     workdir = workdir or tempfile.mkdtemp(prefix="distckpt-doctor-")
     reference, killed = os.path.join(workdir, "uninterrupted"), os.path.join(workdir, "killed")
     mark = os.path.join(workdir, "killed.mark")
     stop = {STOP_AFTER_ENV: str(steps)} if steps is not None else {}
+    if every is not None:
+        stop[EVERY_ENV] = str(every)
     _run(command, {ROOT_ENV: reference, **stop}, timeout, "the uninterrupted run")
     env = {ROOT_ENV: killed, KILL_AFTER_ENV: FIRST if kill_at is None else str(kill_at), KILLED_MARK_ENV: mark, **stop}
     if kill_rank is not None:
@@ -255,6 +353,13 @@ def run_doctor(command: list[str], kill_at: int | None, kill_rank: int | None = 
         raise DistCkptError(f"the killed run failed before step {kill_at} was committed:\n{first.stderr[-2000:]}")
     report = compare_roots(reference, killed)
     report.resumed = os.path.exists(mark)
+    if every is not None:
+        report.fingerprint_every = every
+        report.first_fingerprint_step = compare_fingerprints(reference, killed)
+        if report.first_fingerprint_step is not None:
+            report.causes.insert(0, f"the parameters first differ after optimizer step {report.first_fingerprint_step} "
+                                    f"(fingerprints every {every} steps): look at what that step and the one "
+                                    "before do differently after a resume")
     return report
 
 
@@ -273,6 +378,15 @@ def report_text(report: Report) -> str:
         lines.append(f"only uninterrupted: {report.only_uninterrupted}; only killed-and-resumed: {report.only_killed}")
     if not report.resumed:
         lines.append("the killed run never reached the step to kill at: nothing was proven")
+    if report.per_step:
+        lines.append(f"{'step':>8}  {'uninterrupted vs killed-and-resumed'}")
+        for step, entries in report.per_step.items():
+            shown = ", ".join(entries[:6]) + (f", ... ({len(entries)} in all)" if len(entries) > 6 else "")
+            lines.append(f"{step:>8}  " + (f"differs: {shown}" if entries else "bitwise identical"))
+    if report.fingerprint_every is not None:
+        lines.append(f"parameter fingerprints every {report.fingerprint_every} optimizer steps: " + (
+            "equal at every common step" if report.first_fingerprint_step is None
+            else f"first differ after step {report.first_fingerprint_step}"))
     if report.first_step is None:
         lines.append("VERDICT: bitwise identical at every common step" if report.identical else "VERDICT: not proven")
         return "\n".join(lines)

@@ -120,6 +120,7 @@ class CheckpointManager:
         self._finish_pending()
         self._report_uploads(block=False)
         entries = classify(state)
+        doctor_hooks.rebase_fingerprints(step)
         durable = self._next_save_is_durable(entries)
         replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)
         self._save_seq += 1
@@ -209,6 +210,8 @@ class CheckpointManager:
     def _retain(self, storage: Any, just_committed: int, keep_last: int | None, keep_best: int | None) -> None:
         """Retention and leftover collection; failures here never undo the commit. On the local
         tier the step being uploaded is spared, and leases live only on the durable root."""
+        if doctor_hooks.keeps_everything():
+            keep_last = keep_best = None
         try:
             no_policy = keep_last is None and keep_best is None
             committed = [] if no_policy else read_committed(storage, list_committed(storage))
@@ -339,6 +342,7 @@ class CheckpointManager:
                         self._rules, self.local)
         if self._lease is None:
             self._floor = progress.step if progress is not None else -1
+        doctor_hooks.install_fingerprints(entries, progress.step if progress is not None else None, self.rank)
         for entry in entries:
             if entry.kind == "module":
                 install_bucket_warmup(entry.target)

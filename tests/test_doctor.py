@@ -34,7 +34,7 @@ def _doctor(tmp_path, capsys, *options: str) -> tuple[int, dict]:
 def test_a_loop_that_resumes_exactly_passes(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ROOT)
     code, report = _doctor(tmp_path, capsys, "--workers", "2")
-    assert report["resumed"] and report["common_steps"] == [14, 19], report
+    assert report["resumed"] and report["common_steps"] == [4, 9, 14, 19], report
     assert code == 0 and report["identical"], report
 
 
@@ -62,3 +62,32 @@ def test_workers_without_with_worker_rng_are_named(tmp_path, capsys, monkeypatch
     code, report = _doctor(tmp_path, capsys, "--workers", "2", "--no-worker-rng")
     assert code == 1, report
     assert any("model" == d["entry"] for d in report["differences"])
+
+
+def test_a_batch_drawn_before_the_save_and_kept_out_of_state_is_named(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    code, report = _doctor(tmp_path, capsys, "--prefetch-unsaved")
+    assert code == 1 and report["first_step"] == 14, report
+    assert any(d["entry"] == "loader" for d in report["differences"]), report
+    assert any("a batch drawn before the save" in c for c in report["causes"]), report["causes"]
+
+
+@pytest.mark.faults
+def test_a_model_left_in_eval_by_a_validation_pass_is_named(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    code, report = _doctor(tmp_path, capsys, "--val-leaves-eval-at", "6")
+    assert code == 1 and report["first_step"] == 14, report
+    assert any("training flag" in c and "eval mode" in c for c in report["causes"]), report["causes"]
+    assert report["per_step"]["9"] == [] and report["per_step"]["14"], report["per_step"]
+
+
+def test_every_k_locates_the_first_differing_optimizer_step_between_checkpoints(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    command = [a.replace("LOG", str(tmp_path / "log")) for a in _command("--unsaved-random")]
+    code = cli.main(["doctor", "--kill-at", "9", "--every", "1", "--json", "--workdir", str(tmp_path / "doctor"),
+                     "--", *command])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["first_step"] == 14, report
+    # Steps 0-9 are equal (the same hidden stream); the resumed run restarts it at step 10.
+    assert report["fingerprint_every"] == 1 and report["first_fingerprint_step"] == 10, report
+    assert "optimizer step 10" in report["causes"][0]

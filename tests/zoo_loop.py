@@ -83,6 +83,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--unsaved-random", action="store_true", help="noise from a random.Random not in state")
     p.add_argument("--no-worker-rng", action="store_true", help="workers without distckpt.with_worker_rng")
     p.add_argument("--no-set-epoch", action="store_true", help="never call sampler.set_epoch")
+    p.add_argument("--prefetch-unsaved", action="store_true",
+                   help="draw the next batch before the step and the save, and keep it out of state")
+    p.add_argument("--val-leaves-eval-at", type=int, default=-1,
+                   help="a validation pass at this step leaves the model in eval mode; model.train() "
+                        "is called once after load_latest")
     return p.parse_args()
 
 
@@ -181,6 +186,10 @@ def main() -> int:
             iterator = iter(loader)
             return next(iterator)
 
+    if args.val_leaves_eval_at >= 0:
+        trained.train()  # the common "model.train() before the loop"
+    if args.prefetch_unsaved:
+        batch = draw()  # also after a resume: the batch drawn before the save is lost
     if args.prefetch:
         if progress is None:
             batch = draw()
@@ -197,7 +206,7 @@ def main() -> int:
             net.bn.eval()
         loss_sum = torch.zeros(())
         for micro in range(args.accum):
-            if args.prefetch:
+            if args.prefetch or args.prefetch_unsaved:
                 x, y = batch  # type: ignore[misc]
                 batch = draw()  # the next batch, drawn before the step (and before the save)
             else:
@@ -220,6 +229,10 @@ def main() -> int:
         sched.step()  # type: ignore[attr-defined]
         if ema is not None:
             ema.update_parameters(net)
+        if step == args.val_leaves_eval_at:
+            trained.eval()  # validation; the loop forgets trained.train() afterwards
+            with torch.no_grad():
+                trained(torch.zeros(4, 8))
         _log_line(args.log, rank, f"{step} {loss_sum.item().hex()} {_param_sum(trained, ema).hex()}")
         if (step + 1) % args.every == 0:
             if args.prefetch:
