@@ -311,15 +311,15 @@ def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
     if any(d.entry == "loader" and "worker_rng" in d.path for d in diffs):
         causes.append(f"{', '.join(ranks) or 'a rank'}: `loader` worker streams differ from step {report.first_step} → wrap "
                       "the dataset with distckpt.with_worker_rng")
+    if any(d.entry == "loader" and "worker_rng" not in d.path for d in diffs):
+        causes.append("the loader's position differs → a batch drawn before the save (prefetching) is not in "
+                      "state; keep it there (see the README's loop patterns)")
     if any(d.entry == "sampler" and d.path.endswith("epoch") for d in diffs):
         causes.append("the sampler's epoch differs → call sampler.set_epoch(epoch) at every epoch start "
                       "(and pass epoch= to save)")
     if any(d.path.startswith("training/") or "/training/" in d.path for d in diffs):
         causes.append("a module's training flag differs → a validation pass left a submodule in eval mode "
                       "differently; put the model in state as trained and call .train() after validation")
-    if any(d.entry == "loader" and "worker_rng" not in d.path for d in diffs):
-        causes.append("the loader's position differs → a batch drawn before the save (prefetching) is not in "
-                      "state; keep it there (see the README's loop patterns)")
     if "rng" in entries:
         causes.append("a process-wide stream (Python, NumPy, torch) differs → something draws random numbers "
                       "at a different point after a resume (a fresh DDP/compile warm-up, an iterator created "
