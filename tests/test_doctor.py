@@ -91,3 +91,34 @@ def test_every_k_locates_the_first_differing_optimizer_step_between_checkpoints(
     # Steps 0-9 are equal (the same hidden stream); the resumed run restarts it at step 10.
     assert report["fingerprint_every"] == 1 and report["first_fingerprint_step"] == 10, report
     assert "optimizer step 10" in report["causes"][0]
+
+
+@pytest.mark.faults
+def test_a_sampler_given_the_wrong_epoch_after_a_resume_is_named(tmp_path, capsys, monkeypatch):
+    # 8 steps per epoch: the resumed run (from step 9, epoch 1) calls set_epoch(1) again at step 16.
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    code, report = _doctor(tmp_path, capsys, "--forget-epoch")
+    assert code == 1 and report["first_step"] == 19, report
+    assert any(d["entry"] == "sampler" and d["path"].endswith("epoch") for d in report["differences"])
+    assert any("set_epoch" in c for c in report["causes"]), report["causes"]
+
+
+@pytest.mark.faults
+def test_a_loop_that_never_calls_set_epoch_still_resumes_exactly(tmp_path, capsys, monkeypatch):
+    # The sampler's epoch travels in `state`: never setting it is the same in both runs.
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    code, report = _doctor(tmp_path, capsys, "--no-set-epoch")
+    assert code == 0 and report["identical"], report
+
+
+@pytest.mark.faults
+def test_launch_train_py_resumes_exactly_under_the_doctor(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+               os.path.join(ROOT, "launch", "train.py"), "--ckpt", "/unused", "--loss-log", str(tmp_path / "log"),
+               "--steps", "35", "--ckpt-every", "10", "--workers", "2"]
+    code = cli.main(["doctor", "--kill-at", "10", "--every", "5", "--json", "--workdir", str(tmp_path / "doctor"),
+                     "--", *command])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["common_steps"] == [10, 20, 30] and report["first_fingerprint_step"] is None, report

@@ -83,6 +83,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--unsaved-random", action="store_true", help="noise from a random.Random not in state")
     p.add_argument("--no-worker-rng", action="store_true", help="workers without distckpt.with_worker_rng")
     p.add_argument("--no-set-epoch", action="store_true", help="never call sampler.set_epoch")
+    p.add_argument("--forget-epoch", action="store_true",
+                   help="after a resume count epochs from 0 again (set_epoch then gets the wrong epoch)")
     p.add_argument("--prefetch-unsaved", action="store_true",
                    help="draw the next batch before the step and the save, and keep it out of state")
     p.add_argument("--val-leaves-eval-at", type=int, default=-1,
@@ -169,7 +171,7 @@ def main() -> int:
     progress = mgr.load_latest(state)
     start = progress.step + 1 if progress else 0
     if progress is not None:
-        epoch = progress.epoch or 0
+        epoch = 0 if args.forget_epoch else (progress.epoch or 0)
         _log_line(args.log, rank, f"# resumed from step {progress.step} epoch {progress.epoch}")
     if sampler is not None and progress is None:
         sampler.set_epoch(epoch)
