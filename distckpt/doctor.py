@@ -120,7 +120,7 @@ def install_fingerprints(entries: list[Any], step: int | None, rank: int) -> Non
         hooked = getattr(entry.target, "_distckpt_fingerprinted", False)
         if isinstance(entry.target, torch.optim.Optimizer) and not hooked:
             entry.target.register_step_post_hook(_fingerprints.after_optimizer_step)
-            entry.target._distckpt_fingerprinted = True
+            entry.target._distckpt_fingerprinted = True  # type: ignore[attr-defined]
     _fingerprints.rebase(-1 if step is None else step)
 
 

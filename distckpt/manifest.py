@@ -126,10 +126,25 @@ def checksum_of(data: bytes | bytearray | memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
-def verify_file(data: bytes | bytearray | memoryview, record: dict[str, Any], where: str) -> None:
+RELEASE_CHUNK = 64 << 20
+
+
+def verify_file(data: bytes | bytearray | memoryview, record: dict[str, Any], where: str,
+                release: Any = None) -> None:
+    """Size and checksum against the manifest's record. With `release` (a function of a byte
+    range), the bytes are hashed in 64 MiB pieces and each piece released after it is hashed, so
+    verifying a mapped file does not keep it resident (export's bounded memory)."""
     if len(data) != record["size"]:
         raise CorruptCheckpointError(f"{where}: {len(data)} bytes, the manifest says {record['size']} (truncated or replaced)")
-    actual = checksum_of(data)
+    if release is None:
+        actual = checksum_of(data)
+    else:
+        h = xxhash.xxh3_64()
+        view = memoryview(data)
+        for start in range(0, len(view), RELEASE_CHUNK):
+            h.update(view[start:start + RELEASE_CHUNK])
+            release(start, min(RELEASE_CHUNK, len(view) - start))
+        actual = h.hexdigest()
     if actual != record["xxh3_64"]:
         raise CorruptCheckpointError(f"{where}: checksum {actual} does not match the manifest's {record['xxh3_64']} (damaged)")
 

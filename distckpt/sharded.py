@@ -42,7 +42,7 @@ from .serialize import (
     key_path,
     load_tree_file,
 )
-from .storage import Storage
+from .storage import Storage, release_pages
 
 SHARDED = "sharded"
 SHARD_PREFIX = "shards/"
@@ -230,11 +230,14 @@ class ShardReader:
     Shard files are read whole, verified against the manifest's checksum, once per load.
     """
 
-    def __init__(self, storage: Storage, base: str, manifest: dict[str, Any], where: str) -> None:
+    def __init__(self, storage: Storage, base: str, manifest: dict[str, Any], where: str,
+                 bounded: bool = False) -> None:
         self.storage, self.base, self.where = storage, base, where
         self.files: dict[str, Any] = manifest.get("files", {})
         self.table: dict[str, Any] = manifest.get("sharded") or {}
         self._opened: dict[str, dict[str, torch.Tensor]] = {}
+        self._buffers: list[Any] = []
+        self.bounded = bounded  # export: verified files are not kept resident (release())
 
     def spec(self, name: str) -> tuple[torch.dtype, list[int], list[dict[str, Any]]]:
         entry = self.table.get(name)
@@ -281,7 +284,9 @@ class ShardReader:
         if file not in self._opened:
             mf.check_relative_path(file, self.where)
             data = self.storage.read_buffer(f"{self.base}/{file}")
-            mf.verify_file(data, self.files[file], f"{self.where}/{file}")
+            release = (lambda start, n: release_pages(data, start, n)) if self.bounded else None
+            mf.verify_file(data, self.files[file], f"{self.where}/{file}", release)
+            self._buffers.append(data)
             tree = load_tree_file(data, f"{self.where}/{file}")
             if not isinstance(tree, dict) or not isinstance(tree.get("shards"), dict):
                 raise CorruptCheckpointError(f"{self.where}/{file}: not a shard file")
@@ -290,6 +295,12 @@ class ShardReader:
         if not isinstance(piece, torch.Tensor) or list(piece.shape) != shape or piece.dtype != dtype:
             raise CorruptCheckpointError(f"{self.where}/{file}: holds no {list(shape)} {dtype} piece of {name!r}")
         return piece
+
+
+    def release(self) -> None:
+        """Drop the shard files' mapped pages from this process (they stay readable)."""
+        for data in self._buffers:
+            release_pages(data)
 
 
 def resolve_whole(saved: Any, reader: ShardReader) -> Any:

@@ -33,7 +33,7 @@ from .commit import list_committed, read_marker, read_verified_manifest
 from .errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError, MissingFileError
 from .serialize import _DTYPE_TO_ST, _ST_TO_DTYPE, ShardRef, load_tree_file
 from .sharded import ShardReader
-from .storage import Storage, open_storage
+from .storage import Storage, open_storage, release_pages
 
 log = logging.getLogger("distckpt")
 INDEX_NAME = "model.safetensors.index.json"
@@ -62,8 +62,10 @@ class ModelSource:
     """The tensors of one model entry, by state_dict name, materialised one at a time."""
 
     def __init__(self, names: list[str], spec: dict[str, tuple[torch.dtype, list[int]]],
-                 getter: Callable[[str], torch.Tensor], where: str, step: int | None = None) -> None:
+                 getter: Callable[[str], torch.Tensor], where: str, step: int | None = None,
+                 release: Callable[[], None] = lambda: None) -> None:
         self.names, self.spec, self._get, self.where, self.step = names, spec, getter, where, step
+        self.release = release  # drops the source's mapped file pages once a tensor is consumed
 
     def tensor(self, name: str) -> torch.Tensor:
         return self._get(name)
@@ -74,8 +76,10 @@ class ModelSource:
 
 
 def open_checkpoint_model(url: str, *, step: int | None = None, entry: str = "model",
-                          storage_options: dict[str, Any] | None = None) -> ModelSource:
-    """The model entry of a committed distckpt checkpoint (the newest that verifies, or `step`)."""
+                          storage_options: dict[str, Any] | None = None, bounded: bool = False) -> ModelSource:
+    """The model entry of a committed distckpt checkpoint (the newest that verifies, or `step`).
+    `bounded`: the files are verified piece by piece and their mapped pages released, so the
+    source never keeps more than one tensor resident (with ModelSource.release after each)."""
     storage = open_storage(url, storage_options)
     steps = list_committed(storage)
     if step is not None:
@@ -87,7 +91,7 @@ def open_checkpoint_model(url: str, *, step: int | None = None, entry: str = "mo
     errors = []
     for candidate in steps:
         try:
-            return _model_of_step(storage, candidate, entry)
+            return _model_of_step(storage, candidate, entry, bounded)
         except CorruptCheckpointError as e:
             if step is not None:
                 raise
@@ -96,7 +100,7 @@ def open_checkpoint_model(url: str, *, step: int | None = None, entry: str = "mo
     raise CorruptCheckpointError(f"no committed checkpoint at {storage.url} verifies: {'; '.join(errors)[:600]}")
 
 
-def _model_of_step(storage: Storage, step: int, entry: str) -> ModelSource:
+def _model_of_step(storage: Storage, step: int, entry: str, bounded: bool = False) -> ModelSource:
     marker = read_marker(storage, step)
     manifest = read_verified_manifest(storage, step, marker)
     base = mf.step_dir(step)
@@ -106,7 +110,8 @@ def _model_of_step(storage: Storage, step: int, entry: str) -> ModelSource:
     if record is None:
         raise CorruptCheckpointError(f"{where}: the manifest lists no {name}")
     data = storage.read_buffer(f"{base}/{name}")
-    mf.verify_file(data, record, f"{where}/{name}")
+    mf.verify_file(data, record, f"{where}/{name}",
+                   (lambda start, n: release_pages(data, start, n)) if bounded else None)
     tree = load_tree_file(data, f"{where}/{name}")
     entries = tree.get("entries", {}) if isinstance(tree, dict) else {}
     saved = entries.get(entry)
@@ -115,7 +120,7 @@ def _model_of_step(storage: Storage, step: int, entry: str) -> ModelSource:
         raise IncompatibleCheckpointError(f"{where}: no module entry {entry!r} (module entries: {modules}); "
                                           "pass entry=<the key of the model in `state`>")
     state_dict = saved["state"]["state_dict"]
-    reader = ShardReader(storage, base, manifest, where)
+    reader = ShardReader(storage, base, manifest, where, bounded)
     spec: dict[str, tuple[torch.dtype, list[int]]] = {}
     for key, value in state_dict.items():
         if isinstance(value, ShardRef):
@@ -131,7 +136,11 @@ def _model_of_step(storage: Storage, step: int, entry: str) -> ModelSource:
             return reader.assemble(value.name, [0] * len(shape), shape)
         return value
 
-    return ModelSource(list(spec), spec, getter, where, step)
+    def release() -> None:
+        release_pages(data)
+        reader.release()
+
+    return ModelSource(list(spec), spec, getter, where, step, release if bounded else lambda: None)
 
 
 def open_hf_model(path: str) -> ModelSource:
@@ -299,7 +308,7 @@ def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: st
     if dtype is not None and cast is None:
         raise ConfigError(f"dtype={dtype!r}: one of {sorted(_DTYPES)}")
     limit = parse_size(max_shard_size)
-    src = open_checkpoint_model(url, step=step, entry=entry, storage_options=storage_options)
+    src = open_checkpoint_model(url, step=step, entry=entry, storage_options=storage_options, bounded=True)
     out_spec = {name: (_out_dtype(d, cast), shape) for name, (d, shape) in src.spec.items()}
     shards = _plan_shards(src.names, out_spec, limit)
     os.makedirs(out_dir, exist_ok=True)
@@ -366,11 +375,13 @@ def _write_shard(path: str, names: list[str], spec: dict[str, tuple[torch.dtype,
             tensor = src.tensor(name).detach()
             if cast is not None and tensor.is_floating_point():
                 tensor = tensor.to(cast)
-            data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+            data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else \
+                memoryview(b"")
             digests[name] = xxhash.xxh3_64_hexdigest(data)
             f.write(data)
             progress(len(data))
             del tensor, data
+            src.release()  # the source's pages of that tensor leave this process (bounded memory)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
