@@ -148,3 +148,50 @@ def test_an_fsdp2_checkpoint_of_two_ranks_exports_whole(tmp_path):
     for k, v in whole.state_dict().items():
         assert torch.equal(tensors[k], v), k
     assert tensors["fc1.weight"].shape == (16, 8)  # whole, not one rank's shard
+
+
+EXPORT_IN_A_CHILD = r"""
+import json, sys, distckpt
+from distckpt.weights import export_weights
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from here
+before = status("VmRSS")
+summary = export_weights(sys.argv[1], sys.argv[2], max_shard_size=sys.argv[3])
+print(json.dumps({"peak_extra": status("VmHWM") - before, "files": summary.files}))
+"""
+
+
+@pytest.mark.faults  # writes a 1 GiB checkpoint; make test-faults
+def test_export_of_a_1_gib_model_stays_within_one_shard_and_one_tensor(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    tensor_mib, count, shard_mib = 64, 16, 256
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.full((tensor_mib << 18,), float(i)))
+                                    for i in range(count)])
+    url = str(tmp_path / "ckpt")
+    with distckpt.CheckpointManager(url) as mgr:
+        mgr.save(1, {"model": model})
+    del model
+    out = subprocess.run([sys.executable, "-c", EXPORT_IN_A_CHILD, url, str(tmp_path / "out"), f"{shard_mib}MB"],
+                         capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(report["files"]) == 7  # three 64 MiB tensors fit in 256 MB: 6 shards, and the index
+    bound = (shard_mib + tensor_mib + 128) << 20  # one output shard + one tensor + a margin
+    print(f"export of {count * tensor_mib} MiB: peak extra RSS {report['peak_extra'] >> 20} MiB (bound {bound >> 20})")
+    assert report["peak_extra"] < bound, (report["peak_extra"] >> 20, bound >> 20)
+    from safetensors import safe_open
+
+    index = json.load(open(tmp_path / "out" / "model.safetensors.index.json"))
+    assert index["metadata"]["total_size"] == count * (tensor_mib << 20)
+    for name, file in index["weight_map"].items():
+        with safe_open(str(tmp_path / "out" / file), framework="pt") as f:
+            t = f.get_tensor(name)
+        assert torch.equal(t, torch.full((tensor_mib << 18,), float(int(name))))
