@@ -30,7 +30,7 @@ def _doctor(tmp_path, capsys, *options: str) -> tuple[int, dict]:
     return code, json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.faults  # make test-faults; make test runs the broken loop below (both need both runs)
+@pytest.mark.faults  # make test-faults; make test runs the --every broken loop below (both need both runs)
 def test_a_loop_that_resumes_exactly_passes(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ROOT)
     code, report = _doctor(tmp_path, capsys, "--workers", "2")
@@ -38,6 +38,7 @@ def test_a_loop_that_resumes_exactly_passes(tmp_path, capsys, monkeypatch):
     assert code == 0 and report["identical"], report
 
 
+@pytest.mark.faults  # make test: the same loop with --every below (it checks the same and more)
 def test_an_uncaptured_random_stream_is_found_with_its_first_step(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ROOT)
     code, report = _doctor(tmp_path, capsys, "--unsaved-random")
@@ -64,6 +65,7 @@ def test_workers_without_with_worker_rng_are_named(tmp_path, capsys, monkeypatch
     assert any("model" == d["entry"] for d in report["differences"])
 
 
+@pytest.mark.faults  # make test-faults; make test runs two broken loops: the random stream, and --every
 def test_a_batch_drawn_before_the_save_and_kept_out_of_state_is_named(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ROOT)
     code, report = _doctor(tmp_path, capsys, "--prefetch-unsaved")

@@ -125,6 +125,7 @@ def test_a_damaged_checkpoint_refuses_to_export(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.faults  # make test-faults; make test exports trained 2-rank DDP and FSDP2 checkpoints below
 def test_an_fsdp2_checkpoint_of_two_ranks_exports_whole(tmp_path):
     sys.path.insert(0, HERE)
     from zoo import torchrun
@@ -148,6 +149,29 @@ def test_an_fsdp2_checkpoint_of_two_ranks_exports_whole(tmp_path):
     for k, v in whole.state_dict().items():
         assert torch.equal(tensors[k], v), k
     assert tensors["fc1.weight"].shape == (16, 8)  # whole, not one rank's shard
+
+
+@pytest.mark.parametrize("wrap,ranks", [("ddp", 2), ("fsdp2", 2), pytest.param("fsdp2", 4, marks=pytest.mark.faults)])
+def test_export_of_a_trained_multi_rank_checkpoint_equals_the_trained_weights(tmp_path, wrap, ranks):
+    sys.path.insert(0, HERE)
+    from zoo import torchrun
+
+    dump = str(tmp_path / "trained.pt")
+    result = torchrun(ranks, ["--ckpt", str(tmp_path / "ckpt"), "--loss-log", str(tmp_path / "log"), "--wrap", wrap,
+                              "--steps", "5", "--every", "5", "--dump-weights", dump], 0)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained = torch.load(dump, weights_only=True)  # what training ended with, gathered whole
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(exported) == sorted(trained)  # bare keys: no "module."
+    for k, v in trained.items():
+        assert exported[k].dtype == v.dtype and torch.equal(exported[k], v), k
+    from zoo_loop import Net
+
+    fresh = Net()
+    report = distckpt.load_weights(str(tmp_path / "ckpt"), fresh)
+    assert not report.missing and not report.unexpected
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in trained.items())
 
 
 EXPORT_IN_A_CHILD = r"""

@@ -83,6 +83,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--unsaved-random", action="store_true", help="noise from a random.Random not in state")
     p.add_argument("--no-worker-rng", action="store_true", help="workers without distckpt.with_worker_rng")
     p.add_argument("--no-set-epoch", action="store_true", help="never call sampler.set_epoch")
+    p.add_argument("--dump-weights", default="", help="rank 0 torch.saves the final whole state_dict here")
     p.add_argument("--forget-epoch", action="store_true",
                    help="after a resume count epochs from 0 again (set_epoch then gets the wrong epoch)")
     p.add_argument("--prefetch-unsaved", action="store_true",
@@ -241,6 +242,11 @@ def main() -> int:
                 state["next_batch"] = distckpt.per_rank({"x": batch[0], "y": batch[1]})  # type: ignore[index]
             mgr.save(step, state, epoch=epoch)
     mgr.close()
+    if args.dump_weights:  # whole tensors (FSDP2: gathered, a collective) as the bare module names them
+        whole = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                 for k, v in net.state_dict().items()}
+        if rank == 0:
+            torch.save(whole, args.dump_weights)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
