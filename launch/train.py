@@ -21,8 +21,8 @@ import math
 import os
 import random
 import signal
-import time
 import sys
+import time
 
 import numpy as np
 import torch

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-
 import json
-import os
 import subprocess
 import sys
 

@@ -10,12 +10,11 @@ matrix runs with `make test-faults` (pytest -m faults).
 
 from __future__ import annotations
 
+import crash_workers
 import pytest
 
 from distckpt.cli import main as cli_main
 from distckpt.testing import run_world
-
-import crash_workers
 
 # (point, rank killed, the step a restart must resume from)
 MATRIX = [

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from demo import read_losses, run_pair
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,6 @@ outside; `make test-faults` runs the whole matrix."""
 from __future__ import annotations
 
 import pytest
-
 from zoo import run_zoo_pair
 
 pytestmark = pytest.mark.slow

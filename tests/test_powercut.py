@@ -7,12 +7,11 @@ from __future__ import annotations
 import shutil
 
 import torch
+from powercut import PowerCut, PowerCutNow
+from step_states import blank, state_for
 
 import distckpt
 from distckpt.cli import main as cli_main
-
-from powercut import PowerCut, PowerCutNow
-from step_states import blank, state_for
 
 
 def committed_run(path: str) -> None:

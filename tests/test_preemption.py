@@ -10,9 +10,9 @@ import sys
 import time
 
 import pytest
+from demo import HERE, compare, read_losses, resumed_from, torchrun
 
 import distckpt
-from demo import HERE, compare, read_losses, resumed_from, torchrun
 
 pytestmark = pytest.mark.slow
 

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import pytest
 import torch
+from faultproxy import Rule
+from seaweed import ACCESS_KEY, SECRET_KEY
 from torch import nn
 
 import distckpt
 from distckpt import faults
-from faultproxy import Rule
 from distckpt.testing import run_world
-from seaweed import ACCESS_KEY, SECRET_KEY
 
 
 def state_with(seed: int, size: int = 1000) -> dict:

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import pytest
 import s3fs
-import torch
-
-import distckpt
-
 import step_states
+import torch
 from faultproxy import Rule
 from test_s3 import fast_options
+
+import distckpt
 
 
 def state_for(step: int) -> dict:

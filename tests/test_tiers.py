@@ -9,7 +9,10 @@ import shutil
 import warnings
 
 import pytest
+import step_states
 import torch
+from faultproxy import Rule
+from test_s3 import fast_options
 
 import distckpt
 from distckpt import faults
@@ -18,10 +21,6 @@ from distckpt.commit import list_committed
 from distckpt.storage import open_storage
 from distckpt.testing import run_world
 from distckpt.tiers import DurableUploadWarning
-
-import step_states
-from faultproxy import Rule
-from test_s3 import fast_options
 
 
 def steps_at(root: str) -> list[int]:
