@@ -36,7 +36,7 @@ from .commit import list_committed
 from .errors import DistCkptError
 from .fencing import read_leases
 from .inspection import describe_step, diff_steps, list_steps, read_manifest, verify_step
-from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed
+from .retention import collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed
 from .storage import Storage, open_storage
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
@@ -83,7 +83,9 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
             m = s.manifest or {}
             row = {"step": s.step, "status": s.status, "epoch": m.get("epoch"), "metric": m.get("metric"),
                    "world_size": m.get("world_size"), "created_unix": m.get("created_unix"),
-                   "bytes": sum(f["size"] for f in m.get("files", {}).values()) if m else None}
+                   "bytes": sum(f["size"] for f in m.get("files", {}).values()) if m else None,
+                   # incremental: bytes of older steps' files it references (stored once, there)
+                   "shared_bytes": sum(f["size"] for f in (m.get("shared_files") or {}).values()) if m else None}
             rows.append({**row, "tier": tier} if len(tiers) > 1 else row)
     if len(tiers) > 1:
         rows.sort(key=lambda r: (r["step"], r["tier"] == "local"))
@@ -175,9 +177,10 @@ def _progress(storage: Storage, steps: list[int]) -> Any:
 def cmd_prune(storage: Storage, args: argparse.Namespace) -> int:
     committed = read_committed(storage, list_committed(storage))
     doomed = plan_retention(committed, args.keep_last, args.keep_best, args.best_mode)
+    keep = kept_references(committed, doomed)  # files the remaining checkpoints reference stay
     for step in doomed:
         if not args.dry_run:
-            delete_checkpoint(storage, step)
+            delete_checkpoint(storage, step, keep)
     verb = "would remove" if args.dry_run else "removed"
     _emit(args, {"dry_run": args.dry_run, "removed": doomed},
           "\n".join(f"{verb} step {s}" for s in doomed) or "nothing to remove")

@@ -34,6 +34,7 @@ class ManagerConfig:
     allow_dtype_cast: bool = False
     missing_entries: str = "refuse"
     preemption_signals: tuple[int, ...] = field(default=(signal.SIGTERM,))
+    incremental: bool = False
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_best"):
@@ -41,7 +42,7 @@ class ManagerConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name}={value!r}: must be a positive int or None (keep all)")
         _choice("best_mode", self.best_mode, ("min", "max"))
-        for name in ("async_save", "split_writes", "allow_dtype_cast"):
+        for name in ("async_save", "split_writes", "allow_dtype_cast", "incremental"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: must be True or False")
         object.__setattr__(self, "timeout", seconds("timeout", self.timeout, default=DEFAULT_TIMEOUT_S))
@@ -116,4 +117,5 @@ SETTINGS = {
     "keep_last": 0, "keep_best": "2", "best_mode": "lowest", "async_save": "no", "timeout": True,
     "leftover_grace_s": float("nan"), "world_size_policy": "auto", "split_writes": 1,
     "allow_dtype_cast": "yes", "missing_entries": "ignore", "preemption_signals": signal.SIGKILL,
+    "incremental": 1,
 }

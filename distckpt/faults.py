@@ -18,6 +18,7 @@ POINTS = (
     "save/manifest-written",  # data and manifest durable, marker not yet written
     "save/committed",        # rank 0, marker written, before retention
     "save/retained",         # rank 0, retention and leftover collection done
+    "retention/marker-removed",  # rank 0, a checkpoint retention deletes: its marker gone, files not yet
     "save/awaiting-commit",  # every other rank, waiting for rank 0's outcome (sync saves)
     "upload/started",        # rank 0's uploader, a committed local step about to be copied to the URL
     "upload/files-written",  # uploader: every file durable at the URL, no manifest or marker yet

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from . import incremental
 from . import manifest as mf
 from .commit import check_not_superseded, list_committed, read_marker, read_verified_manifest
 from .errors import CorruptCheckpointError, DistCkptError
@@ -38,6 +39,7 @@ def list_steps(storage: Storage) -> list[StepListing]:
     committed = set(list_committed(storage))
     leases = read_leases(storage)
     out = []
+    shared: set[str] = set()
     for name in storage.list_dir(""):
         step = mf.parse_step_dir(name)
         if step is None:
@@ -47,8 +49,12 @@ def list_steps(storage: Storage) -> list[StepListing]:
             continue
         try:
             out.append(StepListing(step, "committed", read_manifest(storage, step, leases)))
+            shared.update(out[-1].manifest.get(incremental.SHARED) or {})  # type: ignore[union-attr]
         except (DistCkptError, OSError) as e:
             out.append(StepListing(step, f"damaged: {e}"))
+    for i, listing in enumerate(out):  # incremental: a deleted step whose files newer ones share
+        if listing.status == "uncommitted" and any(p.startswith(mf.step_dir(listing.step) + "/") for p in shared):
+            out[i] = StepListing(listing.step, "retired: holds files committed steps share")
     return sorted(out, key=lambda s: s.step)
 
 
@@ -62,24 +68,30 @@ def verify_step(storage: Storage, step: int, progress: Callable[[int], None] = l
     except (DistCkptError, OSError) as e:
         return [str(e)]
     problems = []
+    replicated_name = mf.payload_names(manifest)[0]
     for name, record in manifest["files"].items():
         where = f"{storage.url}/{base}/{name}"
         try:
             data = storage.read_bytes(f"{base}/{name}")
             mf.verify_file(data, record, where)
-            load_tree_file(data, where)
+            # incremental: the files it shares with older steps are verified as its own
+            extra = incremental.resolve(storage, manifest, where) if name == replicated_name else None
+            load_tree_file(data, where, extra)
         except (DistCkptError, OSError) as e:
             problems.append(str(e) if where in str(e) else f"{where}: {e}")
         progress(record["size"])
     return problems
 
 
-def _header_tree(data: bytes, where: str) -> tuple[Any, list[dict[str, Any]]]:
+def _header_tree(data: bytes, where: str,
+                 reused: dict[str, tuple[str, list[int], int, str]] | None = None) -> tuple[Any, list[dict[str, Any]]]:
     """The tree with tensors shown as descriptions, from the checked header alone (no tensor
-    bytes, no checksum: that is `verify`'s job)."""
+    bytes, no checksum: that is `verify`'s job). `reused`: tensors shared with older steps."""
     tree, ranges, _ = checked_header(data, where)
     table = [{"name": name, "dtype": str(dtype).replace("torch.", ""), "shape": shape, "bytes": stop - begin}
              for name, begin, stop, dtype, shape in sorted(ranges)]
+    table += [{"name": name, "dtype": dtype, "shape": shape, "bytes": n, "shared_from": file}
+              for name, (dtype, shape, n, file) in sorted((reused or {}).items())]
     placeholders = {t["name"]: _TensorRef(t["dtype"], tuple(t["shape"])) for t in table}
     return decode_tree(tree, placeholders, where), table  # type: ignore[arg-type]
 
@@ -106,14 +118,18 @@ def _describe_step(storage: Storage, step: int) -> dict[str, Any]:
     manifest = read_manifest(storage, step)
     base = mf.step_dir(step)
     replicated_name, rank_names = mf.payload_names(manifest)
-    replicated, table = _header_tree(storage.read_bytes(f"{base}/{replicated_name}"), "replicated")
+    reused = incremental.reused_specs(storage, manifest)
+    replicated, table = _header_tree(storage.read_bytes(f"{base}/{replicated_name}"), "replicated", reused)
     ranks = []
     for rank in range(manifest["world_size"]):
         own, _ = _header_tree(storage.read_bytes(f"{base}/{rank_names[rank]}"), f"rank {rank}")
         ranks.append({"rank": rank, "epoch": own.get("epoch"), "rng_streams": sorted(own["rng"]),
                       "entries": {k: _summarise(v) for k, v in own["entries"].items()}})
     config = replicated["entries"].get("config", {}).get("state")
-    return {"manifest": manifest, "ranks": ranks, "config": _plain(config), "tensors": table}
+    shared = sum(t["bytes"] for t in table if "shared_from" in t)
+    owned = sum(r["size"] for r in manifest["files"].values())
+    return {"manifest": manifest, "ranks": ranks, "config": _plain(config), "tensors": table,
+            "bytes_owned": owned, "bytes_shared": shared}
 
 
 def _summarise(entry: dict[str, Any]) -> dict[str, Any]:
@@ -147,10 +163,12 @@ def load_trees(storage: Storage, step: int) -> dict[str, Any]:
     manifest = read_manifest(storage, step)
     base = mf.step_dir(step)
     out = {}
+    replicated_name = mf.payload_names(manifest)[0]
     for name, record in manifest["files"].items():
         data = storage.read_bytes(f"{base}/{name}")
         mf.verify_file(data, record, f"{storage.url}/{base}/{name}")
-        out[name] = load_tree_file(data, name)
+        extra = incremental.resolve(storage, manifest, f"{storage.url}/{base}") if name == replicated_name else None
+        out[name] = load_tree_file(data, name, extra)
     return out
 
 

@@ -25,9 +25,10 @@ from .ddp import install_bucket_warmup
 from .errors import AsyncSaveError, ConfigError, DistCkptError, StorageError
 from .fencing import Lease, acquire
 from .fencing import prune as prune_leases
+from .incremental import ContentTable
 from .preemption import PreemptionFlag
 from .protocol import Progress, ShardWrite, StagedSave, load, share_outcome, stage_save, write_and_commit
-from .retention import collect_leftovers, delete_checkpoint, plan_retention, read_committed
+from .retention import collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed
 from .serialize import StagingPool
 from .storage import open_storage
 from .tiers import DurableUploadWarning, Nodes, TierSettings, node_name, ship_to_nodes, upload_step
@@ -60,10 +61,10 @@ class CheckpointManager:
                  preemption_signals: Any = (signal.SIGTERM,), split_writes: bool = False,
                  allow_dtype_cast: bool = False, missing_entries: str = "refuse",
                  local_dir: str | os.PathLike[str] | None = None, durable_every: int | None = None,
-                 keep_local: int | None = None) -> None:
+                 keep_local: int | None = None, incremental: bool = False) -> None:
         self.config = ManagerConfig(keep_last, keep_best, best_mode, async_save, timeout,  # type: ignore[arg-type]
                                     leftover_grace_s, world_size_policy, split_writes, allow_dtype_cast,
-                                    missing_entries, preemption_signals)
+                                    missing_entries, preemption_signals, incremental)
         self.split_writes = split_writes  # replicated tensors written by all ranks in parallel
         # `distckpt doctor` runs the job into roots of its own (DISTCKPT_DOCTOR_ROOT; README)
         self.storage = open_storage(doctor_hooks.root_override(url), storage_options)  # type: ignore[arg-type]
@@ -83,6 +84,11 @@ class CheckpointManager:
         self._preemption = PreemptionFlag(self.config.preemption_signals)
         self._preempting = False  # agreed by preemption_requested(): the next save is made durable
         self._init_tiers(local_dir, durable_every, keep_local)
+        if incremental and self.local is not None:
+            raise ConfigError("incremental=True with local_dir= is not supported yet: an upload would have to "
+                              "carry the files each step references; use one of the two")
+        # rank 0: what the last committed save holds, for incremental saves (incremental.py)
+        self._content = ContentTable() if incremental else None
 
     def _init_tiers(self, local_dir: Any, durable_every: Any, keep_local: Any) -> None:
         """Two tiers (tiers.py): every save commits to `local_dir`, every Nth also to the URL."""
@@ -177,7 +183,8 @@ class CheckpointManager:
             return
         start = time.perf_counter()
         try:
-            write_and_commit(target, staged, self._versions, self._take_lease(), self._coord.reports)
+            write_and_commit(target, staged, self._versions, self._take_lease(), self._coord.reports,
+                             self._content)
         except StorageError as e:
             keep, name = (self.tiers.keep_local, "keep_local") if self.local is not None else \
                 (self.config.keep_last, "keep_last")
@@ -215,10 +222,12 @@ class CheckpointManager:
         try:
             no_policy = keep_last is None and keep_best is None
             committed = [] if no_policy else read_committed(storage, list_committed(storage))
-            for step in plan_retention(committed, keep_last, keep_best, self.config.best_mode):
-                if step != just_committed and not (storage is self.local and step == self._uploading):
-                    delete_checkpoint(storage, step)
-                    log.info("rank 0: retention removed step %d from %s", step, storage.url)
+            doomed = [step for step in plan_retention(committed, keep_last, keep_best, self.config.best_mode)
+                      if step != just_committed and not (storage is self.local and step == self._uploading)]
+            keep = kept_references(committed, doomed)  # incremental: files a kept checkpoint references
+            for step in doomed:
+                delete_checkpoint(storage, step, keep)
+                log.info("rank 0: retention removed step %d from %s", step, storage.url)
             collect_leftovers(storage, self.config.leftover_grace_s)
             if self._lease is not None and storage is self.storage:  # local steps need their leases too
                 local = self.local

@@ -230,6 +230,7 @@ def check_manifest_schema(manifest: dict[str, Any], where: str) -> None:
             continue
         if not check(manifest.get(name, _ABSENT)):
             raise CorruptCheckpointError(f"{where}: field {name!r} must be {what}, got {str(manifest.get(name, 'nothing'))[:40]}")
+    check_incremental_fields(manifest, where)
     ranks = manifest["ranks"]
     if len(ranks) not in (0, world):
         raise CorruptCheckpointError(f"{where}: field 'ranks' lists {len(ranks)} ranks for a world of {world}")
@@ -237,6 +238,39 @@ def check_manifest_schema(manifest: dict[str, Any], where: str) -> None:
         for name, check, what in _RANK_FIELDS:
             if not check(info.get(name, _ABSENT)):
                 raise CorruptCheckpointError(f"{where}: field 'ranks'[{i}][{name!r}] must be {what}")
+
+
+_REUSED, _SHARED = "reused", "shared_files"  # incremental checkpoints (incremental.py)
+
+
+def check_incremental_fields(manifest: dict[str, Any], where: str) -> None:
+    """Types of the two fields, and every reference to an older step's file the manifest lists."""
+    reused, shared = manifest.get(_REUSED), manifest.get(_SHARED)
+    if reused is None and shared is None:
+        return
+    if not isinstance(reused, dict) or not isinstance(shared, dict) or not reused:
+        raise CorruptCheckpointError(f"{where}: fields {_REUSED!r} and {_SHARED!r} must be objects, together")
+    for path, record in shared.items():
+        check_shared_path(path, manifest.get("step"), where)
+        if not (isinstance(record, dict) and type(record.get("size")) is int and record["size"] >= 0
+                and isinstance(record.get("xxh3_64"), str) and len(record["xxh3_64"]) <= 32):
+            raise CorruptCheckpointError(f"{where}: field {_SHARED!r}[{path[:80]!r}] must hold 'size' and 'xxh3_64'")
+    for name, ref in reused.items():
+        if not (isinstance(name, str) and isinstance(ref, dict) and isinstance(ref.get("tensor"), str)
+                and ref.get("file") in shared):
+            raise CorruptCheckpointError(f"{where}: field {_REUSED!r}[{str(name)[:80]!r}] must name a tensor of a "
+                                         f"file listed in {_SHARED!r}")
+
+
+def check_shared_path(path: Any, step: Any, where: str) -> None:
+    """A root-relative path into an older step's directory, nothing else."""
+    if not isinstance(path, str) or "/" not in path:
+        raise CorruptCheckpointError(f"{where}: shared file {str(path)[:80]!r} is not inside a step directory")
+    head, rest = path.split("/", 1)
+    older = parse_step_dir(head)
+    if older is None or not isinstance(step, int) or older >= step:
+        raise CorruptCheckpointError(f"{where}: shared file {path[:80]!r} is not in an older step's directory")
+    check_relative_path(rest, where)
 
 
 def _is_count(value: Any) -> bool:

@@ -33,7 +33,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from . import faults, fencing, sharded, tiers
+from . import faults, fencing, incremental, sharded, tiers
 from . import manifest as mf
 from .capture import (
     PER_RANK,
@@ -77,6 +77,7 @@ from .errors import (
     UnstorableValueError,
 )
 from .fencing import Lease
+from .incremental import ContentTable
 from .rng import capture_process_rng, check_process_rng, restore_process_rng
 from .serialize import EncodedTree, StagingPool, encode_tree, load_tree_file, safetensors_chunks
 from .storage import Storage
@@ -292,12 +293,12 @@ def _check_same_progress(infos: list[dict[str, Any]], what: str) -> None:
 
 
 def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any], lease: Lease,
-                     reports: Reports | None = None) -> str:
+                     reports: Reports | None = None, content: ContentTable | None = None) -> str:
     """Phases write and commit (rank 0). Returns the manifest digest. Never touches other steps
     (except a zombie's commit of this same step, which it replaces: see fencing.py). With sharded
     entries, `reports` brings every rank's shard report before the manifest is written."""
     try:
-        return _write_and_commit(storage, staged, versions, lease, reports)
+        return _write_and_commit(storage, staged, versions, lease, reports, content)
     except (OSError, CheckpointExistsError) as e:
         # A newer incarnation clearing this step under us makes our writes fail: say why.
         try:
@@ -310,7 +311,7 @@ def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, A
 
 
 def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any], lease: Lease,
-                      reports: Reports | None) -> str:
+                      reports: Reports | None, content: ContentTable | None = None) -> str:
     t0 = time.perf_counter()
     faults.point("save/gathered", step=staged.step, rank=0)
     fencing.check_current(storage, lease)
@@ -318,8 +319,12 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
     policy = ReplacePolicy(lease.floor, lease.generation)
     clear_step_dir(storage, staged.step, policy)
     gen = lease.generation
+    replicated = staged.replicated
+    split = content.split_present(replicated.tensors, storage) if content is not None else None
+    if split is not None:  # incremental: what an earlier commit holds is referenced, not written
+        replicated = EncodedTree(replicated.node, split.own)
     files = {mf.replicated_file(gen): _write(storage, f"{base}/{mf.replicated_file(gen)}",
-                                             safetensors_chunks(staged.replicated))}
+                                             safetensors_chunks(replicated))}
     faults.point("save/replicated-written", step=staged.step, rank=0)
     for rank, data in enumerate(staged.rank_files):
         files[mf.rank_file(rank, gen)] = _write(storage, f"{base}/{mf.rank_file(rank, gen)}", [data])
@@ -331,9 +336,11 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
         "metric": staged.metric, "run_id": staged.run_id, "generation": gen, "created_unix": time.time(),
         "world_size": len(staged.rank_files), "ranks": staged.ranks, "entries": staged.entries,
         "files": files, "versions": versions,
-        "payload_bytes": staged.replicated.payload_bytes + sum(
+        "payload_bytes": replicated.payload_bytes + sum(
             r["size"] for name, r in files.items() if name.startswith(sharded.SHARD_PREFIX)),
     }
+    if split is not None:
+        manifest.update(incremental.manifest_fields(split))
     if table is not None:
         manifest["sharded"] = table
     manifest.update(staged.manifest_extra)
@@ -344,6 +351,8 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
     fencing.check_current(storage, lease)  # last check before the point of no return
     create_marker(storage, mf.Marker(staged.step, digest, staged.run_id, gen), policy)
     _check_still_current(storage, lease, staged.step)
+    if content is not None and split is not None:
+        content.committed(split, f"{base}/{mf.replicated_file(gen)}", files[mf.replicated_file(gen)])
     staged.timings.update(write_s=t1 - t0, commit_s=time.perf_counter() - t1)
     faults.point("save/committed", step=staged.step, rank=0)
     return digest
@@ -461,7 +470,8 @@ def _read_tree(storage: Storage, base: str, name: str, manifest: dict[str, Any],
             raise CorruptCheckpointError(str(e)) from e
         raise
     mf.verify_file(data, record, f"{where}/{name}")
-    return load_tree_file(data, f"{where}/{name}")
+    extra = incremental.resolve(storage, manifest, where) if name == mf.payload_names(manifest)[0] else None
+    return load_tree_file(data, f"{where}/{name}", extra)
 
 
 def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict[str, Any],

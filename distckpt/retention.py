@@ -12,8 +12,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+from . import faults
 from . import manifest as mf
-from .errors import DistCkptError
+from .commit import list_committed
+from .errors import DistCkptError, MissingFileError
 from .storage import Storage
 
 log = logging.getLogger("distckpt")
@@ -23,6 +25,17 @@ log = logging.getLogger("distckpt")
 class Committed:
     step: int
     metric: float | None
+    shared: frozenset[str] = frozenset()  # files of other steps it references (incremental)
+    readable: bool = True
+
+
+def kept_references(committed: list[Committed], doomed: list[int]) -> set[str]:
+    """Files the checkpoints that stay reference: retention must keep them. An unreadable kept
+    manifest could reference anything, so then every file of the doomed steps is kept."""
+    kept = [c for c in committed if c.step not in doomed]
+    if not all(c.readable for c in kept):
+        return {f"{mf.step_dir(step)}/" for step in doomed}  # a prefix of every file: keep all
+    return {path for c in kept for path in c.shared}
 
 
 def plan_retention(committed: list[Committed], keep_last: int | None, keep_best: int | None,
@@ -43,32 +56,96 @@ def plan_retention(committed: list[Committed], keep_last: int | None, keep_best:
 def read_committed(storage: Storage, steps: list[int]) -> list[Committed]:
     out = []
     for step in steps:
+        shared: frozenset[str] = frozenset()
+        readable = True
         try:
             manifest = json.loads(storage.read_bytes(f"{mf.step_dir(step)}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES))
             metric = manifest.get("metric") if isinstance(manifest, dict) else None
+            refs = manifest.get(mf._SHARED) if isinstance(manifest, dict) else None
+            shared = frozenset(p for p in refs if isinstance(p, str)) if isinstance(refs, dict) else frozenset()
         except (OSError, ValueError, RecursionError) as e:  # unreadable: never "best", still subject to keep_last
             log.warning("retention: cannot read the manifest of step %d: %s", step, e)
-            metric = None
-        out.append(Committed(step, metric if isinstance(metric, (int, float)) else None))
+            metric, readable = None, False
+        out.append(Committed(step, metric if isinstance(metric, (int, float)) else None, shared, readable))
     return out
 
 
-def delete_checkpoint(storage: Storage, step: int) -> None:
+class UnreadableReferencesError(OSError):
+    """A committed manifest could not be read: which files it references is unknown."""
+
+
+def referenced_files(storage: Storage, steps: list[int] | None = None) -> set[str]:
+    """Root-relative files that committed checkpoints reference from other steps (incremental
+    checkpoints). Raises UnreadableReferencesError if a committed manifest cannot be read: then
+    nothing that might be referenced may be deleted."""
+    out: set[str] = set()
+    for step in list_committed(storage) if steps is None else steps:
+        try:
+            manifest = json.loads(storage.read_bytes(f"{mf.step_dir(step)}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES))
+        except MissingFileError:
+            continue  # deleted meanwhile (marker first, so it was not committed any more)
+        except (OSError, ValueError, RecursionError) as e:
+            raise UnreadableReferencesError(f"cannot read the manifest of committed step {step}: {e}") from e
+        shared = manifest.get(mf._SHARED) if isinstance(manifest, dict) else None
+        if isinstance(shared, dict):
+            out.update(path for path in shared if isinstance(path, str))
+    return out
+
+
+def delete_checkpoint(storage: Storage, step: int, keep: set[str] | None = None) -> None:
+    """Marker first (from there on it is not committed), then its files, except those in `keep`
+    (root-relative: files that other committed checkpoints reference, which stay where they are;
+    the directory then holds only them, and is collected once nothing references them)."""
     base = mf.step_dir(step)
-    storage.remove_file(f"{base}/{mf.MARKER}")  # first: from here on it is not committed
-    storage.remove_tree(base)
+    storage.remove_file(f"{base}/{mf.MARKER}")
+    faults.point("retention/marker-removed", step=step, rank=0)
+    kept = {path for path in (keep or set()) if path.startswith(base + "/")}
+    if f"{base}/" in kept:  # keep everything (kept_references could not tell)
+        return
+    if not kept:
+        storage.remove_tree(base)
+        return
+    _remove_all_but(storage, base, kept)
+
+
+def _remove_all_but(storage: Storage, base: str, kept: set[str]) -> None:
+    for name in storage.list_dir(base):
+        path = f"{base}/{name}"
+        if path in kept:
+            continue
+        if any(k.startswith(path + "/") for k in kept):
+            _remove_all_but(storage, path, kept)
+        elif _is_directory(storage, path):
+            storage.remove_tree(path)
+        else:
+            storage.remove_file(path)
+
+
+def _is_directory(storage: Storage, path: str) -> bool:
+    try:
+        return bool(storage.list_dir(path))
+    except (OSError, DistCkptError):  # listing a file: it is one
+        return False
 
 
 def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None) -> list[str]:
-    """Remove step directories without a marker that are older than `grace_s`; returns them."""
+    """Remove step directories without a marker that are older than `grace_s`; returns them.
+    Files that committed checkpoints reference (incremental) stay until nothing does."""
     now = time.time() if now is None else now
     removed = []
+    references: set[str] | None = None
     for name in storage.list_dir(""):
         if mf.parse_step_dir(name) is None or storage.exists(f"{name}/{mf.MARKER}"):
             continue
         try:
             newest = storage.newest_mtime(name)
             if newest is not None and now - newest < grace_s:
+                continue
+            if references is None:
+                references = referenced_files(storage)
+            kept = {path for path in references if path.startswith(name + "/")}
+            if kept:
+                _remove_all_but(storage, name, kept)
                 continue
             log.info("collecting %s/%s: an uncommitted save", storage.url, name)
             storage.remove_tree(name)

@@ -27,6 +27,7 @@ import torch
 import xxhash
 from torch import nn
 
+from . import incremental
 from . import manifest as mf
 from .capture import unwrap_module
 from .commit import list_committed, read_marker, read_verified_manifest
@@ -112,7 +113,9 @@ def _model_of_step(storage: Storage, step: int, entry: str, bounded: bool = Fals
     data = storage.read_buffer(f"{base}/{name}")
     mf.verify_file(data, record, f"{where}/{name}",
                    (lambda start, n: release_pages(data, start, n)) if bounded else None)
-    tree = load_tree_file(data, f"{where}/{name}")
+    shared_buffers: list[Any] = []  # incremental: files shared with older steps
+    extra = incremental.resolve(storage, manifest, where, _releaser if bounded else None, shared_buffers)
+    tree = load_tree_file(data, f"{where}/{name}", extra)
     entries = tree.get("entries", {}) if isinstance(tree, dict) else {}
     saved = entries.get(entry)
     if not isinstance(saved, dict) or saved.get("kind") not in ("module", "sharded_module"):
@@ -138,9 +141,15 @@ def _model_of_step(storage: Storage, step: int, entry: str, bounded: bool = Fals
 
     def release() -> None:
         release_pages(data)
+        for buffer in shared_buffers:
+            release_pages(buffer)
         reader.release()
 
     return ModelSource(list(spec), spec, getter, where, step, release if bounded else lambda: None)
+
+
+def _releaser(data: Any) -> Callable[[int, int], None]:
+    return lambda start, n: release_pages(data, start, n)
 
 
 def open_hf_model(path: str) -> ModelSource:
