@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distckpt
-from distckpt import cli, faults
+from distckpt import cli
 from distckpt import manifest as mf
 from distckpt.commit import list_committed
 from distckpt.storage import open_storage
@@ -225,29 +225,43 @@ def test_incremental_is_checked_and_refused_with_two_tiers(tmp_path):
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(plan=st.lists(st.tuples(st.sets(st.integers(0, 3), max_size=4), st.booleans()), min_size=1, max_size=7),
-       keep_last=st.one_of(st.none(), st.integers(1, 3)))
-def test_every_committed_step_loads_what_was_saved_whatever_changes(tmp_path_factory, plan, keep_last):
-    """Random sequences: which of 4 tensors change before each save, and whether a save is
-    async; with and without retention. Every step still committed loads exactly what it saved."""
+@given(plan=st.lists(st.sets(st.integers(0, 3), max_size=4), min_size=1, max_size=8),
+       keep_last=st.one_of(st.none(), st.integers(1, 3)), async_save=st.booleans(),
+       restart_at=st.integers(0, 8))
+def test_every_committed_step_loads_what_was_saved_whatever_changes(tmp_path_factory, plan, keep_last, async_save,
+                                                                    restart_at):
+    """Random sequences of which of 4 tensors change before each save, with and without
+    retention, async or not, the job restarted once: every step still committed loads exactly
+    what it saved, and every one verifies."""
     root = str(tmp_path_factory.mktemp("prop") / "ckpt")
     tensors = {f"t{i}": torch.full((1000 + i,), float(i)) for i in range(4)}
     saved = {}
-    for step, (changed, async_save) in enumerate(plan):
+
+    def manager() -> distckpt.CheckpointManager:
+        mgr = distckpt.CheckpointManager(root, incremental=True, keep_last=keep_last, async_save=async_save,
+                                         leftover_grace_s=0)
+        mgr.load_latest({k: torch.empty_like(v) for k, v in tensors.items()})
+        return mgr
+
+    mgr = manager()
+    for step, changed in enumerate(plan):
+        if step == restart_at:
+            mgr.close()
+            mgr = manager()  # a new incarnation: its first save is whole again
         for i in changed:
             tensors[f"t{i}"].add_(step + 1)
-        with distckpt.CheckpointManager(root, incremental=True, keep_last=keep_last, async_save=async_save,
-                                        leftover_grace_s=0) as mgr:
-            mgr.load_latest({k: torch.empty_like(v) for k, v in tensors.items()})
-            mgr.save(step, tensors)
+        mgr.save(step, tensors)
         saved[step] = {k: v.clone() for k, v in tensors.items()}
+    mgr.close()
     committed = list_committed(open_storage(root))
     assert committed and committed[0] == len(plan) - 1
+    assert keep_last is None or len(committed) == min(keep_last, len(plan))
     for step in committed:
         target = {k: torch.empty_like(v) for k, v in tensors.items()}
-        with distckpt.CheckpointManager(root) as mgr:
-            mgr.load(target, step)
+        with distckpt.CheckpointManager(root) as reader:
+            reader.load(target, step)
         assert all(torch.equal(target[k], saved[step][k]) for k in target), (step, plan)
+    assert cli.main(["verify", root, "--all"]) == 0
 
 
 CRASHING_SAVE = r"""
