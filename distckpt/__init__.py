@@ -25,13 +25,14 @@ from .manager import CheckpointManager
 from .preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from .protocol import CheckpointFallbackWarning, Progress
 from .rng import RngRestoreWarning
+from .tiers import DurableUploadWarning
 from .weights import WeightsReport, export_weights, load_weights
 from .workers import with_worker_rng
 
 __all__ = [
     "AsyncSaveError", "CheckpointExistsError", "CheckpointFallbackWarning", "CheckpointManager",
     "CheckpointWarning", "ConfigError", "CoordinationError", "CorruptCheckpointError", "DistCkptError",
-    "DistInfo", "FencedError", "IncompatibleCheckpointError", "MissingFileError", "PREEMPTED_EXIT_CODE", "PerRank", "Progress",
+    "DistInfo", "DurableUploadWarning", "FencedError", "IncompatibleCheckpointError", "MissingFileError", "PREEMPTED_EXIT_CODE", "PerRank", "Progress",
     "RankDisagreementError", "RngRestoreWarning", "RunConflictError", "StorageError", "UnstorableValueError",
     "WeightsReport", "__version__", "export_weights", "init_distributed", "load_weights", "per_rank",
     "shutdown_distributed", "with_worker_rng",
