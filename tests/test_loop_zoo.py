@@ -44,6 +44,10 @@ ZOO = [
                      "--prefetch", "--async"], "23", id="plain-shuffle-workers-prefetch-async", marks=faults),
     pytest.param(4, ["--workers", "2", "--no-loader-gen", "--every", "3"], "17,19", id="4ranks-workers-two-resumes",
                  marks=faults),
+    # Incremental saves of a LoRA-like state (fc1 frozen): references, and retention keeping them.
+    pytest.param(2, ["--incremental", "--freeze-fc1"], "23", id="incremental-frozen-fc1"),
+    pytest.param(2, ["--incremental", "--freeze-fc1", "--async", "--every", "2", "--workers", "2"], "20,22",
+                 id="incremental-async-two-resumes", marks=faults),
 ]
 
 
@@ -53,3 +57,9 @@ def test_a_zoo_loop_killed_and_resumed_is_bitwise_identical(tmp_path, ranks, opt
     assert len(result.resumes) == len(kill_at.split(",")), result.resumes
     assert result.identical, result.first_difference
     assert result.lines == 30 * ranks
+    if "--incremental" in options:  # the frozen fc1 was referenced, not rewritten
+        import glob
+        import json
+
+        manifests = sorted(glob.glob(str(tmp_path / "ckpt-killed" / "step-*" / "manifest.json")))
+        assert manifests and "reused" in json.load(open(manifests[-1])), manifests

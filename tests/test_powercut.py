@@ -65,3 +65,52 @@ def test_a_power_cut_at_every_operation_of_a_save(tmp_path):
     assert 1 in outcomes and 2 in outcomes, outcomes
     print(f"\n[power-cut] cut before each of {total} operations and after save() returned: resumed from",
           outcomes)
+
+
+def _shared_state(step: int) -> dict:
+    """state_for(step) plus a frozen part that is the same at every step (referenced, not rewritten)."""
+    return {**state_for(step), "frozen": state_for(0)["model"]}
+
+
+def incremental_save_under(path: str, at: int | None) -> tuple[PowerCut, bool]:
+    """Step 1, then (under the cut) step 2 of the same incremental manager: step 2 references the
+    frozen part in step 1's file, and retention (keep_last=1) retires step 1 around it."""
+    with distckpt.CheckpointManager(path, keep_last=1, incremental=True, leftover_grace_s=0) as mgr:
+        mgr.load_latest({})
+        mgr.save(1, _shared_state(1))
+        cut = PowerCut(path) if at is None else PowerCut(path, at=at)
+        with cut:
+            try:
+                mgr.save(2, _shared_state(2))
+                return cut, True
+            except PowerCutNow:
+                return cut, False
+
+
+def test_a_power_cut_at_every_operation_of_an_incremental_save_and_its_retention(tmp_path):
+    cut, returned = incremental_save_under(str(tmp_path / "count"), None)
+    assert returned
+    total = cut.ops
+    outcomes = []
+    for k in range(1, total + 2):
+        live = str(tmp_path / f"live{k}")
+        cut, returned = incremental_save_under(live, k)
+        assert returned == (k == total + 1)
+        found = str(tmp_path / f"after{k}")
+        cut.image(found)
+        state = _shared_state(0)
+        with torch.no_grad():
+            state["model"].weight.zero_()
+            state["frozen"].weight.zero_()
+        with distckpt.CheckpointManager(found) as mgr:
+            progress = mgr.load_latest(state)
+        assert progress is not None, f"cut before operation {k}: no checkpoint survived"
+        assert torch.equal(state["model"].weight, state_for(progress.step)["model"].weight)
+        assert torch.equal(state["frozen"].weight, state_for(0)["model"].weight)
+        if returned:
+            assert progress.step == 2
+        assert cli_main(["verify", found, "--all"]) == 0
+        outcomes.append(progress.step)
+        shutil.rmtree(live), shutil.rmtree(found)
+    assert 1 in outcomes and 2 in outcomes, outcomes
+    print(f"\n[power-cut, incremental] cut before each of {total} operations: resumed from", outcomes)

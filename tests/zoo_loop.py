@@ -83,6 +83,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--unsaved-random", action="store_true", help="noise from a random.Random not in state")
     p.add_argument("--no-worker-rng", action="store_true", help="workers without distckpt.with_worker_rng")
     p.add_argument("--no-set-epoch", action="store_true", help="never call sampler.set_epoch")
+    p.add_argument("--incremental", action="store_true", help="CheckpointManager(incremental=True)")
+    p.add_argument("--freeze-fc1", action="store_true", help="fc1 frozen (not trained): a LoRA-like state")
     p.add_argument("--dump-weights", default="", help="rank 0 torch.saves the final whole state_dict here")
     p.add_argument("--forget-epoch", action="store_true",
                    help="after a resume count epochs from 0 again (set_epoch then gets the wrong epoch)")
@@ -122,6 +124,8 @@ def main() -> int:
     torch.use_deterministic_algorithms(True)
 
     net = Net()
+    if args.freeze_fc1:  # before wrapping: DDP and FSDP2 take the parameters that need gradients
+        net.fc1.requires_grad_(False)
     if args.wrap == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -146,7 +150,7 @@ def main() -> int:
     loader = StatefulDataLoader(dataset, batch_size=4, sampler=sampler, shuffle=sampler is None,
                                 num_workers=args.workers, generator=generator,
                                 persistent_workers=False)
-    opt = build_optimizer(args.optim, list(trained.parameters()))
+    opt = build_optimizer(args.optim, [p for p in trained.parameters() if p.requires_grad])
     sched = build_scheduler(args.sched, opt, args.steps)
     state: dict[str, object] = {"model": stored, "optimizer": opt, "scheduler": sched, "loader": loader,
                                 "config": {"optim": args.optim, "accum": args.accum}}
@@ -164,7 +168,8 @@ def main() -> int:
         ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
         state["ema"] = ema
 
-    mgr = distckpt.CheckpointManager(args.ckpt, keep_last=2, async_save=args.async_save, timeout=60)
+    mgr = distckpt.CheckpointManager(args.ckpt, keep_last=2, async_save=args.async_save, timeout=60,
+                                     incremental=args.incremental)
     epoch = 0
     batch = None
     if args.prefetch:
