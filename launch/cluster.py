@@ -80,7 +80,7 @@ def last_logged_step(log_dir: str, ranks: list[int]) -> int:
 
 
 def run_job(label: str, attempt: int, base_env: dict[str, str], workdir: str, nodes: int,
-            kill: tuple[int, int] | None, timeout: float) -> str:
+            kill: tuple[int, int] | None, timeout: float, tiers: dict[str, str] | None = None) -> str:
     """One start of the job on every node; returns 'finished' or 'lost node'."""
     port = free_ports(1)[0]
     loss_log = os.path.join(workdir, f"log-{label}")
@@ -92,6 +92,9 @@ def run_job(label: str, attempt: int, base_env: dict[str, str], workdir: str, no
         env = {**base_env, "RDZV_HOST": "127.0.0.1", "RDZV_PORT": str(port), "RDZV_ID": f"{label}-{attempt}",
                "CKPT_URL": f"s3://{base_env['S3_BUCKET']}/{label}", "LOSS_LOG": loss_log,
                "NODE_NAME": f"node{node}"}
+        if tiers is not None:  # each node's own local tier (its "local disk"), named as its node
+            env.update({"LOCAL_DIR": os.path.join(workdir, f"local-{label}-node{node}"), "DISTCKPT_NODE": f"node{node}",
+                        "DURABLE_EVERY": tiers["durable_every"]})
         procs.append(start_node(f"{label}-node{node}-attempt{attempt}", env, workdir))
     deadline = time.monotonic() + timeout
     per_node = int(base_env["NPROC_PER_NODE"])
@@ -126,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-node", type=int, default=1)
     p.add_argument("--kill-after-step", type=int, default=15)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--local-tier", action="store_true",
+                   help="two tiers: each node saves to a local dir of its own, every 2nd save also to S3")
+    p.add_argument("--replace-node", action="store_true",
+                   help="with --local-tier: the killed node comes back with an empty local dir (every save durable)")
     args = p.parse_args(argv)
+    tiers = {"durable_every": "1" if args.replace_node else "2"} if args.local_tier else None
     workdir = args.workdir or tempfile.mkdtemp(prefix="distckpt-cluster-")
     if os.path.isdir(os.path.join(workdir, "s3")):
         shutil.rmtree(os.path.join(workdir, "s3"))  # a fresh bucket for a fresh run
@@ -140,11 +148,14 @@ def main(argv: list[str] | None = None) -> int:
                "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}
         print(f"S3 at {s3.endpoint}; {nodes} nodes x {settings['NPROC_PER_NODE']} workers; logs in {workdir}", flush=True)
         run_job("reference", 0, env, workdir, nodes, None, args.timeout)
-        outcome = run_job("killed", 0, env, workdir, nodes, (args.kill_node, args.kill_after_step), args.timeout)
+        outcome = run_job("killed", 0, env, workdir, nodes, (args.kill_node, args.kill_after_step), args.timeout, tiers)
         if outcome != "lost node":
             raise RuntimeError("the node was never killed: the run finished before --kill-after-step")
+        if args.replace_node:
+            shutil.rmtree(os.path.join(workdir, f"local-killed-node{args.kill_node}"), ignore_errors=True)
+            print(f"killed: node {args.kill_node} replaced (its local tier is gone)", flush=True)
         print("killed: starting the job again on both nodes", flush=True)
-        run_job("killed", 1, env, workdir, nodes, None, args.timeout)
+        run_job("killed", 1, env, workdir, nodes, None, args.timeout, tiers)
     finally:
         s3.stop()
     result = compare(read_losses(os.path.join(workdir, "log-reference")), read_losses(os.path.join(workdir, "log-killed")),

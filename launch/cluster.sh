@@ -4,7 +4,7 @@
 # SIGKILLed mid-run with all its workers, the job restarted, and every rank's loss compared bit
 # for bit with an uninterrupted run of the same cluster. Exit status 0 only when identical.
 #
-#   launch/cluster.sh [--workdir DIR] [--kill-after-step N] [--kill-node 1]
+#   launch/cluster.sh [--workdir DIR] [--kill-after-step N] [--kill-node 1] [--local-tier [--replace-node]]
 set -eu
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-}"

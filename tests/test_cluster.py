@@ -192,3 +192,21 @@ def test_cluster_sh_kills_a_node_and_the_job_resumes_bitwise(tmp_path):
     assert "node 1 logged step 15: SIGKILL to its agent and workers" in result.stdout
     assert "resumes: ['resumed from step 10 epoch 0']" in result.stdout
     assert "VERDICT: bitwise identical — 120 (rank, step) losses over 2 nodes" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.faults  # make test-faults
+@pytest.mark.parametrize("replace", [False, True], ids=["node-back-with-its-disk", "node-replaced"])
+def test_cluster_sh_with_two_tiers_resumes_from_the_right_tier(tmp_path, replace):
+    # Saves at steps 10 and 20, each node into its own local dir (rank 0 ships the files to node 1).
+    # Node 1 is killed after step 15: back with its disk, both nodes hold step 10 locally (every
+    # 2nd save is durable, so S3 has nothing yet); replaced, its disk is empty, so every save is
+    # made durable and the job resumes from S3.
+    extra = ["--local-tier"] + (["--replace-node"] if replace else [])
+    result = subprocess.run([os.path.join(ROOT, "launch", "cluster.sh"), "--workdir", str(tmp_path), *extra],
+                            capture_output=True, text=True, timeout=1200,
+                            env={**os.environ, "PYTHON": sys.executable})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    tier = "durable" if replace else "local"
+    assert f"resumes: ['resumed from step 10 epoch 0 ({tier} tier)']" in result.stdout, result.stdout[-3000:]
+    assert "VERDICT: bitwise identical — 120 (rank, step) losses over 2 nodes" in result.stdout
