@@ -372,3 +372,50 @@ def test_a_local_tier_left_by_another_job_is_never_loaded_as_this_jobs(tmp_path)
         progress, state = load(str(tmp_path / "exp2"), local)
     assert (progress.step, progress.tier) == (0, "durable")
     assert_holds(state, 0)
+
+
+def _upload_under_cut(tmp_path, k: int | None):
+    """Steps 1 and 2 committed locally, step 1 uploaded; then step 2's upload under a power cut
+    at its k-th durability operation. Returns (the cut, whether the upload finished)."""
+    from powercut import PowerCut, PowerCutNow
+
+    from distckpt.tiers import upload_step
+
+    durable, local = str(tmp_path / f"durable{k}"), str(tmp_path / f"local{k}")
+    mgr = distckpt.CheckpointManager(durable, local_dir=local, durable_every=100)
+    mgr.load_latest(step_states.blank())
+    mgr.save(1, step_states.state_for(1))
+    mgr.save(2, step_states.state_for(2))
+    assert mgr.local is not None and mgr._lease is not None
+    upload_step(mgr.local, mgr.storage, 1, mgr._lease)
+    cut = PowerCut(durable) if k is None else PowerCut(durable, at=k)
+    finished = True
+    with cut:
+        try:
+            upload_step(mgr.local, mgr.storage, 2, mgr._lease)
+        except PowerCutNow:
+            finished = False
+    mgr._last_local = None  # close() must not upload step 2 again: the image is taken below
+    mgr.close()
+    return cut, finished, durable
+
+
+def test_a_power_cut_at_every_operation_of_an_upload_leaves_the_durable_tier_loadable(tmp_path):
+    cut, finished, _ = _upload_under_cut(tmp_path, None)
+    total = cut.ops
+    assert finished and total >= 5
+    outcomes = []
+    for k in range(1, total + 2):
+        cut, finished, durable = _upload_under_cut(tmp_path, k)
+        assert finished == (k == total + 1)
+        found = str(tmp_path / f"after{k}")
+        cut.image(found)
+        progress, state = load(found, None)  # the durable tier alone, as a replaced node sees it
+        assert progress.step in (1, 2) and (progress.step == 2 or not finished)
+        assert_holds(state, progress.step)
+        from distckpt.cli import main as cli_main
+
+        assert cli_main(["verify", found, "--all"]) == 0
+        outcomes.append(progress.step)
+        shutil.rmtree(found)
+    assert outcomes[0] == 1 and outcomes[-1] == 2, outcomes
