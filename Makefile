@@ -30,16 +30,15 @@ compose-demo:
 	$(PYTHON) launch/compose_demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=40
 
 # The fault tests with their whole matrices (make test runs a sample of the long ones: the loop
 # zoo's marked cases, 6-60 generated examples per property); each trial prints one line.
-FAULT_TESTS = tests/test_loop_zoo.py tests/test_doctor.py tests/test_tiers.py tests/test_weights.py tests/test_roundtrip_property.py tests/test_hostile_corpus.py \
+FAULT_TESTS = tests/test_loop_zoo.py tests/test_doctor.py tests/test_tiers.py tests/test_weights.py tests/test_incremental.py \
+	tests/test_roundtrip_property.py tests/test_hostile_corpus.py \
 	tests/test_no_half_restore.py tests/test_loop_patterns.py tests/test_crash_matrix.py tests/test_powercut.py tests/test_s3_faults.py tests/test_damage.py \
 	tests/test_fencing.py tests/test_hostile.py tests/test_distributed.py tests/test_preemption.py tests/test_sharded.py \
-	tests/test_exact_resume.py::test_fsdp2_rank_killed_after_its_shards_before_the_marker \
-	tests/test_exact_resume.py::test_two_ranks_killed_during_a_save "tests/test_exact_resume.py::test_two_ranks_killed_between_checkpoints" \
-	tests/test_cluster.py::test_cluster_sh_kills_a_node_and_the_job_resumes_bitwise \
+	tests/test_exact_resume.py tests/test_s3.py tests/test_cluster.py \
 	tests/test_manager_local.py::test_a_full_disk_at_every_write_never_damages_the_previous_checkpoint \
 	tests/test_manager_local.py::test_an_io_error_at_every_fsync_rename_and_link_keeps_the_previous_checkpoint
 test-faults: $(STAMP)

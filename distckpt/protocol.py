@@ -557,8 +557,9 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
         assert read is not None  # every rank succeeded
         return read, tier
     where = storages[tiers.DURABLE].url + (f" or {storages[tiers.LOCAL].url}" if tiered else "")
+    tried = [f"{s} ({t})" for s, t in candidates] if tiered else [s for s, _ in candidates]
     raise CorruptCheckpointError(
-        f"no committed checkpoint at {where} verifies (tried {candidates}); "
+        f"no committed checkpoint at {where} verifies (tried steps {tried}); "
         "see the warnings above for each damaged file; `distckpt verify` lists them")
 
 

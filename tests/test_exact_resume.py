@@ -34,6 +34,7 @@ def test_two_ranks_killed_during_a_save(tmp_path):
     assert result.identical, result.table
 
 
+@pytest.mark.faults  # make test-faults; make test: the 4-rank zoo loop (bare module, no_sync)
 def test_four_ranks_killed_between_checkpoints(tmp_path):
     # With 4 ranks DDP's bucket order matters: without the warm-up the first step after a
     # resume reduces gradients in another order.
@@ -54,6 +55,7 @@ def test_two_ranks_on_s3_killed_during_a_save(tmp_path, s3_server, s3_url):
     assert result.identical, result.table
 
 
+@pytest.mark.faults  # make test-faults; make test: the FSDP2 zoo loop (BatchNorm in eval)
 def test_fsdp2_two_ranks_killed_between_checkpoints(tmp_path):
     # FSDP2: every rank writes its own shards of the parameters and AdamW moments.
     result, resumes = run_pair(str(tmp_path), nproc=2, steps=60, kill_at="step:47:1", workers=2,

@@ -180,6 +180,7 @@ def test_a_deep_tree_is_refused_at_save_not_at_load(tmp_path):
             mgr.save(1, {"v": deep})
 
 
+@pytest.mark.faults  # make test-faults (4M floats)
 def test_a_long_plain_list_is_stored_and_loaded(tmp_path):
     # 4M floats in a plain list used to commit and then be refused by every load.
     values = [float(i) / 3 for i in range(4_000_000)]

@@ -145,6 +145,7 @@ def test_two_writers_of_one_step_exactly_one_commits(s3_server, s3_url):
     assert b.read_bytes("step-000000001/COMMITTED") == b"writer a"
 
 
+@pytest.mark.faults  # make test-faults
 def test_a_paused_server_is_an_error_within_the_timeout(s3_server, s3_url):
     state = state_with(0)
     opts = fast_options(s3_server.storage_options())
@@ -165,6 +166,7 @@ def test_a_paused_server_is_an_error_within_the_timeout(s3_server, s3_url):
     assert torch.equal(weights(other), weights(state))
 
 
+@pytest.mark.faults  # make test-faults; make test: S3 failing from the Nth request (test_s3_faults.py)
 def test_a_server_killed_mid_save(tmp_path):
     from seaweed import SeaweedS3
 

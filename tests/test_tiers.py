@@ -310,6 +310,7 @@ def test_torchrun_job_killed_resumes_from_the_local_tier_bit_for_bit(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.faults  # make test-faults; make test: SIGTERM in test_preemption.py
 def test_sigterm_pre_emption_save_reaches_the_durable_tier(tmp_path):
     import signal
     import subprocess
