@@ -128,7 +128,9 @@ def resolve(storage: Storage, manifest: dict[str, Any], where: str,
         tensor = opened[file].get(ref["tensor"])
         if tensor is None:
             raise CorruptCheckpointError(f"{where}: shared file {file} holds no tensor {ref['tensor']!r}")
-        out[name] = tensor
+        # A tensor object of its own per name: two tensors that merely hold equal bytes reference
+        # the same stored one, and must not come back tied (ties are by name, in the tree).
+        out[name] = tensor.view(tensor.shape)
     return out
 
 

@@ -300,3 +300,20 @@ def test_sigkill_at_every_point_of_an_incremental_save_leaves_every_committed_st
     assert again.returncode == 0, again.stderr[-2000:]
     assert list_committed(open_storage(root)) == [5, 4]
     assert cli.main(["verify", root, "--all"]) == 0
+
+
+def test_tensors_that_only_hold_equal_bytes_come_back_as_separate_objects(tmp_path):
+    root = str(tmp_path / "ckpt")
+    state = {"a": torch.zeros(100), "b": torch.zeros(100), "plain": {"c": torch.zeros(100), "d": torch.zeros(100)}}
+    with distckpt.CheckpointManager(root, incremental=True) as mgr:
+        mgr.save(0, state)
+        mgr.save(1, state)  # all three are referenced from step 0's file, two to the same bytes
+    manifest = json.load(open(os.path.join(root, mf.step_dir(1), mf.MANIFEST)))
+    assert len(manifest["reused"]) == 4
+    got = {"a": torch.ones(100), "b": torch.ones(100), "plain": {}}
+    with distckpt.CheckpointManager(root) as mgr:
+        mgr.load_latest(got)
+    assert all(torch.equal(t, torch.zeros(100)) for t in (got["a"], got["b"], *got["plain"].values()))
+    assert got["plain"]["c"] is not got["plain"]["d"]  # equal bytes, two tensors: not tied
+    got["plain"]["c"].add_(1)
+    assert torch.equal(got["plain"]["d"], torch.zeros(100)) and torch.equal(got["a"], torch.zeros(100))
