@@ -48,6 +48,8 @@ ZOO = [
     pytest.param(2, ["--incremental", "--freeze-fc1"], "23", id="incremental-frozen-fc1"),
     pytest.param(2, ["--incremental", "--freeze-fc1", "--async", "--every", "2", "--workers", "2"], "20,22",
                  id="incremental-async-two-resumes", marks=faults),
+    # Two tiers with FSDP2 shards (one node: every rank's shard file in the one local dir) and async.
+    pytest.param(2, ["--wrap", "fsdp2", "--local-tier", "--async"], "23", id="fsdp2-local-tier-async", marks=faults),
 ]
 
 

@@ -84,6 +84,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--no-worker-rng", action="store_true", help="workers without distckpt.with_worker_rng")
     p.add_argument("--no-set-epoch", action="store_true", help="never call sampler.set_epoch")
     p.add_argument("--incremental", action="store_true", help="CheckpointManager(incremental=True)")
+    p.add_argument("--local-tier", action="store_true", help="two tiers: local_dir=<ckpt>-local, durable_every=2")
     p.add_argument("--freeze-fc1", action="store_true", help="fc1 frozen (not trained): a LoRA-like state")
     p.add_argument("--dump-weights", default="", help="rank 0 torch.saves the final whole state_dict here")
     p.add_argument("--forget-epoch", action="store_true",
@@ -168,8 +169,9 @@ def main() -> int:
         ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
         state["ema"] = ema
 
+    tiers = {"local_dir": f"{args.ckpt}-local", "durable_every": 2} if args.local_tier else {}
     mgr = distckpt.CheckpointManager(args.ckpt, keep_last=2, async_save=args.async_save, timeout=60,
-                                     incremental=args.incremental)
+                                     incremental=args.incremental, **tiers)
     epoch = 0
     batch = None
     if args.prefetch:
