@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 from . import manifest as mf
 from .commit import list_committed
-from .errors import DistCkptError
+from .errors import ConfigError, DistCkptError
 from .fencing import read_leases
 from .inspection import describe_step, diff_steps, list_steps, read_manifest, verify_step
 from .retention import collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed
@@ -71,6 +71,8 @@ def _tiers(storage: Storage, args: argparse.Namespace) -> list[tuple[str, Storag
     local_dir=; the same rules, the same layout)."""
     tiers = [("durable", storage)]
     if getattr(args, "local_dir", None):
+        if not os.path.isdir(args.local_dir):
+            raise ConfigError(f"--local-dir {args.local_dir}: no such directory (the job's local_dir on this node)")
         tiers.append(("local", open_storage(args.local_dir)))
     return tiers
 

@@ -26,6 +26,8 @@ files and FSDP2 shard files are written whole at every save.
 
 from __future__ import annotations
 
+import errno
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,9 +35,11 @@ import torch
 import xxhash
 
 from . import manifest as mf
-from .errors import CorruptCheckpointError, MissingFileError
+from .errors import CheckpointExistsError, CorruptCheckpointError, MissingFileError
 from .serialize import tensors_of_file
 from .storage import Storage
+
+log = logging.getLogger("distckpt")
 
 REUSED, SHARED = "reused", "shared_files"
 Key = tuple[str, str, tuple[int, ...]]
@@ -73,11 +77,20 @@ def _nbytes(key: Key) -> int:
     return n * torch.empty((), dtype=getattr(torch, key[1].replace("torch.", ""))).element_size()
 
 
+# Every save checks the size of each file it would reference; every VERIFY_EVERY-th save reads
+# them whole and checks their checksums too (a file damaged after it was written would otherwise
+# be referenced by every later save, and retention would age out the checkpoints that do not
+# depend on it). Between two such checks, damage that keeps a file's size goes unnoticed by saves
+# (loads and `verify` still catch it).
+VERIFY_EVERY = 8
+
+
 class ContentTable:
     """Rank 0: the content of the last committed save, by key, and where each lies."""
 
     def __init__(self) -> None:
         self._where: dict[Key, Stored] = {}
+        self._splits = 0
 
     def split(self, tensors: dict[str, torch.Tensor]) -> Split:
         keys = {name: content_key(t) for name, t in tensors.items()}
@@ -92,14 +105,47 @@ class ContentTable:
         self._where = where
 
     def split_present(self, tensors: dict[str, torch.Tensor], storage: Storage) -> Split:
-        """split(), then every tensor whose file is gone (pruned from outside this process) is
-        written again: a reference is made only to a file that exists now."""
+        """split(), then every tensor whose file is gone or damaged is written again: a
+        reference is made only to a file of the recorded size (and, every VERIFY_EVERY-th save,
+        checksum)."""
         split = self.split(tensors)
-        gone = {s.file for s in split.reused.values() if not storage.exists(s.file)}
-        for name in [n for n, s in split.reused.items() if s.file in gone]:
+        self._splits += 1
+        records = {s.file: s.record for s in split.reused.values()}
+        bad = {f for f, r in records.items() if not _intact(storage, f, r, self._splits % VERIFY_EVERY == 0)}
+        for name in [n for n, s in split.reused.items() if s.file in bad]:
             del split.reused[name]
             split.own[name] = tensors[name]
+        if bad:
+            log.warning("rank 0: %s changed since it was written (size or checksum); its tensors are written "
+                        "again instead of referenced", sorted(bad))
         return split
+
+
+def _intact(storage: Storage, file: str, record: dict[str, Any], read: bool) -> bool:
+    try:
+        if storage.size(file) != record["size"]:
+            return False
+        if read:
+            mf.verify_file(storage.read_buffer(file), record, f"{storage.url}/{file}")
+        return True
+    except (OSError, CorruptCheckpointError):
+        return False
+
+
+def check_not_overwriting_shared(storage: Storage, path: str, step: int) -> None:
+    """CheckpointExistsError if `path` (a step's replicated file, about to be written) is a file
+    committed checkpoints reference: saving a step again within one generation (after
+    `load(state, step=...)` of an older step) would otherwise replace bytes they depend on."""
+    if not storage.exists(path):
+        return
+    from .commit import list_committed
+    from .retention import referenced_files
+
+    if path in referenced_files(storage, list_committed(storage)):
+        raise CheckpointExistsError(
+            errno.EEXIST, f"{storage.url}/{path} is referenced by newer committed checkpoints (incremental): "
+            f"saving step {step} again would change them. Continue from the newest step, or remove the newer "
+            "steps first (distckpt prune)")
 
 
 def manifest_fields(split: Split) -> dict[str, Any]:

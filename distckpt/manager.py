@@ -22,8 +22,9 @@ from .commit import ReplacePolicy, committed_generations, list_committed
 from .config import ManagerConfig
 from .coord import make_coordinator
 from .ddp import install_bucket_warmup
-from .errors import AsyncSaveError, ConfigError, DistCkptError, StorageError
-from .fencing import Lease, acquire
+from .errors import AsyncSaveError, ConfigError, DistCkptError, FencedError, StorageError
+from .fencing import Lease, acquire, read_leases
+from .fencing import check_current as check_fence
 from .fencing import prune as prune_leases
 from .incremental import ContentTable
 from .preemption import PreemptionFlag
@@ -31,7 +32,7 @@ from .protocol import Progress, ShardWrite, StagedSave, load, share_outcome, sta
 from .retention import collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed
 from .serialize import StagingPool
 from .storage import open_storage
-from .tiers import DurableUploadWarning, Nodes, TierSettings, node_name, ship_to_nodes, upload_step
+from .tiers import DurableUploadWarning, Nodes, TierSettings, node_name, remove_foreign, ship_to_nodes, upload_step
 from .validation import LoadRules
 from .versions import collect_versions
 
@@ -104,7 +105,9 @@ class CheckpointManager:
         self._last_local: int | None = None  # rank 0: the newest step committed on the local tier
         self._last_durable: int | None = None  # rank 0: the newest step uploaded
         self._saves = 0        # save() calls: every durable_every-th is durable
-        self._catch_up = False  # an upload failed: the next save is durable
+        self._catch_up = False  # an upload failed, or the job resumed from the local tier: next save durable
+        self._local_cleaned = False  # rank 0: another job's steps removed from the local tier
+        self._shipped = False  # whether a step was shipped to the other nodes yet
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.storage!r}, rank={self.rank}, world_size={self.world_size})"
@@ -133,7 +136,8 @@ class CheckpointManager:
         staged, shards = stage_save(self._coord, self._target, entries, step, epoch, metric, self.run_id,
                                     self._staging if self.config.async_save else None, replaceable,
                                     self._take_lease, self._save_seq, self.split_writes,
-                                    self.storage if self.local is not None else None)
+                                    self.storage if self.local is not None else None,
+                                    self._prepare_local if self.local is not None else None)
         if self.config.async_save:
             if staged is not None or shards is not None:
                 self._writer.submit(lambda: self._write(staged, shards, durable), f"step {step}")
@@ -182,6 +186,8 @@ class CheckpointManager:
         if staged is None:
             return
         start = time.perf_counter()
+        if self.local is not None:
+            self._before_local_commit(self._take_lease())
         try:
             write_and_commit(target, staged, self._versions, self._take_lease(), self._coord.reports,
                              self._content)
@@ -239,6 +245,29 @@ class CheckpointManager:
 
     # -- the durable tier (two tiers only) -------------------------------------------------
 
+    def _prepare_local(self) -> None:
+        """Rank 0, in the first save's capture: another job's steps leave the local tier (no job
+        of this URL can load them; kept, they would collide with this job's steps)."""
+        if self._local_cleaned:
+            return
+        try:
+            remove_foreign(self._target, read_leases(self.storage), self.rank)
+            self._local_cleaned = True
+        except (OSError, DistCkptError) as e:
+            log.warning("rank 0: could not check the local tier %s for another job's steps (%s)", self._target.url, e)
+
+    def _before_local_commit(self, lease: Lease) -> None:
+        """Rank 0, before a local commit: the fence lives at the URL, so it is checked there (a
+        superseded writer gets FencedError here, as on one tier; an unreachable URL only warns,
+        so local saves go on)."""
+        try:
+            check_fence(self.storage, lease)
+        except FencedError:
+            raise
+        except (OSError, DistCkptError) as e:
+            log.warning("rank 0: the fence at %s cannot be checked before the local save (%s); saving locally",
+                        self.storage.url, e)
+
     def _start_upload(self, step: int) -> None:
         """Rank 0: upload committed local `step` in the background; one upload in flight, so a
         durable save waits here for the previous upload (the documented one-in-flight rule)."""
@@ -294,9 +323,13 @@ class CheckpointManager:
         warnings.warn(message, DurableUploadWarning, stacklevel=3)
 
     def _ship_to_nodes(self, step: int) -> None:
-        """With several nodes: rank 0's committed local step to every other node's local tier."""
+        """With several nodes: rank 0's committed local step to every other node's local tier
+        (the first time with the URL's leases, so the nodes remove another job's steps too)."""
         if self.local is not None and self._nodes.count > 1:
-            ship_to_nodes(self._coord, self.local, self._nodes, step, self._lease)
+            durable = self.storage
+            ship_to_nodes(self._coord, self.local, self._nodes, step, self._lease,
+                          None if self._shipped else (lambda: read_leases(durable)))
+            self._shipped = True
 
     def _make_last_save_durable(self) -> None:
         """close(): the newest local step also reaches the URL, and every rank hears the outcome."""
@@ -351,6 +384,8 @@ class CheckpointManager:
                         self._rules, self.local)
         if self._lease is None:
             self._floor = progress.step if progress is not None else -1
+        if progress is not None and progress.tier == "local":
+            self._catch_up = True  # else a job restarted more often than durable_every saves never reaches the URL
         doctor_hooks.install_fingerprints(entries, progress.step if progress is not None else None, self.rank)
         for entry in entries:
             if entry.kind == "module":

@@ -166,16 +166,18 @@ def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step:
                staging: StagingPool | None, replaceable: "ReplacePolicy | None" = None,
                take_lease: Callable[[], Lease] | None = None,
                save_seq: int = 0, split_writes: bool = False,
-               durable: Storage | None = None) -> tuple[StagedSave | None, ShardWrite | None]:
+               durable: Storage | None = None,
+               prepare: Callable[[], None] | None = None) -> tuple[StagedSave | None, ShardWrite | None]:
     """Phases capture, agree and gather (call on every rank). Rank 0 gets the StagedSave; every
     rank gets its ShardWrite when the state has sharded entries or `split_writes` spreads the
-    replicated tensors across the ranks. With two tiers `storage` is the local one, and rank 0
-    also checks that the `durable` root is this run's."""
+    replicated tensors across the ranks. With two tiers `storage` is the local one, the
+    `durable` root is the one checked to be this run's, and rank 0 runs `prepare` first (it
+    clears another job's steps out of the local tier)."""
     t0 = time.perf_counter()
     split = split_writes and coord.world_size > 1
     def capture() -> _Captured:
         local = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable, take_lease, split,
-                               durable)
+                               durable, prepare)
         faults.point("save/captured", step=step, rank=coord.rank)
         return local
 
@@ -210,14 +212,14 @@ def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step:
 def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
                    epoch: int | None, staging: StagingPool | None, replaceable: "ReplacePolicy | None",
                    take_lease: Callable[[], Lease] | None, split: bool,
-                   durable: Storage | None = None) -> _Captured:
+                   durable: Storage | None = None, prepare: Callable[[], None] | None = None) -> _Captured:
     """This rank's capture: RNG first, then its per-rank entries; rank 0 the replicated ones."""
     out = _Captured()
     rng = capture_process_rng()  # first: nothing below may draw before it is recorded
     if coord.rank == 0:
-        check_root_is_ours(storage, replaceable or ReplacePolicy())
-        if durable is not None:
-            check_root_is_ours(durable, replaceable or ReplacePolicy())
+        if prepare is not None:
+            prepare()
+        check_root_is_ours(durable if durable is not None else storage, replaceable or ReplacePolicy())
         check_step_is_free(storage, step, replaceable or ReplacePolicy())
     own = {"step": step, "epoch": epoch, "rank": coord.rank, "world_size": coord.world_size,
            "rng": rng,
@@ -323,6 +325,7 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
     split = content.split_present(replicated.tensors, storage) if content is not None else None
     if split is not None:  # incremental: what an earlier commit holds is referenced, not written
         replicated = EncodedTree(replicated.node, split.own)
+        incremental.check_not_overwriting_shared(storage, f"{base}/{mf.replicated_file(gen)}", staged.step)
     files = {mf.replicated_file(gen): _write(storage, f"{base}/{mf.replicated_file(gen)}",
                                              safetensors_chunks(replicated))}
     faults.point("save/replicated-written", step=staged.step, rank=0)
@@ -495,42 +498,60 @@ def _choose_phase(coord: Coordinator, storage: Storage, step: int | None,
                   local: Storage | None = None) -> tuple[list[tuple[int, str]], list[Lease] | None]:
     """The candidates (step, tier), newest first, and the durable root's leases (None: it could
     not be read, so local steps are loaded without checking who wrote them)."""
+    if local is not None:
+        return _choose_tiered(coord, storage, step, local)
     exc: BaseException | None = None
     steps: list[int] = []
-    leases: list[Lease] | None = []
-    local_steps = tiers.common_local_steps(coord, local) if local is not None else []
+    leases: list[Lease] = []
     if coord.rank == 0:
         try:
-            steps, leases = _durable_steps(storage, local_steps)
-            if step is not None and step not in steps and step not in local_steps:
+            steps = list_committed(storage)
+            leases = fencing.read_leases(storage) if steps else []
+            if step is not None and step not in steps:
                 raise IncompatibleCheckpointError(
-                    f"step {step} is not committed at {storage.url} (committed: {steps[:10]})"
-                    + (f" nor on every node's local tier (common: {local_steps[:10]})" if local is not None else ""))
+                    f"step {step} is not committed at {storage.url} (committed: {steps[:10]})")
         except Exception as e:
             exc = e
-    candidates = tiers.merge_candidates(local_steps, steps, step)
-    info = {"candidates": candidates,
-            "leases": None if leases is None else [dataclasses.asdict(lease) for lease in leases]}
+    info = {"candidates": tiers.merge_candidates([], steps, step),
+            "leases": [dataclasses.asdict(lease) for lease in leases]}
     mine = Outcome.failure(0, exc) if exc else Outcome(0, info=info)
     outcome = coord.broadcast(mine if coord.rank == 0 else None, "load/choose")
     raise_if_failed(coord, [outcome], "choosing a checkpoint to load", exc)
-    got = outcome.info["leases"]
     return ([(int(s), str(t)) for s, t in outcome.info["candidates"]],
-            None if got is None else [Lease(**d) for d in got])
+            [Lease(**d) for d in outcome.info["leases"]])
 
 
-def _durable_steps(storage: Storage, local_steps: list[int]) -> tuple[list[int], list[Lease] | None]:
-    """The durable root's committed steps and leases. With local candidates, an unreachable
-    durable root is a warning (the local tier is still loadable), not an error."""
-    try:
-        steps = list_committed(storage)
-        return steps, (fencing.read_leases(storage) if steps or local_steps else [])
-    except (OSError, DistCkptError) as e:
+def _choose_tiered(coord: Coordinator, storage: Storage, step: int | None,
+                   local: Storage) -> tuple[list[tuple[int, str]], list[Lease] | None]:
+    """Two tiers: rank 0 lists the durable root and reads its leases; every rank then keeps the
+    local steps a lease of that root wrote (another job's are skipped with a warning) and the
+    ranks agree on those every node holds. An unreadable durable root is a warning on every rank
+    when local candidates remain, else the error on every rank."""
+    durable: dict[str, Any] = {"steps": [], "leases": None, "error": None}
+    if coord.rank == 0:
+        try:
+            steps = list_committed(storage)
+            durable = {"steps": steps, "leases": [dataclasses.asdict(x) for x in fencing.read_leases(storage)],
+                       "error": None}
+        except (OSError, DistCkptError) as e:
+            durable["error"] = f"{type(e).__name__}: {e}"
+    durable = coord.broadcast(durable if coord.rank == 0 else None, "load/durable")
+    leases = None if durable["leases"] is None else [Lease(**d) for d in durable["leases"]]
+    local_steps = tiers.common_local_steps(coord, local, leases)
+    if durable["error"] is not None:
+        message = (f"rank {coord.rank}: the durable tier {storage.url} cannot be read ({durable['error']})")
         if not local_steps:
-            raise
-        log.warning("rank 0: the durable tier %s cannot be read (%s); choosing among the local tier's steps "
-                    "without its fencing leases", storage.url, e)
-        return [], None
+            raise StorageError(errno.EIO, f"{message}; and no local tier step is committed on every node")
+        message += ("; choosing among the local tier's steps without checking who wrote them (its leases "
+                    "live at the durable root)")
+        log.warning(message)
+        warnings.warn(message, CheckpointFallbackWarning, stacklevel=5)
+    steps = list(durable["steps"])
+    if step is not None and step not in steps and step not in local_steps:
+        raise IncompatibleCheckpointError(
+            f"step {step} is not committed at {storage.url} (committed: {steps[:10]}) nor on every node's "
+            f"local tier (common: {local_steps[:10]})")
+    return tiers.merge_candidates(local_steps, steps, step), leases
 
 
 def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[Entry],
@@ -649,7 +670,7 @@ def _warn_fallback(step: int, tier: str, following: tuple[int, str] | None, dama
         then = f"loading step {following[0]} from the {following[1]} tier"
     else:
         then = "loading the previous committed step"
-    message = f"rank {rank}: committed {where} is damaged and was skipped — {detail}; {then}"
+    message = f"rank {rank}: committed {where} cannot be loaded and was skipped — {detail}; {then}"
     log.warning(message)
     warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
 

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from . import faults, fencing
 from . import manifest as mf
@@ -76,7 +76,7 @@ class TierSettings:
 def _local_path(local_dir: Any) -> str:
     if isinstance(local_dir, os.PathLike):
         local_dir = os.fspath(local_dir)
-    if not isinstance(local_dir, str) or not local_dir.strip():
+    if not isinstance(local_dir, str) or not local_dir.strip() or "\0" in local_dir:
         raise ConfigError(f"local_dir={local_dir!r}: must be a directory path on node-local disk")
     if local_dir.startswith("file://"):
         local_dir = local_dir[len("file://"):]
@@ -168,13 +168,17 @@ def commit_files(storage: Storage, step: int, files: dict[str, bytes], lease: Le
     create_marker(storage, mf.Marker.parse(files[mf.MARKER], f"{storage.url}/{base}"), policy)
 
 
-def ship_to_nodes(coord: Coordinator, local: Storage, nodes: Nodes, step: int, lease: Lease | None) -> list[int]:
+def ship_to_nodes(coord: Coordinator, local: Storage, nodes: Nodes, step: int, lease: Lease | None,
+                  leases: Callable[[], list[Lease]] | None = None) -> list[int]:
     """Rank 0's committed local `step` to the local tier of every other node (collective).
-    Returns the ranks whose node failed to commit it (they then resume from elsewhere)."""
+    Returns the ranks whose node failed to commit it (they then resume from elsewhere). With
+    `leases` (rank 0: the durable root's, read at the first shipment), the receiving nodes also
+    remove another job's steps from their local tier first."""
     payload: Any = None
     if coord.rank == 0:
         try:
-            payload = {"files": committed_files(local, step), "lease": dataclasses.asdict(lease) if lease else None}
+            payload = {"files": committed_files(local, step), "lease": dataclasses.asdict(lease) if lease else None,
+                       "leases": [dataclasses.asdict(x) for x in leases()] if leases is not None else None}
         except (OSError, DistCkptError) as e:
             payload = {"error": f"{type(e).__name__}: {e}"}
     payload = coord.broadcast(payload, f"tiers/ship step {step}")
@@ -183,6 +187,8 @@ def ship_to_nodes(coord: Coordinator, local: Storage, nodes: Nodes, step: int, l
         outcome = Outcome.failure(coord.rank, OSError(payload["error"]))
     elif coord.rank != 0 and nodes.leader_of(coord.rank) == coord.rank and nodes.names[coord.rank] != nodes.names[0]:
         try:
+            if payload.get("leases") is not None:
+                remove_foreign(local, [Lease(**d) for d in payload["leases"]], coord.rank)
             commit_files(local, step, payload["files"], Lease(**payload["lease"]))
         except (OSError, DistCkptError) as e:
             outcome = Outcome.failure(coord.rank, e)
@@ -204,9 +210,57 @@ def local_steps(storage: Storage, rank: int) -> list[int]:
         return []
 
 
-def common_local_steps(coord: Coordinator, storage: Storage) -> list[int]:
-    """Steps committed on the local tier of every rank's node, newest first (collective)."""
-    views = coord.all_gather(local_steps(storage, coord.rank), "load/local-steps")
+def owned(marker: mf.Marker, leases: list[Lease]) -> bool:
+    """Written by a job of this durable root: a lease there names the marker's writer."""
+    return any(lease.generation == marker.generation and lease.run_id == marker.run_id for lease in leases)
+
+
+def foreign_steps(storage: Storage, steps: list[int], leases: list[Lease]) -> list[int]:
+    """The steps whose marker no lease of the durable root names (another job's, or for another
+    URL). An unreadable marker is not called foreign: the loader reports it as damaged."""
+    out = []
+    for step in steps:
+        try:
+            if not owned(read_marker(storage, step), leases):
+                out.append(step)
+        except (OSError, DistCkptError):
+            continue
+    return out
+
+
+def remove_foreign(storage: Storage, leases: list[Lease], rank: int) -> list[int]:
+    """Before a job's first commit into its local tier: remove the committed steps another job
+    left there (marker first). No job of this durable root can ever load them, and kept they
+    would collide with this job's step numbers and retention."""
+    from .retention import delete_checkpoint
+
+    doomed = foreign_steps(storage, local_steps(storage, rank), leases)
+    for step in doomed:
+        delete_checkpoint(storage, step)
+    if doomed:
+        log.warning("rank %d: removed steps %s from the local tier %s: they were written by another job (no "
+                    "lease of the durable root names their writer); a local_dir belongs to one job",
+                    rank, doomed, storage.url)
+    return doomed
+
+
+def common_local_steps(coord: Coordinator, storage: Storage, leases: list[Lease] | None = None) -> list[int]:
+    """Steps committed on the local tier of every rank's node, newest first (collective). With the
+    durable root's `leases`, another job's steps are left out, with a warning."""
+    mine = local_steps(storage, coord.rank)
+    if leases is not None:
+        foreign = foreign_steps(storage, mine, leases)
+        if foreign:
+            message = (f"rank {coord.rank}: the local tier {storage.url} holds steps {foreign[:10]} written by "
+                       "another job (no lease of the durable root names their writer); they are skipped and "
+                       "removed at this job's first save. Give each job its own local_dir")
+            log.warning(message)
+            import warnings
+
+            from .protocol import CheckpointFallbackWarning
+            warnings.warn(message, CheckpointFallbackWarning, stacklevel=6)
+            mine = [s for s in mine if s not in foreign]
+    views = coord.all_gather(mine, "load/local-steps")
     common = set(views[0]).intersection(*map(set, views[1:]))
     return sorted(common, reverse=True)
 

@@ -317,3 +317,47 @@ def test_tensors_that_only_hold_equal_bytes_come_back_as_separate_objects(tmp_pa
     assert got["plain"]["c"] is not got["plain"]["d"]  # equal bytes, two tensors: not tied
     got["plain"]["c"].add_(1)
     assert torch.equal(got["plain"]["d"], torch.zeros(100)) and torch.equal(got["a"], torch.zeros(100))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_shared_file_damaged_after_it_was_written_is_not_referenced_again(tmp_path, damage):
+    from distckpt import incremental
+
+    root = str(tmp_path / "ckpt")
+    state = lora_state()
+    saved = {}
+    with distckpt.CheckpointManager(root, incremental=True, keep_last=3) as mgr:
+        for step in range(2):
+            train_step(state)
+            mgr.save(step, state)
+            saved[step] = snapshot(state)
+        shared = os.path.join(root, mf.step_dir(0), "replicated")
+        path = os.path.join(shared, os.listdir(shared)[0])
+        data = bytearray(open(path, "rb").read())
+        if damage == "truncate":
+            data = data[: len(data) // 2]
+        else:
+            data[len(data) // 2] ^= 0x01  # same size: found by the checksum check every VERIFY_EVERY saves
+        open(path, "wb").write(data)
+        for step in range(2, 2 + incremental.VERIFY_EVERY):
+            train_step(state)
+            mgr.save(step, state)
+            saved[step] = snapshot(state)
+    last = 1 + incremental.VERIFY_EVERY
+    manifest = json.load(open(os.path.join(root, mf.step_dir(last), mf.MANIFEST)))
+    assert not any(p.startswith(mf.step_dir(0)) for p in manifest.get("shared_files", {}))
+    progress, got = loaded(root)  # the newest step is whole: the base was written again
+    assert progress.step == last and same(got, saved[last])
+
+
+def test_saving_a_step_again_never_overwrites_a_file_newer_steps_reference(tmp_path):
+    root = str(tmp_path / "ckpt")
+    state = lora_state()
+    with distckpt.CheckpointManager(root, incremental=True, keep_last=1) as mgr:
+        for step in range(3):
+            train_step(state)
+            mgr.save(step, state)  # steps 1 and 2 reference step 0's file; keep_last=1 retires 0 and 1
+        assert mgr.committed_steps() == [2]
+        with pytest.raises(distckpt.CheckpointExistsError, match="referenced by newer committed checkpoints"):
+            mgr.save(0, state)  # same generation, same file name: it would replace what step 2 needs
+    assert cli.main(["verify", root, "--all"]) == 0

@@ -73,3 +73,11 @@ def test_large_file_roundtrips(storage):
     blob = bytes(range(256)) * (3 * 2**20 // 256 + 17)
     storage.write_file("big", [memoryview(blob)[: len(blob) // 2], memoryview(blob)[len(blob) // 2:]])
     assert storage.read_bytes("big") == blob
+
+
+def test_size_is_read_fresh_and_none_when_absent(storage):
+    storage.write_file("step-1/s.bin", [b"x" * 1000])
+    assert storage.size("step-1/s.bin") == 1000
+    storage.write_file("step-1/s.bin", [b"y" * 10])
+    assert storage.size("step-1/s.bin") == 10
+    assert storage.size("step-1/absent.bin") is None

@@ -369,7 +369,7 @@ def test_a_local_tier_left_by_another_job_is_never_loaded_as_this_jobs(tmp_path)
     run_saves(str(tmp_path / "exp1"), local, range(3), durable_every=100)  # close(): step 2 durable
     run_saves(str(tmp_path / "exp2"), str(tmp_path / "local2"), range(1), durable_every=1)
     # exp2's job is relaunched with exp1's scratch dir: its local steps 0-2 are exp1's.
-    with pytest.warns(distckpt.CheckpointFallbackWarning, match="holds no lease at the durable root"):
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="written by another job"):
         progress, state = load(str(tmp_path / "exp2"), local)
     assert (progress.step, progress.tier) == (0, "durable")
     assert_holds(state, 0)
@@ -420,3 +420,73 @@ def test_a_power_cut_at_every_operation_of_an_upload_leaves_the_durable_tier_loa
         outcomes.append(progress.step)
         shutil.rmtree(found)
     assert outcomes[0] == 1 and outcomes[-1] == 2, outcomes
+
+
+def test_a_job_restarted_more_often_than_durable_every_still_reaches_the_durable_tier(roots):
+    durable, local = roots
+    for incarnation in range(3):  # each incarnation resumes and saves 2 steps, durable_every=4
+        state = step_states.blank()
+        mgr = distckpt.CheckpointManager(durable, local_dir=local, durable_every=4)
+        progress = mgr.load_latest(state)
+        start = progress.step + 1 if progress else 0
+        for step in range(start, start + 2):
+            mgr.save(step, step_states.state_for(step))
+        mgr.wait()
+        mgr._last_local = None  # a crash: nothing more is uploaded at close
+        mgr.close()
+    # the first save after each resume from the local tier is made durable
+    assert steps_at(durable) == [2, 4]
+
+
+def test_a_new_job_in_another_jobs_local_dir_starts_fresh_and_removes_its_steps(tmp_path):
+    local = str(tmp_path / "local")
+    run_saves(str(tmp_path / "jobA"), local, range(4), durable_every=100)
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="written by another job"):
+        with distckpt.CheckpointManager(str(tmp_path / "jobB"), local_dir=local) as mgr:
+            assert mgr.load_latest(step_states.blank()) is None  # a fresh start, not an error
+            mgr.save(0, step_states.state_for(0))
+            mgr.save(1, step_states.state_for(1))
+    assert steps_at(local) == [0, 1]  # job A's 0-3 gone, job B's in their place
+    progress, state = load(str(tmp_path / "jobB"), local)
+    assert (progress.step, progress.tier) == (1, "local")
+    assert_holds(state, 1)
+    with distckpt.CheckpointManager(str(tmp_path / "jobC"), local_dir=local) as mgr:
+        mgr.save(0, step_states.state_for(0))  # never loaded: the URL decides, and jobC's is empty
+
+
+def test_a_superseded_writer_is_fenced_on_the_local_tier_too(roots):
+    durable, local = roots
+    old = distckpt.CheckpointManager(durable, local_dir=local, durable_every=2)
+    old.load_latest(step_states.blank())
+    old.save(0, step_states.state_for(0))
+    old.save(1, step_states.state_for(1))
+    old.wait()
+    with distckpt.CheckpointManager(durable, local_dir=local, durable_every=2) as new:
+        assert new.load_latest(step_states.blank()).step == 1
+        new.save(2, step_states.state_for(2))
+    with pytest.raises(distckpt.FencedError):
+        old.save(3, step_states.state_for(3))  # refused before anything is committed, locally too
+    old._last_local = None
+    old.close()
+    assert 3 not in steps_at(local) and 3 not in steps_at(durable)
+
+
+def test_an_unreadable_durable_root_is_a_warning_on_load(tmp_path):
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    run_saves(durable, local, range(2), durable_every=100)
+    shutil.rmtree(durable)
+    open(durable, "w").write("not a directory")  # the URL cannot be listed
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="cannot be read"):
+        progress, state = load(durable, local)
+    assert (progress.step, progress.tier) == (1, "local")
+
+
+def test_a_missing_local_dir_on_the_command_line_is_an_error(roots, capsys):
+    from distckpt.cli import main
+
+    durable, local = roots
+    run_saves(durable, local, range(1), durable_every=1)
+    assert main(["ls", durable, "--local-dir", str(local) + "-typo"]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    with pytest.raises(distckpt.ConfigError, match="local_dir"):
+        distckpt.CheckpointManager(durable, local_dir=local + "\0x")

@@ -52,6 +52,9 @@ class Storage(Protocol):
 
     def exists(self, path: str) -> bool: ...
 
+    def size(self, path: str) -> int | None:
+        """The file's size in bytes, read fresh from storage; None if it does not exist."""
+
     def newest_mtime(self, path: str) -> float | None:
         """Newest modification time of anything under `path` (seconds since the epoch)."""
 

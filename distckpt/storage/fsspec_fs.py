@@ -93,6 +93,14 @@ class FsspecStorage:
         self.fs.invalidate_cache(target)
         return bool(self._call("checking", target, "exists", target))
 
+    def size(self, path: str) -> int | None:
+        target = _join(self.root, path)
+        self.fs.invalidate_cache(target)
+        try:
+            return int(self._call("reading the size of", target, "size", target))
+        except MissingFileError:
+            return None
+
     def newest_mtime(self, path: str) -> float | None:
         target = _join(self.root, path)
         self.fs.invalidate_cache(target)

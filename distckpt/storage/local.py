@@ -124,6 +124,14 @@ class LocalStorage:
     def exists(self, path: str) -> bool:
         return os.path.exists(self._abs(path))
 
+    def size(self, path: str) -> int | None:
+        try:
+            return os.stat(self._abs(path)).st_size
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StorageError(e.errno, f"reading the size of {self._abs(path)} failed: {e.strerror or e}") from e
+
     def newest_mtime(self, path: str) -> float | None:
         newest = None
         for root, dirs, files in os.walk(self._abs(path)):
