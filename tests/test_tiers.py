@@ -424,7 +424,7 @@ def test_a_power_cut_at_every_operation_of_an_upload_leaves_the_durable_tier_loa
 
 def test_a_job_restarted_more_often_than_durable_every_still_reaches_the_durable_tier(roots):
     durable, local = roots
-    for incarnation in range(3):  # each incarnation resumes and saves 2 steps, durable_every=4
+    for _incarnation in range(3):  # each incarnation resumes and saves 2 steps, durable_every=4
         state = step_states.blank()
         mgr = distckpt.CheckpointManager(durable, local_dir=local, durable_every=4)
         progress = mgr.load_latest(state)
