@@ -22,7 +22,7 @@ from .commit import ReplacePolicy, committed_generations, list_committed
 from .config import ManagerConfig
 from .coord import make_coordinator
 from .ddp import install_bucket_warmup
-from .errors import AsyncSaveError, ConfigError, DistCkptError, FencedError, StorageError
+from .errors import AsyncSaveError, ConfigError, DistCkptError, FencedError, RunConflictError, StorageError
 from .fencing import Lease, acquire, read_leases
 from .fencing import check_current as check_fence
 from .fencing import prune as prune_leases
@@ -253,6 +253,8 @@ class CheckpointManager:
         try:
             remove_foreign(self._target, read_leases(self.storage), self.rank)
             self._local_cleaned = True
+        except RunConflictError:
+            raise
         except (OSError, DistCkptError) as e:
             log.warning("rank 0: could not check the local tier %s for another job's steps (%s)", self._target.url, e)
 

@@ -29,7 +29,7 @@ from . import faults, fencing
 from . import manifest as mf
 from .commit import ReplacePolicy, clear_step_dir, create_manifest, create_marker, list_committed, read_marker
 from .coord import Coordinator, Outcome
-from .errors import ConfigError, CorruptCheckpointError, DistCkptError, MissingFileError
+from .errors import ConfigError, CorruptCheckpointError, DistCkptError, MissingFileError, RunConflictError
 from .fencing import Lease
 from .storage import Storage
 
@@ -234,7 +234,14 @@ def remove_foreign(storage: Storage, leases: list[Lease], rank: int) -> list[int
     would collide with this job's step numbers and retention."""
     from .retention import delete_checkpoint
 
-    doomed = foreign_steps(storage, local_steps(storage, rank), leases)
+    present = local_steps(storage, rank)
+    if present and not leases:
+        raise RunConflictError(
+            f"rank {rank}: the local tier {storage.url} holds committed steps {present[:10]}, and the durable root "
+            "holds no lease at all: either the URL is not the one this local_dir was written for (a mount missing, "
+            "a typo), or this local_dir belongs to another job; check the URL, or give this job another local_dir "
+            "(or remove that one)")
+    doomed = foreign_steps(storage, present, leases)
     for step in doomed:
         delete_checkpoint(storage, step)
     if doomed:
@@ -246,11 +253,20 @@ def remove_foreign(storage: Storage, leases: list[Lease], rank: int) -> list[int
 
 def common_local_steps(coord: Coordinator, storage: Storage, leases: list[Lease] | None = None) -> list[int]:
     """Steps committed on the local tier of every rank's node, newest first (collective). With the
-    durable root's `leases`, another job's steps are left out, with a warning."""
+    durable root's `leases`, another job's steps are left out, with a warning; when the durable
+    root holds no lease at all, local steps are not taken for another job's (the URL may be a
+    mount that is missing, and removing them would lose the newest state): RunConflictError on
+    every rank, saying what to check."""
     mine = local_steps(storage, coord.rank)
+    conflict = None
     if leases is not None:
         foreign = foreign_steps(storage, mine, leases)
-        if foreign:
+        if foreign and not leases:
+            conflict = (f"rank {coord.rank}: the local tier {storage.url} holds committed steps {foreign[:10]}, and the "
+                        "durable root holds no lease at all: either the URL is not the one this local_dir was "
+                        "written for (a mount missing, a typo), or this local_dir belongs to another job; check the "
+                        "URL, or give this job another local_dir (or remove that one)")
+        elif foreign:
             message = (f"rank {coord.rank}: the local tier {storage.url} holds steps {foreign[:10]} written by "
                        "another job (no lease of the durable root names their writer); they are skipped and "
                        "removed at this job's first save. Give each job its own local_dir")
@@ -260,8 +276,11 @@ def common_local_steps(coord: Coordinator, storage: Storage, leases: list[Lease]
             from .protocol import CheckpointFallbackWarning
             warnings.warn(message, CheckpointFallbackWarning, stacklevel=6)
             mine = [s for s in mine if s not in foreign]
-    views = coord.all_gather(mine, "load/local-steps")
-    common = set(views[0]).intersection(*map(set, views[1:]))
+    views = coord.all_gather({"steps": mine, "conflict": conflict}, "load/local-steps")
+    conflicts = [v["conflict"] for v in views if v["conflict"]]
+    if conflicts:
+        raise RunConflictError("; ".join(conflicts))
+    common = set(views[0]["steps"]).intersection(*(set(v["steps"]) for v in views[1:]))
     return sorted(common, reverse=True)
 
 

@@ -441,17 +441,25 @@ def test_a_job_restarted_more_often_than_durable_every_still_reaches_the_durable
 def test_a_new_job_in_another_jobs_local_dir_starts_fresh_and_removes_its_steps(tmp_path):
     local = str(tmp_path / "local")
     run_saves(str(tmp_path / "jobA"), local, range(4), durable_every=100)
+    run_saves(str(tmp_path / "jobB"), str(tmp_path / "elsewhere"), range(1), durable_every=1)  # B's URL has a lease
     with pytest.warns(distckpt.CheckpointFallbackWarning, match="written by another job"):
         with distckpt.CheckpointManager(str(tmp_path / "jobB"), local_dir=local) as mgr:
-            assert mgr.load_latest(step_states.blank()) is None  # a fresh start, not an error
-            mgr.save(0, step_states.state_for(0))
+            progress = mgr.load_latest(step_states.blank())  # B's own step 0, not A's newer step 3
+            assert (progress.step, progress.tier) == (0, "durable")
             mgr.save(1, step_states.state_for(1))
-    assert steps_at(local) == [0, 1]  # job A's 0-3 gone, job B's in their place
+            mgr.save(2, step_states.state_for(2))
+    assert steps_at(local) == [1, 2]  # job A's 0-3 gone, job B's in their place
     progress, state = load(str(tmp_path / "jobB"), local)
-    assert (progress.step, progress.tier) == (1, "local")
-    assert_holds(state, 1)
+    assert (progress.step, progress.tier) == (2, "local")
+    assert_holds(state, 2)
+    # A URL holding no lease at all (a new job, or a mount that is missing): nothing is taken for
+    # another job's and nothing removed; the job is told what to check.
     with distckpt.CheckpointManager(str(tmp_path / "jobC"), local_dir=local) as mgr:
-        mgr.save(0, step_states.state_for(0))  # never loaded: the URL decides, and jobC's is empty
+        with pytest.raises(distckpt.RunConflictError, match="holds no lease at all"):
+            mgr.load_latest(step_states.blank())
+        with pytest.raises(distckpt.RunConflictError, match="holds no lease at all"):
+            mgr.save(0, step_states.state_for(0))
+    assert steps_at(local) == [1, 2]
 
 
 def test_a_superseded_writer_is_fenced_on_the_local_tier_too(roots):
