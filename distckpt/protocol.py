@@ -533,7 +533,7 @@ def _choose_tiered(coord: Coordinator, storage: Storage, step: int | None,
             steps = list_committed(storage)
             durable = {"steps": steps, "leases": [dataclasses.asdict(x) for x in fencing.read_leases(storage)],
                        "error": None}
-        except (OSError, DistCkptError) as e:
+        except Exception as e:  # every rank hears it below: none may be left waiting in the broadcast
             durable["error"] = f"{type(e).__name__}: {e}"
     durable = coord.broadcast(durable if coord.rank == 0 else None, "load/durable")
     leases = None if durable["leases"] is None else [Lease(**d) for d in durable["leases"]]
