@@ -96,6 +96,32 @@ def measure(where: str, make_url, base_mib: int, saves: int, options: dict | Non
     return rows, note
 
 
+def incremental_tables(work: str, base_mib: int = 256, saves: int = 6, s3: bool = True) -> str:
+    """The table and the storage lines, measured under `work` (and a SeaweedFS started there)."""
+    local = lambda tag: (os.path.join(work, tag), os.path.join(work, tag))  # noqa: E731
+    rows, notes = [], []
+    r, n = measure("local disk", local, base_mib, saves, None)
+    rows += r
+    notes.append(n)
+    if s3:
+        import s3fs
+        from seaweed import SeaweedS3
+
+        server = SeaweedS3(os.path.join(work, "seaweedfs")).start()
+        try:
+            server.make_bucket("bench")
+            fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options())
+            s3_url = lambda tag: (f"s3://bench/{tag.replace(' ', '-')}", f"bench/{tag.replace(' ', '-')}")  # noqa: E731
+            r, n = measure("S3 (SeaweedFS, loopback)", s3_url, base_mib, saves, server.storage_options(), fs)
+            rows += r
+            notes.append(n)
+        finally:
+            server.stop()
+    head = (f"incremental: {base_mib} MiB frozen base in 64 tensors, 4 MiB adapters + AdamW moments; "
+            f"medians of saves 2-{saves}")
+    return "\n".join([head, table(rows), *[f"* {n}" for n in notes]])
+
+
 def main() -> int:
     import argparse
 
@@ -107,33 +133,12 @@ def main() -> int:
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="distckpt-inc-bench-")
     try:
-        local = lambda tag: (os.path.join(work, tag), os.path.join(work, tag))  # noqa: E731
-        rows, notes = [], []
-        r, n = measure("local disk", local, args.base_mib, args.saves, None)
-        rows += r
-        notes.append(n)
-        if not args.no_s3:
-            import s3fs
-            from seaweed import SeaweedS3
-
-            server = SeaweedS3(os.path.join(work, "seaweedfs")).start()
-            try:
-                server.make_bucket("bench")
-                fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.storage_options())
-                s3 = lambda tag: (f"s3://bench/{tag.replace(' ', '-')}", f"bench/{tag.replace(' ', '-')}")  # noqa: E731
-                r, n = measure("S3 (SeaweedFS, loopback)", s3, args.base_mib, args.saves, server.storage_options(), fs)
-                rows += r
-                notes.append(n)
-            finally:
-                server.stop()
+        text = incremental_tables(work, args.base_mib, args.saves, not args.no_s3)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"command: python bench/incremental.py --base-mib {args.base_mib} --saves {args.saves}"
           + (" --no-s3" if args.no_s3 else ""))
-    print(f"state: {args.base_mib} MiB frozen base in 64 tensors, 4 MiB adapters + AdamW moments; medians of saves 2-{args.saves}")
-    print(table(rows))
-    for n in notes:
-        print(f"* {n}")
+    print(text)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Checkpoint cost against baselines measured in the same run.
 
-    python bench/run.py [--mib 256] [--repeats 3] [--no-s3] [--no-ranks] [--no-training]
+    python bench/run.py [--mib 256] [--repeats 3] [--no-s3] [--no-ranks] [--no-training] [--no-incremental]
 
 Every row is a median over --repeats rounds (at least 7 for the single-process local-disk rows)
 after one warm-up round; single-process rows run interleaved (one of each per round), because
@@ -321,6 +321,7 @@ def main() -> int:
     p.add_argument("--no-s3", action="store_true")
     p.add_argument("--no-ranks", action="store_true")
     p.add_argument("--no-training", action="store_true", help="skip the training-throughput table")
+    p.add_argument("--no-incremental", action="store_true", help="skip the incremental-checkpoint table")
     args = p.parse_args()
     torch.set_num_threads(1)
     state = make_state(args.mib)
@@ -342,6 +343,11 @@ def main() -> int:
                 from tiers import tier_tables
 
                 training += "\n\n" + tier_tables(os.path.join(root, "tiers"), args.mib)
+        incremental = ""
+        if not args.no_incremental:
+            from incremental import incremental_tables
+
+            incremental = incremental_tables(os.path.join(root, "incremental"), args.mib, 6, not args.no_s3)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -349,11 +355,14 @@ def main() -> int:
           f"median of {args.repeats} after warm-up ({max(args.repeats, LOCAL_REPEATS)} for the single-process local-disk rows); {os.cpu_count()} CPUs; torch {torch.__version__}")
     print(f"command: python bench/run.py --mib {args.mib} --repeats {args.repeats}"
           + (" --no-s3" if args.no_s3 else "") + (" --no-ranks" if args.no_ranks else "")
-          + (" --no-training" if args.no_training else ""))
+          + (" --no-training" if args.no_training else "") + (" --no-incremental" if args.no_incremental else ""))
     print(render(rows, nbytes))
     if not args.no_training:
         print()
         print(training)
+    if incremental:
+        print()
+        print(incremental)
     return 0
 
 
