@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -64,13 +65,13 @@ class TierSettings:
             raise ConfigError(f"local_dir={local_dir!r} is the checkpoint URL itself: the local tier must be "
                               "another directory, on node-local disk")
         every = 10 if durable_every is None else durable_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
             raise ConfigError(f"durable_every={durable_every!r}: must be an int >= 1 (every Nth save is also "
                               "made durable; 1: every save)")
-        if keep_local is not None and (isinstance(keep_local, bool) or not isinstance(keep_local, int)
+        if keep_local is not None and (isinstance(keep_local, bool) or not isinstance(keep_local, numbers.Integral)
                                        or keep_local < 1):
             raise ConfigError(f"keep_local={keep_local!r}: must be a positive int or None (keep all)")
-        return cls(path, every, keep_local)
+        return cls(path, int(every), None if keep_local is None else int(keep_local))
 
 
 def _local_path(local_dir: Any) -> str:
