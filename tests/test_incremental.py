@@ -62,6 +62,18 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def damage_replicated(root: str, step: int, how: str = "flip") -> None:
+    """Truncate the step's replicated file to half, or flip one bit in its middle (same size)."""
+    shared = os.path.join(root, mf.step_dir(step), "replicated")
+    path = os.path.join(shared, os.listdir(shared)[0])
+    data = bytearray(open(path, "rb").read())
+    if how == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0x10
+    open(path, "wb").write(data)
+
+
 def step_bytes(root: str, step: int) -> int:
     base = os.path.join(root, mf.step_dir(step))
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(base) for f in fs)
@@ -129,11 +141,7 @@ def test_a_damaged_shared_file_makes_every_checkpoint_referencing_it_fall_back(t
             train_step(state)
             mgr.save(step, state)
             saved[step] = snapshot(state)
-    shared = os.path.join(root, mf.step_dir(3), "replicated")
-    path = os.path.join(shared, os.listdir(shared)[0])
-    data = bytearray(open(path, "rb").read())
-    data[len(data) // 2] ^= 0x10
-    open(path, "wb").write(data)
+    damage_replicated(root, 3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         progress, got = loaded(root)
@@ -331,14 +339,7 @@ def test_a_shared_file_damaged_after_it_was_written_is_not_referenced_again(tmp_
             train_step(state)
             mgr.save(step, state)
             saved[step] = snapshot(state)
-        shared = os.path.join(root, mf.step_dir(0), "replicated")
-        path = os.path.join(shared, os.listdir(shared)[0])
-        data = bytearray(open(path, "rb").read())
-        if damage == "truncate":
-            data = data[: len(data) // 2]
-        else:
-            data[len(data) // 2] ^= 0x01  # same size: found by the checksum check every VERIFY_EVERY saves
-        open(path, "wb").write(data)
+        damage_replicated(root, 0, damage)  # a flip keeps the size: found by the checksum every VERIFY_EVERY saves
         for step in range(2, 2 + incremental.VERIFY_EVERY):
             train_step(state)
             mgr.save(step, state)
