@@ -124,3 +124,13 @@ def test_launch_train_py_resumes_exactly_under_the_doctor(tmp_path, capsys, monk
                      "--", *command])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["common_steps"] == [10, 20, 30] and report["first_fingerprint_step"] is None, report
+
+
+@pytest.mark.faults
+def test_a_two_tier_job_is_compared_on_its_local_tier_too(tmp_path, capsys, monkeypatch):
+    # Saves every 5 steps; every 2nd is durable (zoo_loop --local-tier): the doctor's roots get
+    # <root>-local as local_dir, and every step both runs committed there is compared.
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    code, report = _doctor(tmp_path, capsys, "--local-tier")
+    assert code == 0 and report["identical"] and report["common_steps"] == [4, 9, 14, 19], report
+    assert os.path.isdir(tmp_path / "doctor" / "killed-local")
