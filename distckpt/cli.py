@@ -91,13 +91,15 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
             rows.append({**row, "tier": tier} if len(tiers) > 1 else row)
     if len(tiers) > 1:
         rows.sort(key=lambda r: (r["step"], r["tier"] == "local"))
-    lines = [f"{'step':>10} {'epoch':>6} {'world':>5} {'bytes':>12} {'metric':>12} {'created':>20}  status"
-             + ("  tier" if len(tiers) > 1 else "")]
+    shared = any(r.get("shared_bytes") for r in rows)  # incremental: a column of what steps reference
+    lines = [f"{'step':>10} {'epoch':>6} {'world':>5} {'bytes':>12} " + (f"{'shared':>12} " if shared else "")
+             + f"{'metric':>12} {'created':>20}  status" + ("  tier" if len(tiers) > 1 else "")]
     for r in rows:
         stamp = r["created_unix"]
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) if isinstance(stamp, (int, float)) else ""
         lines.append(f"{r['step']:>10} {_s(r['epoch']):>6} {_s(r['world_size']):>5} {_s(r['bytes']):>12} "
-                     f"{_s(r['metric']):>12} {created:>20}  {r['status']}" + (f"  {r['tier']}" if "tier" in r else ""))
+                     + (f"{_s(r['shared_bytes']):>12} " if shared else "")
+                     + f"{_s(r['metric']):>12} {created:>20}  {r['status']}" + (f"  {r['tier']}" if "tier" in r else ""))
     _emit(args, rows, "\n".join(lines))
     return EXIT_OK
 

@@ -107,6 +107,7 @@ class CheckpointManager:
         self._saves = 0        # save() calls: every durable_every-th is durable
         self._catch_up = False  # an upload failed, or the job resumed from the local tier: next save durable
         self._local_cleaned = False  # rank 0: another job's steps removed from the local tier
+        self._fence_unreachable = False  # rank 0: the URL's fence could not be read; skip until an upload works
         self._shipped = False  # whether a step was shipped to the other nodes yet
 
     def __repr__(self) -> str:
@@ -260,15 +261,21 @@ class CheckpointManager:
 
     def _before_local_commit(self, lease: Lease) -> None:
         """Rank 0, before a local commit: the fence lives at the URL, so it is checked there (a
-        superseded writer gets FencedError here, as on one tier; an unreachable URL only warns,
-        so local saves go on)."""
+        superseded writer gets FencedError here, as on one tier). An unreachable URL warns once
+        and is not asked again until an upload succeeds (the upload checks the fence itself), so
+        local saves go on without waiting for the URL's timeouts at every save."""
+        if self._fence_unreachable:
+            return
         try:
             check_fence(self.storage, lease)
         except FencedError:
             raise
         except (OSError, DistCkptError) as e:
-            log.warning("rank 0: the fence at %s cannot be checked before the local save (%s); saving locally",
-                        self.storage.url, e)
+            self._fence_unreachable = True
+            message = (f"rank 0: the fence at {self.storage.url} cannot be checked before the local save ({e}); "
+                       "saving locally, and not checking again until an upload to the URL succeeds")
+            log.warning(message)
+            warnings.warn(message, DurableUploadWarning, stacklevel=2)
 
     def _start_upload(self, step: int) -> None:
         """Rank 0: upload committed local `step` in the background; one upload in flight, so a
@@ -298,6 +305,7 @@ class CheckpointManager:
             self._upload_failures.append((step, f"{type(err).__name__}: {err}"))
         elif step is not None:
             self._last_durable = step
+            self._fence_unreachable = False
 
     def _report_uploads(self, block: bool, final: bool = False) -> None:
         """Tell every rank about failed uploads (collective; two tiers only). `block` waits for

@@ -213,6 +213,8 @@ def test_s3_down_during_uploads_local_saves_continue_and_the_next_durable_save_c
                 mgr.save(step, step_states.state_for(step))   # never raises: the local tier commits
             mgr.wait()
         assert any(issubclass(w.category, DurableUploadWarning) for w in caught)
+        fence = [w for w in caught if "fence" in str(w.message) and "cannot be checked" in str(w.message)]
+        assert len(fence) == 1, [str(w.message) for w in caught]  # said once, not retried at every save
         assert steps_at(local)[-1] == 5
         proxy.rules.clear()  # the store is back
         mgr.save(6, step_states.state_for(6))  # catch-up after the failure: durable
