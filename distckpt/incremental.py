@@ -65,17 +65,6 @@ class Split:
     reused: dict[str, Stored]        # referenced where they lie
     keys: dict[str, Key]             # every tensor's content key
 
-    @property
-    def reused_bytes(self) -> int:
-        return sum(_nbytes(self.keys[name]) for name in self.reused)
-
-
-def _nbytes(key: Key) -> int:
-    n = 1
-    for d in key[2]:
-        n *= d
-    return n * torch.empty((), dtype=getattr(torch, key[1].replace("torch.", ""))).element_size()
-
 
 # Every save checks the size of each file it would reference; every VERIFY_EVERY-th save reads
 # them whole and checks their checksums too (a file damaged after it was written would otherwise
