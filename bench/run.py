@@ -1,6 +1,6 @@
 """Checkpoint cost against baselines measured in the same run.
 
-    python bench/run.py [--mib 256] [--repeats 3] [--no-s3] [--no-ranks] [--no-training] [--no-incremental]
+    python bench/run.py [--mib 256] [--repeats 3] [--no-s3] [--no-ranks] [--no-training] [--no-incremental] [--no-history]
 
 Every row is a median over --repeats rounds (at least 7 for the single-process local-disk rows)
 after one warm-up round; single-process rows run interleaved (one of each per round), because
@@ -322,6 +322,7 @@ def main() -> int:
     p.add_argument("--no-ranks", action="store_true")
     p.add_argument("--no-training", action="store_true", help="skip the training-throughput table")
     p.add_argument("--no-incremental", action="store_true", help="skip the incremental-checkpoint table")
+    p.add_argument("--no-history", action="store_true", help="skip the S3 cost-against-history table")
     args = p.parse_args()
     torch.set_num_threads(1)
     state = make_state(args.mib)
@@ -348,6 +349,11 @@ def main() -> int:
             from incremental import incremental_tables
 
             incremental = incremental_tables(os.path.join(root, "incremental"), args.mib, 6, not args.no_s3)
+        history = ""
+        if not args.no_history and not args.no_s3:
+            from history import history_table
+
+            history = history_table([10, 200, 2000], args.repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -355,7 +361,8 @@ def main() -> int:
           f"median of {args.repeats} after warm-up ({max(args.repeats, LOCAL_REPEATS)} for the single-process local-disk rows); {os.cpu_count()} CPUs; torch {torch.__version__}")
     print(f"command: python bench/run.py --mib {args.mib} --repeats {args.repeats}"
           + (" --no-s3" if args.no_s3 else "") + (" --no-ranks" if args.no_ranks else "")
-          + (" --no-training" if args.no_training else "") + (" --no-incremental" if args.no_incremental else ""))
+          + (" --no-training" if args.no_training else "") + (" --no-incremental" if args.no_incremental else "")
+          + (" --no-history" if args.no_history else ""))
     print(render(rows, nbytes))
     if not args.no_training:
         print()
@@ -363,6 +370,9 @@ def main() -> int:
     if incremental:
         print()
         print(incremental)
+    if history:
+        print()
+        print(history)
     return 0
 
 

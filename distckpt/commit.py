@@ -3,7 +3,8 @@
 A checkpoint exists if and only if its step directory holds a COMMITTED marker that matches its
 manifest (same rule on local disk and object stores, so a copied checkpoint stays valid).
 
-* `list_committed`: committed steps, newest first, names parsed strictly (manifest.parse_step_dir).
+* `list_committed`, `scan`: committed steps, newest first, from one listing, names parsed
+  strictly (manifest.parse_step_dir); `CommitIndex` remembers what each committed step said.
 * `read_marker`, `read_verified_manifest`: bounded reads, parsed against the schema
   (manifest.py), CorruptCheckpointError naming the file and field.
 * `create_manifest`, `create_marker`: exclusive creates; the marker last.
@@ -164,21 +165,135 @@ def create_marker(storage: Storage, marker: mf.Marker, policy: ReplacePolicy) ->
         storage.create_exclusive(path, marker.to_bytes())
 
 
+@dataclass(frozen=True)
+class RootListing:
+    """One fresh listing of a root: every file with its version tag (Storage.list_files)."""
+
+    files: dict[str, str]
+
+    def committed(self) -> list[int]:
+        """Committed steps, newest first: a step directory with a COMMITTED marker."""
+        return sorted((step for step in self._steps() if self.marker_tag(step) is not None), reverse=True)
+
+    def step_names(self) -> list[str]:
+        """Top-level names spelled as step directories, committed or not."""
+        return sorted({mf.step_dir(step) for step in self._steps()})
+
+    def marker_tag(self, step: int) -> str | None:
+        return self.files.get(f"{mf.step_dir(step)}/{mf.MARKER}")
+
+    def _steps(self) -> set[int]:
+        tops = {path.split("/", 1)[0] for path in self.files if "/" in path}
+        return {s for s in map(mf.parse_step_dir, tops) if s is not None}
+
+
+def scan(storage: Storage) -> RootListing:
+    return RootListing(storage.list_files(""))
+
+
+def step_candidates(storage: Storage) -> list[int]:
+    """Step directories, newest first, from one shallow listing (on S3 one name per step: 0.06 s
+    for 2,000 steps here, against 3.4 s for a listing of their 8,000 files). Not every one is
+    committed: the loader reads markers newest first and skips a directory without one."""
+    return sorted((s for s in map(mf.parse_step_dir, storage.list_names("")) if s is not None), reverse=True)
+
+
+def is_committed(storage: Storage, step: int) -> bool:
+    return storage.exists(f"{mf.step_dir(step)}/{mf.MARKER}")
+
+
 def list_committed(storage: Storage) -> list[int]:
-    """Committed steps, newest first: a step directory with a COMMITTED marker."""
-    steps = [s for s in (mf.parse_step_dir(n) for n in storage.list_dir("")) if s is not None]
-    return sorted((s for s in steps if storage.exists(f"{mf.step_dir(s)}/{mf.MARKER}")), reverse=True)
+    """Committed steps, newest first, from one listing (on S3: its pages, no request per step)."""
+    return scan(storage).committed()
+
+
+class CommitIndex:
+    """What the committed steps of one root said, remembered by step and the marker's version
+    tag (an object store's ETag) and each manifest by the digest its marker names: neither changes
+    while the marker stands, so each is read once. Retention, lease pruning and leftover
+    collection after every save then cost one listing plus the steps not seen before (on S3 with
+    2,000 committed steps: one GET per step per save without it)."""
+
+    FULL_SCAN_EVERY = 64  # scans between two full listings (see scan)
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.listing = RootListing({})
+        self._markers: dict[tuple[int, str], mf.Marker] = {}
+        self._manifests: dict[tuple[int, str], dict] = {}
+        self._since_full: int | None = None  # scans since the last full listing; None: none yet
+
+    def scan(self) -> RootListing:
+        """A fresh listing. The first (and every FULL_SCAN_EVERY-th) lists the whole root; the
+        others list only what sorts after the newest step committed at the last scan (the store
+        starts there: one page for a save's new step, whatever the history) and keep the older
+        part of the last listing, less what this index was told is gone (`forget`). What that
+        misses until the next full listing: files another process adds to or removes from the
+        older steps (a zombie's late commit of an old step, which no load accepts; a `distckpt
+        prune`), so retention and gc act on them a little later, never wrongly."""
+        newest = max(self.listing.committed(), default=None)
+        if newest is None or self._since_full is None or self._since_full + 1 >= self.FULL_SCAN_EVERY:
+            files = self.storage.list_files("")
+            self._since_full = 0
+        else:
+            start = mf.step_dir(newest) + "~"  # after every path of that step, before the next step's
+            kept = {path: tag for path, tag in self.listing.files.items() if path <= start}
+            files = {**kept, **self.storage.list_files("", start_after=start)}
+            self._since_full += 1
+        self.listing = RootListing(files)
+        live = set(self.listing.committed())
+        self._markers = {k: v for k, v in self._markers.items() if k[0] in live}
+        self._manifests = {k: v for k, v in self._manifests.items() if k[0] in live}
+        return self.listing
+
+    def forget(self, name: str) -> None:
+        """This process removed step directory `name` (or all but a few of its files): the next
+        scan lists it afresh only if it is among the newest, so drop it here."""
+        self.listing = RootListing({path: tag for path, tag in self.listing.files.items()
+                                    if not path.startswith(name + "/")})
+
+    def _key(self, step: int) -> tuple[int, str] | None:
+        tag = self.listing.marker_tag(step)
+        return (step, tag) if tag else None  # no tag: no way to tell versions apart, read again
+
+    def marker(self, step: int) -> mf.Marker:
+        key = self._key(step)
+        if key is not None and key in self._markers:
+            return self._markers[key]
+        marker = read_marker(self.storage, step)
+        if key is not None:
+            self._markers[key] = marker
+        return marker
+
+    def manifest_json(self, step: int) -> dict:
+        """The step's manifest as JSON (not schema-checked: for retention's metric and references);
+        OSError or ValueError when it cannot be read. Remembered by the digest its marker names,
+        so a replaced step is read again whatever its listing says."""
+        key = (step, self.marker(step).manifest_digest)
+        if key in self._manifests:
+            return self._manifests[key]
+        manifest = json.loads(self.storage.read_bytes(f"{mf.step_dir(step)}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES))
+        if not isinstance(manifest, dict):
+            raise ValueError("the manifest is not a JSON object")
+        self._manifests[key] = manifest
+        return manifest
+
+    def generations(self) -> list[int]:
+        """The writer generation of every committed step of the last scan."""
+        out = []
+        for step in self.listing.committed():
+            try:
+                out.append(self.marker(step).generation)
+            except (MissingFileError, CorruptCheckpointError):
+                out.append(0)  # unreadable or gone meanwhile: keep every lease
+        return out
 
 
 def committed_generations(storage: Storage) -> list[int]:
     """The writer generation of every committed step (one marker read each)."""
-    out = []
-    for step in list_committed(storage):
-        try:
-            out.append(read_marker(storage, step).generation)
-        except (MissingFileError, CorruptCheckpointError):
-            out.append(0)  # unreadable or gone meanwhile: keep every lease
-    return out
+    index = CommitIndex(storage)
+    index.scan()
+    return index.generations()
 
 
 def check_not_superseded(marker: mf.Marker, leases: list[Lease], where: str) -> None:

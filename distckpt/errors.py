@@ -55,6 +55,11 @@ class CorruptCheckpointError(DistCkptError):
     """A checkpoint file is missing, truncated, or fails its checksum or structure check."""
 
 
+class NotCommittedError(CorruptCheckpointError):
+    """A step directory without a commit marker: a save that never committed (or a checkpoint
+    removed meanwhile). The loader skips it silently; it is not damage."""
+
+
 class IncompatibleCheckpointError(DistCkptError):
     """The checkpoint is intact but does not fit the state it is loaded into."""
 

@@ -16,9 +16,10 @@ from typing import Any
 
 from . import doctor as doctor_hooks
 from . import faults
+from . import manifest as mf
 from .async_writer import AsyncWriter
 from .capture import SHARDED, classify
-from .commit import ReplacePolicy, committed_generations, list_committed
+from .commit import CommitIndex, ReplacePolicy, committed_generations, list_committed
 from .config import ManagerConfig
 from .coord import make_coordinator
 from .ddp import install_bucket_warmup
@@ -29,9 +30,9 @@ from .fencing import prune as prune_leases
 from .incremental import ContentTable
 from .preemption import PreemptionFlag
 from .protocol import Progress, ShardWrite, StagedSave, load, share_outcome, stage_save, write_and_commit
-from .retention import collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed
+from .retention import Committed, collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed
 from .serialize import StagingPool
-from .storage import open_storage
+from .storage import Storage, open_storage
 from .tiers import DurableUploadWarning, Nodes, TierSettings, node_name, remove_foreign, ship_to_nodes, upload_step
 from .validation import LoadRules
 from .versions import collect_versions
@@ -101,6 +102,7 @@ class CheckpointManager:
         self._nodes = Nodes(tuple(names))
         self._uploader = AsyncWriter()   # rank 0: one upload to the durable tier in flight
         self._upload_failures: list[tuple[int, str]] = []  # rank 0: not yet reported to the ranks
+        self._indexes: dict[str, CommitIndex] = {}  # rank 0: see _index
         self._uploading: int | None = None   # rank 0: the step being uploaded (local retention spares it)
         self._last_local: int | None = None  # rank 0: the newest step committed on the local tier
         self._last_durable: int | None = None  # rank 0: the newest step uploaded
@@ -221,28 +223,54 @@ class CheckpointManager:
             self._lease = acquire(self.storage, self.run_id, self._floor)
         return self._lease
 
+    def _index(self, storage: Storage) -> CommitIndex:
+        """Rank 0's memo of each root's committed steps (commit.CommitIndex)."""
+        index = self._indexes.get(storage.url)
+        if index is None or index.storage is not storage:
+            index = self._indexes[storage.url] = CommitIndex(storage)
+        return index
+
     def _retain(self, storage: Any, just_committed: int, keep_last: int | None, keep_best: int | None) -> None:
         """Retention and leftover collection; failures here never undo the commit. On the local
         tier the step being uploaded is spared, and leases live only on the durable root."""
         if doctor_hooks.keeps_everything():
             keep_last = keep_best = None
         try:
-            no_policy = keep_last is None and keep_best is None
-            committed = [] if no_policy else read_committed(storage, list_committed(storage))
-            doomed = [step for step in plan_retention(committed, keep_last, keep_best, self.config.best_mode)
-                      if step != just_committed and not (storage is self.local and step == self._uploading)]
-            keep = kept_references(committed, doomed)  # incremental: files a kept checkpoint references
+            index = self._index(storage)
+            index.scan()
+            spared = {just_committed} | ({self._uploading} if storage is self.local and self._uploading is not None else set())
+            doomed, keep = self._plan_retention(index, keep_last, keep_best, spared)
             for step in doomed:
                 delete_checkpoint(storage, step, keep)
+                index.forget(mf.step_dir(step))
                 log.info("rank 0: retention removed step %d from %s", step, storage.url)
-            collect_leftovers(storage, self.config.leftover_grace_s)
+            collect_leftovers(storage, self.config.leftover_grace_s, index=index)
             if self._lease is not None and storage is self.storage:  # local steps need their leases too
                 local = self.local
-                prune_leases(storage, self._lease, lambda: committed_generations(storage)
+                prune_leases(storage, self._lease, lambda: index.generations()
                              + (committed_generations(local) if local is not None else []))
         except (OSError, DistCkptError) as e:
             log.warning("rank 0: retention after step %d failed (the checkpoint is committed): %s",
                         just_committed, e)
+
+    def _plan_retention(self, index: CommitIndex, keep_last: int | None, keep_best: int | None,
+                        spared: set[int]) -> tuple[list[int], set[str]]:
+        """The steps retention deletes and the files it must keep (those a kept incremental
+        checkpoint references). Manifests are read only when needed: for the metrics of
+        `keep_best`, and for the references when something is deleted; each once per process
+        (the index), so a save's cost does not grow with the number of committed steps."""
+        steps = index.listing.committed()
+        if keep_last is None and keep_best is None:
+            return [], set()
+        committed = (read_committed(index.storage, steps, index) if keep_best is not None
+                     else [Committed(step, None) for step in steps])
+        doomed = [step for step in plan_retention(committed, keep_last, keep_best, self.config.best_mode)
+                  if step not in spared]
+        if not doomed:
+            return [], set()
+        if keep_best is None:
+            committed = read_committed(index.storage, steps, index)
+        return doomed, kept_references(committed, doomed)
 
     # -- the durable tier (two tiers only) -------------------------------------------------
 

@@ -59,9 +59,11 @@ from .commit import (
     clear_step_dir,
     create_manifest,
     create_marker,
+    is_committed,
     list_committed,
     read_marker,
     read_verified_manifest,
+    step_candidates,
 )
 from .coord import Coordinator, Outcome, Reports, agree, hostname, raise_if_failed, run_phase
 from .errors import (
@@ -72,6 +74,7 @@ from .errors import (
     FencedError,
     IncompatibleCheckpointError,
     MissingFileError,
+    NotCommittedError,
     RankDisagreementError,
     StorageError,
     UnstorableValueError,
@@ -436,6 +439,9 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
     where = f"{storage.url}/{base}"
     try:
         marker = read_marker(storage, step)
+    except MissingFileError as e:
+        raise NotCommittedError(f"{where} holds no {mf.MARKER} marker: not committed") from e
+    try:
         check_not_superseded(marker, leases or [], where)
         if owned_by_leases:  # a local tier step: written by a job of this durable root
             check_written_under_a_lease(marker, leases or [], where)
@@ -487,8 +493,10 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
     if not candidates:
         return None
     storages = {tiers.DURABLE: storage, tiers.LOCAL: local or storage}
-    chosen, tier = _read_phase(coord, storages, entries, candidates, step is not None, world_size_policy,
-                               leases, rules)
+    found = _read_phase(coord, storages, entries, candidates, step is not None, world_size_policy, leases, rules)
+    if found is None:
+        return None  # step directories, but none committed
+    chosen, tier = found
     notes, kept = _apply_phase(coord, entries, state, chosen, rules)
     return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.get("metric"),
                     f"{storages[tier].url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept), tier)
@@ -505,11 +513,8 @@ def _choose_phase(coord: Coordinator, storage: Storage, step: int | None,
     leases: list[Lease] = []
     if coord.rank == 0:
         try:
-            steps = list_committed(storage)
+            steps = _durable_candidates(storage, step)
             leases = fencing.read_leases(storage) if steps else []
-            if step is not None and step not in steps:
-                raise IncompatibleCheckpointError(
-                    f"step {step} is not committed at {storage.url} (committed: {steps[:10]})")
         except Exception as e:
             exc = e
     info = {"candidates": tiers.merge_candidates([], steps, step),
@@ -521,6 +526,17 @@ def _choose_phase(coord: Coordinator, storage: Storage, step: int | None,
             [Lease(**d) for d in outcome.info["leases"]])
 
 
+def _durable_candidates(storage: Storage, step: int | None) -> list[int]:
+    """Rank 0: the step directories to try, newest first (commit.step_candidates: the read phase
+    skips one without a marker); an explicit `step` must be committed."""
+    if step is None:
+        return step_candidates(storage)
+    if not is_committed(storage, step):
+        committed = list_committed(storage)
+        raise IncompatibleCheckpointError(f"step {step} is not committed at {storage.url} (committed: {committed[:10]})")
+    return [step]
+
+
 def _choose_tiered(coord: Coordinator, storage: Storage, step: int | None,
                    local: Storage) -> tuple[list[tuple[int, str]], list[Lease] | None]:
     """Two tiers: rank 0 lists the durable root and reads its leases; every rank then keeps the
@@ -530,7 +546,7 @@ def _choose_tiered(coord: Coordinator, storage: Storage, step: int | None,
     durable: dict[str, Any] = {"steps": [], "leases": None, "error": None}
     if coord.rank == 0:
         try:
-            steps = list_committed(storage)
+            steps = step_candidates(storage) if step is None else [s for s in [step] if is_committed(storage, s)]
             durable = {"steps": steps, "leases": [dataclasses.asdict(x) for x in fencing.read_leases(storage)],
                        "error": None}
         except Exception as e:  # every rank hears it below: none may be left waiting in the broadcast
@@ -556,8 +572,11 @@ def _choose_tiered(coord: Coordinator, storage: Storage, step: int | None,
 
 def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[Entry],
                 candidates: list[tuple[int, str]], explicit: bool, world_size_policy: str,
-                leases: list[Lease] | None, rules: LoadRules = LoadRules()) -> tuple[ReadCheckpoint, str]:
+                leases: list[Lease] | None, rules: LoadRules = LoadRules()) -> tuple[ReadCheckpoint, str] | None:
+    """The newest candidate every rank reads and verifies, and its tier; None when no candidate
+    was committed at all (directories of saves that never committed)."""
     tiered = storages[tiers.LOCAL] is not storages[tiers.DURABLE]
+    committed = 0
     for i, (step, tier) in enumerate(candidates):
         owned = tier == tiers.LOCAL and leases is not None
         read, exc = _try_read(coord, storages[tier], entries, step, world_size_policy, leases or [], rules, owned)
@@ -567,7 +586,10 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
         else:
             outcome = Outcome.failure(coord.rank, exc or CoordinationError("read failed"))
         outcomes = coord.all_gather(outcome, f"load/read step {step} ({tier})")
-        damaged = [o for o in outcomes if o.error_type == CorruptCheckpointError.__name__]
+        if all(o.error_type == NotCommittedError.__name__ for o in outcomes):
+            continue  # a save that never committed (or removed meanwhile): not a checkpoint
+        committed += 1
+        damaged = [o for o in outcomes if o.error_type in (CorruptCheckpointError.__name__, NotCommittedError.__name__)]
         following = candidates[i + 1] if i + 1 < len(candidates) else None
         may_fall_back = not explicit or (following is not None and following[0] == step)
         if damaged and len(damaged) == len([o for o in outcomes if not o.ok]) and may_fall_back:
@@ -577,8 +599,10 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
         _check_agreement(outcomes, step)
         assert read is not None  # every rank succeeded
         return read, tier
+    if not committed and not explicit:
+        return None
     where = storages[tiers.DURABLE].url + (f" or {storages[tiers.LOCAL].url}" if tiered else "")
-    tried = [f"{s} ({t})" for s, t in candidates] if tiered else [s for s, _ in candidates]
+    tried = [f"{s} ({t})" for s, t in candidates[:10]] if tiered else [s for s, _ in candidates[:10]]
     raise CorruptCheckpointError(
         f"no committed checkpoint at {where} verifies (tried steps {tried}); "
         "see the warnings above for each damaged file; `distckpt verify` lists them")

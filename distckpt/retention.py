@@ -7,15 +7,14 @@ grace period (a save in progress elsewhere must not be collected under its write
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
 
 from . import faults
 from . import manifest as mf
-from .commit import list_committed
-from .errors import DistCkptError, MissingFileError
+from .commit import CommitIndex
+from .errors import CorruptCheckpointError, DistCkptError, MissingFileError
 from .storage import Storage
 
 log = logging.getLogger("distckpt")
@@ -53,40 +52,47 @@ def plan_retention(committed: list[Committed], keep_last: int | None, keep_best:
     return sorted(c.step for c in committed if c.step not in keep)
 
 
-def read_committed(storage: Storage, steps: list[int]) -> list[Committed]:
-    out = []
-    for step in steps:
-        shared: frozenset[str] = frozenset()
-        readable = True
-        try:
-            manifest = json.loads(storage.read_bytes(f"{mf.step_dir(step)}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES))
-            metric = manifest.get("metric") if isinstance(manifest, dict) else None
-            refs = manifest.get(mf._SHARED) if isinstance(manifest, dict) else None
-            shared = frozenset(p for p in refs if isinstance(p, str)) if isinstance(refs, dict) else frozenset()
-        except (OSError, ValueError, RecursionError) as e:  # unreadable: never "best", still subject to keep_last
-            log.warning("retention: cannot read the manifest of step %d: %s", step, e)
-            metric, readable = None, False
-        out.append(Committed(step, metric if isinstance(metric, (int, float)) else None, shared, readable))
-    return out
+def read_committed(storage: Storage, steps: list[int], index: CommitIndex | None = None) -> list[Committed]:
+    """What retention needs of each step (its metric, the files it references). With the
+    manager's `index` (scanned just before), a step already read is not read again."""
+    if index is None:
+        index = CommitIndex(storage)
+        index.scan()
+    return [_committed(index, step) for step in steps]
+
+
+def _committed(index: CommitIndex, step: int) -> Committed:
+    try:
+        manifest = index.manifest_json(step)
+    except (OSError, ValueError, RecursionError, CorruptCheckpointError) as e:  # unreadable: never "best", still subject to keep_last
+        log.warning("retention: cannot read the manifest of step %d: %s", step, e)
+        return Committed(step, None, frozenset(), False)
+    metric = manifest.get("metric")
+    refs = manifest.get(mf._SHARED)
+    shared = frozenset(p for p in refs if isinstance(p, str)) if isinstance(refs, dict) else frozenset()
+    return Committed(step, metric if isinstance(metric, (int, float)) else None, shared)
 
 
 class UnreadableReferencesError(OSError):
     """A committed manifest could not be read: which files it references is unknown."""
 
 
-def referenced_files(storage: Storage, steps: list[int] | None = None) -> set[str]:
+def referenced_files(storage: Storage, steps: list[int] | None = None, index: CommitIndex | None = None) -> set[str]:
     """Root-relative files that committed checkpoints reference from other steps (incremental
     checkpoints). Raises UnreadableReferencesError if a committed manifest cannot be read: then
     nothing that might be referenced may be deleted."""
+    if index is None:
+        index = CommitIndex(storage)
+        index.scan()
     out: set[str] = set()
-    for step in list_committed(storage) if steps is None else steps:
+    for step in index.listing.committed() if steps is None else steps:
         try:
-            manifest = json.loads(storage.read_bytes(f"{mf.step_dir(step)}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES))
+            manifest = index.manifest_json(step)
         except MissingFileError:
             continue  # deleted meanwhile (marker first, so it was not committed any more)
-        except (OSError, ValueError, RecursionError) as e:
+        except (OSError, ValueError, RecursionError, CorruptCheckpointError) as e:
             raise UnreadableReferencesError(f"cannot read the manifest of committed step {step}: {e}") from e
-        shared = manifest.get(mf._SHARED) if isinstance(manifest, dict) else None
+        shared = manifest.get(mf._SHARED)
         if isinstance(shared, dict):
             out.update(path for path in shared if isinstance(path, str))
     return out
@@ -128,27 +134,38 @@ def _is_directory(storage: Storage, path: str) -> bool:
         return False
 
 
-def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None) -> list[str]:
+def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None,
+                      index: CommitIndex | None = None) -> list[str]:
     """Remove step directories without a marker that are older than `grace_s`; returns them.
-    Files that committed checkpoints reference (incremental) stay until nothing does."""
+    Files that committed checkpoints reference (incremental) stay until nothing does. With the
+    manager's `index` (scanned just before), which steps are committed comes from its listing."""
     now = time.time() if now is None else now
+    if index is None:
+        index = CommitIndex(storage)
+        index.scan()
+    committed = {mf.step_dir(step) for step in index.listing.committed()}
+    names = set(index.listing.step_names())
+    if storage.keeps_empty_directories:  # a directory without files is in no listing of files
+        names |= set(storage.list_dir(""))
     removed = []
     references: set[str] | None = None
-    for name in storage.list_dir(""):
-        if mf.parse_step_dir(name) is None or storage.exists(f"{name}/{mf.MARKER}"):
+    for name in sorted(names):
+        if mf.parse_step_dir(name) is None or name in committed:
             continue
         try:
             newest = storage.newest_mtime(name)
             if newest is not None and now - newest < grace_s:
                 continue
             if references is None:
-                references = referenced_files(storage)
+                references = referenced_files(storage, index=index)
             kept = {path for path in references if path.startswith(name + "/")}
             if kept:
                 _remove_all_but(storage, name, kept)
+                index.forget(name)  # what stays is listed again at the next full listing
                 continue
             log.info("collecting %s/%s: an uncommitted save", storage.url, name)
             storage.remove_tree(name)
+            index.forget(name)
         except (OSError, DistCkptError) as e:  # a stray file of that name: not ours, left alone
             log.warning("gc: skipping %s/%s: %s", storage.url, name, e)
             continue

@@ -280,3 +280,30 @@ def test_parts_regroup_any_chunks_and_grow_so_an_object_can_reach_5_tib(monkeypa
 def test_a_part_size_below_s3s_minimum_is_refused(s3_server, s3_url):
     with pytest.raises(distckpt.ConfigError, match="below S3's smallest multipart part"):
         distckpt.CheckpointManager(s3_url, storage_options={**s3_server.storage_options(), "part_bytes": 2**20})
+
+
+def _requests_of(proxy, action) -> int:
+    proxy.log.clear()
+    action()
+    return len(proxy.log)
+
+
+def test_requests_per_save_and_per_load_do_not_grow_with_the_number_of_committed_steps(s3_server, s3_url, proxy):
+    """Retention, leftover collection and the load's choice read the listing, not one object per
+    committed step: a save with 16 committed steps (keep_last above them) and a load of a root
+    holding 16 make as many requests as with 3."""
+    opts = fast_options(s3_server.storage_options(proxy.endpoint))
+    state = {"w": torch.arange(8.0), "gen": torch.Generator().manual_seed(1)}
+    per_save: dict[int, int] = {}
+    per_load: dict[int, int] = {}
+    for history in (3, 16):
+        url = f"{s3_url}-{history}"
+        with distckpt.CheckpointManager(url, storage_options=opts, keep_last=1000, leftover_grace_s=0) as mgr:
+            for step in range(1, history + 1):
+                count = _requests_of(proxy, lambda: mgr.save(step, state))
+            per_save[history] = count
+        with distckpt.CheckpointManager(url, storage_options=opts) as mgr:
+            per_load[history] = _requests_of(proxy, lambda: mgr.load_latest(state))
+            assert mgr.committed_steps()[0] == history
+    assert per_save[16] <= per_save[3] + 1, per_save
+    assert per_load[16] <= per_load[3] + 1, per_load

@@ -33,6 +33,7 @@ class Storage(Protocol):
     """What the protocol needs from a place to keep checkpoints."""
 
     url: str
+    keeps_empty_directories: bool  # local disk: a directory exists without files (list_files misses it)
 
     def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
         """Write all chunks as `path`, atomically: afterwards it exists whole or not at all."""
@@ -49,6 +50,17 @@ class Storage(Protocol):
 
     def list_dir(self, path: str) -> list[str]:
         """Names directly under `path`, read fresh from storage; [] if it does not exist."""
+
+    def list_files(self, path: str = "", start_after: str | None = None) -> dict[str, str]:
+        """Every file under `path` (relative to it) with a version tag that changes whenever the
+        file is replaced ("" where the backend gives none), read fresh in one listing: on an
+        object store its pages, not one request per file. With `start_after`, only the files
+        whose relative path sorts after it (an object store lists from there on)."""
+
+    def list_names(self, path: str) -> list[str]:
+        """Names directly under `path` in one shallow listing (an object store's delimiter
+        listing: its pages hold one name per directory, not every file). Unlike list_dir it may
+        name a directory that holds nothing any more."""
 
     def exists(self, path: str) -> bool: ...
 

@@ -17,8 +17,18 @@ def _join(root: str, path: str) -> str:
     return posixpath.join(root, path) if path else root
 
 
+def version_tag(info: dict[str, Any]) -> str:
+    """The object's ETag: a new one for every new version (S3: the content's MD5 for a plain
+    PUT). Modification times are not used: two versions written within the clock's resolution
+    would look alike. "" where the store gives no ETag."""
+    etag = info.get("ETag") or info.get("etag")
+    return str(etag) if etag else ""
+
+
 class FsspecStorage:
     """Any fsspec filesystem; each file is sent whole with one call."""
+
+    keeps_empty_directories = False  # a "directory" is a prefix of the files under it
 
     def __init__(self, fs: Any, root: str, url: str) -> None:
         self.fs = fs
@@ -87,6 +97,21 @@ class FsspecStorage:
         except MissingFileError:
             return []
         return sorted({posixpath.basename(n.rstrip("/")) for n in names} - {""})
+
+    def list_files(self, path: str = "", start_after: str | None = None) -> dict[str, str]:
+        target = _join(self.root, path)
+        self.fs.invalidate_cache(target)
+        try:
+            found = self._call("listing", target, "find", target, detail=True)
+        except MissingFileError:
+            return {}
+        prefix = target.rstrip("/") + "/"
+        return {name[len(prefix):]: version_tag(info) for name, info in found.items()
+                if name.startswith(prefix) and info.get("type", "file") == "file"
+                and (start_after is None or name[len(prefix):] > start_after)}
+
+    def list_names(self, path: str) -> list[str]:
+        return FsspecStorage.list_dir(self, path)
 
     def exists(self, path: str) -> bool:
         target = _join(self.root, path)

@@ -14,6 +14,8 @@ from ..errors import CheckpointExistsError, MissingFileError, StorageError
 
 
 class LocalStorage:
+    keeps_empty_directories = True
+
     """POSIX disk with tmp + fsync + rename + directory fsync for every file."""
 
     def __init__(self, root: str) -> None:
@@ -120,6 +122,35 @@ class LocalStorage:
             return []
         except OSError as e:
             raise StorageError(e.errno, f"listing {self._abs(path)} failed: {e.strerror or e}") from e
+
+    def list_files(self, path: str = "", start_after: str | None = None) -> dict[str, str]:
+        """No version tags: a file replaced within the clock's resolution can keep its inode
+        number, size and mtime, and reading a small file here costs microseconds anyway."""
+        top = self._abs(path)
+        out: dict[str, str] = {}
+        pending = [top]
+        if start_after is not None:  # walk only the top-level names that can hold later paths
+            first = start_after.split("/", 1)[0]
+            pending = [os.path.join(top, name) for name in self.list_dir(path) if name >= first]
+        while pending:
+            directory = pending.pop()
+            try:
+                entries = list(os.scandir(directory))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as e:
+                raise StorageError(e.errno, f"listing {directory} failed: {e.strerror or e}") from e
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+                else:
+                    out[os.path.relpath(entry.path, top)] = ""
+        if start_after is not None:
+            out = {name: tag for name, tag in out.items() if name > start_after}
+        return out
+
+    def list_names(self, path: str) -> list[str]:
+        return self.list_dir(path)
 
     def exists(self, path: str) -> bool:
         return os.path.exists(self._abs(path))
