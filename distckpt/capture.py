@@ -306,10 +306,14 @@ def resolve_sharded_entry(entry: Entry, saved_state: Any, reader: "sharded.Shard
 
 # -- restore ----------------------------------------------------------------------------------
 
+Release = Callable[[torch.Tensor], None]  # lets go of the file pages behind a source tensor
+
+
 def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any],
-                  memo: dict[int, Any] | None = None) -> list[str]:
+                  memo: dict[int, Any] | None = None, release: Release | None = None) -> list[str]:
     """Restore one validated entry in place; returns notes for the caller (config diffs).
-    Entries restored with one `memo` keep the tensors they share shared."""
+    Entries restored with one `memo` keep the tensors they share shared. `release` is called
+    with each source tensor once it is copied (the protocol's PageRelease)."""
     kind, value = entry.kind, saved["state"]
     if kind == "sharded_module":
         sharded.restore_module(unwrap_module(entry.target), value)
@@ -317,9 +321,9 @@ def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any],
     if kind not in ("module", "tensor", "generator"):
         # Loaded tensors are views into the file's buffer; an owner that keeps them (an
         # optimizer keeps its state tensors as given) would keep the whole buffer alive.
-        value = _owned(value, memo)
+        value = _owned(value, memo, release)
     if kind == "module":
-        _restore_module(unwrap_module(entry.target), value)
+        _restore_module(unwrap_module(entry.target), value, release)
     elif kind == "sharded_optimizer":
         sharded.restore_optimizer(entry.owner, entry.target, value)
     elif kind == "stateful":
@@ -338,8 +342,7 @@ def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any],
     elif kind == "py_random":
         entry.target.setstate(value)
     elif kind == "tensor":
-        with torch.no_grad():
-            entry.target.copy_(value)
+        copy_released(entry.target, value, release)
     elif kind == "config":
         return config_differences(value, entry.target)
     elif isinstance(entry.target, dict) and isinstance(value, dict):
@@ -352,7 +355,30 @@ def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any],
     return []
 
 
-def _owned(value: Any, memo: dict[int, Any] | None = None) -> Any:
+COPY_PIECE_BYTES = 16 << 20  # a large tensor is copied (and its source pages let go) in pieces
+
+
+def copy_released(target: torch.Tensor, source: torch.Tensor, release: Release | None) -> None:
+    """target.copy_(source); with `release`, a contiguous pair is copied in 16 MiB pieces and
+    each piece's source let go at once, so one large tensor does not hold its whole file range
+    resident either."""
+    with torch.no_grad():
+        if release is None or source.numel() * source.element_size() <= COPY_PIECE_BYTES or not (
+                target.is_contiguous() and source.is_contiguous()
+                and target.shape == source.shape and target.dtype == source.dtype):
+            target.copy_(source)
+            if release is not None:
+                release(source)
+            return
+        flat_target, flat_source = target.view(-1), source.view(-1)
+        step = max(1, COPY_PIECE_BYTES // max(1, source.element_size()))
+        for start in range(0, flat_source.numel(), step):
+            piece = flat_source[start:start + step]
+            flat_target[start:start + step].copy_(piece)
+            release(piece)
+
+
+def _owned(value: Any, memo: dict[int, Any] | None = None, release: Release | None = None) -> Any:
     """`value` with every tensor copied into its own memory, keeping what the tree said: the
     Parameter type, requires_grad, the layout, and ties (a tensor in two places stays one)."""
     memo = {} if memo is None else memo
@@ -362,6 +388,8 @@ def _owned(value: Any, memo: dict[int, Any] | None = None) -> Any:
         return value  # assembled for this load: already its own memory
     if isinstance(value, torch.Tensor):
         copy = value.detach().clone()
+        if release is not None:
+            release(value)
         if type(value) is nn.Parameter:
             copy = nn.Parameter(copy, requires_grad=value.requires_grad)
         elif value.requires_grad:
@@ -370,21 +398,23 @@ def _owned(value: Any, memo: dict[int, Any] | None = None) -> Any:
         return copy
     out: Any
     if isinstance(value, dict):
-        out = type(value)((k, _owned(v, memo)) for k, v in value.items())
+        out = type(value)((k, _owned(v, memo, release)) for k, v in value.items())
     elif isinstance(value, list):
-        out = [_owned(v, memo) for v in value]
+        out = [_owned(v, memo, release) for v in value]
     elif isinstance(value, tuple) and type(value) is tuple:
-        out = tuple(_owned(v, memo) for v in value)
+        out = tuple(_owned(v, memo, release) for v in value)
     else:
         return value
     memo[id(value)] = out
     return out
 
 
-def _restore_module(module: nn.Module, saved: dict[str, Any]) -> None:
+def _restore_module(module: nn.Module, saved: dict[str, Any], release: Release | None = None) -> None:
     from collections import OrderedDict
 
     sd = OrderedDict(saved["state_dict"])
+    if release is not None and not has_own_load_logic(module):
+        _copy_into_live(module, sd, release)
     sd._metadata = OrderedDict((k, dict(v)) for k, v in saved["metadata"].items())  # type: ignore[attr-defined]
     module.load_state_dict(sd, strict=True)
     flags = saved["training"]
@@ -392,6 +422,34 @@ def _restore_module(module: nn.Module, saved: dict[str, Any]) -> None:
         return  # imported from a file that never recorded them: the module keeps its own
     for name, sub in module.named_modules():
         sub.training = bool(flags[name])  # set each flag itself: .train() would overwrite children
+
+
+def _copy_into_live(module: nn.Module, sd: dict[str, Any], release: Release) -> None:
+    """Copy each saved tensor into the live parameter or buffer it restores, letting go of its
+    file pages as it goes, and hand load_state_dict the live tensor itself (its copy of a tensor
+    onto itself returns at once). Only for modules torch's own code loads (checked completely
+    before: keys, shapes, dtypes), so this cannot fail half-way either."""
+    live = module.state_dict(keep_vars=True)
+    for key, value in sd.items():
+        target = live.get(key)
+        if (isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor) and target is not value
+                and not sharded.is_dtensor(target) and target.device.type == "cpu" and value.device.type == "cpu"
+                and target.shape == value.shape and target.dtype == value.dtype):
+            copy_released(target, value, release)
+            sd[key] = target
+
+
+def has_own_load_logic(module: nn.Module) -> bool:
+    """Whether loading `module` runs code beyond torch's own (load_state_dict hooks, its own
+    _load_from_state_dict or load_state_dict): such code may transform what it is given."""
+    for m in module.modules():
+        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
+            return True
+        for method in ("_load_from_state_dict", "load_state_dict"):
+            defined_in = getattr(type(m), method).__module__ or ""
+            if not defined_in.startswith("torch."):
+                return True
+    return False
 
 
 def _undo_generator_draws_of_next_iter(loader: Any) -> None:

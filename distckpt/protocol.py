@@ -33,6 +33,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import torch
+
 from . import faults, fencing, incremental, sharded, tiers
 from . import manifest as mf
 from .capture import (
@@ -83,7 +85,7 @@ from .fencing import Lease
 from .incremental import ContentTable
 from .rng import capture_process_rng, check_process_rng, restore_process_rng
 from .serialize import EncodedTree, StagingPool, encode_tree, load_tree_file, safetensors_chunks
-from .storage import Storage
+from .storage import Storage, release_pages
 from .undo import LATE_KINDS, Undo, run_undos, snapshot
 from .validation import LoadRules, validate_entry
 
@@ -420,6 +422,7 @@ class ReadCheckpoint:
     own: dict[str, Any]
     per_rank_restored: bool = True
     entries: list[Entry] = field(default_factory=list)  # as restored (sharded ones resolved)
+    buffers: list[Any] = field(default_factory=list)  # the files' buffers the tensors view
 
 
 WORLD_SIZE_POLICIES = ("refuse", "reshard", "replicated_only")  # the last: the older name of "reshard"
@@ -450,10 +453,12 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
         raise CorruptCheckpointError(f"{where}: {e}") from e
     replicated_name, rank_names = mf.payload_names(manifest)
     imported = bool(manifest.get("imported"))  # from torch.save / DCP: no per-rank state in the source
+    buffers: list[Any] = []
     if imported or (manifest["world_size"] != world_size and world_size_policy in ("reshard", "replicated_only")):
-        replicated = _read_tree(storage, base, replicated_name, manifest, where)
+        replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers)
         own: dict[str, Any] = {"epoch": manifest.get("epoch"), "rank": rank, "entries": {}, "rng": None}
-        return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, per_rank_restored=False)
+        return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, per_rank_restored=False,
+                              buffers=buffers)
     if manifest["world_size"] != world_size:
         raise IncompatibleCheckpointError(
             f"{where} was written by {manifest['world_size']} ranks, this job has {world_size}: "
@@ -461,12 +466,16 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
             f"another world size; relaunch with --nproc-per-node/--nnodes giving {manifest['world_size']} ranks, "
             "or pass world_size_policy='reshard' to restore the replicated and sharded state and keep "
             "this run's per-rank state")
-    replicated = _read_tree(storage, base, replicated_name, manifest, where)
-    own = _read_tree(storage, base, rank_names[rank], manifest, where)
-    return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own)
+    replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers)
+    own = _read_tree(storage, base, rank_names[rank], manifest, where, buffers)
+    return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, buffers=buffers)
 
 
-def _read_tree(storage: Storage, base: str, name: str, manifest: dict[str, Any], where: str) -> Any:
+def _read_tree(storage: Storage, base: str, name: str, manifest: dict[str, Any], where: str,
+               buffers: list[Any] | None = None) -> Any:
+    """One verified tree file, its tensors viewing the file's buffer (appended to `buffers`). A
+    mapped file is verified piece by piece, each piece's pages let go once hashed, so a load
+    never holds the whole file resident (the restore lets go of them again as it copies)."""
     record = manifest["files"].get(name)
     if record is None:
         raise CorruptCheckpointError(f"{where}: the manifest lists no {name}")
@@ -478,7 +487,9 @@ def _read_tree(storage: Storage, base: str, name: str, manifest: dict[str, Any],
         if e.errno == errno.ELOOP:
             raise CorruptCheckpointError(str(e)) from e
         raise
-    mf.verify_file(data, record, f"{where}/{name}")
+    mf.verify_file(data, record, f"{where}/{name}", lambda start, n: release_pages(data, start, n))
+    if buffers is not None:
+        buffers.append(data)
     extra = incremental.resolve(storage, manifest, where) if name == mf.payload_names(manifest)[0] else None
     return load_tree_file(data, f"{where}/{name}", extra)
 
@@ -728,14 +739,15 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
     notes: list[str] = []
     memo: dict[int, Any] = {}  # tensors shared between entries stay shared
     undos: list[tuple[str, Undo]] = []
+    release = PageRelease(read.buffers)
     early = [e for e in todo if e.kind not in LATE_KINDS]
-    exc = _restore_all(early, saved, state, memo, notes, undos, coord.rank, read.step)
+    exc = _restore_all(early, saved, state, memo, notes, undos, coord.rank, read.step, release)
     outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
     _agree_or_undo(coord, outcome, exc, undos, f"restoring step {read.step}", "load/apply")
     late = [e for e in todo if e.kind in LATE_KINDS]
     rng_before = capture_process_rng()
     undos.append(("rng", lambda: restore_process_rng(rng_before, f"rank {coord.rank}, undo")))
-    exc = _restore_all(late, saved, state, memo, notes, undos, coord.rank, read.step)
+    exc = _restore_all(late, saved, state, memo, notes, undos, coord.rank, read.step, release)
     if exc is None:
         exc = _restore_rng(coord, read, kept)
     outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
@@ -744,12 +756,15 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
 
 
 def _restore_all(entries: list[Entry], saved: dict[str, Any], state: dict[str, Any], memo: dict[int, Any],
-                 notes: list[str], undos: list[tuple[str, Undo]], rank: int, step: int) -> BaseException | None:
+                 notes: list[str], undos: list[tuple[str, Undo]], rank: int, step: int,
+                 release: "PageRelease | None" = None) -> BaseException | None:
     """Restore `entries` in order, recording an undo before each; the first failure stops it."""
     for entry in entries:
         try:
             undos.append((entry.key, snapshot(entry, state)))
-            notes.extend(restore_entry(entry, saved[entry.key], state, memo))
+            notes.extend(restore_entry(entry, saved[entry.key], state, memo, release))
+            if release is not None and entry.kind != "tensor":
+                release.everything()  # whatever the owner's own loading touched
         except DistCkptError as e:
             return e
         except Exception as e:
@@ -758,6 +773,49 @@ def _restore_all(entries: list[Entry], saved: dict[str, Any], state: dict[str, A
             err.__cause__ = e
             return err
     return None
+
+
+class PageRelease:
+    """Lets go of the file pages behind a restored tensor (storage.release_pages): a load into
+    existing tensors then holds at most a piece of the mapped files resident, not all of them
+    (the pages stay in the page cache; the tensors view them again if read). Tensors that do not
+    view a mapped file are ignored."""
+
+    PIECE = 8 << 20  # small tensors: the whole file is let go once this many bytes were copied
+
+    def __init__(self, buffers: list[Any]) -> None:
+        self._spans: list[list[Any]] = []  # [base address, length, buffer, bytes copied since released]
+        for data in buffers:
+            if len(data) and _is_mapped(data):
+                self._spans.append([torch.frombuffer(data, dtype=torch.uint8).data_ptr(), len(data), data, 0])
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        if not self._spans or tensor.device.type != "cpu":
+            return
+        start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        for span in self._spans:
+            base, length, data, pending = span
+            if not base <= start < base + length:
+                continue
+            if nbytes >= self.PIECE // 4:
+                release_pages(data, start - base, nbytes)
+            elif pending + nbytes >= self.PIECE:  # one call for many small tensors (20,000 calls: 40 ms)
+                release_pages(data)
+                span[3] = 0
+            else:
+                span[3] = pending + nbytes
+            return
+
+    def everything(self) -> None:
+        for span in self._spans:
+            release_pages(span[2])
+            span[3] = 0
+
+
+def _is_mapped(data: Any) -> bool:
+    import mmap
+
+    return isinstance(getattr(data, "obj", None), mmap.mmap)
 
 
 def _restore_rng(coord: Coordinator, read: ReadCheckpoint, kept: list[str]) -> BaseException | None:

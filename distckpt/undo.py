@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .capture import Entry, _capture_sampler, _restore_sampler, unwrap_module
+from .capture import Entry, _capture_sampler, _restore_sampler, has_own_load_logic, unwrap_module
 
 log = logging.getLogger("distckpt")
 
@@ -60,7 +60,7 @@ def _module_undo(module: nn.Module) -> Undo:
     submodules) and cannot fail half-way: nothing to copy. A module with load logic of its own
     (load_state_dict hooks, its own _load_from_state_dict) can; its tensors are copied to host
     memory first and copied back if the load fails."""
-    if not _has_own_load_logic(module):
+    if not has_own_load_logic(module):
         return lambda: None
     live = module.state_dict(keep_vars=True)
     copies = {k: _local(v).detach().to("cpu", copy=True) for k, v in live.items() if isinstance(v, torch.Tensor)}
@@ -78,17 +78,6 @@ def _module_undo(module: nn.Module) -> Undo:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _has_own_load_logic(module: nn.Module) -> bool:
-    for m in module.modules():
-        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
-            return True
-        for method in ("_load_from_state_dict", "load_state_dict"):
-            defined_in = getattr(type(m), method).__module__ or ""
-            if not defined_in.startswith("torch."):
-                return True
-    return False
 
 
 def _optimizer_undo(opt: torch.optim.Optimizer) -> Undo:

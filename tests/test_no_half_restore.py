@@ -113,10 +113,10 @@ def test_an_entry_failing_while_restored_leaves_every_entry_as_it_was(saved_root
     before = fingerprint(state)
     real = capture.restore_entry
 
-    def failing_restore(entry, saved, st, memo=None):
+    def failing_restore(entry, saved, st, memo=None, release=None):
         if entry.key == failing and when == "before-applying":
             raise RuntimeError(f"injected failure restoring {failing}")
-        notes = real(entry, saved, st, memo)
+        notes = real(entry, saved, st, memo, release)
         if entry.key == failing:
             raise RuntimeError(f"injected failure after restoring {failing}")
         return notes
@@ -131,7 +131,7 @@ def test_an_entry_failing_while_restored_leaves_every_entry_as_it_was(saved_root
 
 
 def test_a_plain_torch_module_is_checked_completely_instead_of_copied(saved_root):
-    from distckpt.undo import _has_own_load_logic
+    from distckpt.capture import has_own_load_logic as _has_own_load_logic
 
     plain = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
     assert not _has_own_load_logic(plain)

@@ -282,9 +282,9 @@ def test_a_part_size_below_s3s_minimum_is_refused(s3_server, s3_url):
         distckpt.CheckpointManager(s3_url, storage_options={**s3_server.storage_options(), "part_bytes": 2**20})
 
 
-def _requests_of(proxy, action) -> int:
+def _requests_of(proxy, action, *args) -> int:
     proxy.log.clear()
-    action()
+    action(*args)
     return len(proxy.log)
 
 
@@ -300,10 +300,10 @@ def test_requests_per_save_and_per_load_do_not_grow_with_the_number_of_committed
         url = f"{s3_url}-{history}"
         with distckpt.CheckpointManager(url, storage_options=opts, keep_last=1000, leftover_grace_s=0) as mgr:
             for step in range(1, history + 1):
-                count = _requests_of(proxy, lambda: mgr.save(step, state))
+                count = _requests_of(proxy, mgr.save, step, state)
             per_save[history] = count
         with distckpt.CheckpointManager(url, storage_options=opts) as mgr:
-            per_load[history] = _requests_of(proxy, lambda: mgr.load_latest(state))
+            per_load[history] = _requests_of(proxy, mgr.load_latest, state)
             assert mgr.committed_steps()[0] == history
     assert per_save[16] <= per_save[3] + 1, per_save
     assert per_load[16] <= per_load[3] + 1, per_load
