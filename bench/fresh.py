@@ -1,6 +1,6 @@
 """Saves and loads each in a new process, as a resume is: time and peak extra memory.
 
-    python bench/fresh.py [--sizes 64x100,256x16,1024x16] [--repeats 3] [--cold]
+    python bench/fresh.py [--sizes 64x100,64x2000,64x20000,256x16,512x16,1024x16,2048x16] [--repeats 3] [--cold]
 
 For each state (MiB x tensors, float32, tensors of equal size) every operation runs in its own
 Python process that first builds and touches the state, then times the operation alone:
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -163,9 +162,12 @@ def run(op: str, root: str, mib: int, count: int, cold: bool) -> dict[str, float
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def table(sizes: list[tuple[int, int]], repeats: int, cold: bool) -> str:
+def table(sizes: list[tuple[int, int]], repeats: int, cold: bool, echo: bool = False) -> str:
+    """The rows for every size; with `echo`, each size's rows are printed as soon as measured."""
     lines = ["| state | operation | median s | vs baseline | peak extra memory, MiB | x the state |",
              "|---|---|---:|---:|---:|---:|"]
+    if echo:
+        print("\n".join(lines), flush=True)
     for mib, count in sizes:
         root = tempfile.mkdtemp(prefix="distckpt-fresh-")
         try:
@@ -184,17 +186,22 @@ def table(sizes: list[tuple[int, int]], repeats: int, cold: bool) -> str:
             speed = median[base] / median[op]
             label = f"{mib} MiB, {count:,} tensors" + (", cold cache" if cold and op in LOADS else "")
             lines.append(f"| {label} | {op} | {median[op]:.3f} | {speed:.2f}x | {extra[op]:.0f} | {extra[op] / mib:.2f}x |")
+            if echo:
+                print(lines[-1], flush=True)
     return "\n".join(lines)
+
+
+DEFAULT_SIZES = [(64, 100), (64, 2000), (64, 20000), (256, 16), (512, 16), (1024, 16), (2048, 16)]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="64x100,64x2000,64x20000,256x16,1024x16")
+    parser.add_argument("--sizes", default=",".join(f"{m}x{n}" for m, n in DEFAULT_SIZES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="drop the page cache before every load (root)")
     args = parser.parse_args()
     sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
-    print(table(sizes, args.repeats, args.cold))  # type: ignore[arg-type]
+    table(sizes, args.repeats, args.cold, echo=True)  # type: ignore[arg-type]
     return 0
 
 

@@ -1,6 +1,6 @@
 """Checkpoint cost against baselines measured in the same run.
 
-    python bench/run.py [--mib 256] [--repeats 3] [--no-s3] [--no-ranks] [--no-training] [--no-incremental] [--no-history]
+    python bench/run.py [--mib 256] [--repeats 3] [--no-s3] [--no-ranks] [--no-training] [--no-incremental] [--no-history] [--no-fresh]
 
 Every row is a median over --repeats rounds (at least 7 for the single-process local-disk rows)
 after one warm-up round; single-process rows run interleaved (one of each per round), because
@@ -323,6 +323,7 @@ def main() -> int:
     p.add_argument("--no-training", action="store_true", help="skip the training-throughput table")
     p.add_argument("--no-incremental", action="store_true", help="skip the incremental-checkpoint table")
     p.add_argument("--no-history", action="store_true", help="skip the S3 cost-against-history table")
+    p.add_argument("--no-fresh", action="store_true", help="skip the fresh-process table (bench/fresh.py)")
     args = p.parse_args()
     torch.set_num_threads(1)
     state = make_state(args.mib)
@@ -349,6 +350,13 @@ def main() -> int:
             from incremental import incremental_tables
 
             incremental = incremental_tables(os.path.join(root, "incremental"), args.mib, 6, not args.no_s3)
+        fresh = ""
+        if not args.no_fresh:
+            from fresh import DEFAULT_SIZES, table
+
+            fresh = table(DEFAULT_SIZES, args.repeats, cold=False)
+            if os.geteuid() == 0:  # dropping the page cache takes root
+                fresh += "\n\n" + table([(256, 16), (1024, 16)], args.repeats, cold=True)
         history = ""
         if not args.no_history and not args.no_s3:
             from history import history_table
@@ -362,7 +370,7 @@ def main() -> int:
     print(f"command: python bench/run.py --mib {args.mib} --repeats {args.repeats}"
           + (" --no-s3" if args.no_s3 else "") + (" --no-ranks" if args.no_ranks else "")
           + (" --no-training" if args.no_training else "") + (" --no-incremental" if args.no_incremental else "")
-          + (" --no-history" if args.no_history else ""))
+          + (" --no-history" if args.no_history else "") + (" --no-fresh" if args.no_fresh else ""))
     print(render(rows, nbytes))
     if not args.no_training:
         print()
@@ -370,6 +378,9 @@ def main() -> int:
     if incremental:
         print()
         print(incremental)
+    if fresh:
+        print()
+        print(fresh)
     if history:
         print()
         print(history)

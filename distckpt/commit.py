@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import re
 from dataclasses import dataclass
 
 from . import fencing
@@ -279,14 +280,30 @@ class CommitIndex:
         return manifest
 
     def generations(self) -> list[int]:
-        """The writer generation of every committed step of the last scan."""
+        """The writer generation of every committed step of the last scan, for lease pruning.
+        Read from the listing where it can be: a writer names its replicated file after its
+        generation, and the lowest such name in a step directory is never above the marker's
+        (a leftover of an older attempt only lowers it, which keeps more leases). A marker is
+        read only for a step without such a name (2,000 steps on S3: 2,000 GETs otherwise)."""
+        named: dict[int, int] = {}
+        for path in self.listing.files:
+            match = _REPLICATED_RE.fullmatch(path)
+            if match:
+                step, generation = int(match.group(1)), int(match.group(2) or 0)
+                named[step] = min(generation, named.get(step, generation))
         out = []
         for step in self.listing.committed():
+            if step in named:
+                out.append(named[step])
+                continue
             try:
                 out.append(self.marker(step).generation)
             except (MissingFileError, CorruptCheckpointError):
                 out.append(0)  # unreadable or gone meanwhile: keep every lease
         return out
+
+
+_REPLICATED_RE = re.compile(r"step-(\d{9})/replicated/state(?:\.g(\d{6}))?\.safetensors")  # manifest.replicated_file
 
 
 def committed_generations(storage: Storage) -> list[int]:

@@ -170,3 +170,34 @@ def test_leases_of_a_job_restarted_many_times_stay_bounded(where):
     assert value_of(where) == (14, 14.0)
     for mgr in managers:
         mgr.close()
+
+
+def test_the_commit_index_reads_generations_from_the_listing_as_the_markers_say(tmp_path):
+    """Lease pruning takes each committed step's generation from its replicated file's name
+    (no marker read per step); it must equal the marker's, and a leftover of an older attempt in
+    the same directory may only lower it (which keeps more leases)."""
+    import torch
+
+    from distckpt import manifest as mf
+    from distckpt.commit import CommitIndex, read_marker
+    from distckpt.storage import open_storage
+
+    root = str(tmp_path / "c")
+    state = {"w": torch.arange(4.0)}
+    for incarnation in range(3):  # three generations, one step each
+        with distckpt.CheckpointManager(root) as mgr:
+            mgr.load_latest(state)
+            mgr.save(incarnation + 1, state)
+    storage = open_storage(root)
+    index = CommitIndex(storage)
+    index.scan()
+    steps = index.listing.committed()
+    markers = [read_marker(storage, s).generation for s in steps]
+    assert index.generations() == markers and len(set(markers)) == 3
+    newest = steps[0]
+    storage.write_file(f"{mf.step_dir(newest)}/{mf.replicated_file(1)}", [b"leftover of generation 1"])
+    index.scan()  # lists only what sorts after the newest step: the file is seen at the next full listing
+    assert index.generations()[0] == markers[0]
+    fresh = CommitIndex(storage)
+    fresh.scan()
+    assert fresh.generations()[0] == 1  # lowered, never raised

@@ -72,7 +72,8 @@ def _run(root: str, layout: str, fill: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1]) if fill != "save" else {}
 
 
-@pytest.mark.parametrize("layout", ["tensors", "module", "one-large"])
+@pytest.mark.parametrize("layout", ["module", pytest.param("tensors", marks=pytest.mark.faults),
+                                    pytest.param("one-large", marks=pytest.mark.faults)])
 def test_a_load_holds_little_more_than_the_state_it_fills(tmp_path, layout):
     root = str(tmp_path / "ckpt")
     _run(root, layout, "save")
