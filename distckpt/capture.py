@@ -355,11 +355,11 @@ def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any],
     return []
 
 
-COPY_PIECE_BYTES = 16 << 20  # a large tensor is copied (and its source pages let go) in pieces
+COPY_PIECE_BYTES = 8 << 20  # a large tensor is copied (and its source pages let go) in pieces
 
 
 def copy_released(target: torch.Tensor, source: torch.Tensor, release: Release | None) -> None:
-    """target.copy_(source); with `release`, a contiguous pair is copied in 16 MiB pieces and
+    """target.copy_(source); with `release`, a contiguous pair is copied in 8 MiB pieces and
     each piece's source let go at once, so one large tensor does not hold its whole file range
     resident either."""
     with torch.no_grad():

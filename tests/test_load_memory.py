@@ -81,7 +81,7 @@ def test_a_load_holds_little_more_than_the_state_it_fills(tmp_path, layout):
     fresh = _run(root, layout, "fresh")
     assert existing["same"] and fresh["same"]
     # into tensors that hold memory already: verification and the copy let go of the file's
-    # pages as they go (16 MiB pieces); 8 MiB of slack for the interpreter's own allocations
+    # pages as they go (8 MiB pieces); 8 MiB of slack for the interpreter's own allocations
     assert existing["extra_mib"] <= 0.25 * STATE_MIB + 8, existing
     # into fresh (never touched) tensors: those tensors' pages are the cost, and little else
     assert fresh["extra_mib"] <= 1.1 * STATE_MIB + 8, fresh
