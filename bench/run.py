@@ -354,7 +354,9 @@ def main() -> int:
         if not args.no_fresh:
             from fresh import DEFAULT_SIZES, table
 
-            fresh = table(DEFAULT_SIZES, args.repeats, cold=False)
+            heavy = [(64, 20000), (2048, 16)]  # one round: three of dcp at 20,000 tensors take minutes
+            fresh = table([s for s in DEFAULT_SIZES if s not in heavy], args.repeats, cold=False)
+            fresh += "\n\n" + table(heavy, 1, cold=False)
             if os.geteuid() == 0:  # dropping the page cache takes root
                 fresh += "\n\n" + table([(256, 16), (1024, 16)], args.repeats, cold=True)
         history = ""
