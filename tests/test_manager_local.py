@@ -476,3 +476,30 @@ def test_an_io_error_at_every_fsync_rename_and_link_keeps_the_previous_checkpoin
     with distckpt.CheckpointManager(ckpt_dir) as mgr:  # the save after the last failure committed
         assert mgr.committed_steps() == [20, 10]
     print(f"\n[io-error] EIO at each of the {total} {op} calls of a save: previous checkpoint byte-identical each time")
+
+
+def test_directories_of_saves_that_never_committed_are_skipped_silently(tmp_path):
+    """The loader takes step directories from a shallow listing and reads markers newest first:
+    a newer directory without a marker is not a checkpoint (no fallback warning), and a root of
+    nothing but such directories loads as empty."""
+    import warnings
+
+    from distckpt import manifest as mf
+    from distckpt.storage import open_storage
+
+    empty = open_storage(str(tmp_path / "only-leftovers"))
+    empty.write_file(f"{mf.step_dir(5)}/{mf.MANIFEST}", [b"{}"])
+    with distckpt.CheckpointManager(str(tmp_path / "only-leftovers")) as mgr:
+        assert mgr.load_latest({"w": torch.zeros(2)}) is None
+    root = str(tmp_path / "c")
+    state = {"w": torch.arange(3.0)}
+    with distckpt.CheckpointManager(root) as mgr:
+        mgr.load_latest(state)
+        mgr.save(1, state)
+    open_storage(root).write_file(f"{mf.step_dir(2)}/replicated/state.g000009.safetensors", [b"partial"])
+    target = {"w": torch.zeros(3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback warning would fail the load here
+        with distckpt.CheckpointManager(root) as mgr:
+            assert mgr.load_latest(target).step == 1
+    assert torch.equal(target["w"], state["w"])
