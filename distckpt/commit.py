@@ -307,7 +307,7 @@ _REPLICATED_RE = re.compile(r"step-(\d{9})/replicated/state(?:\.g(\d{6}))?\.safe
 
 
 def committed_generations(storage: Storage) -> list[int]:
-    """The writer generation of every committed step (one marker read each)."""
+    """The writer generation of every committed step (CommitIndex.generations)."""
     index = CommitIndex(storage)
     index.scan()
     return index.generations()

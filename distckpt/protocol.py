@@ -85,7 +85,7 @@ from .fencing import Lease
 from .incremental import ContentTable
 from .rng import capture_process_rng, check_process_rng, restore_process_rng
 from .serialize import EncodedTree, StagingPool, encode_tree, load_tree_file, safetensors_chunks
-from .storage import Storage, release_pages
+from .storage import Storage, is_mapped, release_pages
 from .undo import LATE_KINDS, Undo, run_undos, snapshot
 from .validation import LoadRules, validate_entry
 
@@ -786,7 +786,7 @@ class PageRelease:
     def __init__(self, buffers: list[Any]) -> None:
         self._spans: list[list[Any]] = []  # [base address, length, buffer, bytes copied since released]
         for data in buffers:
-            if len(data) and _is_mapped(data):
+            if len(data) and is_mapped(data):
                 self._spans.append([torch.frombuffer(data, dtype=torch.uint8).data_ptr(), len(data), data, 0])
 
     def __call__(self, tensor: torch.Tensor) -> None:
@@ -810,12 +810,6 @@ class PageRelease:
         for span in self._spans:
             release_pages(span[2])
             span[3] = 0
-
-
-def _is_mapped(data: Any) -> bool:
-    import mmap
-
-    return isinstance(getattr(data, "obj", None), mmap.mmap)
 
 
 def _restore_rng(coord: Coordinator, read: ReadCheckpoint, kept: list[str]) -> BaseException | None:

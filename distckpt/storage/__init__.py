@@ -183,15 +183,22 @@ def _warn_if_not_exclusive(fs: Any, url: str) -> None:
 __all__ = ["FsspecStorage", "LocalStorage", "NonAtomicStorageWarning", "Storage", "normalize_url", "open_storage"]
 
 
+def is_mapped(buffer: Any) -> bool:
+    """Whether `buffer` views a file mapping (read_buffer's on local disk)."""
+    import mmap
+
+    return isinstance(getattr(buffer, "obj", None), mmap.mmap)
+
+
 def release_pages(buffer: Any, start: int = 0, length: int | None = None) -> None:
     """Let the kernel drop the pages of a file mapping (read_buffer's) from this process: they are
     faulted in again from the file if read later. A no-op for other buffers. Only for buffers
     nothing has written to (a private mapping's written pages would be lost)."""
     import mmap
 
-    obj = getattr(buffer, "obj", None)
-    if not isinstance(obj, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or len(obj) == 0:
+    if not is_mapped(buffer) or not hasattr(mmap, "MADV_DONTNEED") or len(buffer.obj) == 0:
         return
+    obj: mmap.mmap = buffer.obj
     end = len(obj) if length is None else min(len(obj), start + length)
     first = start - start % mmap.PAGESIZE
     if end > first:

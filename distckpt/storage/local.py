@@ -128,10 +128,8 @@ class LocalStorage:
         number, size and mtime, and reading a small file here costs microseconds anyway."""
         top = self._abs(path)
         out: dict[str, str] = {}
+        first = start_after.split("/", 1)[0] if start_after is not None else None  # top-level names before it hold nothing later
         pending = [top]
-        if start_after is not None:  # walk only the top-level names that can hold later paths
-            first = start_after.split("/", 1)[0]
-            pending = [os.path.join(top, name) for name in self.list_dir(path) if name >= first]
         while pending:
             directory = pending.pop()
             try:
@@ -141,6 +139,8 @@ class LocalStorage:
             except OSError as e:
                 raise StorageError(e.errno, f"listing {directory} failed: {e.strerror or e}") from e
             for entry in entries:
+                if first is not None and directory == top and entry.name < first:
+                    continue
                 if entry.is_dir(follow_symlinks=False):
                     pending.append(entry.path)
                 else:
