@@ -10,6 +10,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils.data import DistributedSampler
 
@@ -503,3 +505,38 @@ def test_directories_of_saves_that_never_committed_are_skipped_silently(tmp_path
         with distckpt.CheckpointManager(root) as mgr:
             assert mgr.load_latest(target).step == 1
     assert torch.equal(target["w"], state["w"])
+
+
+_INDEX_EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "8"))
+
+
+@settings(max_examples=_INDEX_EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(keep_last=st.integers(1, 4), actions=st.lists(st.sampled_from(["save", "leftover", "skip"]), min_size=1, max_size=12))
+def test_the_commit_index_agrees_with_a_full_listing_after_every_save(tmp_path_factory, keep_last, actions):
+    """Rank 0's commit index lists only what sorts after the newest step between full listings;
+    after every save, what it believes is committed equals a fresh full listing, whatever mix of
+    saves, skipped step numbers and leftover directories of unfinished saves came before."""
+    from distckpt import manifest as mf
+    from distckpt.commit import list_committed
+    from distckpt.storage import open_storage
+
+    root = str(tmp_path_factory.mktemp("index"))
+    storage = open_storage(root)
+    state = {"w": torch.arange(4.0)}
+    step = 0
+    saved: list[int] = []
+    with distckpt.CheckpointManager(root, keep_last=keep_last, leftover_grace_s=0) as mgr:
+        mgr.load_latest(state)
+        for action in actions:
+            step += 1
+            if action == "leftover":
+                storage.write_file(f"{mf.step_dir(step)}/replicated/state.g000099.safetensors", [b"unfinished"])
+            elif action == "save":
+                mgr.save(step, state)
+                saved.insert(0, step)
+                index = mgr._index(mgr.storage)
+                # exactly the newest keep_last saves survive: an index that lost a step would
+                # have had retention or gc remove a checkpoint it should keep
+                assert list_committed(storage) == saved[:keep_last]
+                assert index.listing.committed() == saved[:keep_last]
