@@ -21,7 +21,7 @@ from .async_writer import AsyncWriter
 from .capture import SHARDED, classify
 from .commit import CommitIndex, ReplacePolicy, committed_generations, list_committed
 from .config import ManagerConfig
-from .coord import make_coordinator
+from .coord import Coordinator, make_coordinator
 from .ddp import install_bucket_warmup
 from .errors import AsyncSaveError, ConfigError, DistCkptError, FencedError, RunConflictError, StorageError
 from .fencing import Lease, acquire, read_leases
@@ -29,7 +29,18 @@ from .fencing import check_current as check_fence
 from .fencing import prune as prune_leases
 from .incremental import ContentTable
 from .preemption import PreemptionFlag
-from .protocol import Progress, ShardWrite, StagedSave, load, share_outcome, stage_save, write_and_commit
+from .protocol import (
+    CapturedSave,
+    Progress,
+    ShardWrite,
+    StagedSave,
+    capture_save,
+    gather_save,
+    load,
+    share_outcome,
+    stage_save,
+    write_and_commit,
+)
 from .retention import Committed, collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed
 from .serialize import StagingPool
 from .storage import Storage, open_storage
@@ -77,6 +88,7 @@ class CheckpointManager:
         self.run_id = self._coord.broadcast(uuid.uuid4().hex, "init/run-id")
         self._versions = collect_versions() if self.rank == 0 else {}
         self._writer = AsyncWriter()
+        self._writer_coord: Coordinator | None = None  # the writer thread's own group (async saves)
         self._staging = StagingPool()  # reused by every async save; free while none is in flight
         self._pending_step: int | None = None
         self._save_seq = 0  # counts save() calls (the same on every rank): names shard reports
@@ -136,19 +148,22 @@ class CheckpointManager:
         durable = self._next_save_is_durable(entries)
         replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)
         self._save_seq += 1
-        staged, shards = stage_save(self._coord, self._target, entries, step, epoch, metric, self.run_id,
-                                    self._staging if self.config.async_save else None, replaceable,
-                                    self._take_lease, self._save_seq, self.split_writes,
-                                    self.storage if self.local is not None else None,
-                                    self._prepare_local if self.local is not None else None)
+        args = (self._coord, self._target, entries, step, epoch, metric, self.run_id,
+                self._staging if self.config.async_save else None, replaceable, self._take_lease,
+                self._save_seq, self.split_writes, self.storage if self.local is not None else None,
+                self._prepare_local if self.local is not None else None)
         if self.config.async_save:
-            if staged is not None or shards is not None:
-                self._writer.submit(lambda: self._write(staged, shards, durable), f"step {step}")
+            # The training thread's only exchange: capture and agree. The gather, the write and
+            # the outcome run on the writer thread, over the writer's own process group.
+            captured = capture_save(*args)
+            background = self._background_coordinator()
+            self._writer.submit(lambda: self._background_save(background, captured, durable), f"step {step}")
             self._pending_step = step
             if durable and self._preempting:
                 self._finish_pending()  # the VM's disk goes with the VM: this save must reach the URL
                 self._report_uploads(block=True, final=True)
             return
+        staged, shards = stage_save(*args)
         exc = None
         try:
             self._write(staged, shards, durable)
@@ -381,17 +396,36 @@ class CheckpointManager:
                 self._upload_failures.append((self._last_local, f"{type(e).__name__}: {e}"))
         self._report_uploads(block=True, final=True)
 
+    def _background_coordinator(self) -> Coordinator:
+        """The writer thread's own process group, made at the first async save (collective: every
+        rank is here, having just agreed on the capture)."""
+        if self._writer_coord is None:
+            self._writer_coord = make_coordinator(self.config.timeout) if self.world_size > 1 else self._coord
+        return self._writer_coord
+
+    def _background_save(self, coord: Coordinator, captured: CapturedSave, durable: bool) -> None:
+        """The writer thread's part of an async save, on every rank: gather, write, and rank 0's
+        outcome to every rank (raised here, so each rank's wait() sees the same error)."""
+        staged = gather_save(coord, captured)  # fails on every rank alike: it is one collective
+        exc = None
+        try:
+            self._write(staged, captured.shard_write, durable)
+        except Exception as e:
+            exc = AsyncSaveError(f"background save of step {captured.step} failed: {type(e).__name__}: {e}")
+            exc.__cause__ = e
+        share_outcome(coord, exc, "save/async-outcome", f"background save of step {captured.step}")
+
     def _finish_pending(self) -> None:
-        """Share the outcome of the background save in flight with every rank (collective)."""
+        """Join the background save in flight and raise its outcome, which every rank's writer
+        received from rank 0 (no exchange here)."""
         if self._pending_step is None:
             return
         step, self._pending_step = self._pending_step, None
         _, err = self._writer.wait()
-        exc = None
+        if isinstance(err, AsyncSaveError):
+            raise err
         if err is not None:
-            exc = AsyncSaveError(f"background save of step {step} failed: {type(err).__name__}: {err}")
-            exc.__cause__ = err
-        share_outcome(self._coord, exc, "save/async-outcome", f"background save of step {step}")
+            raise AsyncSaveError(f"background save of step {step} failed: {type(err).__name__}: {err}") from err
         self._ship_to_nodes(step)
         doctor_hooks.after_commit(step, self.rank, self.world_size)
 
@@ -486,6 +520,10 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._preemption.uninstall()
+            self._writer.close()
+            self._uploader.close()
+            if self._writer_coord is not None and self._writer_coord is not self._coord:
+                self._writer_coord.close()
             self._coord.close()
 
     def __enter__(self) -> "CheckpointManager":

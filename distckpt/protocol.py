@@ -166,6 +166,25 @@ class _Captured:
     generation: int | None = None            # rank 0, when it has: the lease shard names carry
 
 
+@dataclass
+class CapturedSave:
+    """One rank's save after the capture and agree phases: what the gather needs. It holds no
+    reference to live training state (tensors are staged or encoded), so the gather and write
+    may run in the background while training goes on."""
+
+    step: int
+    epoch: int | None
+    metric: float | None
+    run_id: str
+    rank: int
+    local: _Captured
+    infos: list[dict[str, Any]]
+    kinds: dict[str, dict[str, str]]
+    report_keys: list[str]
+    shard_write: ShardWrite | None
+    capture_s: float
+
+
 def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
                epoch: int | None, metric: float | None, run_id: str,
                staging: StagingPool | None, replaceable: "ReplacePolicy | None" = None,
@@ -178,6 +197,20 @@ def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step:
     replicated tensors across the ranks. With two tiers `storage` is the local one, the
     `durable` root is the one checked to be this run's, and rank 0 runs `prepare` first (it
     clears another job's steps out of the local tier)."""
+    captured = capture_save(coord, storage, entries, step, epoch, metric, run_id, staging, replaceable,
+                            take_lease, save_seq, split_writes, durable, prepare)
+    return gather_save(coord, captured), captured.shard_write
+
+
+def capture_save(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
+                 epoch: int | None, metric: float | None, run_id: str,
+                 staging: StagingPool | None, replaceable: "ReplacePolicy | None" = None,
+                 take_lease: Callable[[], Lease] | None = None,
+                 save_seq: int = 0, split_writes: bool = False,
+                 durable: Storage | None = None,
+                 prepare: Callable[[], None] | None = None) -> CapturedSave:
+    """Phases capture and agree (call on every rank; one exchange): every rank has captured
+    and all hold the same step and epoch, or every rank raises the same error."""
     t0 = time.perf_counter()
     split = split_writes and coord.world_size > 1
     def capture() -> _Captured:
@@ -192,26 +225,36 @@ def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step:
                 "generation": local.generation}
 
     local, outcomes = run_phase(coord, "save/capture", f"save of step {step}", capture, described)
-    _check_same_progress([o.info for o in outcomes], f"save of step {step}")
-    t1 = time.perf_counter()
+    infos = [o.info for o in outcomes]
+    _check_same_progress(infos, f"save of step {step}")
     keys = [f"distckpt/{run_id}/save-{save_seq}/shards/rank-{r}" for r in range(coord.world_size)]
     shard_write = None
     if local.shards is not None:
-        generation = int(outcomes[0].info["generation"])
+        generation = int(infos[0]["generation"])
         boxes = {name: [local.shards.offsets[name], list(t.shape)] for name, t in local.shards.pieces.items()}
         shard_write = ShardWrite(coord.rank, step, generation, local.shards.file_tree(coord.rank), boxes,
                                  keys[coord.rank])
-    gathered = coord.gather(local.rank_file, "save/gather")
-    if coord.rank != 0:
-        return None, shard_write
-    assert gathered is not None and local.replicated is not None  # rank 0 invariant, not user input
     kinds = {e.key: {"scope": e.scope, "kind": e.kind} for e in entries}
-    staged = StagedSave(step, epoch, metric, run_id, local.replicated, gathered,
-                        [o.info for o in outcomes], kinds,
-                        {"capture_s": t1 - t0, "gather_s": time.perf_counter() - t1})
+    return CapturedSave(step, epoch, metric, run_id, coord.rank, local, infos, kinds, keys, shard_write,
+                        time.perf_counter() - t0)
+
+
+def gather_save(coord: Coordinator, captured: CapturedSave) -> StagedSave | None:
+    """Phase gather (call on every rank, after capture_save; one exchange): the per-rank files
+    to rank 0, which gets the StagedSave; None elsewhere. `coord` may be a group of its own
+    (the background writer's), as the captured save no longer touches live state."""
+    t1 = time.perf_counter()
+    local = captured.local
+    gathered = coord.gather(local.rank_file, "save/gather")
+    if captured.rank != 0:
+        return None
+    assert gathered is not None and local.replicated is not None  # rank 0 invariant, not user input
+    staged = StagedSave(captured.step, captured.epoch, captured.metric, captured.run_id, local.replicated,
+                        gathered, captured.infos, captured.kinds,
+                        {"capture_s": captured.capture_s, "gather_s": time.perf_counter() - t1})
     if local.shards is not None:
-        staged.shard_meta, staged.shard_report_keys = local.shards.meta, keys
-    return staged, shard_write
+        staged.shard_meta, staged.shard_report_keys = local.shards.meta, captured.report_keys
+    return staged
 
 
 def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,

@@ -40,17 +40,44 @@ def save_and_resume(rank: int, world: int, url: str) -> dict:
     return {"progress": (progress.step, progress.epoch), "expected": expected, "got": _draws(state)}
 
 
-def save_with_disagreement(rank: int, world: int, url: str) -> None:
-    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+def save_with_disagreement(rank: int, world: int, url: str, async_save: bool = False) -> None:
+    with distckpt.CheckpointManager(url, timeout=30, async_save=async_save) as mgr:
         mgr.save(5, _state(rank), epoch=1 if rank == 0 else 2)
 
 
-def raise_during_save(rank: int, world: int, url: str) -> None:
+def raise_during_save(rank: int, world: int, url: str, async_save: bool = False) -> None:
     state = _state(rank)
     if rank == 1:
         state["gen"] = distckpt.per_rank({"bad": object()})
-    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+    with distckpt.CheckpointManager(url, timeout=30, async_save=async_save) as mgr:
         mgr.save(5, state)
+
+
+def count_exchanges_of_async_saves(rank: int, world: int, url: str) -> dict:
+    """Which thread ran each of the manager's exchanges, per save (every save after the first)."""
+    import threading
+
+    from distckpt import coord
+
+    seen: list[tuple[str, str]] = []
+    run = coord.GlooCoordinator._run
+
+    def counting(self, phase, fn):  # type: ignore[no-untyped-def]
+        seen.append((threading.current_thread().name, phase))
+        return run(self, phase, fn)
+
+    coord.GlooCoordinator._run = counting  # type: ignore[method-assign]
+    state = _state(rank)
+    with distckpt.CheckpointManager(url, timeout=30, async_save=True, keep_last=2) as mgr:
+        del seen[:]  # the manager's set-up
+        for step in range(1, 7):
+            mgr.save(step, state)
+            if step == 4:
+                mgr.wait()  # a wait() between saves exchanges nothing either
+        mgr.wait()
+        phases = list(seen)
+        steps = mgr.committed_steps()
+    return {"phases": phases, "committed": steps}
 
 
 def raise_during_write(rank: int, world: int, url: str) -> None:

@@ -35,15 +35,19 @@ def _same_error_everywhere(results, error_type, *needles):
     return messages
 
 
-def test_disagreement_on_epoch_fails_on_every_rank(ckpt_dir):
-    results = run_world(f"{W}:save_with_disagreement", 2, url=ckpt_dir)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_disagreement_on_epoch_fails_on_every_rank(ckpt_dir, async_save):
+    results = run_world(f"{W}:save_with_disagreement", 2, url=ckpt_dir, async_save=async_save)
     msgs = _same_error_everywhere(results, "RankDisagreementError", "rank 0: step 5 epoch 1", "rank 1: step 5 epoch 2")
     assert len(msgs) == 1
     assert not os.path.exists(os.path.join(ckpt_dir, "step-000000005"))
 
 
-def test_a_rank_raising_during_capture_fails_every_rank(ckpt_dir):
-    results = run_world(f"{W}:raise_during_save", 2, url=ckpt_dir)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_rank_raising_during_capture_fails_every_rank(ckpt_dir, async_save):
+    """An async save too: the capture is agreed before save() returns, so the refusal is
+    raised by save() itself on every rank, not later."""
+    results = run_world(f"{W}:raise_during_save", 2, url=ckpt_dir, async_save=async_save)
     msgs = _same_error_everywhere(results, "UnstorableValueError", "rank(s) [1]", "state['gen']['bad']")
     assert len(msgs) == 1
 
@@ -85,6 +89,22 @@ def test_a_background_failure_surfaces_on_every_rank(ckpt_dir):
     for r in results:
         assert r.error is None, r.error
         assert r.value.startswith("AsyncSaveError") and "Input/output error" in r.value
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_async_save_makes_one_exchange_on_the_training_thread(ckpt_dir, world):
+    """Every-step checkpoints: the capture's agreement is the training thread's only exchange;
+    the gather and the outcome run on the writer thread (over its own process group)."""
+    results = run_world(f"{W}:count_exchanges_of_async_saves", world, url=ckpt_dir)
+    for r in results:
+        assert r.error is None, r.error
+        assert r.value["committed"] == [6, 5]
+        seen = r.value["phases"]
+        training = [phase for thread, phase in seen if thread == "MainThread"]
+        writer = [phase for thread, phase in seen if thread == "distckpt-writer"]
+        assert training == ["save/capture"] * 6, seen
+        assert writer == ["save/gather", "save/async-outcome"] * 6, seen
+        assert len(seen) == len(training) + len(writer)
 
 
 def _rewrite_rank_epoch(ckpt_dir: str, rank: int, epoch: int) -> None:

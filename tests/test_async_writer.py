@@ -1,0 +1,77 @@
+"""The background writer: one thread for its lifetime, jobs in order, outcomes to wait(), and
+nothing left waiting in a forked child (a DataLoader worker) at its exit."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import pytest
+
+from distckpt import async_writer
+from distckpt.async_writer import AsyncWriter
+
+
+def test_one_thread_serves_every_job_and_hands_back_results_and_errors():
+    writer = AsyncWriter()
+    names = []
+    for i in range(5):
+        writer.submit(lambda i=i: (names.append(threading.current_thread().ident), i)[1], f"job {i}")
+        assert writer.busy
+        assert writer.wait() == (i, None)
+        assert not writer.busy
+    assert len(set(names)) == 1 and names[0] != threading.get_ident()
+
+    def fail() -> None:
+        raise OSError(28, "No space left on device")
+
+    writer.submit(fail, "failing job")
+    result, error = writer.wait()
+    assert result is None and isinstance(error, OSError) and error.errno == 28
+    with pytest.raises(RuntimeError, match="already in flight"):
+        writer.submit(lambda: None, "a")
+        writer.submit(lambda: None, "b")
+    writer.wait()
+    writer.close()
+
+
+def test_the_thread_ends_when_the_writer_is_closed_or_dropped():
+    closed = AsyncWriter()
+    closed.submit(lambda: None, "x")
+    closed.wait()
+    closed_thread = closed._thread
+    closed.close()
+    dropped = AsyncWriter()
+    dropped.submit(lambda: None, "y")
+    dropped.wait()
+    dropped_thread = dropped._thread
+    del dropped
+    gc.collect()
+    for thread in (closed_thread, dropped_thread):
+        assert thread is not None
+        thread.join(10)
+        assert not thread.is_alive()
+    closed.submit(lambda: 7, "after close")  # a closed writer starts a thread again
+    assert closed.wait() == (7, None)
+    closed.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_does_not_wait_at_exit_for_the_parents_save_in_flight():
+    """A DataLoader worker forked while a save is in flight has no writer thread: waiting for it
+    at the worker's exit would hang the worker (and whatever reads its output) for 10 minutes."""
+    gate = threading.Event()
+    writer = AsyncWriter()
+    writer.submit(gate.wait, "step 1")
+    pid = os.fork()
+    if pid == 0:  # the child: run the exit hook, report how long it took
+        start = time.monotonic()
+        async_writer._finish_at_exit()
+        os._exit(0 if time.monotonic() - start < 5 else 1)
+    _, status = os.waitpid(pid, 0)
+    gate.set()
+    assert writer.wait() == (True, None)
+    writer.close()
+    assert os.waitstatus_to_exitcode(status) == 0
