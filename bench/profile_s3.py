@@ -99,7 +99,7 @@ def main() -> int:
             mgr = distckpt.CheckpointManager(f"s3://bench/run{k}", keep_last=1,
                                              storage_options={**server.storage_options(), **extra})
             steps = iter(range(10**6))
-            rows.append((name, measure(lambda: mgr.save(next(steps), state), pid, args.repeats)))
+            rows.append((name, measure(lambda mgr=mgr, steps=steps: mgr.save(next(steps), state), pid, args.repeats)))
             mgr.close()
     finally:
         server.stop()

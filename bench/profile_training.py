@@ -1,8 +1,8 @@
 """Where checkpointing's cost lands in training: per-step times of the demo's transformer on 2
-ranks under torchrun, grouped by distance from the last save (the save step itself, the next
-steps, the rest), for checkpoints every N steps, sync and async, against no checkpoints.
+(or more) ranks under torchrun, grouped by distance from the last save (the save step itself,
+the next steps, the rest), for checkpoints every N steps, sync and async, against no checkpoints.
 
-    python bench/profile_training.py [--every 10] [--steps 200]
+    python bench/profile_training.py [--every 10] [--steps 200] [--ranks 2 4]
 """
 
 from __future__ import annotations
@@ -35,21 +35,29 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2])
     args = p.parse_args()
     root = tempfile.mkdtemp(prefix="distckpt-train-prof-")
-    print(f"command: python bench/profile_training.py --every {args.every} --steps {args.steps}")
-    print("| configuration | step kind | steps | median ms | mean ms | total ms |")
-    print("|---|---|---:|---:|---:|---:|")
-    for label, every, async_save in (("no checkpoints", 0, False), (f"every {args.every}, sync", args.every, False),
-                                     (f"every {args.every}, async", args.every, True)):
-        run_config(root, label, every, async_save, args.steps)
-        tag = label.replace(" ", "-").replace(",", "")
-        groups = step_costs(os.path.join(root, f"log-{tag}", "rank-0.txt"), every or args.every)
-        for kind in ("save step", "step after", "others"):
-            ms = groups.get(kind, [])
-            if ms:
-                print(f"| {label} | {kind} | {len(ms)} | {statistics.median(ms):.1f} | "
-                      f"{statistics.mean(ms):.1f} | {sum(ms):.0f} |")
+    print(f"{os.cpu_count()} CPUs; command: python bench/profile_training.py --every {args.every} "
+          f"--steps {args.steps} --ranks {' '.join(map(str, args.ranks))}")
+    print("| ranks | configuration | step kind | steps | median ms | mean ms | total ms | mean vs none |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|")
+    for ranks in args.ranks:
+        base = None
+        for label, every, async_save in (("no checkpoints", 0, False), (f"every {args.every}, sync", args.every, False),
+                                         (f"every {args.every}, async", args.every, True)):
+            run_root = os.path.join(root, f"r{ranks}")
+            run_config(run_root, label, every, async_save, args.steps, ranks)
+            tag = label.replace(" ", "-").replace(",", "")
+            groups = step_costs(os.path.join(run_root, f"log-{tag}", "rank-0.txt"), every or args.every)
+            every_step = [ms for kind in groups for ms in groups[kind]]
+            mean = statistics.mean(every_step)
+            base = base if base is not None else mean
+            for kind in ("save step", "step after", "others"):
+                ms = groups.get(kind, [])
+                if ms:
+                    print(f"| {ranks} | {label} | {kind} | {len(ms)} | {statistics.median(ms):.1f} | "
+                          f"{statistics.mean(ms):.1f} | {sum(ms):.0f} | {mean / base:.2f}x |", flush=True)
     return 0
 
 

@@ -18,6 +18,7 @@ from .errors import (
                      MissingFileError,
                      RankDisagreementError,
                      RunConflictError,
+                     SnapshotChangedError,
                      StorageError,
                      UnstorableValueError,
 )
@@ -33,7 +34,7 @@ __all__ = [
     "AsyncSaveError", "CheckpointExistsError", "CheckpointFallbackWarning", "CheckpointManager",
     "CheckpointWarning", "ConfigError", "CoordinationError", "CorruptCheckpointError", "DistCkptError",
     "DistInfo", "DurableUploadWarning", "FencedError", "IncompatibleCheckpointError", "MissingFileError", "PREEMPTED_EXIT_CODE", "PerRank", "Progress",
-    "RankDisagreementError", "RngRestoreWarning", "RunConflictError", "StorageError", "UnstorableValueError",
+    "RankDisagreementError", "RngRestoreWarning", "RunConflictError", "SnapshotChangedError", "StorageError", "UnstorableValueError",
     "WeightsReport", "__version__", "export_weights", "init_distributed", "load_weights", "per_rank",
     "shutdown_distributed", "with_worker_rng",
 ]

@@ -35,6 +35,7 @@ class ManagerConfig:
     missing_entries: str = "refuse"
     preemption_signals: tuple[int, ...] = field(default=(signal.SIGTERM,))
     incremental: bool = False
+    overlap_snapshot: bool = False
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_best"):
@@ -42,7 +43,7 @@ class ManagerConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name}={value!r}: must be a positive int or None (keep all)")
         _choice("best_mode", self.best_mode, ("min", "max"))
-        for name in ("async_save", "split_writes", "allow_dtype_cast", "incremental"):
+        for name in ("async_save", "split_writes", "allow_dtype_cast", "incremental", "overlap_snapshot"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: must be True or False")
         object.__setattr__(self, "timeout", seconds("timeout", self.timeout, default=DEFAULT_TIMEOUT_S))
@@ -55,6 +56,9 @@ class ManagerConfig:
             raise ConfigError(f"leftover_grace_s={grace!r}: must be a finite number of seconds >= 0")
         _choice("missing_entries", self.missing_entries, ("refuse", "keep"))
         object.__setattr__(self, "preemption_signals", signals("preemption_signals", self.preemption_signals))
+        if self.overlap_snapshot and not self.async_save:
+            raise ConfigError("overlap_snapshot=True needs async_save=True: the snapshot it overlaps with "
+                              "training is the async save's copy into host memory")
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -117,5 +121,5 @@ SETTINGS = {
     "keep_last": 0, "keep_best": "2", "best_mode": "lowest", "async_save": "no", "timeout": True,
     "leftover_grace_s": float("nan"), "world_size_policy": "auto", "split_writes": 1,
     "allow_dtype_cast": "yes", "missing_entries": "ignore", "preemption_signals": signal.SIGKILL,
-    "incremental": 1,
+    "incremental": 1, "overlap_snapshot": "on",
 }

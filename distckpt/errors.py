@@ -83,3 +83,9 @@ class RunConflictError(DistCkptError):
 
 class AsyncSaveError(DistCkptError, RuntimeError):
     """A background save failed; surfaced on every rank at the next save/wait/close."""
+
+
+class SnapshotChangedError(DistCkptError, RuntimeError):
+    """With overlap_snapshot: a tensor was changed in place while the writer thread copied it
+    (by something other than an optimizer in `state`, whose step waits for the copy). The save
+    is not committed; raised on every rank, inside AsyncSaveError, at the next save/wait/close."""

@@ -9,10 +9,14 @@ import math
 import numbers
 import os
 import signal
+import threading
 import time
 import uuid
 import warnings
+import weakref
 from typing import Any
+
+import torch
 
 from . import doctor as doctor_hooks
 from . import faults
@@ -42,7 +46,7 @@ from .protocol import (
     write_and_commit,
 )
 from .retention import Committed, collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed
-from .serialize import StagingPool
+from .serialize import StagingPool, region_key
 from .storage import Storage, open_storage
 from .tiers import DurableUploadWarning, Nodes, TierSettings, node_name, remove_foreign, ship_to_nodes, upload_step
 from .validation import LoadRules
@@ -74,10 +78,11 @@ class CheckpointManager:
                  preemption_signals: Any = (signal.SIGTERM,), split_writes: bool = False,
                  allow_dtype_cast: bool = False, missing_entries: str = "refuse",
                  local_dir: str | os.PathLike[str] | None = None, durable_every: int | None = None,
-                 keep_local: int | None = None, incremental: bool = False) -> None:
+                 keep_local: int | None = None, incremental: bool = False,
+                 overlap_snapshot: bool = False) -> None:
         self.config = ManagerConfig(keep_last, keep_best, best_mode, async_save, timeout,  # type: ignore[arg-type]
                                     leftover_grace_s, world_size_policy, split_writes, allow_dtype_cast,
-                                    missing_entries, preemption_signals, incremental)
+                                    missing_entries, preemption_signals, incremental, overlap_snapshot)
         self.split_writes = split_writes  # replicated tensors written by all ranks in parallel
         # `distckpt doctor` runs the job into roots of its own (DISTCKPT_DOCTOR_ROOT; README)
         self.storage = open_storage(doctor_hooks.root_override(url), storage_options)  # type: ignore[arg-type]
@@ -89,6 +94,9 @@ class CheckpointManager:
         self._versions = collect_versions() if self.rank == 0 else {}
         self._writer = AsyncWriter()
         self._writer_coord: Coordinator | None = None  # the writer thread's own group (async saves)
+        self._snapshot_done = threading.Event()  # overlap_snapshot: set while no copy is outstanding
+        self._snapshot_done.set()
+        self._step_hooks: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
         self._staging = StagingPool()  # reused by every async save; free while none is in flight
         self._pending_step: int | None = None
         self._save_seq = 0  # counts save() calls (the same on every rank): names shard reports
@@ -155,8 +163,16 @@ class CheckpointManager:
         if self.config.async_save:
             # The training thread's only exchange: capture and agree. The gather, the write and
             # the outcome run on the writer thread, over the writer's own process group.
-            captured = capture_save(*args)
+            if self.config.overlap_snapshot:
+                self._staging.deferrable = self._deferrable_regions(entries)
+            try:
+                captured = capture_save(*args)
+            except BaseException:
+                self._staging.discard_deferred()
+                raise
             background = self._background_coordinator()
+            if self._staging.deferred_bytes:
+                self._snapshot_done.clear()  # optimizer steps wait from here until the copy is done
             self._writer.submit(lambda: self._background_save(background, captured, durable), f"step {step}")
             self._pending_step = step
             if durable and self._preempting:
@@ -404,16 +420,59 @@ class CheckpointManager:
         return self._writer_coord
 
     def _background_save(self, coord: Coordinator, captured: CapturedSave, durable: bool) -> None:
-        """The writer thread's part of an async save, on every rank: gather, write, and rank 0's
-        outcome to every rank (raised here, so each rank's wait() sees the same error)."""
-        staged = gather_save(coord, captured)  # fails on every rank alike: it is one collective
+        """The writer thread's part of an async save, on every rank: the snapshot's remaining
+        copies (overlap_snapshot), gather, write, and rank 0's outcome to every rank (raised
+        here, so each rank's wait() sees the same error)."""
         exc = None
         try:
-            self._write(staged, captured.shard_write, durable)
+            faults.point("save/snapshot-copy", step=captured.step, rank=self.rank)
+            self._staging.copy_deferred()
         except Exception as e:
             exc = AsyncSaveError(f"background save of step {captured.step} failed: {type(e).__name__}: {e}")
             exc.__cause__ = e
+        finally:
+            self._snapshot_done.set()
+        staged = gather_save(coord, captured)  # fails on every rank alike: it is one collective
+        if exc is None:
+            try:
+                self._write(staged, captured.shard_write, durable)
+            except Exception as e:
+                exc = AsyncSaveError(f"background save of step {captured.step} failed: {type(e).__name__}: {e}")
+                exc.__cause__ = e
         share_outcome(coord, exc, "save/async-outcome", f"background save of step {captured.step}")
+
+    def _deferrable_regions(self, entries: list[Any]) -> set[tuple[Any, ...]]:
+        """overlap_snapshot: the tensors whose copy may finish after save() returns — the
+        parameters and state of every (unsharded) optimizer in `state`, which change only in its
+        step, and each step waits for the copy (a pre-hook). Everything else — buffers such as
+        BatchNorm's running statistics, which the next forward changes — is copied before save()
+        returns; anything changed in place another way is caught by its version counter."""
+        regions: set[tuple[Any, ...] | None] = set()
+        for entry in entries:
+            optimizer = entry.target
+            if entry.kind == "sharded_optimizer" or not isinstance(optimizer, torch.optim.Optimizer):
+                continue
+            self._hook_step(optimizer)
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    regions.add(region_key(param))
+                    for value in optimizer.state.get(param, {}).values():
+                        if isinstance(value, torch.Tensor):
+                            regions.add(region_key(value))
+        return {region for region in regions if region is not None}  # an empty tensor has none
+
+    def _hook_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer.step()` wait for the snapshot's copy (once per optimizer)."""
+        if optimizer in self._step_hooks:
+            return
+        manager = weakref.ref(self)
+
+        def wait_for_snapshot(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+            alive = manager()
+            if alive is not None:
+                alive._snapshot_done.wait()
+
+        self._step_hooks[optimizer] = optimizer.register_step_pre_hook(wait_for_snapshot)
 
     def _finish_pending(self) -> None:
         """Join the background save in flight and raise its outcome, which every rank's writer
@@ -522,6 +581,9 @@ class CheckpointManager:
             self._preemption.uninstall()
             self._writer.close()
             self._uploader.close()
+            for handle in list(self._step_hooks.values()):
+                handle.remove()
+            self._step_hooks.clear()
             if self._writer_coord is not None and self._writer_coord is not self._coord:
                 self._writer_coord.close()
             self._coord.close()

@@ -50,7 +50,7 @@ from typing import Any, Iterator, Protocol
 import numpy as np
 import torch
 
-from .errors import CorruptCheckpointError, UnstorableValueError
+from .errors import CorruptCheckpointError, SnapshotChangedError, UnstorableValueError
 
 TREE_METADATA_KEY = "distckpt.tree"
 FORMAT_METADATA_KEY = "format"
@@ -88,6 +88,14 @@ class EncodedTree:
 
     node: Any
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    _node_json: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def node_json(self) -> str:
+        """The tree's JSON, made once: the save-time limit check and the file header both need it."""
+        if self._node_json is None:
+            self._node_json = json.dumps(self.node, allow_nan=False, separators=(",", ":"))
+        return self._node_json
 
     @property
     def payload_bytes(self) -> int:
@@ -99,24 +107,58 @@ class StagingPool:
 
     Pinned when CUDA is present, so device-to-host copies run asynchronously; `sync()` waits for
     them before the background write starts. Call between saves only: a save in flight reads them.
+
+    With `deferrable` set (overlap_snapshot), the copy of a CPU tensor whose region is in it is
+    left to `copy_deferred()`, which the writer thread runs while training goes on; each source's
+    version counter, noted at capture, tells whether anything changed it in place meanwhile.
     """
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
         self._pending_device_copies = False
+        self.deferrable: set[tuple[Any, ...]] = set()
+        self._deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
 
-    def stage(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def stage(self, name: str, tensor: torch.Tensor, may_defer: bool = False) -> torch.Tensor:
         buf = self.buffers.get(name)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
             pin = tensor.device.type == "cuda"
             buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
             self.buffers[name] = buf
+        if may_defer and self.deferrable and tensor.device.type == "cpu" and not tensor.is_inference() \
+                and region_key(tensor) in self.deferrable:
+            self._deferred.append((name, buf, tensor, tensor._version))
+            return buf
         device = tensor.device.type != "cpu"
         if tensor.requires_grad:
             tensor = tensor.detach()  # else the copy would record autograd history into `buf`
         buf.copy_(tensor, non_blocking=device)
         self._pending_device_copies |= device
         return buf
+
+    @property
+    def deferred_bytes(self) -> int:
+        return sum(buf.numel() * buf.element_size() for _, buf, _, _ in self._deferred)
+
+    def copy_deferred(self) -> None:
+        """The copies staging left for later (writer thread). Raises SnapshotChangedError, naming
+        the tensors, if any source changed in place between the capture and the end of its copy."""
+        pending, self._deferred = self._deferred, []
+        changed = []
+        for name, buf, source, version in pending:
+            buf.copy_(source.detach())
+            if source._version != version:
+                changed.append(name)
+        if changed:
+            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+            raise SnapshotChangedError(
+                f"{shown} changed in place while the overlapped snapshot copied {'it' if len(changed) == 1 else 'them'}; "
+                "only the step of an optimizer in `state` waits for the copy. Call wait() before changing "
+                "parameters or optimizer state any other way (load_state_dict, copy_, an in-place update "
+                "under no_grad), or turn overlap_snapshot off")
+
+    def discard_deferred(self) -> None:
+        self._deferred = []
 
     def sync(self) -> None:
         if self._pending_device_copies and torch.cuda.is_available():
@@ -209,12 +251,12 @@ class _Encoder:
             self._check_dense(tensor, path)
         if tensor.dtype not in _DTYPE_TO_ST:
             check_dtype(tensor, path)
-        region = _region_key(tensor)
+        region = region_key(tensor)
         if region is not None and region in self._by_region:
             return self._by_region[region]
         name = self._unique_name(path)
         if isinstance(self.stage, StagingPool):
-            self.tensors[name] = self.stage.stage(name, tensor)
+            self.tensors[name] = self.stage.stage(name, tensor, may_defer=True)
         else:
             self.tensors[name] = _detach_for_write(tensor, self.stage)
         if region is not None:
@@ -318,7 +360,7 @@ def is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and hasattr(value, "to_local")
 
 
-def _region_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+def region_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     """Tensors with equal keys are the same bytes (tied weights); None: never shared. The first
     element's address already includes the storage offset: with the dtype, shape and strides
     it names the bytes (untyped_storage() made a Python object per tensor: 1.5 us of 40)."""
@@ -372,15 +414,11 @@ def check_limits(tree: EncodedTree, where: str) -> None:
         raise UnstorableValueError(f"{where} holds {len(tree.tensors):,} tensors; one checkpoint file holds "
                                    f"at most {MAX_TENSORS:,}: stack small tensors into larger ones")
     # Each tensor's header entry is its name plus ~80 bytes; the tree is at least its JSON.
-    estimate = sum(len(name) + 80 for name in tree.tensors) + _json_size(tree.node)
+    estimate = sum(len(name) + 80 for name in tree.tensors) + len(tree.node_json)
     if estimate > MAX_HEADER_BYTES:
         raise UnstorableValueError(
             f"{where}: its plain values and tensor names need about {estimate:,} bytes of header, more than "
             f"the {MAX_HEADER_BYTES:,} a checkpoint file may hold: store large lists of numbers as tensors")
-
-
-def _json_size(node: Any) -> int:
-    return len(json.dumps(node, allow_nan=False, separators=(",", ":")))
 
 
 def decode_tree(node: Any, tensors: dict[str, torch.Tensor], where: str = "tree") -> Any:
@@ -499,7 +537,7 @@ def safetensors_chunks(tree: EncodedTree) -> Iterator[memoryview]:
     """
     header: dict[str, Any] = {"__metadata__": {
         FORMAT_METADATA_KEY: FORMAT_NAME,
-        TREE_METADATA_KEY: json.dumps(tree.node, allow_nan=False, separators=(",", ":")),
+        TREE_METADATA_KEY: tree.node_json,
     }}
     offset = 0
     ordered = _aligned_order(tree.tensors)
@@ -511,9 +549,29 @@ def safetensors_chunks(tree: EncodedTree) -> Iterator[memoryview]:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the format aligns the data section to 8 bytes
     yield memoryview(struct.pack("<Q", len(raw)) + raw)
+    small = bytearray()
     for _, t in ordered:
-        if t.numel():
-            yield memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
+        if not t.numel():
+            continue
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
+        if data.nbytes >= COALESCE_BYTES:
+            if small:
+                yield memoryview(small)
+                small = bytearray()
+            yield data
+        else:
+            small += data
+            if len(small) >= COALESCE_BYTES:
+                yield memoryview(small)
+                small = bytearray()
+    if small:
+        yield memoryview(small)
+
+
+# Tensors smaller than this travel to storage in shared pieces of about this size: one write
+# and one hash update per piece, not per tensor (a save of the demo's optimizer state writes
+# ~110 tensors averaging 10 KiB).
+COALESCE_BYTES = 1 << 20
 
 
 def _aligned_order(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:

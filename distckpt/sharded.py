@@ -35,12 +35,12 @@ from .serialize import (
     EncodedTree,
     ShardRef,
     StagingPool,
-    _region_key,
     check_dtype,
     encode_tree,
     is_dtensor,
     key_path,
     load_tree_file,
+    region_key,
 )
 from .storage import Storage, release_pages
 
@@ -120,7 +120,7 @@ class LocalShards:
 
     def add_whole(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> str:
         """A replicated tensor: stored whole, in the file of the rank it is assigned to."""
-        region = _region_key(tensor)
+        region = region_key(tensor)
         if region is not None and region in self._by_region:  # tied weights: stored once
             return self._by_region[region]
         check_dtype(tensor, path)
