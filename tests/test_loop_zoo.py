@@ -48,6 +48,14 @@ ZOO = [
     pytest.param(2, ["--incremental", "--freeze-fc1"], "23", id="incremental-frozen-fc1"),
     pytest.param(2, ["--incremental", "--freeze-fc1", "--async", "--every", "2", "--workers", "2"], "20,22",
                  id="incremental-async-two-resumes", marks=faults),
+    # Every-step async saves with the snapshot overlapped with the next forward/backward (the
+    # optimizer step waits for the copy; BatchNorm statistics and the EMA are copied at save()).
+    pytest.param(2, ["--bn-eval-at", "7", "--async", "--overlap", "--every", "1", "--workers", "2"], "23",
+                 id="ddp-bn-every-step-overlap-workers"),
+    pytest.param(4, ["--compile", "--scaler", "--ema", "--async", "--overlap", "--every", "2"], "23",
+                 id="compiled-scaler-ema-overlap-4ranks", marks=faults),
+    pytest.param(2, ["--wrap", "fsdp2", "--async", "--overlap", "--every", "1"], "23", id="fsdp2-every-step-overlap",
+                 marks=faults),
     # Two tiers with FSDP2 shards (one node: every rank's shard file in the one local dir) and async.
     pytest.param(2, ["--wrap", "fsdp2", "--local-tier", "--async"], "23", id="fsdp2-local-tier-async", marks=faults),
 ]

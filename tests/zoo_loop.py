@@ -3,7 +3,7 @@
     torchrun --nproc-per-node N tests/zoo_loop.py --ckpt DIR --loss-log DIR [--wrap ddp|bare|fsdp2]
         [--compile] [--accum M] [--bn-eval-at S] [--loader-gen | --no-loader-gen] [--workers W]
         [--sampler dist|random] [--prefetch] [--scaler] [--ema] [--optim adamw|sgd|adam]
-        [--sched cosine|seq|onecycle] [--async] [--every K] [--steps N] [--kill-at S1,S2,...]
+        [--sched cosine|seq|onecycle] [--async [--overlap]] [--every K] [--steps N] [--kill-at S1,S2,...]
 
 Each rank appends `step loss-as-float.hex param-sum-as-float.hex` to `LOSS_LOG/rank-R.txt` after every
 optimizer step; a step logged twice (before a kill and after the resume) keeps its last line.
@@ -75,6 +75,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--optim", choices=["adamw", "sgd", "adam"], default="adamw")
     p.add_argument("--sched", choices=["cosine", "seq", "onecycle"], default="cosine")
     p.add_argument("--async", dest="async_save", action="store_true")
+    p.add_argument("--overlap", action="store_true", help="overlap_snapshot=True (with --async)")
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--kill-at", default="")
@@ -171,7 +172,7 @@ def main() -> int:
 
     tiers = {"local_dir": f"{args.ckpt}-local", "durable_every": 2} if args.local_tier else {}
     mgr = distckpt.CheckpointManager(args.ckpt, keep_last=2, async_save=args.async_save, timeout=60,
-                                     incremental=args.incremental, **tiers)
+                                     incremental=args.incremental, overlap_snapshot=args.overlap, **tiers)
     epoch = 0
     batch = None
     if args.prefetch:
