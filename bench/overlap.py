@@ -92,6 +92,22 @@ def measure(param_mib: int, rounds: int, root: str) -> list[tuple[str, float, fl
     return [(name, statistics.median(stalls[name]), statistics.median(totals[name]) / base) for name in configs]
 
 
+def overlap_table(sizes: list[int], rounds: int) -> str:
+    lines = ["| parameters (+ momentum) | save method | save() stall s | stall vs dcp.async_save | "
+             "save + training step vs step alone |", "|---|---|---:|---:|---:|"]
+    for size in sizes:
+        root = tempfile.mkdtemp(prefix="distckpt-overlap-")
+        try:
+            rows = measure(size, rounds, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        dcp_stall = next(s for name, s, _ in rows if name == "dcp.async_save")
+        for name, stall, total in rows:
+            versus = f"{stall / dcp_stall:.2f}x" if name != "no save" else ""
+            lines.append(f"| {size} MiB (+{size}) | {name} | {stall:.4f} | {versus} | {total:.2f}x |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[256, 512], help="parameter MiB (state is twice that)")
@@ -100,19 +116,7 @@ def main() -> int:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     print(f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; median of {args.rounds}; command: "
           f"python bench/overlap.py --sizes {' '.join(map(str, args.sizes))} --rounds {args.rounds}")
-    print("| parameters (+ momentum) | save method | save() stall s | stall vs dcp.async_save | "
-          "save + training step vs step alone |")
-    print("|---|---|---:|---:|---:|")
-    for size in args.sizes:
-        root = tempfile.mkdtemp(prefix="distckpt-overlap-")
-        try:
-            rows = measure(size, args.rounds, root)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        dcp_stall = next(s for name, s, _ in rows if name == "dcp.async_save")
-        for name, stall, total in rows:
-            versus = f"{stall / dcp_stall:.2f}x" if name != "no save" else ""
-            print(f"| {size} MiB (+{size}) | {name} | {stall:.4f} | {versus} | {total:.2f}x |", flush=True)
+    print(overlap_table(args.sizes, args.rounds))
     return 0
 
 

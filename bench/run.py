@@ -324,6 +324,7 @@ def main() -> int:
     p.add_argument("--no-incremental", action="store_true", help="skip the incremental-checkpoint table")
     p.add_argument("--no-history", action="store_true", help="skip the S3 cost-against-history table")
     p.add_argument("--no-fresh", action="store_true", help="skip the fresh-process table (bench/fresh.py)")
+    p.add_argument("--no-overlap", action="store_true", help="skip the overlapped-snapshot table (bench/overlap.py)")
     args = p.parse_args()
     torch.set_num_threads(1)
     state = make_state(args.mib)
@@ -359,6 +360,13 @@ def main() -> int:
             fresh += "\n\n" + table(heavy, 1, cold=False)
             if os.geteuid() == 0:  # dropping the page cache takes root
                 fresh += "\n\n" + table([(256, 16), (1024, 16)], args.repeats, cold=True)
+        overlap = ""
+        if not args.no_overlap:
+            from overlap import overlap_table
+
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+            overlap = overlap_table([256, 512], max(args.repeats, 5))
+            torch.set_num_threads(1)
         history = ""
         if not args.no_history and not args.no_s3:
             from history import history_table
@@ -372,7 +380,8 @@ def main() -> int:
     print(f"command: python bench/run.py --mib {args.mib} --repeats {args.repeats}"
           + (" --no-s3" if args.no_s3 else "") + (" --no-ranks" if args.no_ranks else "")
           + (" --no-training" if args.no_training else "") + (" --no-incremental" if args.no_incremental else "")
-          + (" --no-history" if args.no_history else "") + (" --no-fresh" if args.no_fresh else ""))
+          + (" --no-history" if args.no_history else "") + (" --no-fresh" if args.no_fresh else "")
+          + (" --no-overlap" if args.no_overlap else ""))
     print(render(rows, nbytes))
     if not args.no_training:
         print()
@@ -383,6 +392,9 @@ def main() -> int:
     if fresh:
         print()
         print(fresh)
+    if overlap:
+        print()
+        print(overlap)
     if history:
         print()
         print(history)
