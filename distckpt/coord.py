@@ -322,6 +322,24 @@ def run_phase(coord: Coordinator, phase: str, what: str, fn: Callable[[], T],
     return result, agree(coord, outcome, phase, what)
 
 
+def run_on_root(coord: Coordinator, phase: str, what: str, fn: Callable[[], dict[str, Any]],
+                local_exc: BaseException | None = None) -> dict[str, Any]:
+    """Run `fn` on rank 0 only and broadcast its outcome: every rank returns rank 0's result (a
+    JSON-able dict), or every rank raises the same error if it failed there (chained to
+    `local_exc` on a rank that has its own)."""
+    exc = local_exc
+    mine = None
+    if coord.rank == 0:
+        try:
+            mine = Outcome(0, info=fn())
+        except Exception as e:  # every rank hears it below: none may be left waiting in the broadcast
+            exc = e
+            mine = Outcome.failure(0, e)
+    outcome = coord.broadcast(mine, phase)
+    raise_if_failed(coord, [outcome], what, exc)
+    return outcome.info
+
+
 def agree(coord: Coordinator, outcome: Outcome, phase: str, what: str,
           local_exc: BaseException | None = None) -> list[Outcome]:
     """Exchange outcomes; if any rank failed, raise the same error on every rank."""

@@ -67,7 +67,7 @@ from .commit import (
     read_verified_manifest,
     step_candidates,
 )
-from .coord import Coordinator, Outcome, Reports, agree, hostname, raise_if_failed, run_phase
+from .coord import Coordinator, Outcome, Reports, agree, hostname, raise_if_failed, run_on_root, run_phase
 from .errors import (
     CheckpointExistsError,
     CoordinationError,
@@ -449,9 +449,12 @@ def _write(storage: Storage, path: str, chunks: Any) -> dict[str, Any]:
 
 def share_outcome(coord: Coordinator, exc: BaseException | None, phase: str, what: str) -> None:
     """Broadcast rank 0's outcome of a write; every rank raises the same error if it failed."""
-    mine = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
-    outcome = coord.broadcast(mine, phase)
-    raise_if_failed(coord, [outcome], what, exc)
+    def outcome() -> dict[str, Any]:
+        if exc is not None:
+            raise exc
+        return {}
+
+    run_on_root(coord, phase, what, outcome, exc)
 
 
 # -- load -------------------------------------------------------------------------------------
@@ -562,22 +565,15 @@ def _choose_phase(coord: Coordinator, storage: Storage, step: int | None,
     not be read, so local steps are loaded without checking who wrote them)."""
     if local is not None:
         return _choose_tiered(coord, storage, step, local)
-    exc: BaseException | None = None
-    steps: list[int] = []
-    leases: list[Lease] = []
-    if coord.rank == 0:
-        try:
-            steps = _durable_candidates(storage, step)
-            leases = fencing.read_leases(storage) if steps else []
-        except Exception as e:
-            exc = e
-    info = {"candidates": tiers.merge_candidates([], steps, step),
-            "leases": [dataclasses.asdict(lease) for lease in leases]}
-    mine = Outcome.failure(0, exc) if exc else Outcome(0, info=info)
-    outcome = coord.broadcast(mine if coord.rank == 0 else None, "load/choose")
-    raise_if_failed(coord, [outcome], "choosing a checkpoint to load", exc)
-    return ([(int(s), str(t)) for s, t in outcome.info["candidates"]],
-            [Lease(**d) for d in outcome.info["leases"]])
+
+    def choose() -> dict[str, Any]:
+        steps = _durable_candidates(storage, step)
+        leases = fencing.read_leases(storage) if steps else []
+        return {"candidates": tiers.merge_candidates([], steps, step),
+                "leases": [dataclasses.asdict(lease) for lease in leases]}
+
+    chosen = run_on_root(coord, "load/choose", "choosing a checkpoint to load", choose)
+    return ([(int(s), str(t)) for s, t in chosen["candidates"]], [Lease(**d) for d in chosen["leases"]])
 
 
 def _durable_candidates(storage: Storage, step: int | None) -> list[int]:
