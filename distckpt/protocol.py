@@ -185,20 +185,11 @@ class CapturedSave:
     capture_s: float
 
 
-def stage_save(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
-               epoch: int | None, metric: float | None, run_id: str,
-               staging: StagingPool | None, replaceable: "ReplacePolicy | None" = None,
-               take_lease: Callable[[], Lease] | None = None,
-               save_seq: int = 0, split_writes: bool = False,
-               durable: Storage | None = None,
-               prepare: Callable[[], None] | None = None) -> tuple[StagedSave | None, ShardWrite | None]:
-    """Phases capture, agree and gather (call on every rank). Rank 0 gets the StagedSave; every
-    rank gets its ShardWrite when the state has sharded entries or `split_writes` spreads the
-    replicated tensors across the ranks. With two tiers `storage` is the local one, the
-    `durable` root is the one checked to be this run's, and rank 0 runs `prepare` first (it
-    clears another job's steps out of the local tier)."""
-    captured = capture_save(coord, storage, entries, step, epoch, metric, run_id, staging, replaceable,
-                            take_lease, save_seq, split_writes, durable, prepare)
+def stage_save(coord: Coordinator, *args: Any) -> tuple[StagedSave | None, ShardWrite | None]:
+    """Phases capture, agree and gather (call on every rank; the arguments are capture_save's).
+    Rank 0 gets the StagedSave; every rank gets its ShardWrite when the state has sharded entries
+    or `split_writes` spreads the replicated tensors across the ranks."""
+    captured = capture_save(coord, *args)
     return gather_save(coord, captured), captured.shard_write
 
 
@@ -210,7 +201,9 @@ def capture_save(coord: Coordinator, storage: Storage, entries: list[Entry], ste
                  durable: Storage | None = None,
                  prepare: Callable[[], None] | None = None) -> CapturedSave:
     """Phases capture and agree (call on every rank; one exchange): every rank has captured
-    and all hold the same step and epoch, or every rank raises the same error."""
+    and all hold the same step and epoch, or every rank raises the same error. With two tiers
+    `storage` is the local one, the `durable` root is the one checked to be this run's, and rank 0
+    runs `prepare` first (it clears another job's steps out of the local tier)."""
     t0 = time.perf_counter()
     split = split_writes and coord.world_size > 1
     def capture() -> _Captured:

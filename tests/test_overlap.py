@@ -97,14 +97,21 @@ def _load(root, step: int | None = None) -> dict[str, torch.Tensor]:
     return _values(model, opt)
 
 
-def test_a_step_forward_and_backward_right_after_save_leave_the_checkpoint_as_it_was(setup, tmp_path):
-    model, opt, mgr, holds = setup
+def _save_held(model, opt, mgr, holds) -> tuple[dict[str, torch.Tensor], _Hold]:
+    """Step 0 committed; step 1 saved with its copy held outstanding. Returns the values at
+    save(1) and the hold."""
     mgr.save(0, {"model": model, "optimizer": opt})
     mgr.wait()
-    want = _values(model, opt)
+    values = _values(model, opt)
     holds.append(hold := _Hold(1))
     mgr.save(1, {"model": model, "optimizer": opt})
     assert hold.reached.wait(10)  # the copy is outstanding
+    return values, hold
+
+
+def test_a_step_forward_and_backward_right_after_save_leave_the_checkpoint_as_it_was(setup, tmp_path):
+    model, opt, mgr, holds = setup
+    want, hold = _save_held(model, opt, mgr, holds)
     hold.release_later(HOLD_S)
     t0 = time.perf_counter()
     _train_step(model, opt, 2)  # forward (BatchNorm statistics change), backward, step (waits)
@@ -142,12 +149,7 @@ def _zero_optimizer_state(model, opt):
                          ids=["add_", "copy_", "load_state_dict", "optimizer state zero_"])
 def test_an_in_place_change_by_another_path_fails_the_save_loudly(setup, tmp_path, mutate):
     model, opt, mgr, holds = setup
-    mgr.save(0, {"model": model, "optimizer": opt})
-    mgr.wait()
-    before = _values(model, opt)
-    holds.append(hold := _Hold(1))
-    mgr.save(1, {"model": model, "optimizer": opt})
-    assert hold.reached.wait(10)
+    before, hold = _save_held(model, opt, mgr, holds)
     mutate(model, opt)
     hold.release.set()
     with pytest.raises(distckpt.AsyncSaveError, match="changed in place") as info:
