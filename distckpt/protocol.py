@@ -215,7 +215,7 @@ def capture_save(coord: Coordinator, storage: Storage, entries: list[Entry], ste
     def described(local: _Captured) -> dict[str, Any]:
         return {"rank": coord.rank, "step": step, "epoch": epoch, "host": hostname(), "pid": os.getpid(),
                 "per_rank_entries": sorted(e.key for e in entries if e.scope == PER_RANK),
-                "generation": local.generation}
+                "generation": local.generation, "async": staging is not None}
 
     local, outcomes = run_phase(coord, "save/capture", f"save of step {step}", capture, described)
     infos = [o.info for o in outcomes]
@@ -328,6 +328,11 @@ def _check_storable(captured: dict[str, Any], entries: Sequence[Entry] = ()) -> 
 
 
 def _check_same_progress(infos: list[dict[str, Any]], what: str) -> None:
+    modes = {i["async"] for i in infos}
+    if len(modes) > 1:  # the two take different paths from here on: the ranks would wait on each other
+        table = ", ".join(f"rank {r}: async_save={i['async']}" for r, i in enumerate(infos))
+        raise RankDisagreementError(f"{what}: ranks disagree on async_save — {table}; build every rank's "
+                                    "CheckpointManager with the same arguments")
     views = {(i["step"], i["epoch"]) for i in infos}
     if len(views) > 1:
         table = ", ".join(f"rank {r}: step {i['step']} epoch {i['epoch']}" for r, i in enumerate(infos))

@@ -45,6 +45,11 @@ def save_with_disagreement(rank: int, world: int, url: str, async_save: bool = F
         mgr.save(5, _state(rank), epoch=1 if rank == 0 else 2)
 
 
+def mixed_async_save(rank: int, world: int, url: str) -> None:
+    with distckpt.CheckpointManager(url, timeout=30, async_save=rank == 0) as mgr:
+        mgr.save(5, _state(rank))
+
+
 def raise_during_save(rank: int, world: int, url: str, async_save: bool = False) -> None:
     state = _state(rank)
     if rank == 1:

@@ -43,6 +43,14 @@ def test_disagreement_on_epoch_fails_on_every_rank(ckpt_dir, async_save):
     assert not os.path.exists(os.path.join(ckpt_dir, "step-000000005"))
 
 
+def test_ranks_built_with_different_async_save_fail_alike_instead_of_waiting_on_each_other(ckpt_dir):
+    results = run_world(f"{W}:mixed_async_save", 2, url=ckpt_dir)
+    msgs = _same_error_everywhere(results, "RankDisagreementError", "rank 0: async_save=True",
+                                  "rank 1: async_save=False")
+    assert len(msgs) == 1
+    assert not os.path.exists(os.path.join(ckpt_dir, "step-000000005"))
+
+
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_rank_raising_during_capture_fails_every_rank(ckpt_dir, async_save):
     """An async save too: the capture is agreed before save() returns, so the refusal is
