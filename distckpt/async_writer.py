@@ -33,6 +33,8 @@ class AsyncWriter:
         self._thread: threading.Thread | None = None
         self._job: _Job | None = None  # the job in flight, until wait() collects it
         self.description = ""
+        # Run on the main thread at exit before waiting for the job (a job may wait for it).
+        self.before_exit: Callable[[], None] | None = None
 
     @property
     def busy(self) -> bool:
@@ -130,6 +132,8 @@ def _finish_at_exit() -> None:
         log.warning("distckpt: the process is exiting with the background save of %s in flight and "
                     "without CheckpointManager.close(); finishing it now (call close() at the end of "
                     "training: it also reports the outcome to every rank)", writer.description)
+        if writer.before_exit is not None:
+            writer.before_exit()
         if not job.done.wait(EXIT_WAIT_S):
             log.error("distckpt: the background save of %s did not finish within %.0f s of exit; it is "
                       "NOT committed", writer.description, EXIT_WAIT_S)

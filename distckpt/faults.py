@@ -20,6 +20,7 @@ POINTS = (
     "save/retained",         # rank 0, retention and leftover collection done
     "retention/marker-removed",  # rank 0, a checkpoint retention deletes: its marker gone, files not yet
     "save/awaiting-commit",  # every other rank, waiting for rank 0's outcome (sync saves)
+    "save/snapshot-copy",    # writer thread (async), before the overlapped snapshot's copies
     "upload/started",        # rank 0's uploader, a committed local step about to be copied to the URL
     "upload/files-written",  # uploader: every file durable at the URL, no manifest or marker yet
     "upload/committed",      # uploader: the marker at the URL written, before durable retention

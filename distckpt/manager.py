@@ -9,14 +9,10 @@ import math
 import numbers
 import os
 import signal
-import threading
 import time
 import uuid
 import warnings
-import weakref
 from typing import Any
-
-import torch
 
 from . import doctor as doctor_hooks
 from . import faults
@@ -41,12 +37,14 @@ from .protocol import (
     capture_save,
     gather_save,
     load,
+    raise_gathered_failures,
     share_outcome,
     stage_save,
     write_and_commit,
 )
 from .retention import Committed, collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed
-from .serialize import StagingPool, region_key
+from .serialize import StagingPool
+from .snapshot import OverlappedSnapshot
 from .storage import Storage, open_storage
 from .tiers import DurableUploadWarning, Nodes, TierSettings, node_name, remove_foreign, ship_to_nodes, upload_step
 from .validation import LoadRules
@@ -94,10 +92,9 @@ class CheckpointManager:
         self._versions = collect_versions() if self.rank == 0 else {}
         self._writer = AsyncWriter()
         self._writer_coord: Coordinator | None = None  # the writer thread's own group (async saves)
-        self._snapshot_done = threading.Event()  # overlap_snapshot: set while no copy is outstanding
-        self._snapshot_done.set()
-        self._step_hooks: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
         self._staging = StagingPool()  # reused by every async save; free while none is in flight
+        self._snapshot = OverlappedSnapshot(self._staging, self.config.timeout)  # overlap_snapshot
+        self._writer.before_exit = self._snapshot.check  # at exit the main thread checks, then waits
         self._pending_step: int | None = None
         self._save_seq = 0  # counts save() calls (the same on every rank): names shard reports
         self._floor: int | None = None   # the step this job resumed from (-1: found nothing)
@@ -164,16 +161,15 @@ class CheckpointManager:
             # The training thread's only exchange: capture and agree. The gather, the write and
             # the outcome run on the writer thread, over the writer's own process group.
             if self.config.overlap_snapshot:
-                self._staging.deferrable = self._deferrable_regions(entries)
+                self._snapshot.prepare(entries)
             try:
                 captured = capture_save(*args)
+                background = self._background_coordinator()
+                self._snapshot.started()  # optimizer steps wait from here until the copy is done
+                self._writer.submit(lambda: self._background_save(background, captured, durable), f"step {step}")
             except BaseException:
-                self._staging.discard_deferred()
+                self._snapshot.abandon()
                 raise
-            background = self._background_coordinator()
-            if self._staging.deferred_bytes:
-                self._snapshot_done.clear()  # optimizer steps wait from here until the copy is done
-            self._writer.submit(lambda: self._background_save(background, captured, durable), f"step {step}")
             self._pending_step = step
             if durable and self._preempting:
                 self._finish_pending()  # the VM's disk goes with the VM: this save must reach the URL
@@ -420,69 +416,34 @@ class CheckpointManager:
         return self._writer_coord
 
     def _background_save(self, coord: Coordinator, captured: CapturedSave, durable: bool) -> None:
-        """The writer thread's part of an async save, on every rank: the snapshot's remaining
-        copies (overlap_snapshot), gather, write, and rank 0's outcome to every rank (raised
-        here, so each rank's wait() sees the same error)."""
+        """The writer thread's part of an async save, on every rank: the overlapped snapshot's
+        copies and their check, gather (with this rank's failure, if any), write, and rank 0's
+        outcome to every rank (raised here, so each rank's wait() sees the same error)."""
         exc = None
         try:
             faults.point("save/snapshot-copy", step=captured.step, rank=self.rank)
-            self._staging.copy_deferred()
+            self._snapshot.copy_and_wait_for_check()
         except Exception as e:
-            exc = AsyncSaveError(f"background save of step {captured.step} failed: {type(e).__name__}: {e}")
-            exc.__cause__ = e
-        finally:
-            self._snapshot_done.set()
-        staged = gather_save(coord, captured)  # fails on every rank alike: it is one collective
+            exc = e
+        staged = gather_save(coord, captured, exc)  # a failure of the collective itself is every rank's
         if exc is None:
             try:
+                raise_gathered_failures(coord, staged)  # rank 0: another rank failed, write nothing
                 self._write(staged, captured.shard_write, durable)
             except Exception as e:
-                exc = AsyncSaveError(f"background save of step {captured.step} failed: {type(e).__name__}: {e}")
-                exc.__cause__ = e
+                exc = e
         share_outcome(coord, exc, "save/async-outcome", f"background save of step {captured.step}")
 
-    def _deferrable_regions(self, entries: list[Any]) -> set[tuple[Any, ...]]:
-        """overlap_snapshot: the tensors whose copy may finish after save() returns — the
-        parameters and state of every (unsharded) optimizer in `state`, which change only in its
-        step, and each step waits for the copy (a pre-hook). Everything else — buffers such as
-        BatchNorm's running statistics, which the next forward changes — is copied before save()
-        returns; anything changed in place another way is caught by its version counter."""
-        regions: set[tuple[Any, ...] | None] = set()
-        for entry in entries:
-            optimizer = entry.target
-            if entry.kind == "sharded_optimizer" or not isinstance(optimizer, torch.optim.Optimizer):
-                continue
-            self._hook_step(optimizer)
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    regions.add(region_key(param))
-                    for value in optimizer.state.get(param, {}).values():
-                        if isinstance(value, torch.Tensor):
-                            regions.add(region_key(value))
-        return {region for region in regions if region is not None}  # an empty tensor has none
-
-    def _hook_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make `optimizer.step()` wait for the snapshot's copy (once per optimizer)."""
-        if optimizer in self._step_hooks:
-            return
-        manager = weakref.ref(self)
-
-        def wait_for_snapshot(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
-            alive = manager()
-            if alive is not None:
-                alive._snapshot_done.wait()
-
-        self._step_hooks[optimizer] = optimizer.register_step_pre_hook(wait_for_snapshot)
-
     def _finish_pending(self) -> None:
-        """Join the background save in flight and raise its outcome, which every rank's writer
-        received from rank 0 (no exchange here)."""
+        """Check the overlapped snapshot, join the background save in flight and raise its
+        outcome, which every rank's writer received from rank 0 (no exchange here). Interrupted
+        (Ctrl-C), the save stays pending: the next call waits for it again."""
         if self._pending_step is None:
             return
-        step, self._pending_step = self._pending_step, None
+        step = self._pending_step
+        self._snapshot.check()
         _, err = self._writer.wait()
-        if isinstance(err, AsyncSaveError):
-            raise err
+        self._pending_step = None
         if err is not None:
             raise AsyncSaveError(f"background save of step {step} failed: {type(err).__name__}: {err}") from err
         self._ship_to_nodes(step)
@@ -581,9 +542,7 @@ class CheckpointManager:
             self._preemption.uninstall()
             self._writer.close()
             self._uploader.close()
-            for handle in list(self._step_hooks.values()):
-                handle.remove()
-            self._step_hooks.clear()
+            self._snapshot.close()
             if self._writer_coord is not None and self._writer_coord is not self._coord:
                 self._writer_coord.close()
             self._coord.close()

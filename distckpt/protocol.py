@@ -128,6 +128,7 @@ class StagedSave:
     shard_meta: dict[str, dict[str, Any]] = field(default_factory=dict)  # global dtype/shape by name
     shard_report_keys: list[str] = field(default_factory=list)           # one per rank; [] if none
     manifest_extra: dict[str, Any] = field(default_factory=dict)        # imports: {"imported": source}
+    failures: list[Outcome] = field(default_factory=list)  # ranks that failed after the capture (async)
 
 
 @dataclass
@@ -232,22 +233,33 @@ def capture_save(coord: Coordinator, storage: Storage, entries: list[Entry], ste
                         time.perf_counter() - t0)
 
 
-def gather_save(coord: Coordinator, captured: CapturedSave) -> StagedSave | None:
+def gather_save(coord: Coordinator, captured: CapturedSave,
+                failure: BaseException | None = None) -> StagedSave | None:
     """Phase gather (call on every rank, after capture_save; one exchange): the per-rank files
     to rank 0, which gets the StagedSave; None elsewhere. `coord` may be a group of its own
-    (the background writer's), as the captured save no longer touches live state."""
+    (the background writer's), as the captured save no longer touches live state. A rank that
+    failed since the capture sends its `failure` instead of its file: rank 0's StagedSave lists
+    it (`failures`; raise_gathered_failures), so that rank 0 writes nothing and shares the error."""
     t1 = time.perf_counter()
     local = captured.local
-    gathered = coord.gather(local.rank_file, "save/gather")
+    mine = Outcome.failure(captured.rank, failure) if failure is not None else Outcome(captured.rank)
+    gathered = coord.gather({"file": local.rank_file if failure is None else b"", "outcome": mine}, "save/gather")
     if captured.rank != 0:
         return None
     assert gathered is not None and local.replicated is not None  # rank 0 invariant, not user input
     staged = StagedSave(captured.step, captured.epoch, captured.metric, captured.run_id, local.replicated,
-                        gathered, captured.infos, captured.kinds,
+                        [g["file"] for g in gathered], captured.infos, captured.kinds,
                         {"capture_s": captured.capture_s, "gather_s": time.perf_counter() - t1})
+    staged.failures = [g["outcome"] for g in gathered if not g["outcome"].ok]
     if local.shards is not None:
         staged.shard_meta, staged.shard_report_keys = local.shards.meta, captured.report_keys
     return staged
+
+
+def raise_gathered_failures(coord: Coordinator, staged: StagedSave | None) -> None:
+    """Rank 0: the error naming every rank that failed after the capture (gather_save)."""
+    if staged is not None and staged.failures:
+        raise_if_failed(coord, staged.failures, f"save of step {staged.step}")
 
 
 def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,

@@ -141,14 +141,16 @@ class StagingPool:
         return sum(buf.numel() * buf.element_size() for _, buf, _, _ in self._deferred)
 
     def copy_deferred(self) -> None:
-        """The copies staging left for later (writer thread). Raises SnapshotChangedError, naming
-        the tensors, if any source changed in place between the capture and the end of its copy."""
-        pending, self._deferred = self._deferred, []
-        changed = []
-        for name, buf, source, version in pending:
+        """The copies staging left for later (the writer thread)."""
+        for _, buf, source, _ in self._deferred:
             buf.copy_(source.detach())
-            if source._version != version:
-                changed.append(name)
+
+    def verify_deferred(self) -> None:
+        """After copy_deferred, on the thread that changes the sources (so no in-place operation
+        is half done): raises SnapshotChangedError, naming the tensors, if any source's version
+        counter moved since the capture."""
+        pending, self._deferred = self._deferred, []
+        changed = [name for name, _, source, version in pending if source._version != version]
         if changed:
             shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
             raise SnapshotChangedError(

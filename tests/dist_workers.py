@@ -220,3 +220,41 @@ def fail_before_sending_a_large_object(rank: int, world: int, timeout_s: float, 
     if rank == 1 and how == "stopped":
         dist.send = lambda *a, **k: time.sleep(timeout_s + 8)  # type: ignore[assignment]
     coord.gather(bytes(2 * SLOT_BYTES), "test/gather")
+
+
+def overlapped_failures(rank: int, world: int, url: str, how: str) -> dict:
+    """how="changed": rank 0 changes a parameter in place while its overlapped copy is held;
+    how="rank1-fails": rank 1's writer fails before the gather. Returns what wait() raised."""
+    import threading
+
+    from distckpt import faults
+
+    release = threading.Event()
+
+    def hook(name: str, context: dict) -> None:
+        if name != "save/snapshot-copy" or context["step"] != 1:
+            return
+        if how == "changed" and rank == 0:
+            assert release.wait(30)
+        if how == "rank1-fails" and rank == 1:
+            raise OSError(28, "No space left on device")
+
+    faults.on_point(hook)
+    state = _state(rank)
+    out: dict = {}
+    with distckpt.CheckpointManager(url, timeout=30, async_save=True, overlap_snapshot=True) as mgr:
+        mgr.save(0, state)
+        mgr.wait()
+        mgr.save(1, state)
+        if how == "changed" and rank == 0:
+            with torch.no_grad():
+                state["model"].weight.add_(1)
+        release.set()
+        try:
+            mgr.wait()
+            out["error"] = None
+        except distckpt.AsyncSaveError as e:
+            out["error"] = str(e).splitlines()[0]
+            out["cause"] = type(e.__cause__).__name__
+        out["committed"] = mgr.committed_steps()
+    return out

@@ -115,6 +115,22 @@ def test_an_async_save_makes_one_exchange_on_the_training_thread(ckpt_dir, world
         assert len(seen) == len(training) + len(writer)
 
 
+@pytest.mark.parametrize("how,cause,needle", [
+    ("changed", "SnapshotChangedError", "changed in place"),
+    ("rank1-fails", "CoordinationError", "rank 1: OSError: [Errno 28] No space left on device"),
+])
+def test_an_overlapped_save_failing_on_one_rank_fails_on_every_rank_and_commits_nothing(ckpt_dir, how, cause,
+                                                                                          needle):
+    """The snapshot's check failing on rank 0, or rank 1's writer failing before the gather: the
+    same error class on every rank at wait(), naming the rank, and the step is not committed."""
+    results = run_world(f"{W}:overlapped_failures", 2, url=ckpt_dir, how=how)
+    for r in results:
+        assert r.error is None, r.error
+        assert r.value["error"] is not None and needle in r.value["error"], r.value
+        assert r.value["cause"] == cause, r.value
+        assert r.value["committed"] == [0]
+
+
 def _rewrite_rank_epoch(ckpt_dir: str, rank: int, epoch: int) -> None:
     """Forge a checkpoint whose files all verify but whose ranks disagree on the epoch."""
     from distckpt import manifest as mf

@@ -227,3 +227,98 @@ def test_every_step_saves_resume_bitwise(tmp_path):
     first = run(range(7), str(tmp_path / "b"), resume=False)
     rest = run(range(7, 12), str(tmp_path / "b"), resume=True)
     assert first + rest == whole
+
+
+def test_an_in_place_operation_still_running_when_the_copy_ends_fails_the_save(setup, tmp_path):
+    """torch bumps a version counter when the in-place operation ends: the writer's copy can end
+    while one is still running on the training thread. The check runs on the training thread
+    (here at wait()), after the operation, so it sees the change."""
+    model, opt, mgr, holds = setup
+    big = nn.Linear(1000, 2000, dtype=torch.float64)  # slow enough in place to outlast the copy
+    big_opt = torch.optim.SGD(big.parameters(), lr=0.1)
+    state = {"model": big, "optimizer": big_opt}
+    mgr.save(0, state)
+    mgr.wait()
+    holds.append(hold := _Hold(1))
+    mgr.save(1, state)
+    assert hold.reached.wait(10)
+    hold.release_later(0.02)  # the writer copies while the operation below runs
+    with torch.no_grad():
+        big.weight.lgamma_()  # ~0.1-1 s here; caught however its end and the copy's fall
+    with pytest.raises(distckpt.AsyncSaveError, match="changed in place") as info:
+        mgr.wait()
+    assert isinstance(info.value.__cause__, distckpt.SnapshotChangedError)
+    assert mgr.committed_steps() == [0]
+
+
+def test_an_interrupted_wait_leaves_the_save_pending_and_the_next_step_does_not_hang(tmp_path):
+    """Ctrl-C in wait(): the save stays in flight; the next save()/wait() waits for it and raises
+    its failure; an optimizer step right after never blocks for good."""
+    import signal
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train_step(model, opt, 1)
+
+    def slow_then_fail(name: str, context: dict) -> None:
+        if name == "save/manifest-written" and context["step"] == 1:
+            time.sleep(1.0)
+            raise OSError(5, "Input/output error")
+
+    off = faults.on_point(slow_then_fail)
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        mgr = distckpt.CheckpointManager(str(tmp_path), async_save=True, overlap_snapshot=True, timeout=30)
+        mgr.save(1, {"model": model, "optimizer": opt})
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            mgr.wait()
+        t0 = time.perf_counter()
+        _train_step(model, opt, 2)  # must not hang
+        assert time.perf_counter() - t0 < 10
+        with pytest.raises(distckpt.AsyncSaveError, match="Input/output error"):
+            mgr.save(2, {"model": model, "optimizer": opt})
+        mgr.save(2, {"model": model, "optimizer": opt})
+        _train_step(model, opt, 3)
+        mgr.close()
+        assert mgr.committed_steps() == [2]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        off()
+
+
+def test_a_forward_that_renormalises_an_embedding_does_not_fail_the_save(tmp_path):
+    """Embedding(max_norm=...) changes its weight in place in the forward (its version counter
+    moves even when no row does): that weight is copied before save() returns."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 8, max_norm=1.0), nn.Flatten(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    tokens = torch.randint(0, 50, (16, 4))
+
+    def step() -> None:
+        opt.zero_grad()
+        model(tokens).square().mean().backward()
+        opt.step()
+
+    step()
+    with distckpt.CheckpointManager(str(tmp_path), async_save=True, overlap_snapshot=True) as mgr:
+        hold = _Hold(1)
+        try:
+            want = {k: v.clone() for k, v in model.state_dict().items()}
+            mgr.save(1, {"model": model, "optimizer": opt})
+            assert hold.reached.wait(10)
+            hold.release_later(HOLD_S)
+            step()  # the forward renormalises rows in place, then the step waits for the copy
+        finally:
+            hold.close()
+        mgr.wait()
+    fresh = nn.Sequential(nn.Embedding(50, 8, max_norm=1.0), nn.Flatten(), nn.Linear(32, 1))
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load({"model": fresh, "optimizer": torch.optim.Adam(fresh.parameters(), lr=0.01)}, 1)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, want[k]), k
