@@ -50,8 +50,10 @@ ZOO = [
                  id="incremental-async-two-resumes", marks=faults),
     # Every-step async saves with the snapshot overlapped with the next forward/backward (the
     # optimizer step waits for the copy; BatchNorm statistics and the EMA are copied at save()).
+    pytest.param(2, ["--bn-eval-at", "7", "--async", "--overlap", "--every", "1"], "23",
+                 id="ddp-bn-every-step-overlap"),
     pytest.param(2, ["--bn-eval-at", "7", "--async", "--overlap", "--every", "1", "--workers", "2"], "23",
-                 id="ddp-bn-every-step-overlap-workers"),
+                 id="ddp-bn-every-step-overlap-workers", marks=faults),
     pytest.param(4, ["--compile", "--scaler", "--ema", "--async", "--overlap", "--every", "2"], "23",
                  id="compiled-scaler-ema-overlap-4ranks", marks=faults),
     pytest.param(2, ["--wrap", "fsdp2", "--async", "--overlap", "--every", "1"], "23", id="fsdp2-every-step-overlap",
