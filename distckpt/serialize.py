@@ -137,8 +137,8 @@ class StagingPool:
         return buf
 
     @property
-    def deferred_bytes(self) -> int:
-        return sum(buf.numel() * buf.element_size() for _, buf, _, _ in self._deferred)
+    def has_deferred(self) -> bool:
+        return bool(self._deferred)
 
     def copy_deferred(self) -> None:
         """The copies staging left for later (the writer thread)."""
@@ -246,11 +246,7 @@ class _Encoder:
         return key if isinstance(key, str) else int(key)
 
     def _add_tensor(self, tensor: torch.Tensor, path: tuple[Any, ...], plain: bool = False) -> str:
-        if plain and tensor.layout == torch.strided and tensor.device.type != "meta" and not tensor.is_quantized \
-                and not tensor.is_nested:
-            pass  # the usual tensor: every _check_dense condition already holds (the save's hot path)
-        else:
-            self._check_dense(tensor, path)
+        self._check_dense(tensor, path, plain)
         if tensor.dtype not in _DTYPE_TO_ST:
             check_dtype(tensor, path)
         region = region_key(tensor)
@@ -266,8 +262,10 @@ class _Encoder:
         return name
 
     @staticmethod
-    def _check_dense(tensor: torch.Tensor, path: tuple[Any, ...]) -> None:
-        if is_dtensor(tensor):
+    def _check_dense(tensor: torch.Tensor, path: tuple[Any, ...], plain: bool = False) -> None:
+        """`plain`: the caller saw the type is torch.Tensor or Parameter (neither a DTensor nor a
+        subclass), so those two checks are skipped on the save's hot path."""
+        if not plain and is_dtensor(tensor):
             raise UnstorableValueError(
                 f"{key_path(path)} is a DTensor outside a sharded module or optimizer: put the "
                 "FSDP2 / DTensor model itself and its optimizer in `state`, or store .full_tensor()")
@@ -282,7 +280,7 @@ class _Encoder:
         if tensor.device.type == "meta":
             raise UnstorableValueError(f"{key_path(path)} is a meta tensor: it has no values to store; "
                                        "materialise it first (.to_empty(device=...) and initialise)")
-        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        if not plain and type(tensor) not in (torch.Tensor, torch.nn.Parameter):
             raise UnstorableValueError(
                 f"{key_path(path)} is a tensor subclass {type(tensor).__module__}.{type(tensor).__qualname__}, "
                 "which would come back as a plain tensor: store a plain tensor (e.g. torch.Tensor(t) "

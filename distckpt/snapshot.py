@@ -62,7 +62,7 @@ class OverlappedSnapshot:
     def started(self) -> None:
         """After the capture, before the writer runs: copies (and a check) are outstanding."""
         self._error = None
-        if self.pool.deferred_bytes:
+        if self.pool.has_deferred:
             self._copied.clear()
             self._checked.clear()
 
