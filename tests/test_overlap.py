@@ -12,11 +12,15 @@ while the copy is outstanding.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import distckpt
@@ -322,3 +326,72 @@ def test_a_forward_that_renormalises_an_embedding_does_not_fail_the_save(tmp_pat
         mgr.load({"model": fresh, "optimizer": torch.optim.Adam(fresh.parameters(), lr=0.01)}, 1)
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, want[k]), k
+
+
+_EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "6"))
+_OPS = ["step", "forward", "mutate", "save", "held save", "wait"]
+
+
+@settings(max_examples=_EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.sampled_from(_OPS), min_size=1, max_size=14))
+def test_generated_loops_commit_exactly_the_values_at_save_or_fail_loudly(tmp_path_factory, ops):
+    """Generated sequences of optimizer steps, forwards (BatchNorm statistics change), in-place
+    changes by another path, saves (some with the copy held outstanding while the next operation
+    runs) and waits: every step that commits holds exactly the values at its save(); a save fails
+    only with SnapshotChangedError, and only when something changed a tensor in place after it."""
+    root = str(tmp_path_factory.mktemp("generated"))
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train_step(model, opt, 0)
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    mutated_after: dict[int, bool] = {}
+    failed: dict[int, BaseException] = {}
+    pending: int | None = None
+    holds: list[_Hold] = []
+
+    def collect(call: Any) -> bool:
+        """Run a manager call; a failure it raises is the pending save's (that call did nothing else)."""
+        nonlocal pending
+        try:
+            call()
+            return True
+        except distckpt.AsyncSaveError as e:
+            assert pending is not None
+            failed[pending], pending = e, None
+            return False
+
+    with distckpt.CheckpointManager(root, async_save=True, overlap_snapshot=True, timeout=60) as mgr:
+        for i, op in enumerate(ops):
+            if op == "step":
+                _train_step(model, opt, i + 1)
+            elif op == "forward":
+                model(torch.randn(8, 8))
+            elif op == "mutate":
+                with torch.no_grad():
+                    model[3].weight.mul_(1.5)
+                if pending is not None:
+                    mutated_after[pending] = True
+            elif op in ("save", "held save"):
+                step = i + 1
+                if op == "held save":
+                    holds.append(hold := _Hold(step))
+                    hold.release_later(0.05)
+                values = _values(model, opt)
+                if collect(lambda step=step: mgr.save(step, {"model": model, "optimizer": opt})):
+                    expected[step], mutated_after[step], pending = values, False, step
+            elif collect(mgr.wait):
+                pending = None
+        collect(mgr.wait)
+        committed = mgr.committed_steps()
+    for h in holds:
+        h.close()
+    for step, error in failed.items():
+        assert isinstance(error.__cause__, distckpt.SnapshotChangedError), error
+        assert mutated_after[step], f"step {step} failed with nothing changed after its save: {error}"
+    for step in expected:
+        assert (step in committed) != (step in failed), (step, committed, sorted(failed))
+        if not mutated_after[step]:
+            assert step in committed
+    for step in committed:
+        _assert_same(_load(root, step), expected[step])
