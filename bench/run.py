@@ -323,7 +323,8 @@ def main() -> int:
     p.add_argument("--no-training", action="store_true", help="skip the training-throughput table")
     p.add_argument("--no-incremental", action="store_true", help="skip the incremental-checkpoint table")
     p.add_argument("--no-history", action="store_true", help="skip the S3 cost-against-history table")
-    p.add_argument("--no-fresh", action="store_true", help="skip the fresh-process table (bench/fresh.py)")
+    p.add_argument("--no-fresh", action="store_true",
+                   help="skip the fresh-process tables (bench/fresh.py, and bench/s3_fresh.py unless --no-s3)")
     p.add_argument("--no-overlap", action="store_true", help="skip the overlapped-snapshot table (bench/overlap.py)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -360,6 +361,11 @@ def main() -> int:
             fresh += "\n\n" + table(heavy, 1, cold=False)
             if os.geteuid() == 0:  # dropping the page cache takes root
                 fresh += "\n\n" + table([(256, 16), (1024, 16)], args.repeats, cold=True)
+        if not args.no_fresh and not args.no_s3:
+            from s3_fresh import DEFAULT_SIZES as S3_SIZES
+            from s3_fresh import table as s3_fresh_table
+
+            fresh += "\n\n" + s3_fresh_table(S3_SIZES, args.repeats)
         overlap = ""
         if not args.no_overlap:
             from overlap import overlap_table

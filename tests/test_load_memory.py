@@ -17,7 +17,7 @@ import torch
 from torch import nn
 import distckpt
 
-root, layout, fill = sys.argv[1], sys.argv[2], sys.argv[3]
+root, layout, fill, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 MIB = 2**20 // 4  # float32 elements per MiB
 
 
@@ -46,13 +46,13 @@ def rss_kib(field):
 
 
 if fill == "save":
-    with distckpt.CheckpointManager(root) as mgr:
+    with distckpt.CheckpointManager(root, storage_options=options) as mgr:
         mgr.load_latest(build(torch.randn))
         mgr.save(1, build(torch.randn))
     raise SystemExit(0)
 target = build(torch.zeros if fill == "existing" else torch.empty)
 expected = values(build(torch.randn))
-mgr = distckpt.CheckpointManager(root)
+mgr = distckpt.CheckpointManager(root, storage_options=options)
 before = rss_kib("VmRSS:")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets the peak (VmHWM) to the current resident set
@@ -66,8 +66,9 @@ print(json.dumps({"extra_mib": extra_mib, "same": same}))
 STATE_MIB = 128
 
 
-def _run(root: str, layout: str, fill: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, root, layout, fill], capture_output=True, text=True, timeout=300)
+def _run(root: str, layout: str, fill: str, options: dict | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, root, layout, fill, json.dumps(options)],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1]) if fill != "save" else {}
 
@@ -85,3 +86,23 @@ def test_a_load_holds_little_more_than_the_state_it_fills(tmp_path, layout):
     assert existing["extra_mib"] <= 0.25 * STATE_MIB + 8, existing
     # into fresh (never touched) tensors: those tensors' pages are the cost, and little else
     assert fresh["extra_mib"] <= 1.1 * STATE_MIB + 8, fresh
+
+
+S3_IN_FLIGHT_MIB = 8 * 1  # concurrency x the 1 MiB pieces each ranged GET is streamed in
+
+
+@pytest.mark.parametrize("layout", ["module", pytest.param("one-large", marks=pytest.mark.faults)])
+def test_an_s3_load_holds_the_reads_in_flight_not_the_file(s3_server, s3_url, tmp_path, layout):
+    """From S3 the file is downloaded into an unnamed local file and mapped: a load into existing
+    tensors holds what it holds from local disk plus the ranged GETs in flight; held in memory
+    (spill_dir=None) it holds the whole file, which is what this bound tells apart."""
+    options = server_options = s3_server.storage_options()
+    _run(s3_url, layout, "save", options)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    existing = _run(s3_url, layout, "existing", {**server_options, "spill_dir": str(spill)})
+    in_memory = _run(s3_url, layout, "existing", {**server_options, "spill_dir": None})
+    assert existing["same"] and in_memory["same"]
+    assert existing["extra_mib"] <= 0.25 * STATE_MIB + S3_IN_FLIGHT_MIB + 8, existing
+    assert in_memory["extra_mib"] >= STATE_MIB, in_memory  # the bound above is not met by accident
+    assert list(spill.iterdir()) == []  # the download file had no name: nothing left behind

@@ -1,4 +1,6 @@
-"""One contract, every backend: local disk, memory://, and S3 on a real SeaweedFS server."""
+"""One contract, every backend: local disk, memory://, and S3 on a real SeaweedFS server read
+by each client: s3fs (large files downloaded into a local file, or held in memory) and the CRT
+client of s3torchconnector (credentials from the environment, as it takes them)."""
 
 from __future__ import annotations
 
@@ -9,15 +11,30 @@ import pytest
 from distckpt.errors import CheckpointExistsError, MissingFileError, StorageError
 from distckpt.storage import open_storage
 
+S3_CLIENTS = ["s3", "s3-in-memory", "s3-crt"]
 
-@pytest.fixture(params=["local", "memory", "s3"])
-def storage(request, tmp_path):
+
+@pytest.fixture(params=["local", "memory", *S3_CLIENTS])
+def storage(request, tmp_path, monkeypatch):
     if request.param == "local":
         return open_storage(str(tmp_path / "root"))
     if request.param == "memory":
         return open_storage(f"memory://contract-{uuid.uuid4().hex}")
     server = request.getfixturevalue("s3_server")
-    return open_storage(f"s3://ckpt/contract-{uuid.uuid4().hex[:8]}", server.storage_options())
+    url = f"s3://ckpt/contract-{uuid.uuid4().hex[:8]}"
+    small_ranges = {"range_bytes": 2**20}  # large-file reads in several ranged GETs
+    if request.param == "s3":
+        storage = open_storage(url, {**server.storage_options(), **small_ranges, "client": "s3fs"})
+        assert storage.crt is None and storage.spill_dir
+    elif request.param == "s3-in-memory":
+        storage = open_storage(url, {**server.storage_options(), **small_ranges, "spill_dir": None})
+        assert storage.crt is None and storage.spill_dir is None
+    else:
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        storage = open_storage(url, {"client": "crt"})
+        assert storage.crt is not None
+    return storage
 
 
 def test_write_read_list(storage):
@@ -73,6 +90,19 @@ def test_large_file_roundtrips(storage):
     blob = bytes(range(256)) * (3 * 2**20 // 256 + 17)
     storage.write_file("big", [memoryview(blob)[: len(blob) // 2], memoryview(blob)[len(blob) // 2:]])
     assert storage.read_bytes("big") == blob
+
+
+@pytest.mark.parametrize("size", [0, 1000, 4 * 2**20 - 1, 4 * 2**20, 9 * 2**20 + 12345])
+def test_read_buffer_holds_exactly_the_file(storage, size):
+    """Every read path (one GET, ranged GETs into memory or a download file, the CRT stream)
+    gives back exactly the bytes written, and a missing file is MissingFileError."""
+    import os
+
+    blob = os.urandom(size)
+    storage.write_file("step-1/blob", [blob])
+    assert bytes(storage.read_buffer("step-1/blob")) == blob
+    with pytest.raises(MissingFileError):
+        storage.read_buffer("step-1/absent")
 
 
 def test_size_is_read_fresh_and_none_when_absent(storage):

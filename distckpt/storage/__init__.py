@@ -8,7 +8,9 @@ backends share one contract (tested by one suite, tests/test_storage_contract.py
   exists (the local counterpart of ``If-None-Match: *``).
 * :class:`S3Storage` (s3.py) — S3 through s3fs: objects put whole (a single PUT, or a multipart
   upload completed only after every part succeeded and aborted otherwise); the marker put with
-  ``If-None-Match: *`` and read back to tell a retried success from a real conflict.
+  ``If-None-Match: *`` and read back to tell a retried success from a real conflict. Large
+  files are read as streamed ranged GETs into an unnamed local file that is then mapped
+  (spill.py), or by the CRT client of s3torchconnector when asked (s3_crt.py).
 * :class:`FsspecStorage` (fsspec_fs.py) — any other fsspec filesystem (``memory://`` …).
 
 This package never imports torch.distributed.

@@ -86,7 +86,7 @@ class FsspecStorage:
                                "file may hold; it was not read")
         return data
 
-    def read_buffer(self, path: str) -> bytes:
+    def read_buffer(self, path: str) -> bytes | bytearray | memoryview:
         return self.read_bytes(path)
 
     def list_dir(self, path: str) -> list[str]:
