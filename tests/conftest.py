@@ -26,6 +26,17 @@ def s3_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """A fake-gcs-server (Google Cloud Storage's JSON API) on a free loopback port."""
+    from fakegcs import FakeGcs
+
+    server = FakeGcs(str(tmp_path_factory.mktemp("fake-gcs"))).start()
+    server.make_bucket("ckpt")
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def s3_url(s3_server, request):
     """A fresh prefix in the test bucket."""

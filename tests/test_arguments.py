@@ -78,7 +78,7 @@ def test_pre_emption_signals_as_names_or_one_signal(tmp_path):
 @pytest.mark.parametrize("url, match", [
     ("s4://bucket/x", "unknown scheme"), ("S3://bucket/x", "lower case"), ("s3:/bucket/x", "without '//'"),
     ("s3://", "names no bucket"), ("s3:///x", "names no bucket"), ("runs/\x00x", "NUL"), ("", "url"),
-    ("file://otherhost/x", "not the host"), (b"runs", "url"), (None, "url"), ("gcs://bucket/x", "not installed"),
+    ("file://otherhost/x", "not the host"), (b"runs", "url"), (None, "url"), ("oci://bucket/x", "not installed"),
 ])
 def test_urls_that_would_land_somewhere_else_are_refused(url, match):
     with pytest.raises(distckpt.ConfigError, match=match):

@@ -1,6 +1,7 @@
 """One contract, every backend: local disk, memory://, and S3 on a real SeaweedFS server read
 by each client: s3fs (large files downloaded into a local file, or held in memory) and the CRT
-client of s3torchconnector (credentials from the environment, as it takes them)."""
+client of s3torchconnector (credentials from the environment, as it takes them), and Google Cloud
+Storage on fake-gcs-server (which honours ifGenerationMatch, the precondition of its marker)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ from distckpt.storage import open_storage
 S3_CLIENTS = ["s3", "s3-in-memory", "s3-crt"]
 
 
-@pytest.fixture(params=["local", "memory", *S3_CLIENTS])
+@pytest.fixture(params=["local", "memory", *S3_CLIENTS, "gcs"])
 def storage(request, tmp_path, monkeypatch):
     if request.param == "local":
         return open_storage(str(tmp_path / "root"))
     if request.param == "memory":
         return open_storage(f"memory://contract-{uuid.uuid4().hex}")
+    if request.param == "gcs":
+        server = request.getfixturevalue("gcs_server")
+        return open_storage(f"gs://ckpt/contract-{uuid.uuid4().hex[:8]}", server.storage_options())
     server = request.getfixturevalue("s3_server")
     url = f"s3://ckpt/contract-{uuid.uuid4().hex[:8]}"
     small_ranges = {"range_bytes": 2**20}  # large-file reads in several ranged GETs
@@ -129,3 +133,21 @@ def test_list_files_is_one_fresh_recursive_listing_with_version_tags(storage):
     assert (before == after == "") or before != after
     if storage.url.startswith("s3://"):
         assert before and after  # S3 gives ETags: the commit index relies on them there
+
+
+def test_concurrent_exclusive_creates_exactly_one_wins(storage):
+    """Eight writers race for one marker at once: exactly one creates it, every other gets
+    CheckpointExistsError, and the marker holds the winner's bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def attempt(i: int) -> bool:
+        try:
+            storage.create_exclusive("step-1/COMMITTED", f"writer {i}".encode())
+            return True
+        except CheckpointExistsError:
+            return False
+
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(attempt, range(8)))
+    assert won.count(True) == 1, won
+    assert storage.read_bytes("step-1/COMMITTED") == f"writer {won.index(True)}".encode()

@@ -11,6 +11,8 @@ backends share one contract (tested by one suite, tests/test_storage_contract.py
   ``If-None-Match: *`` and read back to tell a retried success from a real conflict. Large
   files are read as streamed ranged GETs into an unnamed local file that is then mapped
   (spill.py), or by the CRT client of s3torchconnector when asked (s3_crt.py).
+* :class:`GcsStorage` (gcs.py) — Google Cloud Storage through gcsfs: the marker created with
+  ``ifGenerationMatch=0`` and read back on any error, as on S3.
 * :class:`FsspecStorage` (fsspec_fs.py) — any other fsspec filesystem (``memory://`` …).
 
 This package never imports torch.distributed.
@@ -148,6 +150,12 @@ def _open_s3(url: str, options: dict[str, Any]) -> Storage:
     return S3Storage.from_url(url, options)
 
 
+def _open_gcs(url: str, options: dict[str, Any]) -> Storage:
+    from .gcs import GcsStorage  # gcsfs is an optional dependency
+
+    return GcsStorage.from_url(url, options)
+
+
 def _open_fsspec(url: str, options: dict[str, Any]) -> Storage:
     fs, root = fsspec.core.url_to_fs(url, **options)
     _warn_if_not_exclusive(fs, url)
@@ -156,7 +164,8 @@ def _open_fsspec(url: str, options: dict[str, Any]) -> Storage:
 
 # scheme -> backend. A new backend is one module plus one line here (and a parameter of the
 # contract suite, tests/test_storage_contract.py); any other scheme goes through fsspec.
-BACKENDS: dict[str, Any] = {"": _open_local, "file": _open_local, "s3": _open_s3, "s3a": _open_s3}
+BACKENDS: dict[str, Any] = {"": _open_local, "file": _open_local, "s3": _open_s3, "s3a": _open_s3,
+                            "gs": _open_gcs, "gcs": _open_gcs}
 
 
 def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:
