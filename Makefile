@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.distckpt-installed
+# Azure Blob's emulator, from the npm registry, for the storage tests
+AZURITE_VERSION := 3.37.0
 
 .PHONY: install demo demo-s3 compose-demo test test-faults bench clean
 
@@ -14,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,s3,data]'
+	test -x $(VENV)/azurite/node_modules/.bin/azurite-blob || npm install --silent --no-audit --no-fund \
+		--prefix $(VENV)/azurite azurite@$(AZURITE_VERSION)
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -35,7 +39,7 @@ test: $(STAMP)
 # The fault tests with their whole matrices (make test runs a sample of the long ones: the loop
 # zoo's marked cases, 6-60 generated examples per property); each trial prints one line.
 FAULT_TESTS = tests/test_load_memory.py tests/test_loop_zoo.py tests/test_doctor.py tests/test_tiers.py tests/test_weights.py tests/test_incremental.py \
-	tests/test_roundtrip_property.py tests/test_hostile_corpus.py tests/test_overlap.py tests/test_s3_reads.py \
+	tests/test_roundtrip_property.py tests/test_hostile_corpus.py tests/test_overlap.py tests/test_s3_reads.py tests/test_object_stores.py \
 	tests/test_no_half_restore.py tests/test_loop_patterns.py tests/test_crash_matrix.py tests/test_powercut.py tests/test_s3_faults.py tests/test_damage.py \
 	tests/test_fencing.py tests/test_hostile.py tests/test_distributed.py tests/test_preemption.py tests/test_sharded.py \
 	tests/test_exact_resume.py tests/test_s3.py tests/test_cluster.py \

@@ -37,6 +37,17 @@ def gcs_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def azure_server(tmp_path_factory):
+    """Azurite's blob service (installed by `make install` with npm) on a free loopback port."""
+    from azurite import Azurite
+
+    server = Azurite(str(tmp_path_factory.mktemp("azurite"))).start()
+    server.make_container("ckpt")
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def s3_url(s3_server, request):
     """A fresh prefix in the test bucket."""

@@ -1,7 +1,8 @@
 """One contract, every backend: local disk, memory://, and S3 on a real SeaweedFS server read
 by each client: s3fs (large files downloaded into a local file, or held in memory) and the CRT
 client of s3torchconnector (credentials from the environment, as it takes them), and Google Cloud
-Storage on fake-gcs-server (which honours ifGenerationMatch, the precondition of its marker)."""
+Storage on fake-gcs-server and Azure Blob on Azurite (each honours the precondition of its marker:
+ifGenerationMatch=0, If-None-Match: *)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from distckpt.storage import open_storage
 S3_CLIENTS = ["s3", "s3-in-memory", "s3-crt"]
 
 
-@pytest.fixture(params=["local", "memory", *S3_CLIENTS, "gcs"])
+@pytest.fixture(params=["local", "memory", *S3_CLIENTS, "gcs", "azure"])
 def storage(request, tmp_path, monkeypatch):
     if request.param == "local":
         return open_storage(str(tmp_path / "root"))
@@ -24,6 +25,9 @@ def storage(request, tmp_path, monkeypatch):
     if request.param == "gcs":
         server = request.getfixturevalue("gcs_server")
         return open_storage(f"gs://ckpt/contract-{uuid.uuid4().hex[:8]}", server.storage_options())
+    if request.param == "azure":
+        server = request.getfixturevalue("azure_server")
+        return open_storage(f"az://ckpt/contract-{uuid.uuid4().hex[:8]}", server.storage_options())
     server = request.getfixturevalue("s3_server")
     url = f"s3://ckpt/contract-{uuid.uuid4().hex[:8]}"
     small_ranges = {"range_bytes": 2**20}  # large-file reads in several ranged GETs

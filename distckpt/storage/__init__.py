@@ -13,6 +13,8 @@ backends share one contract (tested by one suite, tests/test_storage_contract.py
   (spill.py), or by the CRT client of s3torchconnector when asked (s3_crt.py).
 * :class:`GcsStorage` (gcs.py) — Google Cloud Storage through gcsfs: the marker created with
   ``ifGenerationMatch=0`` and read back on any error, as on S3.
+* :class:`AzureStorage` (azure.py) — Azure Blob through adlfs: the marker created with
+  ``If-None-Match: *`` and read back on any error.
 * :class:`FsspecStorage` (fsspec_fs.py) — any other fsspec filesystem (``memory://`` …).
 
 This package never imports torch.distributed.
@@ -156,6 +158,12 @@ def _open_gcs(url: str, options: dict[str, Any]) -> Storage:
     return GcsStorage.from_url(url, options)
 
 
+def _open_azure(url: str, options: dict[str, Any]) -> Storage:
+    from .azure import AzureStorage  # adlfs is an optional dependency
+
+    return AzureStorage.from_url(url, options)
+
+
 def _open_fsspec(url: str, options: dict[str, Any]) -> Storage:
     fs, root = fsspec.core.url_to_fs(url, **options)
     _warn_if_not_exclusive(fs, url)
@@ -165,7 +173,8 @@ def _open_fsspec(url: str, options: dict[str, Any]) -> Storage:
 # scheme -> backend. A new backend is one module plus one line here (and a parameter of the
 # contract suite, tests/test_storage_contract.py); any other scheme goes through fsspec.
 BACKENDS: dict[str, Any] = {"": _open_local, "file": _open_local, "s3": _open_s3, "s3a": _open_s3,
-                            "gs": _open_gcs, "gcs": _open_gcs}
+                            "gs": _open_gcs, "gcs": _open_gcs, "az": _open_azure, "abfs": _open_azure,
+                            "abfss": _open_azure}
 
 
 def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:

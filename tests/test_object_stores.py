@@ -1,6 +1,7 @@
-"""Checkpoints on Google Cloud Storage (gcsfs) against fake-gcs-server on loopback: the manager's
-save and exact resume, a resume in a new process, damage after commit, and the commit marker's
-exclusive create through ifGenerationMatch=0."""
+"""Checkpoints on the object stores beside S3, each on its emulator on loopback: Google Cloud
+Storage (gcsfs, fake-gcs-server) and Azure Blob (adlfs, Azurite). The manager's save and exact
+resume, a resume in a new process, damage after commit, and the commit marker's native exclusive
+create (ifGenerationMatch=0, If-None-Match: *)."""
 
 from __future__ import annotations
 
@@ -27,70 +28,82 @@ def same(a: dict, b: dict) -> bool:
             and torch.equal(a["gen"].get_state(), b["gen"].get_state()))
 
 
-@pytest.fixture
-def gs_url(gcs_server):
-    return f"gs://ckpt/run-{uuid.uuid4().hex[:8]}"
+@pytest.fixture(params=["gcs", "azure"])
+def store(request):
+    """(url of a fresh prefix, storage_options, an fsspec filesystem on the same store)."""
+    url = f"{'gs' if request.param == 'gcs' else 'az'}://ckpt/run-{uuid.uuid4().hex[:8]}"
+    if request.param == "gcs":
+        from gcsfs.core import GCSFileSystem
+
+        server = request.getfixturevalue("gcs_server")
+        return url, server.storage_options(), GCSFileSystem(skip_instance_cache=True, **server.storage_options())
+    from adlfs import AzureBlobFileSystem
+
+    server = request.getfixturevalue("azure_server")
+    return url, server.storage_options(), AzureBlobFileSystem(skip_instance_cache=True, **server.storage_options())
 
 
-def test_save_and_resume_exactly_on_gcs(gcs_server, gs_url):
+def test_save_and_resume_exactly(store):
+    url, options, _ = store
     saved = state_with(1)
-    with distckpt.CheckpointManager(gs_url, storage_options=gcs_server.storage_options(), keep_last=2) as mgr:
+    with distckpt.CheckpointManager(url, storage_options=options, keep_last=2) as mgr:
         assert mgr.load_latest(state_with(5)) is None
         for step in (1, 2, 3):
             mgr.save(step, saved)
         assert sorted(mgr.committed_steps()) == [2, 3]
     back = state_with(9)
-    with distckpt.CheckpointManager(gs_url, storage_options=gcs_server.storage_options()) as mgr:
+    with distckpt.CheckpointManager(url, storage_options=options) as mgr:
         assert mgr.load_latest(back).step == 3
     assert same(back, saved)
 
 
-def test_a_resume_in_a_new_process_reads_what_was_committed(gcs_server, gs_url):
-    with distckpt.CheckpointManager(gs_url, storage_options=gcs_server.storage_options()) as mgr:
+def test_a_resume_in_a_new_process_reads_what_was_committed(store):
+    url, options, _ = store
+    with distckpt.CheckpointManager(url, storage_options=options) as mgr:
         mgr.load_latest({})
         mgr.save(7, {"w": torch.arange(1000.0)})
     code = ("import sys, torch, distckpt\n"
             f"state = {{'w': torch.zeros(1000)}}\n"
-            f"with distckpt.CheckpointManager({gs_url!r}, storage_options={gcs_server.storage_options()!r}) as m:\n"
+            f"with distckpt.CheckpointManager({url!r}, storage_options={options!r}) as m:\n"
             "    assert m.load_latest(state).step == 7\n"
             "assert torch.equal(state['w'], torch.arange(1000.0))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
 
 
-def test_a_flipped_byte_on_gcs_falls_back_to_the_previous_step(gcs_server, gs_url):
-    from gcsfs.core import GCSFileSystem
-
+def test_a_flipped_byte_falls_back_to_the_previous_step(store):
+    url, options, fs = store
     first, second = state_with(1), state_with(2)
-    with distckpt.CheckpointManager(gs_url, storage_options=gcs_server.storage_options()) as mgr:
+    with distckpt.CheckpointManager(url, storage_options=options) as mgr:
         mgr.save(1, first)
         mgr.save(2, second)
-    fs = GCSFileSystem(skip_instance_cache=True, **gcs_server.storage_options())
-    payload = next(k for k in fs.find(gs_url.split("://")[1])
+    payload = next(k for k in fs.find(url.split("://")[1])
                    if "step-000000002/replicated" in k and k.endswith(".safetensors"))
     data = bytearray(fs.cat_file(payload))
     data[len(data) // 2] ^= 0x10
     fs.pipe_file(payload, bytes(data))
     back = state_with(9)
-    with distckpt.CheckpointManager(gs_url, storage_options=gcs_server.storage_options()) as mgr:
+    with distckpt.CheckpointManager(url, storage_options=options) as mgr:
         with pytest.warns(distckpt.CheckpointFallbackWarning, match="step 2"):
             assert mgr.load_latest(back).step == 1
     assert same(back, first)
 
 
-def test_two_writers_of_one_step_exactly_one_commits_on_gcs(gcs_server, gs_url):
+def test_two_writers_of_one_step_exactly_one_commits(store):
+    url, options, _ = store
     from distckpt.storage import open_storage
 
-    a = open_storage(gs_url, gcs_server.storage_options())
-    b = open_storage(gs_url, gcs_server.storage_options())
+    a = open_storage(url, options)
+    b = open_storage(url, options)
     a.create_exclusive("step-000000001/COMMITTED", b"writer a")
     with pytest.raises(distckpt.CheckpointExistsError, match="another writer committed"):
         b.create_exclusive("step-000000001/COMMITTED", b"writer b")
     assert b.read_bytes("step-000000001/COMMITTED") == b"writer a"
 
 
-def test_no_non_atomic_warning_for_gcs(gcs_server, gs_url, recwarn):
+def test_no_non_atomic_warning(store, recwarn):
+    url, options, _ = store
     from distckpt.storage import NonAtomicStorageWarning, open_storage
 
-    open_storage(gs_url, gcs_server.storage_options())
+    open_storage(url, options)
     assert not [w for w in recwarn if issubclass(w.category, NonAtomicStorageWarning)]
