@@ -107,3 +107,50 @@ def test_no_non_atomic_warning(store, recwarn):
 
     open_storage(url, options)
     assert not [w for w in recwarn if issubclass(w.category, NonAtomicStorageWarning)]
+
+
+def test_azure_credentials_never_appear_in_logs_errors_or_the_manifest(azure_server, caplog):
+    import logging
+
+    from azurite import KEY
+
+    caplog.set_level(logging.DEBUG)  # every logger, the Azure SDK's request logging included
+    options = azure_server.storage_options()
+    with distckpt.CheckpointManager(f"az://ckpt/creds-{uuid.uuid4().hex[:8]}", storage_options=options) as mgr:
+        mgr.save(1, state_with(0))
+        manifest = mgr.storage.read_bytes("step-000000001/manifest.json").decode()
+        texts = [repr(mgr), repr(mgr.storage), manifest]
+    with pytest.raises(distckpt.DistCkptError) as info:  # a container that does not exist
+        with distckpt.CheckpointManager("az://no-such-container/x", storage_options=options) as mgr:
+            mgr.save(1, state_with(0))
+    texts += [str(info.value), caplog.text]
+    assert "azure" in caplog.text.lower()  # the SDK's records were there ...
+    for text in texts:
+        assert KEY not in text  # ... without the account key
+
+
+def test_a_gcs_service_account_key_is_redacted_from_every_log_record(caplog):
+    import logging
+
+    from distckpt.storage.redact import protect_credentials
+
+    secret = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC" + "x" * 40
+    protect_credentials({"token": {"type": "service_account", "private_key": secret, "client_email": "a@b"}})
+    caplog.set_level(logging.DEBUG)
+    logging.getLogger("google.auth").debug("signing with %s", secret)
+    assert secret not in caplog.text and "***" in caplog.text
+
+
+@pytest.mark.parametrize("url, options", [
+    ("az://ckpt/x", {"connection_string": "not a connection string"}),
+    ("gs://ckpt/x", {"token": 12}),
+])
+def test_options_the_client_refuses_are_config_errors(url, options):
+    with pytest.raises(distckpt.ConfigError, match="storage_options for"):
+        distckpt.CheckpointManager(url, storage_options=options)
+
+
+def test_a_missing_azure_container_is_a_storage_error_that_says_so(azure_server):
+    with pytest.raises(distckpt.StorageError, match="container does not exist"):
+        with distckpt.CheckpointManager("az://no-such-container/x", storage_options=azure_server.storage_options()) as mgr:
+            mgr.save(1, state_with(0))

@@ -14,9 +14,12 @@ This module never imports torch.distributed.
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
+from ..errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError
 from .conditional import ConditionalCreateStorage
+from .redact import protect_credentials
 
 
 class AzureStorage(ConditionalCreateStorage):
@@ -27,7 +30,37 @@ class AzureStorage(ConditionalCreateStorage):
         from adlfs import AzureBlobFileSystem
 
         options = dict(storage_options)
+        protect_credentials(options)
         options.setdefault("skip_instance_cache", True)  # one owned client per manager
-        fs = AzureBlobFileSystem(**options)
+        try:
+            fs = AzureBlobFileSystem(**options)
+        except (ValueError, TypeError) as e:  # the client's own check of its options
+            raise ConfigError(f"storage_options for {url} were refused by AzureBlobFileSystem: {e}") from e
         root = url.split("://", 1)[1].rstrip("/")
         return cls(fs, root, url)
+
+    def _call(self, what: str, target: str, method: str, *args: Any, size: int = 0, **kwargs: Any) -> Any:
+        """adlfs lets the Azure SDK's own exceptions through on some paths (an upload into a
+        container that does not exist raised ResourceNotFoundError): they become the same
+        errors as every other backend's, with the first line of the service's message."""
+        from azure.core.exceptions import AzureError, ClientAuthenticationError, ResourceExistsError, ResourceNotFoundError
+
+        try:
+            return super()._call(what, target, method, *args, size=size, **kwargs)
+        except ResourceNotFoundError as e:
+            message = f"{what} {self.public(target)} failed: {_first_line(e)}"
+            if what.startswith("reading"):
+                raise MissingFileError(errno.ENOENT, message) from e
+            raise StorageError(errno.ENOENT, message + " (does the container exist?)") from e
+        except ResourceExistsError as e:
+            raise CheckpointExistsError(errno.EEXIST, f"{self.public(target)} already exists") from e
+        except ClientAuthenticationError as e:
+            raise StorageError(errno.EACCES, f"{what} {self.public(target)} failed: {_first_line(e)}") from e
+        except AzureError as e:
+            raise StorageError(errno.EIO, f"{what} {self.public(target)} failed: {type(e).__name__}: "
+                               f"{_first_line(e)}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(getattr(e, "message", None) or e)
+    return text.strip().splitlines()[0] if text.strip() else type(e).__name__

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import ConfigError
 from .conditional import ConditionalCreateStorage
+from .redact import protect_credentials
 
 
 class GcsStorage(ConditionalCreateStorage):
@@ -31,7 +33,11 @@ class GcsStorage(ConditionalCreateStorage):
         from gcsfs.core import GCSFileSystem
 
         options = dict(storage_options)
+        protect_credentials(options)
         options.setdefault("skip_instance_cache", True)  # one owned client per manager
-        fs = GCSFileSystem(**options)
+        try:
+            fs = GCSFileSystem(**options)
+        except (ValueError, TypeError) as e:  # the client's own check of its options
+            raise ConfigError(f"storage_options for {url} were refused by GCSFileSystem: {e}") from e
         root = url.split("://", 1)[1].rstrip("/")
         return cls(fs, root, url)

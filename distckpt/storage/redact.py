@@ -1,4 +1,4 @@
-"""Keep S3 credentials out of every log line, whoever logs it.
+"""Keep object-store credentials (S3, Azure, GCS) out of every log line, whoever logs it.
 
 With DEBUG logging on, botocore logs each request's headers — the Authorization header names
 the access key id, and X-Amz-Security-Token is the session token itself. A filter on one
@@ -15,8 +15,14 @@ import os
 from typing import Any
 
 _MIN_SECRET_LEN = 8  # shorter values would redact ordinary words
-_ENV_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
-_OPTION_SECRETS = ("key", "secret", "token", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+_ENV_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+                "AZURE_STORAGE_KEY", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN", "AZURE_CLIENT_SECRET",
+                "AZURE_STORAGE_CONNECTION_STRING")
+_OPTION_SECRETS = ("key", "secret", "token", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
+                   "account_key", "sas_token", "connection_string", "credential", "client_secret")
+# Inside a GCS service-account token given as a dict, and inside an Azure connection string.
+_TOKEN_FIELDS = ("private_key", "private_key_id", "refresh_token", "client_secret", "access_token")
+_CONNECTION_STRING_FIELDS = ("AccountKey", "SharedAccessSignature")
 _secrets: set[str] = set()
 _installed = False
 
@@ -27,8 +33,18 @@ def protect_credentials(storage_options: dict[str, Any]) -> None:
     client = storage_options.get("client_kwargs") or {}
     found += [client.get(k) for k in _OPTION_SECRETS]
     found += [os.environ.get(k) for k in _ENV_SECRETS]
+    token = storage_options.get("token")
+    if isinstance(token, dict):
+        found += [token.get(k) for k in _TOKEN_FIELDS]
+    found += [part for v in found if isinstance(v, str) for part in _connection_string_secrets(v)]
     _secrets.update(v for v in found if isinstance(v, str) and len(v) >= _MIN_SECRET_LEN)
     _install()
+
+
+def _connection_string_secrets(value: str) -> list[str]:
+    """The key and signature inside an Azure connection string ("...;AccountKey=...;")."""
+    fields = dict(p.split("=", 1) for p in value.split(";") if "=" in p)
+    return [fields[k] for k in _CONNECTION_STRING_FIELDS if fields.get(k)]
 
 
 def redact(text: str) -> str:
