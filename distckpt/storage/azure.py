@@ -31,13 +31,16 @@ class AzureStorage(ConditionalCreateStorage):
 
         options = dict(storage_options)
         protect_credentials(options)
+        spill_dir = cls.take_spill_dir(options)
         options.setdefault("skip_instance_cache", True)  # one owned client per manager
         try:
             fs = AzureBlobFileSystem(**options)
         except (ValueError, TypeError) as e:  # the client's own check of its options
             raise ConfigError(f"storage_options for {url} were refused by AzureBlobFileSystem: {e}") from e
         root = url.split("://", 1)[1].rstrip("/")
-        return cls(fs, root, url)
+        storage = cls(fs, root, url)
+        storage.spill_dir = spill_dir
+        return storage
 
     def _call(self, what: str, target: str, method: str, *args: Any, size: int = 0, **kwargs: Any) -> Any:
         """adlfs lets the Azure SDK's own exceptions through on some paths (an upload into a

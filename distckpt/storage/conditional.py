@@ -1,5 +1,6 @@
 """Object stores whose fsspec client has a native exclusive create (``pipe_file(mode="create")``:
-GCS's ``ifGenerationMatch=0``, Azure's ``If-None-Match: *``), with the commit marker's rule.
+GCS's ``ifGenerationMatch=0``, Azure's ``If-None-Match: *``), with the commit marker's rule, and
+large files read as ranged requests into a mapped download file (spill.py), as on S3.
 
 A conditional request whose response was lost may be retried by the client and then answered
 "exists" for its own success, so on any error the marker is read back: our bytes (they carry a
@@ -13,9 +14,13 @@ from __future__ import annotations
 
 import errno
 import logging
+from typing import Any
 
-from ..errors import CheckpointExistsError, StorageError
+from ..errors import CheckpointExistsError, MissingFileError, StorageError
 from .fsspec_fs import FsspecStorage, _join
+from .spill import SMALL_READ_BYTES, SpillError, check_spill_dir, default_spill_dir, download_mapped, write_at
+
+RANGE_BYTES = 8 * 2**20  # one ranged request at a time: what a download holds in memory
 
 log = logging.getLogger("distckpt")
 
@@ -23,6 +28,39 @@ log = logging.getLogger("distckpt")
 class ConditionalCreateStorage(FsspecStorage):
     """An fsspec object store whose `pipe_file(..., mode="create")` fails with FileExistsError
     when the object exists."""
+
+    spill_dir: str | None = None
+
+    @staticmethod
+    def take_spill_dir(options: dict[str, Any]) -> str | None:
+        """Pop and check the `spill_dir` storage option (default: the system's temporary directory)."""
+        return check_spill_dir(options.pop("spill_dir", default_spill_dir()))
+
+    def read_buffer(self, path: str) -> bytes | bytearray | memoryview:
+        """A small file in one request; a larger one as ranged requests of RANGE_BYTES, one at a
+        time, into a local download file that is mapped (without a `spill_dir`, or when the local
+        disk refuses the file, it is held in memory)."""
+        target = _join(self.root, path)
+        size = self.size(path)
+        if size is None:
+            raise MissingFileError(errno.ENOENT, f"{self.public(target)} does not exist")
+        if self.spill_dir is None or size < SMALL_READ_BYTES:
+            return self.read_bytes(path)
+        try:
+            return download_mapped(self.spill_dir, size, lambda fd: self._download(target, size, fd))
+        except SpillError as e:
+            log.warning("%s: downloading into %s failed (%s); holding the file in memory instead "
+                        "(storage option spill_dir)", self.public(target), self.spill_dir, e)
+            return self.read_bytes(path)
+
+    def _download(self, target: str, size: int, fd: int) -> None:
+        for start in range(0, size, RANGE_BYTES):
+            end = min(size, start + RANGE_BYTES)
+            piece = self._call("reading", target, "cat_file", target, start=start, end=end, size=end - start)
+            if len(piece) != end - start:
+                raise StorageError(errno.EIO, f"reading {self.public(target)}: short read, {len(piece)} of "
+                                   f"{end - start} bytes at {start}")
+            write_at(fd, piece, start)
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         target = _join(self.root, path)

@@ -34,10 +34,13 @@ class GcsStorage(ConditionalCreateStorage):
 
         options = dict(storage_options)
         protect_credentials(options)
+        spill_dir = cls.take_spill_dir(options)
         options.setdefault("skip_instance_cache", True)  # one owned client per manager
         try:
             fs = GCSFileSystem(**options)
         except (ValueError, TypeError) as e:  # the client's own check of its options
             raise ConfigError(f"storage_options for {url} were refused by GCSFileSystem: {e}") from e
         root = url.split("://", 1)[1].rstrip("/")
-        return cls(fs, root, url)
+        storage = cls(fs, root, url)
+        storage.spill_dir = spill_dir
+        return storage

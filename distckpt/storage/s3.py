@@ -29,7 +29,7 @@ from ..errors import CheckpointExistsError, ConfigError, MissingFileError, Stora
 from .fsspec_fs import FsspecStorage, _join
 from .redact import protect_credentials
 from .s3_crt import CrtReader, choose_client
-from .spill import SpillError, check_spill_dir, default_spill_dir, download_mapped, write_at
+from .spill import SMALL_READ_BYTES, SpillError, check_spill_dir, default_spill_dir, download_mapped, write_at
 
 log = logging.getLogger("distckpt")
 
@@ -43,7 +43,6 @@ DEFAULT_PART_BYTES = 8 * 2**20   # bench/profile_s3.py: see the README's S3 note
 DEFAULT_RANGE_BYTES = 8 * 2**20
 DEFAULT_CONCURRENCY = 8
 STREAM_PIECE_BYTES = 2**20  # a ranged GET's body is handed on in pieces of this size
-SMALL_READ_BYTES = 4 * 2**20  # read in one GET into memory; larger files go to a download file
 DEFAULT_CALL_TIMEOUT_S = 120.0
 MIN_THROUGHPUT_BYTES_S = 8 * 2**20  # a call may also take size / this long
 PARTS_PER_SIZE = 1000

@@ -21,6 +21,8 @@ from typing import Callable
 
 from ..errors import ConfigError
 
+SMALL_READ_BYTES = 4 * 2**20  # read in one request into memory; larger files go to a download file
+
 
 class SpillError(OSError):
     """Writing the local file failed (full disk, read-only place …), not the object store."""
