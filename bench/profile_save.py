@@ -45,7 +45,7 @@ def worker(root: str, saves: int) -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     import distckpt
-    from distckpt import coord, manager, protocol
+    from distckpt import coord, manager, saving
 
     torch.set_num_threads(1)
     info = distckpt.init_distributed()
@@ -81,10 +81,10 @@ def worker(root: str, saves: int) -> None:
         mgr.save(s, state)
     training: dict[str, float] = collections.defaultdict(float)
     writer: dict[str, float] = collections.defaultdict(float)
-    protocol._encode_checked = _timed(training, "encode the trees (staging copies included)",
-                                      protocol._encode_checked)
-    protocol.capture_entry = _timed(training, "state_dict() of every entry", protocol.capture_entry)
-    protocol.capture_process_rng = _timed(training, "RNG capture", protocol.capture_process_rng)
+    saving._encode_checked = _timed(training, "encode the trees (staging copies included)",
+                                      saving._encode_checked)
+    saving.capture_entry = _timed(training, "state_dict() of every entry", saving.capture_entry)
+    saving.capture_process_rng = _timed(training, "RNG capture", saving.capture_process_rng)
     manager.classify = _timed(training, "classify the state", manager.classify)
     coord.GlooCoordinator.all_gather = _timed(training, "the capture's exchange (all_gather)",
                                               coord.GlooCoordinator.all_gather)
@@ -92,8 +92,8 @@ def worker(root: str, saves: int) -> None:
     cls = manager.CheckpointManager
     cls._background_save = _timed(writer, "writer thread, whole save (CPU)", cls._background_save, time.thread_time)
     cls._retain = _timed(writer, "  of which retention (CPU)", cls._retain, time.thread_time)
-    protocol.gather_save = _timed(writer, "  of which the gather (wall)", protocol.gather_save)
-    manager.gather_save = protocol.gather_save
+    saving.gather_save = _timed(writer, "  of which the gather (wall)", saving.gather_save)
+    manager.gather_save = saving.gather_save
     totals = []
     for s in range(5, 5 + saves):
         step()

@@ -22,9 +22,9 @@ from .errors import (
                      StorageError,
                      UnstorableValueError,
 )
+from .loading import CheckpointFallbackWarning, Progress
 from .manager import CheckpointManager
 from .preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
-from .protocol import CheckpointFallbackWarning, Progress
 from .rng import RngRestoreWarning
 from .tiers import DurableUploadWarning
 from .weights import WeightsReport, export_weights, load_weights

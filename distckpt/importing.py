@@ -21,7 +21,7 @@ from .capture import IMPORTED
 from .commit import list_committed
 from .errors import CheckpointExistsError, ConfigError, UnstorableValueError
 from .fencing import acquire
-from .protocol import StagedSave, write_and_commit
+from .saving import StagedSave, write_and_commit
 from .serialize import encode_tree, safetensors_chunks
 from .storage import open_storage
 from .versions import collect_versions

@@ -28,21 +28,20 @@ from .fencing import Lease, acquire, read_leases
 from .fencing import check_current as check_fence
 from .fencing import prune as prune_leases
 from .incremental import ContentTable
+from .loading import Progress, load
 from .preemption import PreemptionFlag
-from .protocol import (
+from .retention import Committed, collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed
+from .saving import (
     CapturedSave,
-    Progress,
     ShardWrite,
     StagedSave,
     capture_save,
     gather_save,
-    load,
     raise_gathered_failures,
     share_outcome,
     stage_save,
     write_and_commit,
 )
-from .retention import Committed, collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed
 from .serialize import StagingPool
 from .snapshot import OverlappedSnapshot
 from .storage import Storage, open_storage

@@ -274,7 +274,7 @@ def common_local_steps(coord: Coordinator, storage: Storage, leases: list[Lease]
             log.warning(message)
             import warnings
 
-            from .protocol import CheckpointFallbackWarning
+            from .loading import CheckpointFallbackWarning
             warnings.warn(message, CheckpointFallbackWarning, stacklevel=6)
             mine = [s for s in mine if s not in foreign]
     views = coord.all_gather({"steps": mine, "conflict": conflict}, "load/local-steps")

@@ -121,7 +121,7 @@ def test_an_entry_failing_while_restored_leaves_every_entry_as_it_was(saved_root
             raise RuntimeError(f"injected failure after restoring {failing}")
         return notes
 
-    monkeypatch.setattr("distckpt.protocol.restore_entry", failing_restore)
+    monkeypatch.setattr("distckpt.loading.restore_entry", failing_restore)
     with distckpt.CheckpointManager(saved_root) as mgr:
         with pytest.raises(distckpt.IncompatibleCheckpointError, match=f"state\\['{failing}'\\].*injected"):
             mgr.load_latest(state)

@@ -1,0 +1,414 @@
+"""The save protocol, as short functions of named phases (the overview: protocol.py).
+
+    capture   every rank: RNG first, then its per-rank entries; rank 0 also the replicated ones
+    agree     all ranks: everyone captured, and all hold the same step and epoch
+    gather    per-rank files (bytes) to rank 0
+    shards    every rank, with sharded entries: its own shard file, then a report (size,
+              checksum, chunk boxes) through the store — no collective, so it runs in the
+              background writer too (sharded.py)
+    write     rank 0: replicated file, rank files; every rank's shard report; manifest
+    commit    rank 0: COMMITTED, exclusive create, last (commit.py holds the rule)
+    share     rank 0's outcome to every rank, so a failed save fails everywhere
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from . import faults, fencing, incremental, sharded
+from . import manifest as mf
+from .capture import (
+    PER_RANK,
+    REPLICATED,
+    SHARDED,
+    Entry,
+    capture_entry,
+    capture_rank_buffers,
+)
+from .commit import (
+    ReplacePolicy,
+    check_root_is_ours,
+    check_step_is_free,
+    clear_step_dir,
+    create_manifest,
+    create_marker,
+)
+from .coord import Coordinator, Outcome, Reports, hostname, raise_if_failed, run_on_root, run_phase
+from .errors import (
+    CheckpointExistsError,
+    CoordinationError,
+    FencedError,
+    RankDisagreementError,
+    StorageError,
+    UnstorableValueError,
+)
+from .fencing import Lease
+from .incremental import ContentTable
+from .rng import capture_process_rng
+from .serialize import EncodedTree, StagingPool, encode_tree, safetensors_chunks
+from .storage import Storage
+
+log = logging.getLogger("distckpt")
+
+
+@dataclass
+class StagedSave:
+    """Everything rank 0 needs to write one checkpoint, detached from live training state."""
+
+    step: int
+    epoch: int | None
+    metric: float | None
+    run_id: str
+    replicated: EncodedTree
+    rank_files: list[bytes]
+    ranks: list[dict[str, Any]]
+    entries: dict[str, dict[str, str]]
+    timings: dict[str, float] = field(default_factory=dict)
+    shard_meta: dict[str, dict[str, Any]] = field(default_factory=dict)  # global dtype/shape by name
+    shard_report_keys: list[str] = field(default_factory=list)           # one per rank; [] if none
+    manifest_extra: dict[str, Any] = field(default_factory=dict)        # imports: {"imported": source}
+    failures: list[Outcome] = field(default_factory=list)  # ranks that failed after the capture (async)
+
+
+@dataclass
+class ShardWrite:
+    """One rank's shard file of a save, and where to report it (see sharded.py)."""
+
+    rank: int
+    step: int
+    generation: int
+    tree: EncodedTree
+    boxes: dict[str, list[list[int]]]
+    report_key: str
+
+    def run(self, storage: Storage, reports: Reports) -> None:
+        """Write the file durably, then report it; a failure is reported too, then raised."""
+        name = sharded.shard_file(self.rank, self.generation)
+        report = sharded.ShardReport(self.rank)
+        try:
+            record = _write(storage, f"{mf.step_dir(self.step)}/{name}", safetensors_chunks(self.tree))
+            faults.point("save/shards-written", step=self.step, rank=self.rank)
+            report = sharded.ShardReport(self.rank, name, record, self.boxes)
+        except Exception as e:
+            report.error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            reports.post(self.report_key, report.to_json())
+
+
+# -- save -------------------------------------------------------------------------------------
+
+@dataclass
+class _Captured:
+    rank_file: bytes = b""
+    replicated: EncodedTree | None = None   # rank 0
+    shards: sharded.LocalShards | None = None  # every rank, when the state has sharded entries
+    generation: int | None = None            # rank 0, when it has: the lease shard names carry
+
+
+@dataclass
+class CapturedSave:
+    """One rank's save after the capture and agree phases: what the gather needs. It holds no
+    reference to live training state (tensors are staged or encoded), so the gather and write
+    may run in the background while training goes on."""
+
+    step: int
+    epoch: int | None
+    metric: float | None
+    run_id: str
+    rank: int
+    local: _Captured
+    infos: list[dict[str, Any]]
+    kinds: dict[str, dict[str, str]]
+    report_keys: list[str]
+    shard_write: ShardWrite | None
+    capture_s: float
+
+
+def stage_save(coord: Coordinator, *args: Any) -> tuple[StagedSave | None, ShardWrite | None]:
+    """Phases capture, agree and gather (call on every rank; the arguments are capture_save's).
+    Rank 0 gets the StagedSave; every rank gets its ShardWrite when the state has sharded entries
+    or `split_writes` spreads the replicated tensors across the ranks."""
+    captured = capture_save(coord, *args)
+    return gather_save(coord, captured), captured.shard_write
+
+
+def capture_save(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
+                 epoch: int | None, metric: float | None, run_id: str,
+                 staging: StagingPool | None, replaceable: "ReplacePolicy | None" = None,
+                 take_lease: Callable[[], Lease] | None = None,
+                 save_seq: int = 0, split_writes: bool = False,
+                 durable: Storage | None = None,
+                 prepare: Callable[[], None] | None = None) -> CapturedSave:
+    """Phases capture and agree (call on every rank; one exchange): every rank has captured
+    and all hold the same step and epoch, or every rank raises the same error. With two tiers
+    `storage` is the local one, the `durable` root is the one checked to be this run's, and rank 0
+    runs `prepare` first (it clears another job's steps out of the local tier)."""
+    t0 = time.perf_counter()
+    split = split_writes and coord.world_size > 1
+    def capture() -> _Captured:
+        local = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable, take_lease, split,
+                               durable, prepare)
+        faults.point("save/captured", step=step, rank=coord.rank)
+        return local
+
+    def described(local: _Captured) -> dict[str, Any]:
+        return {"rank": coord.rank, "step": step, "epoch": epoch, "host": hostname(), "pid": os.getpid(),
+                "per_rank_entries": sorted(e.key for e in entries if e.scope == PER_RANK),
+                "generation": local.generation, "async": staging is not None}
+
+    local, outcomes = run_phase(coord, "save/capture", f"save of step {step}", capture, described)
+    infos = [o.info for o in outcomes]
+    _check_same_progress(infos, f"save of step {step}")
+    keys = [f"distckpt/{run_id}/save-{save_seq}/shards/rank-{r}" for r in range(coord.world_size)]
+    shard_write = None
+    if local.shards is not None:
+        generation = int(infos[0]["generation"])
+        boxes = {name: [local.shards.offsets[name], list(t.shape)] for name, t in local.shards.pieces.items()}
+        shard_write = ShardWrite(coord.rank, step, generation, local.shards.file_tree(coord.rank), boxes,
+                                 keys[coord.rank])
+    kinds = {e.key: {"scope": e.scope, "kind": e.kind} for e in entries}
+    return CapturedSave(step, epoch, metric, run_id, coord.rank, local, infos, kinds, keys, shard_write,
+                        time.perf_counter() - t0)
+
+
+def gather_save(coord: Coordinator, captured: CapturedSave,
+                failure: BaseException | None = None) -> StagedSave | None:
+    """Phase gather (call on every rank, after capture_save; one exchange): the per-rank files
+    to rank 0, which gets the StagedSave; None elsewhere. `coord` may be a group of its own
+    (the background writer's), as the captured save no longer touches live state. A rank that
+    failed since the capture sends its `failure` instead of its file: rank 0's StagedSave lists
+    it (`failures`; raise_gathered_failures), so that rank 0 writes nothing and shares the error."""
+    t1 = time.perf_counter()
+    local = captured.local
+    mine = Outcome.failure(captured.rank, failure) if failure is not None else Outcome(captured.rank)
+    gathered = coord.gather({"file": local.rank_file if failure is None else b"", "outcome": mine}, "save/gather")
+    if captured.rank != 0:
+        return None
+    assert gathered is not None and local.replicated is not None  # rank 0 invariant, not user input
+    staged = StagedSave(captured.step, captured.epoch, captured.metric, captured.run_id, local.replicated,
+                        [g["file"] for g in gathered], captured.infos, captured.kinds,
+                        {"capture_s": captured.capture_s, "gather_s": time.perf_counter() - t1})
+    staged.failures = [g["outcome"] for g in gathered if not g["outcome"].ok]
+    if local.shards is not None:
+        staged.shard_meta, staged.shard_report_keys = local.shards.meta, captured.report_keys
+    return staged
+
+
+def raise_gathered_failures(coord: Coordinator, staged: StagedSave | None) -> None:
+    """Rank 0: the error naming every rank that failed after the capture (gather_save)."""
+    if staged is not None and staged.failures:
+        raise_if_failed(coord, staged.failures, f"save of step {staged.step}")
+
+
+def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
+                   epoch: int | None, staging: StagingPool | None, replaceable: "ReplacePolicy | None",
+                   take_lease: Callable[[], Lease] | None, split: bool,
+                   durable: Storage | None = None, prepare: Callable[[], None] | None = None) -> _Captured:
+    """This rank's capture: RNG first, then its per-rank entries; rank 0 the replicated ones."""
+    out = _Captured()
+    rng = capture_process_rng()  # first: nothing below may draw before it is recorded
+    if coord.rank == 0:
+        if prepare is not None:
+            prepare()
+        check_root_is_ours(durable if durable is not None else storage, replaceable or ReplacePolicy())
+        check_step_is_free(storage, step, replaceable or ReplacePolicy())
+    own = {"step": step, "epoch": epoch, "rank": coord.rank, "world_size": coord.world_size,
+           "rng": rng,
+           "entries": {e.key: capture_entry(e) for e in entries if e.scope == PER_RANK}}
+    if coord.world_size > 1:
+        own["buffers"] = capture_rank_buffers(entries)
+    rank_tree = _encode_checked(own, ("per-rank state",), stage=True)
+    out.rank_file = b"".join(safetensors_chunks(rank_tree))
+    stage: bool | StagingPool = staging if staging is not None else False
+    if split or any(e.scope == SHARDED for e in entries):
+        out.shards = sharded.LocalShards(stage, coord.rank, coord.world_size)
+        if coord.rank == 0 and take_lease is not None:
+            out.generation = take_lease().generation  # other ranks' shard names carry it
+    if coord.rank == 0:
+        tree: dict[str, Any] = {"step": step, "epoch": epoch,
+                "entries": {e.key: capture_entry(e) for e in entries if e.scope in (REPLICATED, SHARDED)}}
+        out.replicated = _encode_checked(tree, ("replicated",), entries, stage=stage, shards=out.shards,
+                                         split=split)
+    elif out.shards is not None:
+        scopes = (REPLICATED, SHARDED) if split else (SHARDED,)
+        tree = {"entries": {e.key: capture_entry(e) for e in entries if e.scope in scopes}}
+        if split:
+            _check_storable(tree["entries"], entries)
+        encode_tree(tree, ("replicated",), shards=out.shards, split=split)  # the same names as rank 0's
+    if out.shards is not None:
+        out.shards.sync()
+    return out
+
+
+class _NoShards:
+    """A ShardSink for validation only: accepts every DTensor, copies nothing."""
+
+    def add(self, tensor: Any, path: tuple[Any, ...]) -> str:
+        return ""
+
+    def add_whole(self, tensor: Any, path: tuple[Any, ...]) -> str:
+        return ""
+
+
+def _encode_checked(tree: dict[str, Any], path: tuple[Any, ...], entries: Sequence[Entry] = (),
+                    **options: Any) -> EncodedTree:
+    """encode_tree, with unstorable values named by the user's key path (state['config'][...]).
+
+    Without shards the encoder refuses every bad value itself, so the check by key path runs
+    only when it fails (the second pass cost an async save() of the demo's state 8.4 -> 6.7 ms);
+    with shards (sharded entries, split writes) it runs first, as only it knows which entries
+    may hold DTensors."""
+    if options.get("shards") is not None:
+        _check_storable(tree["entries"], entries)
+        return encode_tree(tree, path, **options)
+    try:
+        return encode_tree(tree, path, **options)
+    except UnstorableValueError:
+        _check_storable(tree["entries"], entries)  # raises the same refusal, by the user's key path
+        raise
+
+
+def _check_storable(captured: dict[str, Any], entries: Sequence[Entry] = ()) -> None:
+    """Refuse unstorable values with the user's key path (state['config'][...]), not ours.
+    DTensors are accepted only inside sharded entries (a sharded module or its optimizer)."""
+    sharded_keys = {e.key for e in entries if e.scope == SHARDED}
+    for key, entry in captured.items():
+        sink = _NoShards() if key in sharded_keys else None
+        encode_tree(entry["state"], (key,), shards=sink)  # validation only: no tensor is copied
+
+
+def _check_same_progress(infos: list[dict[str, Any]], what: str) -> None:
+    modes = {i["async"] for i in infos}
+    if len(modes) > 1:  # the two take different paths from here on: the ranks would wait on each other
+        table = ", ".join(f"rank {r}: async_save={i['async']}" for r, i in enumerate(infos))
+        raise RankDisagreementError(f"{what}: ranks disagree on async_save — {table}; build every rank's "
+                                    "CheckpointManager with the same arguments")
+    views = {(i["step"], i["epoch"]) for i in infos}
+    if len(views) > 1:
+        table = ", ".join(f"rank {r}: step {i['step']} epoch {i['epoch']}" for r, i in enumerate(infos))
+        raise RankDisagreementError(f"{what}: ranks disagree on (step, epoch) — {table}; "
+                                    "every rank must call save() with the same step and epoch")
+
+
+def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any], lease: Lease,
+                     reports: Reports | None = None, content: ContentTable | None = None) -> str:
+    """Phases write and commit (rank 0). Returns the manifest digest. Never touches other steps
+    (except a zombie's commit of this same step, which it replaces: see fencing.py). With sharded
+    entries, `reports` brings every rank's shard report before the manifest is written."""
+    try:
+        return _write_and_commit(storage, staged, versions, lease, reports, content)
+    except (OSError, CheckpointExistsError) as e:
+        # A newer incarnation clearing this step under us makes our writes fail: say why.
+        try:
+            fencing.check_current(storage, lease)
+        except FencedError as fenced:
+            raise fenced from e
+        except OSError:
+            pass
+        raise
+
+
+def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any], lease: Lease,
+                      reports: Reports | None, content: ContentTable | None = None) -> str:
+    t0 = time.perf_counter()
+    faults.point("save/gathered", step=staged.step, rank=0)
+    fencing.check_current(storage, lease)
+    base = mf.step_dir(staged.step)
+    policy = ReplacePolicy(lease.floor, lease.generation)
+    clear_step_dir(storage, staged.step, policy)
+    gen = lease.generation
+    replicated = staged.replicated
+    split = content.split_present(replicated.tensors, storage) if content is not None else None
+    if split is not None:  # incremental: what an earlier commit holds is referenced, not written
+        replicated = EncodedTree(replicated.node, split.own)
+        incremental.check_not_overwriting_shared(storage, f"{base}/{mf.replicated_file(gen)}", staged.step)
+    files = {mf.replicated_file(gen): _write(storage, f"{base}/{mf.replicated_file(gen)}",
+                                             safetensors_chunks(replicated))}
+    faults.point("save/replicated-written", step=staged.step, rank=0)
+    for rank, data in enumerate(staged.rank_files):
+        files[mf.rank_file(rank, gen)] = _write(storage, f"{base}/{mf.rank_file(rank, gen)}", [data])
+    faults.point("save/rank-files-written", step=staged.step, rank=0)
+    table = _collect_shards(staged, reports, files, f"{storage.url}/{base}")
+    t1 = time.perf_counter()
+    manifest = {
+        "format": mf.FORMAT_VERSION, "step": staged.step, "epoch": staged.epoch,
+        "metric": staged.metric, "run_id": staged.run_id, "generation": gen, "created_unix": time.time(),
+        "world_size": len(staged.rank_files), "ranks": staged.ranks, "entries": staged.entries,
+        "files": files, "versions": versions,
+        "payload_bytes": replicated.payload_bytes + sum(
+            r["size"] for name, r in files.items() if name.startswith(sharded.SHARD_PREFIX)),
+    }
+    if split is not None:
+        manifest.update(incremental.manifest_fields(split))
+    if table is not None:
+        manifest["sharded"] = table
+    manifest.update(staged.manifest_extra)
+    data = mf.manifest_bytes(manifest)
+    create_manifest(storage, base, data, gen, policy, staged.step)
+    digest = mf.checksum_of(data)
+    faults.point("save/manifest-written", step=staged.step, rank=0)
+    fencing.check_current(storage, lease)  # last check before the point of no return
+    create_marker(storage, mf.Marker(staged.step, digest, staged.run_id, gen), policy)
+    _check_still_current(storage, lease, staged.step)
+    if content is not None and split is not None:
+        content.committed(split, f"{base}/{mf.replicated_file(gen)}", files[mf.replicated_file(gen)])
+    staged.timings.update(write_s=t1 - t0, commit_s=time.perf_counter() - t1)
+    faults.point("save/committed", step=staged.step, rank=0)
+    return digest
+
+
+def _collect_shards(staged: StagedSave, reports: Reports | None, files: dict[str, Any],
+                    where: str) -> dict[str, Any] | None:
+    """Wait for every rank's shard report; add their files; return the chunk table (or None)."""
+    if not staged.shard_report_keys:
+        return None
+    if reports is None:
+        raise CoordinationError(f"{where}: a sharded save needs the ranks' reports")
+    got = [sharded.ShardReport.from_json(d) for d in
+           reports.collect(staged.shard_report_keys, f"save of step {staged.step}: shard reports")]
+    failed = [r for r in got if r.error]
+    if failed:
+        raise StorageError(errno.EIO, f"{where}: rank(s) {[r.rank for r in failed]} could not write "
+                           f"their shards — " + "; ".join(f"rank {r.rank}: {r.error}" for r in failed))
+    for report in got:
+        if report.file is not None and report.record is not None:
+            mf.check_relative_path(report.file, where)
+            files[report.file] = report.record
+    return sharded.chunk_table(staged.shard_meta, got, where)
+
+
+def _check_still_current(storage: Storage, lease: Lease, step: int) -> None:
+    """Closes the race between the last fence check and the marker: a lease taken in between
+    saw this commit or not; either way this writer is stale now and must stop."""
+    try:
+        fencing.check_current(storage, lease)
+    except FencedError as e:
+        raise FencedError(f"step {step}'s marker was written while a newer incarnation took over; the "
+                          "newer one loads it only if it resumed from this step or later. " + str(e)) from None
+    except OSError as e:  # the commit stands; the next save checks the fence again
+        log.warning("rank 0: step %d is committed, but checking the fence after it failed: %s", step, e)
+
+
+def _write(storage: Storage, path: str, chunks: Any) -> dict[str, Any]:
+    check = mf.Checksum()
+    storage.write_file(path, check.wrap(chunks))
+    return {"size": check.size, "xxh3_64": check.hexdigest()}
+
+
+def share_outcome(coord: Coordinator, exc: BaseException | None, phase: str, what: str) -> None:
+    """Broadcast rank 0's outcome of a write; every rank raises the same error if it failed."""
+    def outcome() -> dict[str, Any]:
+        if exc is not None:
+            raise exc
+        return {}
+
+    run_on_root(coord, phase, what, outcome, exc)
+
+
+# -- load -------------------------------------------------------------------------------------
