@@ -154,3 +154,9 @@ def test_a_missing_azure_container_is_a_storage_error_that_says_so(azure_server)
     with pytest.raises(distckpt.StorageError, match="container does not exist"):
         with distckpt.CheckpointManager("az://no-such-container/x", storage_options=azure_server.storage_options()) as mgr:
             mgr.save(1, state_with(0))
+
+
+def test_a_missing_gcs_bucket_is_a_storage_error_that_says_so(gcs_server):
+    with pytest.raises(distckpt.StorageError, match="does the bucket exist"):
+        with distckpt.CheckpointManager("gs://no-such-bucket/x", storage_options=gcs_server.storage_options()) as mgr:
+            mgr.save(1, state_with(0))

@@ -170,3 +170,32 @@ def test_the_crt_client_without_its_package_is_a_config_error(s3_url, monkeypatc
     monkeypatch.setattr(s3_crt, "crt_available", lambda: False)
     with pytest.raises(distckpt.ConfigError, match=r"distckpt\[s3-crt\]"):
         open_storage(s3_url, {"client": "crt"})
+
+
+def test_a_failed_range_stops_every_other_range_before_the_read_returns(s3_server, s3_url, proxy, monkeypatch, tmp_path):
+    """One ranged GET failing for good while the others still stream: every other range is
+    stopped before read_buffer raises, so none writes into a download file afterwards (they
+    once went on writing at a reused descriptor number, into the next step's download)."""
+    from distckpt.storage import s3 as s3_module
+
+    with distckpt.CheckpointManager(s3_url, storage_options=s3_server.storage_options()) as mgr:
+        mgr.save(1, state_with(1))
+    storage = open_storage(s3_url, {**s3_server.storage_options(), "spill_dir": str(tmp_path), "retries": 1,
+                                    "range_bytes": 2**20,
+                                    "client_kwargs": {"endpoint_url": proxy.endpoint, "region_name": "us-east-1"}})
+    name = next(n for n in storage.list_files("") if "replicated" in n and n.endswith(".safetensors"))
+    writes: list[float] = []
+    real_write_at = s3_module.write_at
+
+    def slow_write_at(fd, data, offset):  # a slow disk: the other ranges are mid-stream at the failure
+        writes.append(time.monotonic())
+        time.sleep(0.05)
+        real_write_at(fd, data, offset)
+
+    monkeypatch.setattr(s3_module, "write_at", slow_write_at)
+    proxy.add(Rule("GET", r"replicated/.*safetensors", "status", times=1, status=403, skip=4))
+    with pytest.raises(distckpt.StorageError):
+        storage.read_buffer(name)
+    returned = time.monotonic()
+    time.sleep(1.0)
+    assert writes and not [t for t in writes if t > returned], "a range wrote after the read had failed"

@@ -15,9 +15,10 @@ This module never imports torch.distributed.
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, MissingFileError, StorageError
 from .conditional import ConditionalCreateStorage
 from .redact import protect_credentials
 
@@ -44,3 +45,12 @@ class GcsStorage(ConditionalCreateStorage):
         storage = cls(fs, root, url)
         storage.spill_dir = spill_dir
         return storage
+
+    def _call(self, what: str, target: str, method: str, *args: Any, size: int = 0, **kwargs: Any) -> Any:
+        try:
+            return super()._call(what, target, method, *args, size=size, **kwargs)
+        except MissingFileError as e:  # gcsfs: 404 on an upload means the bucket is missing
+            if what not in ("writing", "creating"):
+                raise
+            raise StorageError(errno.ENOENT, f"{what} {self.public(target)} failed: not found "
+                               "(does the bucket exist?)") from e

@@ -191,7 +191,17 @@ class S3Storage(FsspecStorage):
                 await asyncio.wait_for(self._stream_range(bucket, key, start, end, put),
                                        self._part_deadline(end - start))
 
-        await asyncio.gather(*(fetch(start) for start in range(0, size, self.range_bytes)))
+        tasks = [asyncio.ensure_future(fetch(start)) for start in range(0, size, self.range_bytes)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            # gather does not stop the other ranges when one fails: left running, they went on
+            # writing at the download file's descriptor number after the caller had closed it,
+            # into whatever file got that number next (the fallback step's download).
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     async def _stream_range(self, bucket: str, key: str, start: int, end: int, put: Any) -> None:
         """One range with s3fs's retries; a retry after a broken stream asks for the rest only."""
