@@ -93,7 +93,8 @@ def test_a_load_holds_little_more_than_the_state_it_fills(tmp_path, layout):
 IN_FLIGHT_MIB = {"s3": 8 * 1, "gcs": 2 * 8, "azure": 2 * 8}
 
 
-@pytest.mark.parametrize("store", ["s3", "gcs", "azure"])
+@pytest.mark.parametrize("store", ["s3", pytest.param("gcs", marks=pytest.mark.faults),
+                                   pytest.param("azure", marks=pytest.mark.faults)])
 @pytest.mark.parametrize("layout", ["module", pytest.param("one-large", marks=pytest.mark.faults)])
 def test_an_object_store_load_holds_the_reads_in_flight_not_the_file(request, tmp_path, store, layout):
     """From an object store the file is downloaded into an unnamed local file and mapped: a load
