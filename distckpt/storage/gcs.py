@@ -18,33 +18,23 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-from ..errors import ConfigError, MissingFileError, StorageError
+from ..errors import MissingFileError, StorageError
 from .conditional import ConditionalCreateStorage
-from .redact import protect_credentials
 
 
 class GcsStorage(ConditionalCreateStorage):
     """Checkpoints under gs://bucket/prefix."""
 
-    @classmethod
-    def from_url(cls, url: str, storage_options: dict[str, Any]) -> "GcsStorage":
+    client_name = "GCSFileSystem"
+
+    @staticmethod
+    def make_client(options: dict[str, Any]) -> Any:
         # The plain client: gcsfs's default class (GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT) asks a gRPC
         # control plane for each bucket's type first, which an emulator or a firewall answers
         # only after its 60 s timeout. Zonal buckets are not supported through it.
         from gcsfs.core import GCSFileSystem
 
-        options = dict(storage_options)
-        protect_credentials(options)
-        spill_dir = cls.take_spill_dir(options)
-        options.setdefault("skip_instance_cache", True)  # one owned client per manager
-        try:
-            fs = GCSFileSystem(**options)
-        except (ValueError, TypeError) as e:  # the client's own check of its options
-            raise ConfigError(f"storage_options for {url} were refused by GCSFileSystem: {e}") from e
-        root = url.split("://", 1)[1].rstrip("/")
-        storage = cls(fs, root, url)
-        storage.spill_dir = spill_dir
-        return storage
+        return GCSFileSystem(**options)
 
     def _call(self, what: str, target: str, method: str, *args: Any, size: int = 0, **kwargs: Any) -> Any:
         try:

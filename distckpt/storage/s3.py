@@ -26,7 +26,8 @@ import time
 from typing import Any, Iterable, Iterator
 
 from ..errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError
-from .fsspec_fs import FsspecStorage, _join
+from .conditional import ConditionalCreateStorage
+from .fsspec_fs import _join
 from .redact import protect_credentials
 from .s3_crt import CrtReader, choose_client
 from .spill import SMALL_READ_BYTES, SpillError, check_spill_dir, default_spill_dir, download_mapped, write_at
@@ -49,7 +50,7 @@ PARTS_PER_SIZE = 1000
 MIN_PART_BYTES, MAX_PART_BYTES = 5 * 2**20, 5 * 2**30  # S3: parts of 5 MiB to 5 GiB, at most 10,000
 
 
-class S3Storage(FsspecStorage):
+class S3Storage(ConditionalCreateStorage):
     """Checkpoints under s3://bucket/prefix.
 
     Extra `storage_options` (all optional): ``part_bytes`` (size of the first 1000 multipart
@@ -274,32 +275,9 @@ class S3Storage(FsspecStorage):
                 log.warning("aborting the upload of s3://%s/%s failed: %s", bucket, key, e)
             raise
 
-    def create_exclusive(self, path: str, data: bytes) -> None:
-        target = _join(self.root, path)
-        try:
-            self._call("creating", target, "pipe_file", target, data, mode="create")
-            return
-        except CheckpointExistsError as e:  # s3fs recognised the failed If-None-Match
-            first_error: StorageError = e
-            conflict = True
-        except StorageError as e:
-            first_error, conflict = e, _is_precondition_failed(e)
-        current = self._read_back(path)
-        if current == data:
-            log.info("%s: the conditional write was applied by an earlier attempt of this request",
-                     self.public(target))
-            return
-        if current is not None or conflict:
-            raise CheckpointExistsError(errno.EEXIST, f"{self.public(target)} already exists: another "
-                                        "writer committed this step") from first_error
-        raise first_error
-
-    def _read_back(self, path: str) -> bytes | None:
-        self.fs.invalidate_cache(_join(self.root, path))
-        try:
-            return self.read_bytes(path)
-        except FileNotFoundError:
-            return None
+    def _lost_the_race(self, e: StorageError) -> bool:
+        # s3fs names a failed If-None-Match only when the server names the condition
+        return isinstance(e, CheckpointExistsError) or _is_precondition_failed(e)
 
     def list_dir(self, path: str) -> list[str]:
         """Names with at least one object under them, from an uncached recursive listing.
