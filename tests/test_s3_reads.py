@@ -158,6 +158,12 @@ def test_a_full_download_disk_falls_back_to_memory_and_loads_exactly(s3_server, 
     ({"spill_dir": 17}, "spill_dir"),
     ({"client": "boto"}, "client"),
     ({"client": "crt", "key": "AKIA...", "secret": "..."}, "client='crt'"),
+    ({"concurrency": 0}, "concurrency=0"),       # waited forever on its semaphore
+    ({"range_bytes": 0}, "range_bytes=0"),       # a bare ValueError from range()
+    ({"retries": "3"}, "retries='3'"),
+    ({"retries": 0}, "retries=0"),               # s3fs would never send the request
+    ({"call_timeout": -1}, "call_timeout=-1"),
+    ({"part_bytes": True}, "part_bytes=True"),
 ])
 def test_bad_read_options_are_config_errors_naming_them(s3_server, s3_url, options, named):
     with pytest.raises(distckpt.ConfigError, match=named):

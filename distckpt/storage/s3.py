@@ -79,11 +79,11 @@ class S3Storage(ConditionalCreateStorage):
 
         options = dict(storage_options)
         protect_credentials(options)
-        part_bytes = int(options.pop("part_bytes", DEFAULT_PART_BYTES))
-        concurrency = int(options.pop("concurrency", DEFAULT_CONCURRENCY))
-        call_timeout = float(options.pop("call_timeout", DEFAULT_CALL_TIMEOUT_S))
-        range_bytes = int(options.pop("range_bytes", DEFAULT_RANGE_BYTES))
-        retries = int(options.pop("retries", 3))
+        part_bytes = _number(options, "part_bytes", DEFAULT_PART_BYTES, int, 1)
+        concurrency = _number(options, "concurrency", DEFAULT_CONCURRENCY, int, 1, 1024)
+        call_timeout = _number(options, "call_timeout", DEFAULT_CALL_TIMEOUT_S, float, 1e-3)
+        range_bytes = _number(options, "range_bytes", DEFAULT_RANGE_BYTES, int, 64 * 1024)
+        retries = _number(options, "retries", 3, int, 1, 100)
         spill_dir = check_spill_dir(options.pop("spill_dir", default_spill_dir()))
         crt = CrtReader(options, MAX_ATTEMPTS) if choose_client(options.pop("client", "s3fs"), options) else None
         # A deep copy: botocore rewrites the "retries" dict it is given (max_attempts becomes
@@ -350,6 +350,19 @@ class S3Storage(ConditionalCreateStorage):
                            "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
                 aborted += 1
         return aborted
+
+
+def _number(options: dict[str, Any], name: str, default: Any, kind: type, low: float,
+            high: float = float("inf")) -> Any:
+    """Pop storage option `name` as a `kind` in [low, high]; ConfigError naming it otherwise
+    (concurrency=0 waited forever on its semaphore, range_bytes=0 raised a bare ValueError)."""
+    value = options.pop(name, default)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or float(value).is_integer())
+    if not ok or not low <= value <= high:
+        bound = f"at least {low:g}" + (f" and at most {high:g}" if high != float("inf") else "")
+        raise ConfigError(f"storage option {name}={value!r}: must be {'an integer' if kind is int else 'a number'} "
+                          f"{bound}")
+    return kind(value)
 
 
 def part_size(number: int, base: int) -> int:
