@@ -83,6 +83,7 @@ def test_a_model_left_in_eval_by_a_validation_pass_is_named(tmp_path, capsys, mo
     assert report["per_step"]["9"] == [] and report["per_step"]["14"], report["per_step"]
 
 
+@pytest.mark.faults  # make test-faults (26 s of torchrun; the per-step report above runs in make test)
 def test_every_k_locates_the_first_differing_optimizer_step_between_checkpoints(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ROOT)
     command = [a.replace("LOG", str(tmp_path / "log")) for a in _command("--unsaved-random")]

@@ -45,7 +45,7 @@ ZOO = [
     pytest.param(4, ["--workers", "2", "--no-loader-gen", "--every", "3"], "17,19", id="4ranks-workers-two-resumes",
                  marks=faults),
     # Incremental saves of a LoRA-like state (fc1 frozen): references, and retention keeping them.
-    pytest.param(2, ["--incremental", "--freeze-fc1"], "23", id="incremental-frozen-fc1"),
+    pytest.param(2, ["--incremental", "--freeze-fc1"], "23", id="incremental-frozen-fc1", marks=faults),
     pytest.param(2, ["--incremental", "--freeze-fc1", "--async", "--every", "2", "--workers", "2"], "20,22",
                  id="incremental-async-two-resumes", marks=faults),
     # Every-step async saves with the snapshot overlapped with the next forward/backward (the

@@ -13,7 +13,7 @@ import pytest
 from distckpt.errors import CheckpointExistsError, MissingFileError, StorageError
 from distckpt.storage import open_storage
 
-S3_CLIENTS = ["s3", "s3-in-memory", "s3-crt"]
+S3_CLIENTS = ["s3", pytest.param("s3-in-memory", marks=pytest.mark.faults), "s3-crt"]
 
 
 @pytest.fixture(params=["local", "memory", *S3_CLIENTS, "gcs", "azure"])
