@@ -82,12 +82,12 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
     tiers = _tiers(storage, args)
     for tier, root in tiers:
         for s in list_steps(root):
-            m = s.manifest or {}
-            row = {"step": s.step, "status": s.status, "epoch": m.get("epoch"), "metric": m.get("metric"),
-                   "world_size": m.get("world_size"), "created_unix": m.get("created_unix"),
-                   "bytes": sum(f["size"] for f in m.get("files", {}).values()) if m else None,
+            m = s.manifest
+            row = {"step": s.step, "status": s.status, "epoch": m and m.epoch, "metric": m and m.metric,
+                   "world_size": m and m.world_size, "created_unix": m and m.created_unix,
+                   "bytes": m and m.owned_bytes,
                    # incremental: bytes of older steps' files it references (stored once, there)
-                   "shared_bytes": sum(f["size"] for f in (m.get("shared_files") or {}).values()) if m else None}
+                   "shared_bytes": m and m.shared_bytes}
             rows.append({**row, "tier": tier} if len(tiers) > 1 else row)
     if len(tiers) > 1:
         rows.sort(key=lambda r: (r["step"], r["tier"] == "local"))
@@ -171,7 +171,7 @@ def _progress(storage: Storage, steps: list[int]) -> Any:
     total = 0
     for step in steps:
         try:
-            total += sum(f["size"] for f in read_manifest(storage, step)["files"].values())
+            total += read_manifest(storage, step).owned_bytes
         except (DistCkptError, OSError):
             pass
     return tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not sys.stderr.isatty(),

@@ -39,11 +39,11 @@ def read_marker(storage: Storage, step: int) -> mf.Marker:
                            f"{storage.url}/{base}/{mf.MARKER}")
 
 
-def read_verified_manifest(storage: Storage, step: int, marker: mf.Marker) -> dict:
+def read_verified_manifest(storage: Storage, step: int, marker: mf.Marker) -> mf.Manifest:
     """The step's manifest, checked against its marker and the schema."""
     base = mf.step_dir(step)
     data = _bounded(storage, f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES)
-    return mf.parse_manifest(data, marker, f"{storage.url}/{base}")
+    return mf.Manifest.parse(data, marker, f"{storage.url}/{base}")
 
 
 def _bounded(storage: Storage, path: str, limit: int) -> bytes:

@@ -144,14 +144,14 @@ def manifest_fields(split: Split) -> dict[str, Any]:
             SHARED: {s.file: s.record for s in split.reused.values()}}
 
 
-def resolve(storage: Storage, manifest: dict[str, Any], where: str,
+def resolve(storage: Storage, manifest: mf.Manifest, where: str,
             release: Callable[[Any], Callable[[int, int], None]] | None = None,
             buffers: list[Any] | None = None) -> dict[str, torch.Tensor]:
     """The reused tensors by name, read from the shared files (each verified against the
     manifest's record). CorruptCheckpointError when a shared file is missing or damaged.
     `release`/`buffers`: export's bounded reading (verified piece by piece; the opened buffers
     are appended to `buffers`, so their pages can be released after use)."""
-    reused = manifest.get(REUSED) or {}
+    reused = manifest.reused or {}
     if not reused:
         return {}
     opened: dict[str, dict[str, torch.Tensor]] = {}
@@ -159,7 +159,7 @@ def resolve(storage: Storage, manifest: dict[str, Any], where: str,
     for name, ref in reused.items():
         file = ref["file"]
         if file not in opened:
-            opened[file] = _open_shared(storage, file, manifest[SHARED][file], where, release, buffers)
+            opened[file] = _open_shared(storage, file, (manifest.shared_files or {})[file], where, release, buffers)
         tensor = opened[file].get(ref["tensor"])
         if tensor is None:
             raise CorruptCheckpointError(f"{where}: shared file {file} holds no tensor {ref['tensor']!r}")
@@ -183,14 +183,14 @@ def _open_shared(storage: Storage, file: str, record: dict[str, Any], where: str
     return tensors
 
 
-def reused_specs(storage: Storage, manifest: dict[str, Any]) -> dict[str, tuple[str, list[int], int, str]]:
+def reused_specs(storage: Storage, manifest: mf.Manifest) -> dict[str, tuple[str, list[int], int, str]]:
     """name -> (dtype, shape, bytes, shared file) of every reused tensor, from the shared files'
     headers (for inspect: no checksum, no tensor bytes used)."""
     from .serialize import checked_header
 
     out = {}
     headers: dict[str, dict[str, Any]] = {}
-    for name, ref in (manifest.get(REUSED) or {}).items():
+    for name, ref in (manifest.reused or {}).items():
         file = ref["file"]
         if file not in headers:
             _, ranges, _ = checked_header(storage.read_bytes(file), f"{storage.url}/{file}")

@@ -21,7 +21,7 @@ from .serialize import checked_header, decode_tree, load_tree_file
 from .storage import Storage
 
 
-def read_manifest(storage: Storage, step: int, leases: list[Lease] | None = None) -> dict[str, Any]:
+def read_manifest(storage: Storage, step: int, leases: list[Lease] | None = None) -> mf.Manifest:
     """The verified manifest; with `leases`, a superseded writer's commit is refused as the loader does."""
     marker = read_marker(storage, step)
     check_not_superseded(marker, leases or [], f"{storage.url}/{mf.step_dir(step)}")
@@ -32,7 +32,7 @@ def read_manifest(storage: Storage, step: int, leases: list[Lease] | None = None
 class StepListing:
     step: int
     status: str  # "committed", "damaged: …", "uncommitted"
-    manifest: dict[str, Any] | None = None
+    manifest: mf.Manifest | None = None
 
 
 def list_steps(storage: Storage) -> list[StepListing]:
@@ -49,7 +49,7 @@ def list_steps(storage: Storage) -> list[StepListing]:
             continue
         try:
             out.append(StepListing(step, "committed", read_manifest(storage, step, leases)))
-            shared.update(out[-1].manifest.get(incremental.SHARED) or {})  # type: ignore[union-attr]
+            shared.update(out[-1].manifest.shared_files or {})  # type: ignore[union-attr]
         except (DistCkptError, OSError) as e:
             out.append(StepListing(step, f"damaged: {e}"))
     for i, listing in enumerate(out):  # incremental: a deleted step whose files newer ones share
@@ -68,8 +68,8 @@ def verify_step(storage: Storage, step: int, progress: Callable[[int], None] = l
     except (DistCkptError, OSError) as e:
         return [str(e)]
     problems = []
-    replicated_name = mf.payload_names(manifest)[0]
-    for name, record in manifest["files"].items():
+    replicated_name = manifest.payload_names()[0]
+    for name, record in manifest.files.items():
         where = f"{storage.url}/{base}/{name}"
         try:
             data = storage.read_bytes(f"{base}/{name}")
@@ -117,18 +117,18 @@ def describe_step(storage: Storage, step: int) -> dict[str, Any]:
 def _describe_step(storage: Storage, step: int) -> dict[str, Any]:
     manifest = read_manifest(storage, step)
     base = mf.step_dir(step)
-    replicated_name, rank_names = mf.payload_names(manifest)
+    replicated_name, rank_names = manifest.payload_names()
     reused = incremental.reused_specs(storage, manifest)
     replicated, table = _header_tree(storage.read_bytes(f"{base}/{replicated_name}"), "replicated", reused)
     ranks = []
-    for rank in range(manifest["world_size"]):
+    for rank in range(manifest.world_size):
         own, _ = _header_tree(storage.read_bytes(f"{base}/{rank_names[rank]}"), f"rank {rank}")
         ranks.append({"rank": rank, "epoch": own.get("epoch"), "rng_streams": sorted(own["rng"]),
                       "entries": {k: _summarise(v) for k, v in own["entries"].items()}})
     config = replicated["entries"].get("config", {}).get("state")
     shared = sum(t["bytes"] for t in table if "shared_from" in t)
-    owned = sum(r["size"] for r in manifest["files"].values())
-    return {"manifest": manifest, "ranks": ranks, "config": _plain(config), "tensors": table,
+    owned = manifest.owned_bytes
+    return {"manifest": manifest.to_json(), "ranks": ranks, "config": _plain(config), "tensors": table,
             "bytes_owned": owned, "bytes_shared": shared}
 
 
@@ -163,8 +163,8 @@ def load_trees(storage: Storage, step: int) -> dict[str, Any]:
     manifest = read_manifest(storage, step)
     base = mf.step_dir(step)
     out = {}
-    replicated_name = mf.payload_names(manifest)[0]
-    for name, record in manifest["files"].items():
+    replicated_name = manifest.payload_names()[0]
+    for name, record in manifest.files.items():
         data = storage.read_bytes(f"{base}/{name}")
         mf.verify_file(data, record, f"{storage.url}/{base}/{name}")
         extra = incremental.resolve(storage, manifest, f"{storage.url}/{base}") if name == replicated_name else None

@@ -89,7 +89,7 @@ class Progress:
 class ReadCheckpoint:
     step: int
     digest: str
-    manifest: dict[str, Any]
+    manifest: mf.Manifest
     replicated: dict[str, Any]
     own: dict[str, Any]
     per_rank_restored: bool = True
@@ -123,19 +123,19 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
         manifest = read_verified_manifest(storage, step, marker)
     except MissingFileError as e:
         raise CorruptCheckpointError(f"{where}: {e}") from e
-    replicated_name, rank_names = mf.payload_names(manifest)
-    imported = bool(manifest.get("imported"))  # from torch.save / DCP: no per-rank state in the source
+    replicated_name, rank_names = manifest.payload_names()
+    imported = manifest.imported is not None  # from torch.save / DCP: no per-rank state in the source
     buffers: list[Any] = []
-    if imported or (manifest["world_size"] != world_size and world_size_policy in ("reshard", "replicated_only")):
+    if imported or (manifest.world_size != world_size and world_size_policy in ("reshard", "replicated_only")):
         replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers)
-        own: dict[str, Any] = {"epoch": manifest.get("epoch"), "rank": rank, "entries": {}, "rng": None}
+        own: dict[str, Any] = {"epoch": manifest.epoch, "rank": rank, "entries": {}, "rng": None}
         return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, per_rank_restored=False,
                               buffers=buffers)
-    if manifest["world_size"] != world_size:
+    if manifest.world_size != world_size:
         raise IncompatibleCheckpointError(
-            f"{where} was written by {manifest['world_size']} ranks, this job has {world_size}: "
+            f"{where} was written by {manifest.world_size} ranks, this job has {world_size}: "
             "per-rank state (RNG streams, sampler and loader positions) cannot be mapped to "
-            f"another world size; relaunch with --nproc-per-node/--nnodes giving {manifest['world_size']} ranks, "
+            f"another world size; relaunch with --nproc-per-node/--nnodes giving {manifest.world_size} ranks, "
             "or pass world_size_policy='reshard' to restore the replicated and sharded state and keep "
             "this run's per-rank state")
     replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers)
@@ -143,12 +143,12 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
     return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, buffers=buffers)
 
 
-def _read_tree(storage: Storage, base: str, name: str, manifest: dict[str, Any], where: str,
+def _read_tree(storage: Storage, base: str, name: str, manifest: mf.Manifest, where: str,
                buffers: list[Any] | None = None) -> Any:
     """One verified tree file, its tensors viewing the file's buffer (appended to `buffers`). A
     mapped file is verified piece by piece, each piece's pages let go once hashed, so a load
     never holds the whole file resident (the restore lets go of them again as it copies)."""
-    record = manifest["files"].get(name)
+    record = manifest.files.get(name)
     if record is None:
         raise CorruptCheckpointError(f"{where}: the manifest lists no {name}")
     try:
@@ -162,7 +162,7 @@ def _read_tree(storage: Storage, base: str, name: str, manifest: dict[str, Any],
     mf.verify_file(data, record, f"{where}/{name}", lambda start, n: release_pages(data, start, n))
     if buffers is not None:
         buffers.append(data)
-    extra = incremental.resolve(storage, manifest, where) if name == mf.payload_names(manifest)[0] else None
+    extra = incremental.resolve(storage, manifest, where) if name == manifest.payload_names()[0] else None
     return load_tree_file(data, f"{where}/{name}", extra)
 
 
@@ -181,7 +181,7 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
         return None  # step directories, but none committed
     chosen, tier = found
     notes, kept = _apply_phase(coord, entries, state, chosen, rules)
-    return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.get("metric"),
+    return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.metric,
                     f"{storages[tier].url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept), tier)
 
 
@@ -301,7 +301,7 @@ def _try_read(coord: Coordinator, storage: Storage, entries: list[Entry], step: 
 def _resolve_sharded(storage: Storage, entries: list[Entry], read: ReadCheckpoint) -> list[Entry]:
     """The entries as they will be restored; each sharded one's saved state gets this rank's
     pieces, assembled from whichever ranks' shard files overlap them (nothing is changed yet)."""
-    if not read.manifest.get("sharded"):  # no shard files: nothing to resolve (most loads)
+    if not read.manifest.sharded:  # no shard files: nothing to resolve (most loads)
         return list(entries)
     base = mf.step_dir(read.step)
     reader = sharded.ShardReader(storage, base, read.manifest, f"{storage.url}/{base}")
@@ -345,14 +345,14 @@ def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: t
 
 
 def _warn_per_rank_kept(read: ReadCheckpoint, coord: Coordinator, kept: list[str]) -> None:
-    if read.manifest.get("imported"):
-        message = (f"rank {coord.rank}: step {read.step} was imported from {read.manifest['imported']}, which holds no "
+    if read.manifest.imported is not None:
+        message = (f"rank {coord.rank}: step {read.step} was imported from {read.manifest.imported}, which holds no "
                    f"per-rank state: the RNG streams and the per-rank entries {kept} keep what this process set. "
                    "The run continues from the imported state, not bit for bit.")
         log.warning(message)
         warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
         return
-    message = (f"rank {coord.rank}: step {read.step} was written by {read.manifest['world_size']} ranks and "
+    message = (f"rank {coord.rank}: step {read.step} was written by {read.manifest.world_size} ranks and "
                f"is loaded by {coord.world_size} (world_size_policy='reshard'): replicated and sharded state "
                f"restored; kept as this process set them, not restored: the RNG streams (Python, NumPy, "
                f"torch, devices) and the per-rank entries {kept}. The run continues, not bit for bit.")

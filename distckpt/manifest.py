@@ -20,7 +20,7 @@ import re
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Iterator
 
 import xxhash
@@ -150,14 +150,110 @@ def verify_file(data: bytes | bytearray | memoryview, record: dict[str, Any], wh
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:
-    """The manifest's bytes; refused at save (UnstorableValueError) beyond what a load reads."""
-    data = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode()
-    if len(data) > _MAX_MANIFEST_BYTES:
-        from .errors import UnstorableValueError
+    """JSON bytes of a manifest's fields, refused (UnstorableValueError) beyond what a load reads.
+    Writers go through Manifest.to_bytes, which also checks the schema."""
+    from .errors import UnstorableValueError
 
+    try:
+        data = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode()
+    except (TypeError, ValueError) as e:  # a NaN, a key or a value JSON has no spelling for
+        raise UnstorableValueError(f"the manifest is not storable as JSON: {e}") from e
+    if len(data) > _MAX_MANIFEST_BYTES:
         raise UnstorableValueError(f"the manifest would be {len(data):,} bytes, more than the {_MAX_MANIFEST_BYTES:,} "
                                    "a load reads: fewer, larger tensors")
     return data
+
+
+FileRecord = dict[str, Any]  # {"size": bytes, "xxh3_64": hex digest}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """manifest.json: what one committed step holds. The one home of its schema: `to_bytes`
+    refuses at save what `parse` would refuse at load, so a checkpoint that saved also loads.
+
+    The optional fields are left out of the JSON when None: older writers, unsharded and
+    non-incremental saves never wrote them, and the format stays the same bytes for them."""
+
+    step: int
+    world_size: int
+    files: dict[str, FileRecord]
+    run_id: str
+    created_unix: float
+    entries: dict[str, dict[str, str]]  # key -> {"kind", "scope"}
+    versions: dict[str, str | None]
+    ranks: list[dict[str, Any]]  # per rank: rank, step, epoch, host
+    epoch: int | None = None
+    metric: float | None = None
+    generation: int = 0  # the writer's lease (fencing.py)
+    payload_bytes: int | None = None
+    sharded: dict[str, Any] | None = None  # tensor name -> chunk table (sharded.py)
+    imported: str | None = None  # the torch.save / DCP source an import came from
+    reused: dict[str, dict[str, str]] | None = None  # incremental: tensor -> {"file", "tensor"}
+    shared_files: dict[str, FileRecord] | None = None  # incremental: older steps' files referenced
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": FORMAT_VERSION}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None or f.name not in _LEFT_OUT_WHEN_NONE:
+                out[f.name] = value
+        return out
+
+    def to_bytes(self) -> bytes:
+        """The bytes to write; UnstorableValueError if a reader would refuse them."""
+        from .errors import UnstorableValueError
+
+        raw = self.to_json()
+        try:
+            check_manifest_schema(raw, MANIFEST)
+        except CorruptCheckpointError as e:
+            raise UnstorableValueError(f"this save's manifest would not load: {e}") from e
+        return manifest_bytes(raw)
+
+    @classmethod
+    def parse(cls, data: bytes, marker: "Marker", where: str) -> "Manifest":
+        """Check the bytes against their marker, then the structure (CorruptCheckpointError names
+        the field)."""
+        if len(data) > _MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"{where}: manifest of {len(data)} bytes is larger than any we write")
+        if checksum_of(data) != marker.manifest_digest:
+            raise CorruptCheckpointError(f"{where}: manifest does not match its COMMITTED marker (damaged or replaced)")
+        try:
+            raw = json.loads(data)
+        except (ValueError, RecursionError) as e:
+            raise CorruptCheckpointError(f"{where}: manifest is not JSON: {e}") from e
+        manifest = cls.from_json(raw, where)
+        if manifest.step != marker.step:
+            raise CorruptCheckpointError(f"{where}: manifest step {manifest.step} differs from the marker's {marker.step}")
+        if manifest.generation != marker.generation:
+            raise CorruptCheckpointError(f"{where}: manifest generation {manifest.generation} differs from the marker's {marker.generation}")
+        return manifest
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> "Manifest":
+        """A manifest from its parsed JSON, schema-checked; fields this version does not know are
+        ignored (readers ignore everything else)."""
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT_VERSION:
+            raise CorruptCheckpointError(f"{where}: manifest format {raw.get('format') if isinstance(raw, dict) else '?'} is not {FORMAT_VERSION}")
+        check_manifest_schema(raw, f"{where}/{MANIFEST}")
+        return cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
+
+    def payload_names(self) -> tuple[str, list[str]]:
+        """(replicated file, rank files by rank)."""
+        return replicated_file(self.generation), [rank_file(r, self.generation) for r in range(self.world_size)]
+
+    @property
+    def owned_bytes(self) -> int:
+        """Bytes of the files this step holds itself (not those it shares with older steps)."""
+        return sum(r["size"] for r in self.files.values())
+
+    @property
+    def shared_bytes(self) -> int:
+        return sum(r["size"] for r in (self.shared_files or {}).values())
+
+
+_LEFT_OUT_WHEN_NONE = {"payload_bytes", "sharded", "imported", "reused", "shared_files"}  # the rest is required
 
 
 @dataclass(frozen=True)
@@ -186,26 +282,6 @@ class Marker:
             return cls(step, d["manifest_xxh3_64"], d["run_id"], generation, d.get("nonce", ""))
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise CorruptCheckpointError(f"{where}: unreadable commit marker: {e}") from e
-
-
-def parse_manifest(data: bytes, marker: Marker, where: str) -> dict[str, Any]:
-    """Check the manifest against its marker and its own structure."""
-    if len(data) > _MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"{where}: manifest of {len(data)} bytes is larger than any we write")
-    if checksum_of(data) != marker.manifest_digest:
-        raise CorruptCheckpointError(f"{where}: manifest does not match its COMMITTED marker (damaged or replaced)")
-    try:
-        manifest = json.loads(data)
-    except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{where}: manifest is not JSON: {e}") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
-        raise CorruptCheckpointError(f"{where}: manifest format {manifest.get('format') if isinstance(manifest, dict) else '?'} is not {FORMAT_VERSION}")
-    check_manifest_schema(manifest, f"{where}/{MANIFEST}")
-    if manifest.get("step") != marker.step:
-        raise CorruptCheckpointError(f"{where}: manifest step {manifest.get('step')} differs from the marker's {marker.step}")
-    if manifest.get("generation", 0) != marker.generation:
-        raise CorruptCheckpointError(f"{where}: manifest generation {manifest.get('generation', 0)} differs from the marker's {marker.generation}")
-    return manifest
 
 
 def check_manifest_schema(manifest: dict[str, Any], where: str) -> None:
@@ -316,12 +392,6 @@ _RANK_FIELDS: list[tuple[str, Any, str]] = [
     ("epoch", _is_optional_count, "an int >= 0 or null"),
     ("host", lambda v: isinstance(v, str), "a string"),
 ]
-
-
-def payload_names(manifest: dict[str, Any]) -> tuple[str, list[str]]:
-    """(replicated file, rank files by rank) of a parsed manifest."""
-    gen = int(manifest.get("generation", 0))
-    return replicated_file(gen), [rank_file(r, gen) for r in range(int(manifest["world_size"]))]
 
 
 def check_relative_path(path: str, where: str) -> None:

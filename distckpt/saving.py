@@ -336,20 +336,14 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
     faults.point("save/rank-files-written", step=staged.step, rank=0)
     table = _collect_shards(staged, reports, files, f"{storage.url}/{base}")
     t1 = time.perf_counter()
-    manifest = {
-        "format": mf.FORMAT_VERSION, "step": staged.step, "epoch": staged.epoch,
-        "metric": staged.metric, "run_id": staged.run_id, "generation": gen, "created_unix": time.time(),
-        "world_size": len(staged.rank_files), "ranks": staged.ranks, "entries": staged.entries,
-        "files": files, "versions": versions,
-        "payload_bytes": replicated.payload_bytes + sum(
+    manifest = mf.Manifest(
+        step=staged.step, epoch=staged.epoch, metric=staged.metric, run_id=staged.run_id, generation=gen,
+        created_unix=time.time(), world_size=len(staged.rank_files), ranks=staged.ranks,
+        entries=staged.entries, files=files, versions=versions, sharded=table,
+        payload_bytes=replicated.payload_bytes + sum(
             r["size"] for name, r in files.items() if name.startswith(sharded.SHARD_PREFIX)),
-    }
-    if split is not None:
-        manifest.update(incremental.manifest_fields(split))
-    if table is not None:
-        manifest["sharded"] = table
-    manifest.update(staged.manifest_extra)
-    data = mf.manifest_bytes(manifest)
+        **(incremental.manifest_fields(split) if split is not None else {}), **staged.manifest_extra)
+    data = manifest.to_bytes()
     create_manifest(storage, base, data, gen, policy, staged.step)
     digest = mf.checksum_of(data)
     faults.point("save/manifest-written", step=staged.step, rank=0)

@@ -230,11 +230,11 @@ class ShardReader:
     Shard files are read whole, verified against the manifest's checksum, once per load.
     """
 
-    def __init__(self, storage: Storage, base: str, manifest: dict[str, Any], where: str,
+    def __init__(self, storage: Storage, base: str, manifest: "mf.Manifest", where: str,
                  bounded: bool = False) -> None:
         self.storage, self.base, self.where = storage, base, where
-        self.files: dict[str, Any] = manifest.get("files", {})
-        self.table: dict[str, Any] = manifest.get("sharded") or {}
+        self.files: dict[str, Any] = manifest.files
+        self.table: dict[str, Any] = manifest.sharded or {}
         self._opened: dict[str, dict[str, torch.Tensor]] = {}
         self._buffers: list[Any] = []
         self.bounded = bounded  # export: verified files are not kept resident (release())

@@ -116,13 +116,13 @@ def upload_step(local: Storage, durable: Storage, step: int, lease: Lease) -> bo
     where = f"{local.url}/{base}"
     marker = read_marker(local, step)
     manifest_bytes = local.read_bytes(f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES)
-    manifest = mf.parse_manifest(manifest_bytes, marker, where)
+    manifest = mf.Manifest.parse(manifest_bytes, marker, where)
     if _same_marker(durable, step, marker):
         return False
     policy = ReplacePolicy(lease.floor, lease.generation)
     fencing.check_current(durable, lease)
     clear_step_dir(durable, step, policy)  # only a superseded writer's commit of this step
-    for name, record in manifest["files"].items():
+    for name, record in manifest.files.items():
         mf.check_relative_path(name, where)
         data = local.read_buffer(f"{base}/{name}")
         mf.verify_file(data, record, f"{where}/{name}")  # damaged local bytes never become durable
@@ -147,9 +147,9 @@ def committed_files(storage: Storage, step: int) -> dict[str, bytes]:
     where = f"{storage.url}/{base}"
     marker = read_marker(storage, step)
     manifest_bytes = storage.read_bytes(f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES)
-    manifest = mf.parse_manifest(manifest_bytes, marker, where)
+    manifest = mf.Manifest.parse(manifest_bytes, marker, where)
     out = {mf.MANIFEST: manifest_bytes, mf.MARKER: marker.to_bytes()}
-    for name, record in manifest["files"].items():
+    for name, record in manifest.files.items():
         mf.check_relative_path(name, where)
         data = storage.read_buffer(f"{base}/{name}")
         mf.verify_file(data, record, f"{where}/{name}")

@@ -106,8 +106,8 @@ def _model_of_step(storage: Storage, step: int, entry: str, bounded: bool = Fals
     manifest = read_verified_manifest(storage, step, marker)
     base = mf.step_dir(step)
     where = f"{storage.url}/{base}"
-    name, _ = mf.payload_names(manifest)
-    record = manifest["files"].get(name)
+    name, _ = manifest.payload_names()
+    record = manifest.files.get(name)
     if record is None:
         raise CorruptCheckpointError(f"{where}: the manifest lists no {name}")
     data = storage.read_buffer(f"{base}/{name}")

@@ -81,7 +81,7 @@ def test_manifest_paths_outside_the_step_are_refused(path):
     raw = mf.manifest_bytes(manifest)
     marker = mf.Marker(1, mf.checksum_of(raw), "run")
     with pytest.raises(distckpt.CorruptCheckpointError, match="unsafe path"):
-        mf.parse_manifest(raw, marker, "hostile")
+        mf.Manifest.parse(raw, marker, "hostile")
 
 
 def test_a_pickle_in_place_of_a_payload_never_runs(ckpt_dir, tmp_path, monkeypatch):

@@ -185,3 +185,50 @@ def test_a_directory_symlink_planted_in_a_step_is_not_followed(tmp_path):
                 pytest.warns(distckpt.CheckpointFallbackWarning, match="symbolic link"):
             mgr.load_latest({"w": torch.zeros(6), "cfg": {}})
     _load_is_refused_or_identical(root, original)
+
+
+def _valid_manifest() -> "distckpt.manifest.Manifest":
+    from distckpt import manifest as mf
+
+    return mf.Manifest(step=7, world_size=2, run_id="run", created_unix=1.7e9, epoch=1, metric=0.5, generation=3,
+                       files={mf.replicated_file(3): {"size": 10, "xxh3_64": "ab"},
+                              mf.rank_file(0, 3): {"size": 1, "xxh3_64": "cd"},
+                              mf.rank_file(1, 3): {"size": 1, "xxh3_64": "ef"}},
+                       entries={"model": {"kind": "module", "scope": "replicated"}}, versions={"torch": "2"},
+                       ranks=[{"rank": r, "step": 7, "epoch": 1, "host": "h"} for r in range(2)], payload_bytes=10)
+
+
+@settings(max_examples=EXAMPLES * 8, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_a_manifest_that_saves_also_loads(data):
+    """The writer and the reader share one schema: any field value either is refused when the
+    manifest is written (UnstorableValueError) or reads back as the same manifest."""
+    import dataclasses
+
+    from distckpt import manifest as mf
+
+    base = _valid_manifest()
+    names = data.draw(st.lists(st.sampled_from([f.name for f in dataclasses.fields(mf.Manifest)]),
+                               min_size=1, max_size=3, unique=True))
+    changed = dataclasses.replace(base, **{n: data.draw(hostile_values, label=n) for n in names})
+    try:
+        raw = changed.to_bytes()
+    except distckpt.UnstorableValueError:
+        return
+    marker = mf.Marker(changed.step, mf.checksum_of(raw), "run", changed.generation)
+    assert mf.Manifest.parse(raw, marker, "generated") == changed
+
+
+def test_a_save_whose_manifest_would_not_load_is_refused_and_names_the_field():
+    import dataclasses
+
+    from distckpt import manifest as mf
+
+    with pytest.raises(distckpt.UnstorableValueError, match="'created_unix'"):
+        dataclasses.replace(_valid_manifest(), created_unix=float("inf")).to_bytes()
+    with pytest.raises(distckpt.UnstorableValueError, match="not storable as JSON"):
+        dataclasses.replace(_valid_manifest(), sharded={"t": float("nan")}).to_bytes()
+    with pytest.raises(distckpt.UnstorableValueError, match="world_size"):
+        dataclasses.replace(_valid_manifest(), world_size=5).to_bytes()
+    assert mf.Manifest.parse(_valid_manifest().to_bytes(), mf.Marker(7, mf.checksum_of(_valid_manifest().to_bytes()),
+                                                                     "run", 3), "ok") == _valid_manifest()
