@@ -145,7 +145,7 @@ def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None
         index.scan()
     committed = {mf.step_dir(step) for step in index.listing.committed()}
     names = set(index.listing.step_names())
-    if storage.keeps_empty_directories:  # a directory without files is in no listing of files
+    if storage.capabilities.keeps_empty_directories:  # a directory without files is in no listing of files
         names |= set(storage.list_dir(""))
     removed = []
     references: set[str] | None = None

@@ -155,3 +155,33 @@ def test_concurrent_exclusive_creates_exactly_one_wins(storage):
         won = list(pool.map(attempt, range(8)))
     assert won.count(True) == 1, won
     assert storage.read_bytes("step-1/COMMITTED") == f"writer {won.index(True)}".encode()
+
+
+def test_the_declared_capabilities_hold(storage):
+    """What a backend says of itself (storage/capabilities.py) is what it does, where a test can
+    see it: a directory left without files, a large read held in a local file, no partial file
+    from a write whose chunks fail midway."""
+    import os
+
+    from distckpt.storage import Capabilities, is_mapped
+
+    caps = storage.capabilities
+    assert isinstance(caps, Capabilities)
+    assert caps.exclusive_create  # every backend here commits exclusively (the race test above)
+    storage.write_file("step-1/only.bin", [b"x"])
+    storage.remove_file("step-1/only.bin")
+    assert (storage.list_dir("") == ["step-1"]) == caps.keeps_empty_directories
+    blob = os.urandom(5 * 2**20)
+    storage.write_file("step-2/big", [blob])
+    buffer = storage.read_buffer("step-2/big")
+    assert bytes(buffer) == blob
+    if caps.ranged_reads and getattr(storage, "spill_dir", None):
+        assert is_mapped(buffer)  # downloaded into a local file, not held in memory
+
+    def failing():
+        yield b"a" * 2**20
+        raise OSError("the producer failed")
+
+    with pytest.raises(OSError):
+        storage.write_file("step-3/torn", failing())
+    assert not storage.exists("step-3/torn")

@@ -31,7 +31,8 @@ from typing import Any, Iterable, Protocol
 import fsspec
 
 from ..errors import ConfigError
-from .fsspec_fs import FsspecStorage
+from .capabilities import Capabilities
+from .fsspec_fs import EXCLUSIVE_CREATE_PROTOCOLS, FsspecStorage
 from .local import LocalStorage
 
 
@@ -39,7 +40,7 @@ class Storage(Protocol):
     """What the protocol needs from a place to keep checkpoints."""
 
     url: str
-    keeps_empty_directories: bool  # local disk: a directory exists without files (list_files misses it)
+    capabilities: Capabilities  # what this backend can do (capabilities.py)
 
     def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
         """Write all chunks as `path`, atomically: afterwards it exists whole or not at all."""
@@ -90,9 +91,6 @@ class NonAtomicStorageWarning(UserWarning):
     """The storage cannot create a file exclusively: two writers of one step could both commit."""
 
 
-# fsspec protocols whose open(..., "xb") is a real exclusive create (checked by the contract
-# suite); s3 has its own backend with If-None-Match. Others fall back to check-then-write.
-EXCLUSIVE_CREATE_PROTOCOLS = frozenset({"memory"})
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*):(//)?(.*)", re.DOTALL)
 log = logging.getLogger("distckpt")
 
@@ -166,8 +164,10 @@ def _open_azure(url: str, options: dict[str, Any]) -> Storage:
 
 def _open_fsspec(url: str, options: dict[str, Any]) -> Storage:
     fs, root = fsspec.core.url_to_fs(url, **options)
-    _warn_if_not_exclusive(fs, url)
-    return FsspecStorage(fs, root, url)
+    storage = FsspecStorage(fs, root, url)
+    if not storage.capabilities.exclusive_create:
+        _warn_not_exclusive(fs, url)
+    return storage
 
 
 # scheme -> backend. A new backend is one module plus one line here (and a parameter of the
@@ -189,10 +189,8 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Sto
     return opener(url, storage_options or {})  # type: ignore[no-any-return]
 
 
-def _warn_if_not_exclusive(fs: Any, url: str) -> None:
+def _warn_not_exclusive(fs: Any, url: str) -> None:
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-    if protocols & EXCLUSIVE_CREATE_PROTOCOLS:
-        return
     message = (f"{url}: the fsspec backend {type(fs).__name__} ({'/'.join(sorted(protocols))}) is not known to create "
                "files exclusively; distckpt writes COMMITTED check-then-write there, so two writers of one "
                "step could both commit. Run one writer per root (local disk and s3:// commit exclusively).")
@@ -200,7 +198,7 @@ def _warn_if_not_exclusive(fs: Any, url: str) -> None:
     warnings.warn(message, NonAtomicStorageWarning, stacklevel=3)
 
 
-__all__ = ["FsspecStorage", "LocalStorage", "NonAtomicStorageWarning", "Storage", "normalize_url", "open_storage"]
+__all__ = ["Capabilities", "EXCLUSIVE_CREATE_PROTOCOLS", "FsspecStorage", "LocalStorage", "NonAtomicStorageWarning", "Storage", "normalize_url", "open_storage"]
 
 
 def is_mapped(buffer: Any) -> bool:

@@ -17,6 +17,7 @@ import logging
 from typing import Any
 
 from ..errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError
+from .capabilities import Capabilities
 from .fsspec_fs import FsspecStorage, _join
 from .redact import protect_credentials
 from .spill import SMALL_READ_BYTES, SpillError, check_spill_dir, default_spill_dir, download_mapped, write_at
@@ -31,7 +32,14 @@ class ConditionalCreateStorage(FsspecStorage):
     when the object exists."""
 
     spill_dir: str | None = None
+    # The marker by the store's precondition; files put whole (S3 streams its parts: s3.py).
+    CAPABILITIES = Capabilities(exclusive_create=True, streamed_writes=False, renames_into_place=False,
+                                ranged_reads=True, keeps_empty_directories=False)
     client_name = ""  # the fsspec class `make_client` builds, for messages
+
+    def __init__(self, fs: Any, root: str, url: str) -> None:
+        super().__init__(fs, root, url)
+        self.capabilities = self.CAPABILITIES
 
     @classmethod
     def from_url(cls, url: str, storage_options: dict[str, Any]) -> "ConditionalCreateStorage":
@@ -54,21 +62,31 @@ class ConditionalCreateStorage(FsspecStorage):
         raise NotImplementedError
 
     def read_buffer(self, path: str) -> bytes | bytearray | memoryview:
-        """A small file in one request; a larger one as ranged requests of RANGE_BYTES, one at a
-        time, into a local download file that is mapped (without a `spill_dir`, or when the local
-        disk refuses the file, it is held in memory)."""
+        """A small file in one request; a larger one downloaded into a local file that is mapped
+        (`_download`: a backend's ranged requests). Without a `spill_dir`, or when the local disk
+        refuses the file, it is held in memory (`_read_in_memory`)."""
         target = _join(self.root, path)
         size = self.size(path)
         if size is None:
             raise MissingFileError(errno.ENOENT, f"{self.public(target)} does not exist")
-        if self.spill_dir is None or size < SMALL_READ_BYTES:
+        if size < SMALL_READ_BYTES:
             return self.read_bytes(path)
-        try:
-            return download_mapped(self.spill_dir, size, lambda fd: self._download(target, size, fd))
-        except SpillError as e:
-            log.warning("%s: downloading into %s failed (%s); holding the file in memory instead "
-                        "(storage option spill_dir)", self.public(target), self.spill_dir, e)
-            return self.read_bytes(path)
+        if self.spill_dir is not None:
+            try:
+                return self._reading(target, download_mapped, self.spill_dir, size,
+                                     lambda fd: self._download(target, size, fd))
+            except SpillError as e:
+                log.warning("%s: downloading into %s failed (%s); holding the file in memory instead "
+                            "(storage option spill_dir)", self.public(target), self.spill_dir, e)
+        return self._read_in_memory(path, target, size)
+
+    def _reading(self, target: str, run: Any, *args: Any) -> Any:
+        """`run(*args)`, with what the client raises outside `_call` as StorageError (a backend
+        whose client raises its own classes extends this)."""
+        return run(*args)
+
+    def _read_in_memory(self, path: str, target: str, size: int) -> bytes | bytearray | memoryview:
+        return self.read_bytes(path)
 
     def _download(self, target: str, size: int, fd: int) -> None:
         for start in range(0, size, RANGE_BYTES):

@@ -11,6 +11,11 @@ import posixpath
 from typing import Any, Iterable
 
 from ..errors import CheckpointExistsError, MissingFileError, StorageError
+from .capabilities import Capabilities
+
+# fsspec protocols whose open(..., "xb") is a real exclusive create (checked by the contract
+# suite); object stores have backends of their own (conditional.py). Others check, then write.
+EXCLUSIVE_CREATE_PROTOCOLS = frozenset({"memory"})
 
 
 def _join(root: str, path: str) -> str:
@@ -28,10 +33,13 @@ def version_tag(info: dict[str, Any]) -> str:
 class FsspecStorage:
     """Any fsspec filesystem; each file is sent whole with one call."""
 
-    keeps_empty_directories = False  # a "directory" is a prefix of the files under it
-
     def __init__(self, fs: Any, root: str, url: str) -> None:
         self.fs = fs
+        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+        self.capabilities = Capabilities(
+            exclusive_create=bool(protocols & EXCLUSIVE_CREATE_PROTOCOLS), streamed_writes=False,
+            renames_into_place=False, ranged_reads=False,
+            keeps_empty_directories=False)  # a "directory" is a prefix of the files under it
         self.root = root.rstrip("/")
         self.url = url.rstrip("/")
 

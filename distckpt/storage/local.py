@@ -11,10 +11,11 @@ import uuid
 from typing import Any, Iterable, Iterator
 
 from ..errors import CheckpointExistsError, MissingFileError, StorageError
+from .capabilities import LOCAL_DISK
 
 
 class LocalStorage:
-    keeps_empty_directories = True
+    capabilities = LOCAL_DISK
 
     """POSIX disk with tmp + fsync + rename + directory fsync for every file."""
 

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import errno
 import logging
 import time
@@ -30,7 +31,7 @@ from .conditional import ConditionalCreateStorage
 from .fsspec_fs import _join
 from .redact import protect_credentials
 from .s3_crt import CrtReader, choose_client
-from .spill import SMALL_READ_BYTES, SpillError, check_spill_dir, default_spill_dir, download_mapped, write_at
+from .spill import SpillError, check_spill_dir, default_spill_dir, write_at
 
 log = logging.getLogger("distckpt")
 
@@ -61,6 +62,8 @@ class S3Storage(ConditionalCreateStorage):
     the system's temporary directory, None to hold downloads in memory), ``client`` ("s3fs"
     or "crt": which client reads payload files, see s3_crt.py).
     """
+
+    CAPABILITIES = dataclasses.replace(ConditionalCreateStorage.CAPABILITIES, streamed_writes=True)  # multipart
 
     def __init__(self, fs: Any, root: str, url: str, part_bytes: int = DEFAULT_PART_BYTES,
                  concurrency: int = DEFAULT_CONCURRENCY, call_timeout: float = DEFAULT_CALL_TIMEOUT_S,
@@ -129,22 +132,10 @@ class S3Storage(ConditionalCreateStorage):
             raise StorageError(e.errno or errno.EIO, f"writing {self.public(target)} failed: {type(e).__name__}: {e}") from e
         self.fs.invalidate_cache(target)
 
-    def read_buffer(self, path: str) -> bytes | bytearray | memoryview:
-        """A small file in one GET; a larger one downloaded into a local file and mapped (see
-        spill.py), by the CRT client when it is used, else as `concurrency` ranged GETs of
-        `range_bytes` at a time (one GET stream ran at ~125 MiB/s here, the whole load's cost).
-        Without a `spill_dir`, or when the local disk refuses the file, it is held in memory."""
-        target = _join(self.root, path)
-        size = self._call("reading", target, "size", target)
-        if size is None or size < SMALL_READ_BYTES:
-            return self.read_bytes(path)
-        if self.spill_dir is not None:
-            try:
-                return self._reading(target, download_mapped, self.spill_dir, size,
-                                     lambda fd: self._download(target, size, fd))
-            except SpillError as e:
-                log.warning("%s: downloading into %s failed (%s); holding the file in memory instead "
-                            "(storage option spill_dir)", self.public(target), self.spill_dir, e)
+    def _read_in_memory(self, path: str, target: str, size: int) -> bytes | bytearray | memoryview:
+        """Without a download file: `concurrency` ranged GETs of `range_bytes` at a time into one
+        buffer (one GET stream ran at ~125 MiB/s here, the whole load's cost). The download file
+        (read_buffer) is filled the same way, or by the CRT client when it is used."""
         if size < 2 * self.range_bytes:
             return self.read_bytes(path)
         buf = bytearray(size)
