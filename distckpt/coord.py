@@ -18,7 +18,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, Optional, Protocol, TypeVar
 
 from . import errors
 from .errors import CoordinationError, DistCkptError
@@ -308,18 +308,47 @@ class Outcome:
         return cls(rank, type(exc).__name__, str(exc), dict(info or {}), "".join(frames)[-4000:])
 
 
+# The phase runner. Every collective step of a save or a load is one of four shapes: run on
+# every rank or on rank 0 alone, then either raise the same error everywhere (run_*) or hand
+# the outcomes to a caller that decides from them (attempt_*: a damaged step falls back, an
+# unreadable durable tier is a warning while local steps remain).
+
+
+Attempt = tuple[Optional[T], Optional[BaseException], list[Outcome]]  # result, exception, every outcome
+
+
+def attempt_phase(coord: Coordinator, phase: str, fn: Callable[[], T],
+                  info: Callable[[Any], dict[str, Any]] | None = None) -> Attempt[T]:
+    """Run `fn` on every rank as the phase `phase` and exchange the outcomes, raising nothing:
+    (this rank's result or None, its exception or None, every rank's outcome)."""
+    try:
+        result = fn()
+    except Exception as e:  # every rank hears it: none may be left waiting in the exchange
+        return None, e, coord.all_gather(Outcome.failure(coord.rank, e), phase)
+    return result, None, coord.all_gather(Outcome(coord.rank, info=info(result) if info else {}), phase)
+
+
 def run_phase(coord: Coordinator, phase: str, what: str, fn: Callable[[], T],
               info: Callable[[T], dict[str, Any]] | None = None) -> tuple[T, list[Outcome]]:
     """Run `fn` on this rank as the phase `phase`, then agree: if it failed on any rank, every
     rank raises the same error, naming each failed rank with its traceback (`rank_tracebacks`
     of the raised error); otherwise returns (this rank's result, every rank's outcome)."""
-    try:
-        result = fn()
-    except Exception as e:  # reported to every rank, then raised here too
-        agree(coord, Outcome.failure(coord.rank, e), phase, what, e)
-        raise  # unreachable: agree raised
-    outcome = Outcome(coord.rank, info=info(result) if info else {})
-    return result, agree(coord, outcome, phase, what)
+    result, exc, outcomes = attempt_phase(coord, phase, fn, info)
+    raise_if_failed(coord, outcomes, what, exc)
+    return result, outcomes  # type: ignore[return-value]  # no rank failed: fn returned
+
+
+def attempt_on_root(coord: Coordinator, phase: str,
+                    fn: Callable[[], dict[str, Any]]) -> tuple[Outcome, BaseException | None]:
+    """Run `fn` on rank 0 only and broadcast its outcome, raising nothing: (rank 0's outcome, its
+    result in `info`, on every rank; rank 0's exception there, None elsewhere)."""
+    exc = mine = None
+    if coord.rank == 0:
+        try:
+            mine = Outcome(0, info=fn())
+        except Exception as e:  # every rank hears it: none may be left waiting in the broadcast
+            exc, mine = e, Outcome.failure(0, e)
+    return coord.broadcast(mine, phase), exc
 
 
 def run_on_root(coord: Coordinator, phase: str, what: str, fn: Callable[[], dict[str, Any]],
@@ -327,16 +356,8 @@ def run_on_root(coord: Coordinator, phase: str, what: str, fn: Callable[[], dict
     """Run `fn` on rank 0 only and broadcast its outcome: every rank returns rank 0's result (a
     JSON-able dict), or every rank raises the same error if it failed there (chained to
     `local_exc` on a rank that has its own)."""
-    exc = local_exc
-    mine = None
-    if coord.rank == 0:
-        try:
-            mine = Outcome(0, info=fn())
-        except Exception as e:  # every rank hears it below: none may be left waiting in the broadcast
-            exc = e
-            mine = Outcome.failure(0, e)
-    outcome = coord.broadcast(mine, phase)
-    raise_if_failed(coord, [outcome], what, exc)
+    outcome, exc = attempt_on_root(coord, phase, fn)
+    raise_if_failed(coord, [outcome], what, exc or local_exc)
     return outcome.info
 
 

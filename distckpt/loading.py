@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -44,9 +45,8 @@ from .commit import (
     read_verified_manifest,
     step_candidates,
 )
-from .coord import Coordinator, Outcome, agree, raise_if_failed, run_on_root
+from .coord import Coordinator, Outcome, agree, attempt_on_root, attempt_phase, raise_if_failed, run_on_root
 from .errors import (
-    CoordinationError,
     CorruptCheckpointError,
     DistCkptError,
     IncompatibleCheckpointError,
@@ -219,19 +219,17 @@ def _choose_tiered(coord: Coordinator, storage: Storage, step: int | None,
     local steps a lease of that root wrote (another job's are skipped with a warning) and the
     ranks agree on those every node holds. An unreadable durable root is a warning on every rank
     when local candidates remain, else the error on every rank."""
-    durable: dict[str, Any] = {"steps": [], "leases": None, "error": None}
-    if coord.rank == 0:
-        try:
-            steps = step_candidates(storage) if step is None else [s for s in [step] if is_committed(storage, s)]
-            durable = {"steps": steps, "leases": [dataclasses.asdict(x) for x in fencing.read_leases(storage)],
-                       "error": None}
-        except Exception as e:  # every rank hears it below: none may be left waiting in the broadcast
-            durable["error"] = f"{type(e).__name__}: {e}"
-    durable = coord.broadcast(durable if coord.rank == 0 else None, "load/durable")
+    def read_durable() -> dict[str, Any]:
+        steps = step_candidates(storage) if step is None else [s for s in [step] if is_committed(storage, s)]
+        return {"steps": steps, "leases": [dataclasses.asdict(x) for x in fencing.read_leases(storage)]}
+
+    outcome, _ = attempt_on_root(coord, "load/durable", read_durable)
+    durable = outcome.info if outcome.ok else {"steps": [], "leases": None}
     leases = None if durable["leases"] is None else [Lease(**d) for d in durable["leases"]]
     local_steps = tiers.common_local_steps(coord, local, leases)
-    if durable["error"] is not None:
-        message = (f"rank {coord.rank}: the durable tier {storage.url} cannot be read ({durable['error']})")
+    if not outcome.ok:
+        message = (f"rank {coord.rank}: the durable tier {storage.url} cannot be read "
+                   f"({outcome.error_type}: {outcome.message})")
         if not local_steps:
             raise StorageError(errno.EIO, f"{message}; and no local tier step is committed on every node")
         message += ("; choosing among the local tier's steps without checking who wrote them (its leases "
@@ -255,13 +253,11 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
     committed = 0
     for i, (step, tier) in enumerate(candidates):
         owned = tier == tiers.LOCAL and leases is not None
-        read, exc = _try_read(coord, storages[tier], entries, step, world_size_policy, leases or [], rules, owned)
-        if read is not None:
-            info = {"step": read.step, "epoch": read.own["epoch"], "digest": read.digest}
-            outcome = Outcome(coord.rank, info=info)
-        else:
-            outcome = Outcome.failure(coord.rank, exc or CoordinationError("read failed"))
-        outcomes = coord.all_gather(outcome, f"load/read step {step} ({tier})")
+        read, exc, outcomes = attempt_phase(
+            coord, f"load/read step {step} ({tier})",
+            functools.partial(_read_and_check, coord, storages[tier], entries, step, world_size_policy,
+                              leases or [], rules, owned),
+            lambda r: {"step": r.step, "epoch": r.own["epoch"], "digest": r.digest})
         if all(o.error_type == NotCommittedError.__name__ for o in outcomes):
             continue  # a save that never committed (or removed meanwhile): not a checkpoint
         committed += 1
@@ -284,18 +280,16 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
         "see the warnings above for each damaged file; `distckpt verify` lists them")
 
 
-def _try_read(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
-              world_size_policy: str, leases: list[Lease], rules: LoadRules = LoadRules(),
-              owned_by_leases: bool = False) -> tuple[ReadCheckpoint | None, BaseException | None]:
-    try:
-        read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy, leases,
-                               owned_by_leases)
-        read.entries = _resolve_sharded(storage, entries, read)
-        _validate_against_state(read.entries, read, (coord.rank, coord.world_size), rules)
-        faults.point("load/read", step=step, rank=coord.rank)
-        return read, None
-    except Exception as e:
-        return None, e
+def _read_and_check(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
+                    world_size_policy: str, leases: list[Lease], rules: LoadRules = LoadRules(),
+                    owned_by_leases: bool = False) -> ReadCheckpoint:
+    """This rank's files of `step`, verified, and checked against the live state."""
+    read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy, leases,
+                           owned_by_leases)
+    read.entries = _resolve_sharded(storage, entries, read)
+    _validate_against_state(read.entries, read, (coord.rank, coord.world_size), rules)
+    faults.point("load/read", step=step, rank=coord.rank)
+    return read
 
 
 def _resolve_sharded(storage: Storage, entries: list[Entry], read: ReadCheckpoint) -> list[Entry]:

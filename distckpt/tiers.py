@@ -29,7 +29,7 @@ from typing import Any, Callable
 from . import faults, fencing
 from . import manifest as mf
 from .commit import ReplacePolicy, clear_step_dir, create_manifest, create_marker, list_committed, read_marker
-from .coord import Coordinator, Outcome
+from .coord import Coordinator, attempt_on_root, attempt_phase
 from .errors import ConfigError, CorruptCheckpointError, DistCkptError, MissingFileError, RunConflictError
 from .fencing import Lease
 from .storage import Storage
@@ -175,30 +175,27 @@ def ship_to_nodes(coord: Coordinator, local: Storage, nodes: Nodes, step: int, l
     Returns the ranks whose node failed to commit it (they then resume from elsewhere). With
     `leases` (rank 0: the durable root's, read at the first shipment), the receiving nodes also
     remove another job's steps from their local tier first."""
-    payload: Any = None
-    if coord.rank == 0:
-        try:
-            payload = {"files": committed_files(local, step), "lease": dataclasses.asdict(lease) if lease else None,
-                       "leases": [dataclasses.asdict(x) for x in leases()] if leases is not None else None}
-        except (OSError, DistCkptError) as e:
-            payload = {"error": f"{type(e).__name__}: {e}"}
-    payload = coord.broadcast(payload, f"tiers/ship step {step}")
-    outcome = Outcome(coord.rank)
-    if "error" in payload:
-        outcome = Outcome.failure(coord.rank, OSError(payload["error"]))
-    elif coord.rank != 0 and nodes.leader_of(coord.rank) == coord.rank and nodes.names[coord.rank] != nodes.names[0]:
-        try:
+    def pack() -> dict[str, Any]:
+        return {"files": committed_files(local, step), "lease": dataclasses.asdict(lease) if lease else None,
+                "leases": [dataclasses.asdict(x) for x in leases()] if leases is not None else None}
+
+    shipped, _ = attempt_on_root(coord, f"tiers/ship step {step}", pack)
+
+    def receive() -> None:
+        if not shipped.ok:
+            raise OSError(f"{shipped.error_type}: {shipped.message}")
+        if coord.rank != 0 and nodes.leader_of(coord.rank) == coord.rank and nodes.names[coord.rank] != nodes.names[0]:
+            payload = shipped.info
             if payload.get("leases") is not None:
                 remove_foreign(local, [Lease(**d) for d in payload["leases"]], coord.rank)
             commit_files(local, step, payload["files"], Lease(**payload["lease"]))
-        except (OSError, DistCkptError) as e:
-            outcome = Outcome.failure(coord.rank, e)
-    outcomes = coord.all_gather(outcome, f"tiers/shipped step {step}")
+
+    _, _, outcomes = attempt_phase(coord, f"tiers/shipped step {step}", receive)
     failed = [o.rank for o in outcomes if not o.ok]
     if failed and coord.rank == 0:
         log.warning("rank 0: step %d is not on the local tier of rank(s) %s' node(s) (%s); a resume needs it on "
                     "every node, so it would load an older step or the durable tier", step, failed,
-                    "; ".join(o.message for o in outcomes if not o.ok))
+                    "; ".join(str(o.message) for o in outcomes if not o.ok))
     return failed
 
 
