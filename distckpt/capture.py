@@ -1,6 +1,6 @@
-"""What each entry of `state` is, and how its state is captured and restored on one rank.
+"""Entries of `state` and the helpers their kinds (kinds.py) compose to capture and restore them.
 
-Entries are classified once, by their type:
+Entries are classified once, by their type (kinds.KINDS):
 
 * per rank by nature: `torch.Generator`, NumPy `Generator` and `RandomState`, Python
   `random.Random`, samplers, data loaders with
@@ -17,7 +17,6 @@ This module never touches storage or torch.distributed.
 from __future__ import annotations
 
 import logging
-import random
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -27,7 +26,7 @@ import torch
 from torch import nn
 
 from . import sharded
-from .errors import IncompatibleCheckpointError, UnstorableValueError
+from .errors import IncompatibleCheckpointError
 from .serialize import key_path
 
 log = logging.getLogger("distckpt")
@@ -64,79 +63,6 @@ class Entry:
     owner: Any = None  # an optimizer's module (sharded state is named by the module's parameters)
 
 
-def classify(state: dict[str, Any]) -> list[Entry]:
-    """Classify every top-level entry of `state` (a dict with str keys)."""
-    if not isinstance(state, dict):
-        raise UnstorableValueError(f"state must be a dict of entries, got {type(state).__name__}")
-    entries = []
-    for key, obj in state.items():
-        if not isinstance(key, str):
-            raise UnstorableValueError(f"state key {key!r} must be a str")
-        forced = isinstance(obj, PerRank)
-        target = obj.obj if forced else obj
-        kind, natural_scope = _kind_of(key, target)
-        entries.append(Entry(key, PER_RANK if forced else natural_scope, kind, target))
-    return _link_optimizers(entries)
-
-
-def _link_optimizers(entries: list[Entry]) -> list[Entry]:
-    """Give each optimizer the module that holds its parameters; over DTensor parameters it is
-    sharded, and its state can only be named (and resharded) through that module."""
-    modules = [(e, {id(p) for p in unwrap_module(e.target).parameters()}) for e in entries
-               if e.kind in ("module", "sharded_module")]
-    out = []
-    for e in entries:
-        if e.scope != PER_RANK and isinstance(e.target, torch.optim.Optimizer):
-            params = sharded.optimizer_params(e.target)
-            owner = next((unwrap_module(m.target) for m, ids in modules
-                          if all(id(p) in ids for p in params)), None)
-            if sharded.has_dtensor_params(params):
-                if owner is None:
-                    raise UnstorableValueError(
-                        f"state[{e.key!r}] is an optimizer over sharded (DTensor) parameters, but no "
-                        "module in `state` holds all of them; put the FSDP2 / DTensor model in `state` too")
-                e = Entry(e.key, SHARDED, "sharded_optimizer", e.target, owner)
-            else:
-                e = Entry(e.key, e.scope, e.kind, e.target, owner)
-        out.append(e)
-    return out
-
-
-def _kind_of(key: str, obj: Any) -> tuple[str, str]:
-    if key == CONFIG_KEY and not hasattr(obj, "state_dict"):
-        return "config", REPLICATED
-    if isinstance(obj, torch.Generator):
-        return "generator", PER_RANK
-    if isinstance(obj, np.random.Generator):
-        return "np_generator", PER_RANK
-    if isinstance(obj, np.random.RandomState):
-        return "np_random_state", PER_RANK
-    if isinstance(obj, random.SystemRandom):
-        raise UnstorableValueError(
-            f"state[{key!r}] is a random.SystemRandom: it reads the operating system's entropy and has no "
-            "state to save; use random.Random(seed) for a stream that can resume")
-    if isinstance(obj, random.Random):
-        return "py_random", PER_RANK
-    if isinstance(obj, torch.utils.data.DataLoader) and _has_state_dict(obj):
-        return "loader", PER_RANK
-    if isinstance(obj, torch.utils.data.DataLoader):
-        raise UnstorableValueError(
-            f"state[{key!r}] is a DataLoader without state_dict(): its position cannot be "
-            "saved; use torchdata.stateful_dataloader.StatefulDataLoader (a drop-in "
-            "replacement), or leave the loader out and store its sampler and generator")
-    if isinstance(obj, torch.utils.data.Sampler):
-        return "sampler", PER_RANK
-    if isinstance(obj, nn.Module) and sharded.has_dtensor_params(unwrap_module(obj).parameters()):
-        return "sharded_module", SHARDED
-    if isinstance(obj, nn.Module):
-        return "module", REPLICATED
-    if _has_state_dict(obj):
-        return "stateful", REPLICATED
-    if isinstance(obj, torch.Tensor):
-        return "tensor", REPLICATED
-    return "value", REPLICATED
-
-
 def _has_state_dict(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
@@ -153,15 +79,6 @@ def unwrap_module(module: nn.Module) -> nn.Module:
 
 
 # -- capture ----------------------------------------------------------------------------------
-
-def capture_entry(entry: Entry) -> dict[str, Any]:
-    """The entry's state as a tree of tensors and plain values (tagged with its kind)."""
-    if entry.kind == "sharded_module":
-        return {"kind": entry.kind, "state": sharded.capture_module(unwrap_module(entry.target))}
-    if entry.kind == "sharded_optimizer":
-        return {"kind": entry.kind, "state": sharded.capture_optimizer(entry.owner, entry.target)}
-    return {"kind": entry.kind, "state": _CAPTURE[entry.kind](entry.target)}
-
 
 def _capture_module(module: nn.Module) -> dict[str, Any]:
     bare = unwrap_module(module)
@@ -212,21 +129,6 @@ def _plain_to_numpy(value: Any) -> Any:
 
 def _capture_plain(value: Any) -> Any:
     return dict(value) if isinstance(value, dict) else value
-
-
-_CAPTURE: dict[str, Callable[[Any], Any]] = {
-    "module": _capture_module,
-    "stateful": lambda obj: obj.state_dict(),
-    "loader": lambda obj: obj.state_dict(),
-    "sampler": _capture_sampler,
-    "generator": lambda g: {"state": g.get_state(), "device": str(g.device)},
-    "np_generator": _capture_np_generator,
-    "np_random_state": lambda rs: _numpy_to_plain(rs.get_state(legacy=False)),
-    "py_random": lambda r: r.getstate(),
-    "tensor": lambda t: t,
-    "value": _capture_plain,
-    "config": _capture_plain,
-}
 
 
 def capture_rank_buffers(entries: list[Entry]) -> dict[str, dict[str, torch.Tensor]]:
@@ -307,52 +209,6 @@ def resolve_sharded_entry(entry: Entry, saved_state: Any, reader: "sharded.Shard
 # -- restore ----------------------------------------------------------------------------------
 
 Release = Callable[[torch.Tensor], None]  # lets go of the file pages behind a source tensor
-
-
-def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any],
-                  memo: dict[int, Any] | None = None, release: Release | None = None) -> list[str]:
-    """Restore one validated entry in place; returns notes for the caller (config diffs).
-    Entries restored with one `memo` keep the tensors they share shared. `release` is called
-    with each source tensor once it is copied (the protocol's PageRelease)."""
-    kind, value = entry.kind, saved["state"]
-    if kind == "sharded_module":
-        sharded.restore_module(unwrap_module(entry.target), value)
-        return []
-    if kind not in ("module", "tensor", "generator"):
-        # Loaded tensors are views into the file's buffer; an owner that keeps them (an
-        # optimizer keeps its state tensors as given) would keep the whole buffer alive.
-        value = _owned(value, memo, release)
-    if kind == "module":
-        _restore_module(unwrap_module(entry.target), value, release)
-    elif kind == "sharded_optimizer":
-        sharded.restore_optimizer(entry.owner, entry.target, value)
-    elif kind == "stateful":
-        entry.target.load_state_dict(value)
-    elif kind == "loader":
-        entry.target.load_state_dict(value)
-        _undo_generator_draws_of_next_iter(entry.target)
-    elif kind == "sampler":
-        _restore_sampler(entry.target, value)
-    elif kind == "generator":
-        entry.target.set_state(value["state"])
-    elif kind == "np_generator":
-        entry.target.bit_generator.state = _plain_to_numpy(value)
-    elif kind == "np_random_state":
-        entry.target.set_state(_plain_to_numpy(value))
-    elif kind == "py_random":
-        entry.target.setstate(value)
-    elif kind == "tensor":
-        copy_released(entry.target, value, release)
-    elif kind == "config":
-        return config_differences(value, entry.target)
-    elif isinstance(entry.target, dict) and isinstance(value, dict):
-        entry.target.clear()
-        entry.target.update(value)
-    elif isinstance(entry.target, list) and isinstance(value, list):
-        entry.target[:] = value
-    else:
-        state[entry.key] = PerRank(value) if entry.scope == PER_RANK and isinstance(state[entry.key], PerRank) else value
-    return []
 
 
 COPY_PIECE_BYTES = 8 << 20  # a large tensor is copied (and its source pages let go) in pieces

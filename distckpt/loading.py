@@ -32,7 +32,6 @@ from .capture import (
     loading_entry,
     normalize_imported,
     resolve_sharded_entry,
-    restore_entry,
     use_rank_buffers,
     warn_extra_entries,
 )
@@ -56,11 +55,12 @@ from .errors import (
     StorageError,
 )
 from .fencing import Lease
+from .kinds import is_late, restore_entry, snapshot, validate_entry
 from .rng import capture_process_rng, check_process_rng, restore_process_rng
 from .serialize import load_tree_file
 from .storage import Storage, is_mapped, release_pages
-from .undo import LATE_KINDS, Undo, run_undos, snapshot
-from .validation import LoadRules, validate_entry
+from .undo import Undo, run_undos
+from .validation import LoadRules
 
 log = logging.getLogger("distckpt")
 
@@ -399,11 +399,11 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
     memo: dict[int, Any] = {}  # tensors shared between entries stay shared
     undos: list[tuple[str, Undo]] = []
     release = PageRelease(read.buffers)
-    early = [e for e in todo if e.kind not in LATE_KINDS]
+    early = [e for e in todo if not is_late(e)]
     exc = _restore_all(early, saved, state, memo, notes, undos, coord.rank, read.step, release)
     outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
     _agree_or_undo(coord, outcome, exc, undos, f"restoring step {read.step}", "load/apply")
-    late = [e for e in todo if e.kind in LATE_KINDS]
+    late = [e for e in todo if is_late(e)]
     rng_before = capture_process_rng()
     undos.append(("rng", lambda: restore_process_rng(rng_before, f"rank {coord.rank}, undo")))
     exc = _restore_all(late, saved, state, memo, notes, undos, coord.rank, read.step, release)

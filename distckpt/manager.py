@@ -18,7 +18,7 @@ from . import doctor as doctor_hooks
 from . import faults
 from . import manifest as mf
 from .async_writer import AsyncWriter
-from .capture import SHARDED, classify
+from .capture import SHARDED
 from .commit import CommitIndex, ReplacePolicy, committed_generations, list_committed
 from .config import ManagerConfig
 from .coord import Coordinator, make_coordinator
@@ -28,6 +28,7 @@ from .fencing import Lease, acquire, read_leases
 from .fencing import check_current as check_fence
 from .fencing import prune as prune_leases
 from .incremental import ContentTable
+from .kinds import classify
 from .loading import Progress, load
 from .preemption import PreemptionFlag
 from .retention import Committed, collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed

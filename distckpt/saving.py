@@ -27,7 +27,6 @@ from .capture import (
     REPLICATED,
     SHARDED,
     Entry,
-    capture_entry,
     capture_rank_buffers,
 )
 from .commit import (
@@ -49,6 +48,7 @@ from .errors import (
 )
 from .fencing import Lease
 from .incremental import ContentTable
+from .kinds import capture_entry
 from .rng import capture_process_rng
 from .serialize import EncodedTree, StagingPool, encode_tree, safetensors_chunks
 from .storage import Storage

@@ -15,7 +15,6 @@ This module never touches storage or torch.distributed.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections import defaultdict
 from typing import Any, Callable
@@ -23,39 +22,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .capture import Entry, _capture_sampler, _restore_sampler, has_own_load_logic, unwrap_module
+from .capture import Entry, has_own_load_logic
 
 log = logging.getLogger("distckpt")
 
 Undo = Callable[[], None]
 
-# Restored in the second phase, after every rank restored the rest: checked completely first.
-LATE_KINDS = frozenset({"module", "sharded_module", "tensor"})
-
-
-def snapshot(entry: Entry, state: dict[str, Any]) -> Undo:
-    """A function that puts `entry` back as it is now."""
-    target, kind = entry.target, entry.kind
-    if kind in ("module", "sharded_module"):
-        return _module_undo(unwrap_module(target))
-    if kind in ("stateful", "sharded_optimizer") and isinstance(target, torch.optim.Optimizer):
-        return _optimizer_undo(target)
-    if kind == "stateful":
-        saved = copy.deepcopy(target.state_dict())
-        return lambda: target.load_state_dict(saved)
-    if kind == "loader":
-        attributes = dict(vars(target))  # StatefulDataLoader.load_state_dict only sets attributes
-        return lambda: _replace_dict(vars(target), attributes.items())
-    if kind == "sampler":
-        if callable(getattr(target, "state_dict", None)):
-            sd = copy.deepcopy(target.state_dict())
-            return lambda: target.load_state_dict(sd)
-        plain = _capture_sampler(target)
-        return lambda: _restore_sampler(target, plain)
-    return _SNAPSHOTS.get(kind, _value_undo)(entry, state)
-
-
-def _module_undo(module: nn.Module) -> Undo:
+def module_undo(module: nn.Module) -> Undo:
     """Modules restored by torch's own code are checked completely before (keys, shapes, dtypes,
     submodules) and cannot fail half-way: nothing to copy. A module with load logic of its own
     (load_state_dict hooks, its own _load_from_state_dict) can; its tensors are copied to host
@@ -80,7 +53,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _optimizer_undo(opt: torch.optim.Optimizer) -> Undo:
+def optimizer_undo(opt: torch.optim.Optimizer) -> Undo:
     # load_state_dict builds new state and group dicts and swaps them in (__setstate__); DCP's
     # set_optimizer_state_dict may first fill an empty state in place, hence the per-param copies.
     attributes = dict(vars(opt))
@@ -93,31 +66,11 @@ def _optimizer_undo(opt: torch.optim.Optimizer) -> Undo:
     return undo
 
 
-def _generator_undo(entry: Entry, state: dict[str, Any]) -> Undo:
-    saved = entry.target.get_state()
-    return lambda: entry.target.set_state(saved)
-
-
-def _np_generator_undo(entry: Entry, state: dict[str, Any]) -> Undo:
-    saved = copy.deepcopy(entry.target.bit_generator.state)
-    return lambda: setattr(entry.target.bit_generator, "state", saved)
-
-
-def _np_random_state_undo(entry: Entry, state: dict[str, Any]) -> Undo:
-    saved = entry.target.get_state(legacy=False)
-    return lambda: entry.target.set_state(saved)
-
-
-def _py_random_undo(entry: Entry, state: dict[str, Any]) -> Undo:
-    saved = entry.target.getstate()
-    return lambda: entry.target.setstate(saved)
-
-
-def _value_undo(entry: Entry, state: dict[str, Any]) -> Undo:
+def value_undo(entry: Entry, state: dict[str, Any]) -> Undo:
     target = entry.target
     if isinstance(target, dict):
         items = list(target.items())
-        return lambda: _replace_dict(target, items)
+        return lambda: replace_dict(target, items)
     if isinstance(target, list):
         elements = list(target)
         return lambda: target.__setitem__(slice(None), elements)
@@ -125,23 +78,9 @@ def _value_undo(entry: Entry, state: dict[str, Any]) -> Undo:
     return lambda: state.__setitem__(key, before)
 
 
-def _replace_dict(target: dict[Any, Any], items: Any) -> None:
+def replace_dict(target: dict[Any, Any], items: Any) -> None:
     target.clear()
     target.update(items)
-
-
-def _nothing(entry: Entry, state: dict[str, Any]) -> Undo:
-    return lambda: None
-
-
-_SNAPSHOTS: dict[str, Callable[[Entry, dict[str, Any]], Undo]] = {
-    "generator": _generator_undo,
-    "np_generator": _np_generator_undo,
-    "np_random_state": _np_random_state_undo,
-    "py_random": _py_random_undo,
-    "config": _nothing,  # compared, never written
-    "value": _value_undo,
-}
 
 
 def run_undos(undos: list[tuple[str, Undo]], where: str) -> list[str]:

@@ -10,13 +10,13 @@ This module never touches storage or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from .capture import SHARDED, Entry, unwrap_module
+from .capture import unwrap_module
 from .errors import IncompatibleCheckpointError
 
 # Optimizer state keys that hold one value per parameter element (torch.optim's optimizers):
@@ -32,22 +32,6 @@ class LoadRules:
 
     allow_dtype_cast: bool = False  # a tensor saved as float32 may load into a bfloat16 model
     missing_entries: str = "refuse"  # or "keep": a `state` entry the checkpoint lacks keeps its value
-
-
-def validate_entry(entry: Entry, saved: dict[str, Any], world: tuple[int, int],
-                   rules: LoadRules = LoadRules()) -> None:
-    """Raise IncompatibleCheckpointError if `saved` cannot be restored into `entry` whole."""
-    where = f"state[{entry.key!r}]"
-    if entry.scope == SHARDED and saved.get("kind") == entry.kind:
-        if entry.kind == "sharded_module" and not rules.allow_dtype_cast:
-            _check_dtypes(unwrap_module(entry.target).state_dict(), saved["state"]["state_dict"], where)
-        return  # shapes and keys were checked while its pieces were assembled (resolve_sharded_entry)
-    if saved.get("kind") != entry.kind:
-        raise IncompatibleCheckpointError(
-            f"{where} is a {entry.kind} entry here but a {saved.get('kind')} entry in the checkpoint")
-    check = _CHECKS.get(entry.kind)
-    if check is not None:
-        check(entry.target, saved["state"], where, world, rules)
 
 
 def _module(module: nn.Module, saved: dict[str, Any], where: str, world: tuple[int, int], rules: LoadRules) -> None:
@@ -192,13 +176,3 @@ def _py_random(r: Any, saved: Any, where: str, world: tuple[int, int], rules: Lo
         raise IncompatibleCheckpointError(f"{where}: the checkpoint holds no random.Random state")
 
 
-_CHECKS: dict[str, Callable[[Any, Any, str, tuple[int, int], LoadRules], None]] = {
-    "module": _module,
-    "stateful": _optimizer,
-    "sampler": _sampler,
-    "tensor": _tensor,
-    "generator": _generator,
-    "np_generator": _np_generator,
-    "np_random_state": _np_random_state,
-    "py_random": _py_random,
-}

@@ -40,7 +40,7 @@ def test_errors_form_one_tree():
     assert issubclass(distckpt.StorageError, OSError)
 
 
-LEAVES = {"capture", "rng", "serialize", "manifest", "storage/__init__", "storage/local",
+LEAVES = {"capture", "kinds", "validation", "undo", "rng", "serialize", "manifest", "storage/__init__", "storage/local",
           "storage/fsspec_fs", "storage/s3", "errors", "async_writer", "workers", "config", "faults",
           "versions"}
 

@@ -17,7 +17,8 @@ LOCAL_ONLY = ("torch.distributed.tensor", "torch.distributed.checkpoint.state_di
 # Storage, format and capture modules: never the collectives, never the protocol layers above.
 LEAVES = ["capture", "rng", "serialize", "manifest", "storage/__init__", "storage/local", "storage/fsspec_fs",
           "storage/s3", "errors", "async_writer", "workers", "config", "faults", "versions", "validation",
-          "undo", "commit", "fencing", "retention", "inspection", "sharded", "incremental", "snapshot"]
+          "undo", "commit", "fencing", "retention", "inspection", "sharded", "incremental", "snapshot", "kinds",
+          "storage/capabilities", "storage/conditional"]
 ABOVE = {"manager", "protocol", "saving", "loading", "coord", "cli", "dist", "preemption"}
 
 

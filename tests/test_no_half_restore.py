@@ -15,7 +15,7 @@ from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import distckpt
-from distckpt import capture, faults
+from distckpt import faults, kinds
 
 
 def build(seed: int = 0, **changes):
@@ -111,7 +111,7 @@ def test_an_entry_failing_while_restored_leaves_every_entry_as_it_was(saved_root
     state = build(seed=1)
     train(state, steps=3)  # the live state differs from the checkpoint's everywhere
     before = fingerprint(state)
-    real = capture.restore_entry
+    real = kinds.restore_entry
 
     def failing_restore(entry, saved, st, memo=None, release=None):
         if entry.key == failing and when == "before-applying":

@@ -1,0 +1,450 @@
+"""Entry kinds: what `state` may hold, one class each.
+
+A kind says which objects it is (`matches`, in the order of KINDS: the first match wins, and a
+kind may refuse an object it cannot store), its natural scope, and how one entry of it is
+captured, checked against a checkpoint before anything changes (`validate`), restored in place
+and put back after a failed load (`undo`). A new kind is one class here and a line in KINDS;
+the save and load phases (saving.py, loading.py) only call the five functions at the bottom.
+
+The helpers each kind composes live where their job is: capture.py (state to trees and back),
+validation.py (the checks), undo.py (snapshots), sharded.py (DTensor state).
+
+This module never touches storage or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import sharded, undo, validation
+from .capture import (
+    CONFIG_KEY,
+    PER_RANK,
+    REPLICATED,
+    SHARDED,
+    Entry,
+    PerRank,
+    Release,
+    _capture_module,
+    _capture_plain,
+    _capture_sampler,
+    _has_state_dict,
+    _numpy_to_plain,
+    _owned,
+    _plain_to_numpy,
+    _restore_module,
+    _restore_sampler,
+    _undo_generator_draws_of_next_iter,
+    config_differences,
+    copy_released,
+    unwrap_module,
+)
+from .errors import IncompatibleCheckpointError, UnstorableValueError
+from .undo import Undo
+from .validation import LoadRules
+
+World = tuple[int, int]  # (rank, world size)
+
+
+class Kind:
+    """One kind of entry. Subclasses set `name` and override what differs."""
+
+    name: ClassVar[str]
+    scope: ClassVar[str] = REPLICATED  # where its state is written unless per_rank() says otherwise
+    late: ClassVar[bool] = False  # restored after every rank restored the rest: checked completely first
+    # Restored values are copied out of the file's buffer first: an owner that keeps the tensors it
+    # is given (an optimizer keeps its state tensors) would otherwise keep the whole buffer alive.
+    copies_loaded_tensors: ClassVar[bool] = True
+
+    def matches(self, key: str, obj: Any) -> bool:
+        return False
+
+    def capture(self, entry: Entry) -> Any:
+        raise NotImplementedError
+
+    def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
+        """Raise IncompatibleCheckpointError if `saved` cannot be restored into the entry whole."""
+
+    def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        """Restore in place; returns notes for the caller (config differences)."""
+        raise NotImplementedError
+
+    def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
+        """A function that puts the entry back as it is now."""
+        return lambda: None
+
+
+class Config(Kind):
+    """`state["config"]`: compared with the resuming run's, never overwritten."""
+
+    name = "config"
+
+    def matches(self, key: str, obj: Any) -> bool:
+        return key == CONFIG_KEY and not hasattr(obj, "state_dict")
+
+    def capture(self, entry: Entry) -> Any:
+        return _capture_plain(entry.target)
+
+    def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        return config_differences(value, entry.target)
+
+
+class Generator(Kind):
+    name, scope, copies_loaded_tensors = "generator", PER_RANK, False
+
+    def matches(self, key: str, obj: Any) -> bool:
+        return isinstance(obj, torch.Generator)
+
+    def capture(self, entry: Entry) -> Any:
+        return {"state": entry.target.get_state(), "device": str(entry.target.device)}
+
+    def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
+        validation._generator(entry.target, saved, where, world, rules)
+
+    def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        entry.target.set_state(value["state"])
+        return []
+
+    def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
+        saved = entry.target.get_state()
+        return lambda: entry.target.set_state(saved)
+
+
+class NumpyGenerator(Kind):
+    name, scope = "np_generator", PER_RANK
+
+    def matches(self, key: str, obj: Any) -> bool:
+        return isinstance(obj, np.random.Generator)
+
+    def capture(self, entry: Entry) -> Any:
+        return _numpy_to_plain(entry.target.bit_generator.state)
+
+    def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
+        validation._np_generator(entry.target, saved, where, world, rules)
+
+    def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        entry.target.bit_generator.state = _plain_to_numpy(value)
+        return []
+
+    def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
+        saved = copy.deepcopy(entry.target.bit_generator.state)
+        return lambda: setattr(entry.target.bit_generator, "state", saved)
+
+
+class NumpyRandomState(Kind):
+    name, scope = "np_random_state", PER_RANK
+
+    def matches(self, key: str, obj: Any) -> bool:
+        return isinstance(obj, np.random.RandomState)
+
+    def capture(self, entry: Entry) -> Any:
+        return _numpy_to_plain(entry.target.get_state(legacy=False))
+
+    def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
+        validation._np_random_state(entry.target, saved, where, world, rules)
+
+    def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        entry.target.set_state(_plain_to_numpy(value))
+        return []
+
+    def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
+        saved = entry.target.get_state(legacy=False)
+        return lambda: entry.target.set_state(saved)
+
+
+class PythonRandom(Kind):
+    name, scope = "py_random", PER_RANK
+
+    def matches(self, key: str, obj: Any) -> bool:
+        if isinstance(obj, random.SystemRandom):
+            raise UnstorableValueError(
+                f"state[{key!r}] is a random.SystemRandom: it reads the operating system's entropy and has no "
+                "state to save; use random.Random(seed) for a stream that can resume")
+        return isinstance(obj, random.Random)
+
+    def capture(self, entry: Entry) -> Any:
+        return entry.target.getstate()
+
+    def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
+        validation._py_random(entry.target, saved, where, world, rules)
+
+    def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        entry.target.setstate(value)
+        return []
+
+    def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
+        saved = entry.target.getstate()
+        return lambda: entry.target.setstate(saved)
+
+
+class Loader(Kind):
+    """A data loader with state_dict (torchdata's StatefulDataLoader): its position."""
+
+    name, scope = "loader", PER_RANK
+
+    def matches(self, key: str, obj: Any) -> bool:
+        if isinstance(obj, torch.utils.data.DataLoader) and not _has_state_dict(obj):
+            raise UnstorableValueError(
+                f"state[{key!r}] is a DataLoader without state_dict(): its position cannot be "
+                "saved; use torchdata.stateful_dataloader.StatefulDataLoader (a drop-in "
+                "replacement), or leave the loader out and store its sampler and generator")
+        return isinstance(obj, torch.utils.data.DataLoader)
+
+    def capture(self, entry: Entry) -> Any:
+        return entry.target.state_dict()
+
+    def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        entry.target.load_state_dict(value)
+        _undo_generator_draws_of_next_iter(entry.target)
+        return []
+
+    def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
+        attributes = dict(vars(entry.target))  # StatefulDataLoader.load_state_dict only sets attributes
+        return lambda: undo.replace_dict(vars(entry.target), attributes.items())
+
+
+class Sampler(Kind):
+    name, scope = "sampler", PER_RANK
+
+    def matches(self, key: str, obj: Any) -> bool:
+        return isinstance(obj, torch.utils.data.Sampler)
+
+    def capture(self, entry: Entry) -> Any:
+        return _capture_sampler(entry.target)
+
+    def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
+        validation._sampler(entry.target, saved, where, world, rules)
+
+    def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        _restore_sampler(entry.target, value)
+        return []
+
+    def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
+        target = entry.target
+        if callable(getattr(target, "state_dict", None)):
+            sd = copy.deepcopy(target.state_dict())
+            return lambda: target.load_state_dict(sd)
+        plain = _capture_sampler(target)
+        return lambda: _restore_sampler(target, plain)
+
+
+class ShardedModule(Kind):
+    """A module over DTensor parameters (FSDP2, tensor parallel): each rank writes its pieces."""
+
+    name, scope, late, copies_loaded_tensors = "sharded_module", SHARDED, True, False
+
+    def matches(self, key: str, obj: Any) -> bool:
+        return isinstance(obj, nn.Module) and sharded.has_dtensor_params(unwrap_module(obj).parameters())
+
+    def capture(self, entry: Entry) -> Any:
+        return sharded.capture_module(unwrap_module(entry.target))
+
+    def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
+        # shapes and keys were checked while its pieces were assembled (resolve_sharded_entry)
+        if entry.scope == SHARDED and not rules.allow_dtype_cast:
+            validation._check_dtypes(unwrap_module(entry.target).state_dict(), saved["state_dict"], where)
+
+    def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        sharded.restore_module(unwrap_module(entry.target), value)
+        return []
+
+    def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
+        return undo.module_undo(unwrap_module(entry.target))
+
+
+class Module(Kind):
+    """An nn.Module (bare, DDP, DataParallel or compiled): its state_dict and every submodule's
+    `training` flag."""
+
+    name, late, copies_loaded_tensors = "module", True, False
+
+    def matches(self, key: str, obj: Any) -> bool:
+        return isinstance(obj, nn.Module)
+
+    def capture(self, entry: Entry) -> Any:
+        return _capture_module(entry.target)
+
+    def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
+        validation._module(entry.target, saved, where, world, rules)
+
+    def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        _restore_module(unwrap_module(entry.target), value, release)
+        return []
+
+    def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
+        return undo.module_undo(unwrap_module(entry.target))
+
+
+class Stateful(Kind):
+    """Anything with state_dict / load_state_dict: optimizers, schedulers, scalers, users' objects."""
+
+    name = "stateful"
+
+    def matches(self, key: str, obj: Any) -> bool:
+        return _has_state_dict(obj)
+
+    def capture(self, entry: Entry) -> Any:
+        return entry.target.state_dict()
+
+    def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
+        validation._optimizer(entry.target, saved, where, world, rules)
+
+    def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        entry.target.load_state_dict(value)
+        return []
+
+    def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
+        if isinstance(entry.target, torch.optim.Optimizer):
+            return undo.optimizer_undo(entry.target)
+        saved = copy.deepcopy(entry.target.state_dict())
+        return lambda: entry.target.load_state_dict(saved)
+
+
+class ShardedOptimizer(Kind):
+    """An optimizer over DTensor parameters, named by its module's parameters (given to an
+    optimizer entry by `classify`, never matched alone)."""
+
+    name, scope = "sharded_optimizer", SHARDED
+
+    def capture(self, entry: Entry) -> Any:
+        return sharded.capture_optimizer(entry.owner, entry.target)
+
+    def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        sharded.restore_optimizer(entry.owner, entry.target, value)
+        return []
+
+    def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
+        if isinstance(entry.target, torch.optim.Optimizer):
+            return undo.optimizer_undo(entry.target)
+        return Stateful().undo(entry, state)
+
+
+class Tensor(Kind):
+    """A tensor entry, copied into in place (checked completely first: not snapshotted)."""
+
+    name, late, copies_loaded_tensors = "tensor", True, False
+
+    def matches(self, key: str, obj: Any) -> bool:
+        return isinstance(obj, torch.Tensor)
+
+    def capture(self, entry: Entry) -> Any:
+        return entry.target
+
+    def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
+        validation._tensor(entry.target, saved, where, world, rules)
+
+    def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        copy_released(entry.target, value, release)
+        return []
+
+
+class Value(Kind):
+    """Anything else: plain values and containers (a dict or list is refilled in place)."""
+
+    name = "value"
+
+    def matches(self, key: str, obj: Any) -> bool:
+        return True
+
+    def capture(self, entry: Entry) -> Any:
+        return _capture_plain(entry.target)
+
+    def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        target = entry.target
+        if isinstance(target, dict) and isinstance(value, dict):
+            target.clear()
+            target.update(value)
+        elif isinstance(target, list) and isinstance(value, list):
+            target[:] = value
+        else:
+            state[entry.key] = PerRank(value) if entry.scope == PER_RANK and isinstance(state[entry.key], PerRank) else value
+        return []
+
+    def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
+        return undo.value_undo(entry, state)
+
+
+# Classification order: the first kind that matches an object is its kind.
+KINDS: list[Kind] = [Config(), Generator(), NumpyGenerator(), NumpyRandomState(), PythonRandom(), Loader(),
+                     Sampler(), ShardedModule(), Module(), Stateful(), Tensor(), Value()]
+BY_NAME: dict[str, Kind] = {k.name: k for k in [*KINDS, ShardedOptimizer()]}
+
+
+# -- what the save and load phases call -------------------------------------------------------
+
+def classify(state: dict[str, Any]) -> list[Entry]:
+    """Classify every top-level entry of `state` (a dict with str keys)."""
+    if not isinstance(state, dict):
+        raise UnstorableValueError(f"state must be a dict of entries, got {type(state).__name__}")
+    entries = []
+    for key, obj in state.items():
+        if not isinstance(key, str):
+            raise UnstorableValueError(f"state key {key!r} must be a str")
+        forced = isinstance(obj, PerRank)
+        target = obj.obj if forced else obj
+        kind = next(k for k in KINDS if k.matches(key, target))
+        entries.append(Entry(key, PER_RANK if forced else kind.scope, kind.name, target))
+    return _link_optimizers(entries)
+
+
+def _link_optimizers(entries: list[Entry]) -> list[Entry]:
+    """Give each optimizer the module that holds its parameters; over DTensor parameters it is
+    sharded, and its state can only be named (and resharded) through that module."""
+    modules = [(e, {id(p) for p in unwrap_module(e.target).parameters()}) for e in entries
+               if e.kind in (Module.name, ShardedModule.name)]
+    out = []
+    for e in entries:
+        if e.scope != PER_RANK and isinstance(e.target, torch.optim.Optimizer):
+            params = sharded.optimizer_params(e.target)
+            owner = next((unwrap_module(m.target) for m, ids in modules
+                          if all(id(p) in ids for p in params)), None)
+            if sharded.has_dtensor_params(params):
+                if owner is None:
+                    raise UnstorableValueError(
+                        f"state[{e.key!r}] is an optimizer over sharded (DTensor) parameters, but no "
+                        "module in `state` holds all of them; put the FSDP2 / DTensor model in `state` too")
+                e = Entry(e.key, SHARDED, ShardedOptimizer.name, e.target, owner)
+            else:
+                e = Entry(e.key, e.scope, e.kind, e.target, owner)
+        out.append(e)
+    return out
+
+
+def capture_entry(entry: Entry) -> dict[str, Any]:
+    """The entry's state as a tree of tensors and plain values (tagged with its kind)."""
+    return {"kind": entry.kind, "state": BY_NAME[entry.kind].capture(entry)}
+
+
+def validate_entry(entry: Entry, saved: dict[str, Any], world: World, rules: LoadRules = LoadRules()) -> None:
+    """Raise IncompatibleCheckpointError if `saved` cannot be restored into `entry` whole."""
+    where = f"state[{entry.key!r}]"
+    if saved.get("kind") != entry.kind:
+        raise IncompatibleCheckpointError(
+            f"{where} is a {entry.kind} entry here but a {saved.get('kind')} entry in the checkpoint")
+    BY_NAME[entry.kind].validate(entry, saved["state"], where, world, rules)
+
+
+def snapshot(entry: Entry, state: dict[str, Any]) -> Undo:
+    """A function that puts `entry` back as it is now."""
+    return BY_NAME[entry.kind].undo(entry, state)
+
+
+def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any],
+                  memo: dict[int, Any] | None = None, release: Release | None = None) -> list[str]:
+    """Restore one validated entry in place; returns notes for the caller (config diffs).
+    Entries restored with one `memo` keep the tensors they share shared. `release` is called
+    with each source tensor once it is copied (the protocol's PageRelease)."""
+    kind, value = BY_NAME[entry.kind], saved["state"]
+    if kind.copies_loaded_tensors:
+        value = _owned(value, memo, release)
+    return kind.restore(entry, value, state, release)
+
+
+def is_late(entry: Entry) -> bool:
+    return BY_NAME[entry.kind].late
