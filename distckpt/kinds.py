@@ -45,7 +45,7 @@ from .capture import (
     copy_released,
     unwrap_module,
 )
-from .errors import IncompatibleCheckpointError, UnstorableValueError
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError, UnstorableValueError
 from .undo import Undo
 from .validation import LoadRules
 
@@ -427,7 +427,11 @@ def validate_entry(entry: Entry, saved: dict[str, Any], world: World, rules: Loa
     if saved.get("kind") != entry.kind:
         raise IncompatibleCheckpointError(
             f"{where} is a {entry.kind} entry here but a {saved.get('kind')} entry in the checkpoint")
-    BY_NAME[entry.kind].validate(entry, saved["state"], where, world, rules)
+    try:
+        BY_NAME[entry.kind].validate(entry, saved["state"], where, world, rules)
+    except (KeyError, TypeError, IndexError, AttributeError) as e:  # a forged file that verifies
+        raise CorruptCheckpointError(f"{where}: the saved state does not have the structure of a {entry.kind} "
+                                     f"entry ({type(e).__name__}: {str(e)[:120]})") from e
 
 
 def snapshot(entry: Entry, state: dict[str, Any]) -> Undo:

@@ -139,12 +139,12 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
             "or pass world_size_policy='reshard' to restore the replicated and sharded state and keep "
             "this run's per-rank state")
     replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers)
-    own = _read_tree(storage, base, rank_names[rank], manifest, where, buffers)
+    own = _read_tree(storage, base, rank_names[rank], manifest, where, buffers, per_rank=True)
     return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, buffers=buffers)
 
 
 def _read_tree(storage: Storage, base: str, name: str, manifest: mf.Manifest, where: str,
-               buffers: list[Any] | None = None) -> Any:
+               buffers: list[Any] | None = None, per_rank: bool = False) -> Any:
     """One verified tree file, its tensors viewing the file's buffer (appended to `buffers`). A
     mapped file is verified piece by piece, each piece's pages let go once hashed, so a load
     never holds the whole file resident (the restore lets go of them again as it copies)."""
@@ -163,7 +163,9 @@ def _read_tree(storage: Storage, base: str, name: str, manifest: mf.Manifest, wh
     if buffers is not None:
         buffers.append(data)
     extra = incremental.resolve(storage, manifest, where) if name == manifest.payload_names()[0] else None
-    return load_tree_file(data, f"{where}/{name}", extra)
+    tree = load_tree_file(data, f"{where}/{name}", extra)
+    mf.check_tree(tree, f"{where}/{name}", per_rank)
+    return tree
 
 
 def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict[str, Any],

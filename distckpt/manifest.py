@@ -394,6 +394,36 @@ _RANK_FIELDS: list[tuple[str, Any, str]] = [
 ]
 
 
+def check_tree(tree: Any, where: str, per_rank: bool) -> None:
+    """The structure a load reads of a payload file's tree (the replicated one, or a rank's with
+    its rank, epoch, RNG streams and buffers), checked before any of it is used: a file may be
+    forged and re-signed. CorruptCheckpointError names the field."""
+    if not isinstance(tree, dict):
+        raise CorruptCheckpointError(f"{where}: the tree is a {type(tree).__name__}, not an object of fields")
+    entries = tree.get("entries")
+    if not isinstance(entries, dict):
+        raise CorruptCheckpointError(f"{where}: field 'entries' must be an object of entries")
+    for key, record in entries.items():
+        if not (isinstance(key, str) and isinstance(record, dict) and isinstance(record.get("kind"), str)
+                and "state" in record):
+            raise CorruptCheckpointError(f"{where}: entry {str(key)[:80]!r} must hold 'kind' (a string) and 'state'")
+    if not per_rank:
+        return
+    for name, check, what in _RANK_TREE_FIELDS:
+        if not check(tree.get(name, _ABSENT)):
+            raise CorruptCheckpointError(f"{where}: field {name!r} must be {what}")
+    buffers = tree.get("buffers", {})
+    if not (isinstance(buffers, dict) and all(isinstance(b, dict) for b in buffers.values())):
+        raise CorruptCheckpointError(f"{where}: field 'buffers' must be an object of each module's buffers")
+
+
+_RANK_TREE_FIELDS: list[tuple[str, Any, str]] = [
+    ("rank", _is_count, "an int >= 0"),
+    ("epoch", _is_optional_count, "an int >= 0 or null"),
+    ("rng", lambda v: isinstance(v, dict), "an object of RNG streams"),
+]
+
+
 def check_relative_path(path: str, where: str) -> None:
     """A manifest may only name files inside its own step directory."""
     parts = path.split("/")
