@@ -43,8 +43,8 @@ from .saving import (
     stage_save,
     write_and_commit,
 )
-from .serialize import StagingPool
 from .snapshot import OverlappedSnapshot
+from .staging import StagingPool
 from .storage import Storage, open_storage
 from .tiers import DurableUploadWarning, Nodes, TierSettings, node_name, remove_foreign, ship_to_nodes, upload_step
 from .validation import LoadRules

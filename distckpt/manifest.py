@@ -1,4 +1,5 @@
-"""The step directory layout, the manifest, the commit marker and checksums.
+"""The step directory layout, the manifest, the commit marker and the payload trees' schema
+(checksums: checksums.py).
 
     <root>/step-000000100/
         replicated/state.g000003.safetensors   replicated entries (tree in the safetensors metadata)
@@ -15,16 +16,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, Iterator
+from typing import Any
 
-import xxhash
-
+from .checksums import RELEASE_CHUNK, Checksum, checksum_of, verify_file  # noqa: F401  (the format's checksums)
 from .errors import CorruptCheckpointError
 
 FORMAT_VERSION = 1
@@ -58,95 +55,6 @@ def replicated_file(generation: int) -> str:
 
 def rank_file(rank: int, generation: int) -> str:
     return f"ranks/rank-{rank:05d}.g{generation:06d}.safetensors" if generation else f"ranks/rank-{rank:05d}.safetensors"
-
-
-class Checksum:
-    """Counts and hashes chunks as they stream past (xxh3-64: several GB/s on one core).
-
-    A large chunk is hashed on a helper thread while the consumer writes it (xxhash releases
-    the GIL): the hash was 0.024 s of a 0.25 s save of 256 MiB, run before each write. One
-    chunk at a time is in flight, so the hash sees the chunks in order.
-    """
-
-    algorithm = "xxh3_64"
-
-    def __init__(self) -> None:
-        self._h = xxhash.xxh3_64()
-        self.size = 0
-        self._pending: Future[None] | None = None
-
-    def wrap(self, chunks: Iterable[memoryview | bytes]) -> Iterator[memoryview | bytes]:
-        try:
-            for chunk in chunks:
-                n = memoryview(chunk).nbytes
-                self._settle()
-                if n >= _HASH_AHEAD_BYTES:
-                    self._pending = _hasher().submit(self._h.update, chunk)
-                else:
-                    self._h.update(chunk)
-                self.size += n
-                yield chunk
-        finally:
-            self._settle()
-
-    def _settle(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
-
-    def hexdigest(self) -> str:
-        self._settle()
-        return self._h.hexdigest()
-
-
-_HASH_AHEAD_BYTES = 1 << 20
-_HASHER: ThreadPoolExecutor | None = None
-_HASHER_LOCK = threading.Lock()
-
-
-def _hasher() -> ThreadPoolExecutor:
-    global _HASHER
-    with _HASHER_LOCK:
-        if _HASHER is None:
-            _HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="distckpt-hash")
-        return _HASHER
-
-
-def _forget_hasher_after_fork() -> None:
-    """A forked child (a data-loader worker saving, say) has none of the parent's threads:
-    an executor inherited from it would queue work no thread ever runs."""
-    global _HASHER, _HASHER_LOCK
-    _HASHER, _HASHER_LOCK = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_hasher_after_fork)
-
-
-def checksum_of(data: bytes | bytearray | memoryview) -> str:
-    return xxhash.xxh3_64_hexdigest(data)
-
-
-RELEASE_CHUNK = 8 << 20  # xxh3 over 8 MiB pieces runs as fast as over the whole file
-
-
-def verify_file(data: bytes | bytearray | memoryview, record: dict[str, Any], where: str,
-                release: Any = None) -> None:
-    """Size and checksum against the manifest's record. With `release` (a function of a byte
-    range), the bytes are hashed in 8 MiB pieces and each piece released after it is hashed, so
-    verifying a mapped file does not keep it resident (export's bounded memory)."""
-    if len(data) != record["size"]:
-        raise CorruptCheckpointError(f"{where}: {len(data)} bytes, the manifest says {record['size']} (truncated or replaced)")
-    if release is None:
-        actual = checksum_of(data)
-    else:
-        h = xxhash.xxh3_64()
-        view = memoryview(data)
-        for start in range(0, len(view), RELEASE_CHUNK):
-            h.update(view[start:start + RELEASE_CHUNK])
-            release(start, min(RELEASE_CHUNK, len(view) - start))
-        actual = h.hexdigest()
-    if actual != record["xxh3_64"]:
-        raise CorruptCheckpointError(f"{where}: checksum {actual} does not match the manifest's {record['xxh3_64']} (damaged)")
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:

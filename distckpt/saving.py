@@ -50,7 +50,8 @@ from .fencing import Lease
 from .incremental import ContentTable
 from .kinds import capture_entry
 from .rng import capture_process_rng
-from .serialize import EncodedTree, StagingPool, encode_tree, safetensors_chunks
+from .serialize import EncodedTree, encode_tree, safetensors_chunks
+from .staging import StagingPool
 from .storage import Storage
 
 log = logging.getLogger("distckpt")

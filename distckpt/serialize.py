@@ -50,7 +50,8 @@ from typing import Any, Iterator, Protocol
 import numpy as np
 import torch
 
-from .errors import CorruptCheckpointError, SnapshotChangedError, UnstorableValueError
+from .errors import CorruptCheckpointError, UnstorableValueError
+from .staging import StagingPool, region_key
 
 TREE_METADATA_KEY = "distckpt.tree"
 FORMAT_METADATA_KEY = "format"
@@ -100,72 +101,6 @@ class EncodedTree:
     @property
     def payload_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
-class StagingPool:
-    """Host buffers for async saves, allocated once and reused while shapes stay the same.
-
-    Pinned when CUDA is present, so device-to-host copies run asynchronously; `sync()` waits for
-    them before the background write starts. Call between saves only: a save in flight reads them.
-
-    With `deferrable` set (overlap_snapshot), the copy of a CPU tensor whose region is in it is
-    left to `copy_deferred()`, which the writer thread runs while training goes on; each source's
-    version counter, noted at capture, tells whether anything changed it in place meanwhile.
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}
-        self._pending_device_copies = False
-        self.deferrable: set[tuple[Any, ...]] = set()
-        self._deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
-
-    def stage(self, name: str, tensor: torch.Tensor, may_defer: bool = False) -> torch.Tensor:
-        buf = self.buffers.get(name)
-        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-            pin = tensor.device.type == "cuda"
-            buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-            self.buffers[name] = buf
-        if may_defer and self.deferrable and tensor.device.type == "cpu" and not tensor.is_inference() \
-                and region_key(tensor) in self.deferrable:
-            self._deferred.append((name, buf, tensor, tensor._version))
-            return buf
-        device = tensor.device.type != "cpu"
-        if tensor.requires_grad:
-            tensor = tensor.detach()  # else the copy would record autograd history into `buf`
-        buf.copy_(tensor, non_blocking=device)
-        self._pending_device_copies |= device
-        return buf
-
-    @property
-    def has_deferred(self) -> bool:
-        return bool(self._deferred)
-
-    def copy_deferred(self) -> None:
-        """The copies staging left for later (the writer thread)."""
-        for _, buf, source, _ in self._deferred:
-            buf.copy_(source.detach())
-
-    def verify_deferred(self) -> None:
-        """After copy_deferred, on the thread that changes the sources (so no in-place operation
-        is half done): raises SnapshotChangedError, naming the tensors, if any source's version
-        counter moved since the capture."""
-        pending, self._deferred = self._deferred, []
-        changed = [name for name, _, source, version in pending if source._version != version]
-        if changed:
-            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-            raise SnapshotChangedError(
-                f"{shown} changed in place while the overlapped snapshot copied {'it' if len(changed) == 1 else 'them'}; "
-                "only the step of an optimizer in `state` waits for the copy. Call wait() before changing "
-                "parameters or optimizer state any other way (load_state_dict, copy_, an in-place update "
-                "under no_grad), or turn overlap_snapshot off")
-
-    def discard_deferred(self) -> None:
-        self._deferred = []
-
-    def sync(self) -> None:
-        if self._pending_device_copies and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self._pending_device_copies = False
 
 
 @dataclass(frozen=True)
@@ -358,15 +293,6 @@ def _advice(value: Any) -> str:
 
 def is_dtensor(value: Any) -> bool:
     return type(value).__name__ == "DTensor" and hasattr(value, "to_local")
-
-
-def region_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
-    """Tensors with equal keys are the same bytes (tied weights); None: never shared. The first
-    element's address already includes the storage offset: with the dtype, shape and strides
-    it names the bytes (untyped_storage() made a Python object per tensor: 1.5 us of 40)."""
-    if tensor.numel() == 0:
-        return None
-    return (tensor.device, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
 
 
 def _detach_for_write(tensor: torch.Tensor, stage: bool) -> torch.Tensor:

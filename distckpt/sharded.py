@@ -34,14 +34,13 @@ from .serialize import (
     _ST_TO_DTYPE,
     EncodedTree,
     ShardRef,
-    StagingPool,
     check_dtype,
     encode_tree,
     is_dtensor,
     key_path,
     load_tree_file,
-    region_key,
 )
+from .staging import StagingPool, region_key
 from .storage import Storage, release_pages
 
 SHARDED = "sharded"

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .capture import Entry, unwrap_module
-from .serialize import StagingPool, region_key
+from .staging import StagingPool, region_key
 
 
 class OverlappedSnapshot:
