@@ -136,13 +136,18 @@ def test_a_mutated_marker_or_lease_is_refused_or_loads_identically(tmp_path_fact
 def test_a_mutated_safetensors_header_is_refused_or_loads_identically(tmp_path_factory, data):
     root = str(tmp_path_factory.mktemp("h"))
     original = _build(root)
-    step_dir = _step_dir(root)
+    _rewrite_header(_step_dir(root), data, lambda header: _mutate_some_field(data, header))
+    _load_is_refused_or_identical(root, original)
+
+
+def _rewrite_header(step_dir: str, data, change) -> None:
+    """Draw a payload file, `change` its safetensors header (a JSON object) in place, re-sign."""
     manifest = json.load(open(os.path.join(step_dir, "manifest.json")))
     name = data.draw(st.sampled_from(sorted(manifest["files"])))
     blob = open(os.path.join(step_dir, name), "rb").read()
     (n,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8:8 + n])
-    _mutate_some_field(data, header)
+    change(header)
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     new = struct.pack("<Q", len(raw)) + raw + blob[8 + n:]
@@ -150,7 +155,6 @@ def test_a_mutated_safetensors_header_is_refused_or_loads_identically(tmp_path_f
         f.write(new)
     manifest["files"][name] = {"size": len(new), "xxh3_64": _digest(new)}
     _resign_manifest(step_dir, manifest)
-    _load_is_refused_or_identical(root, original)
 
 
 @pytest.mark.parametrize("name", ["COMMITTED", "manifest.json"])
@@ -266,22 +270,12 @@ def test_a_mutated_tree_inside_a_payload_is_refused_or_loads_identically(tmp_pat
             mgr.save(1, saved)
     else:
         original = _build(root)
-    step_dir = _step_dir(root)
-    manifest = json.load(open(os.path.join(step_dir, "manifest.json")))
-    name = data.draw(st.sampled_from(sorted(manifest["files"])))
-    blob = open(os.path.join(step_dir, name), "rb").read()
-    (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8:8 + n])
-    tree = json.loads(header["__metadata__"][TREE_METADATA_KEY])
-    _mutate_some_field(data, tree)
-    header["__metadata__"][TREE_METADATA_KEY] = json.dumps(tree)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    new = struct.pack("<Q", len(raw)) + raw + blob[8 + n:]
-    with open(os.path.join(step_dir, name), "wb") as f:
-        f.write(new)
-    manifest["files"][name] = {"size": len(new), "xxh3_64": _digest(new)}
-    _resign_manifest(step_dir, manifest)
+    def change_tree(header: dict) -> None:
+        tree = json.loads(header["__metadata__"][TREE_METADATA_KEY])
+        _mutate_some_field(data, tree)
+        header["__metadata__"][TREE_METADATA_KEY] = json.dumps(tree)
+
+    _rewrite_header(_step_dir(root), data, change_tree)
     if not rich:
         _load_is_refused_or_identical(root, original)
         return
