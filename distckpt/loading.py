@@ -208,7 +208,10 @@ def _durable_candidates(storage: Storage, step: int | None) -> list[int]:
     """Rank 0: the step directories to try, newest first (commit.step_candidates: the read phase
     skips one without a marker); an explicit `step` must be committed."""
     if step is None:
-        return step_candidates(storage)
+        steps = step_candidates(storage)
+        if not steps:
+            storage.check_root()  # nothing found: a missing bucket is an error, not a fresh start
+        return steps
     if not is_committed(storage, step):
         committed = list_committed(storage)
         raise IncompatibleCheckpointError(f"step {step} is not committed at {storage.url} (committed: {committed[:10]})")
@@ -223,6 +226,8 @@ def _choose_tiered(coord: Coordinator, storage: Storage, step: int | None,
     when local candidates remain, else the error on every rank."""
     def read_durable() -> dict[str, Any]:
         steps = step_candidates(storage) if step is None else [s for s in [step] if is_committed(storage, s)]
+        if not steps:
+            storage.check_root()
         return {"steps": steps, "leases": [dataclasses.asdict(x) for x in fencing.read_leases(storage)]}
 
     outcome, _ = attempt_on_root(coord, "load/durable", read_durable)

@@ -160,3 +160,16 @@ def test_a_missing_gcs_bucket_is_a_storage_error_that_says_so(gcs_server):
     with pytest.raises(distckpt.StorageError, match="does the bucket exist"):
         with distckpt.CheckpointManager("gs://no-such-bucket/x", storage_options=gcs_server.storage_options()) as mgr:
             mgr.save(1, state_with(0))
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs", "azure"])
+def test_a_load_from_a_bucket_that_does_not_exist_is_an_error_not_a_fresh_start(backend, request):
+    """A typo in the bucket name must not make a resuming job start from scratch."""
+    server = request.getfixturevalue({"s3": "s3_server", "gcs": "gcs_server", "azure": "azure_server"}[backend])
+    scheme, word = {"s3": ("s3", "bucket"), "gcs": ("gs", "bucket"), "azure": ("az", "container")}[backend]
+    with distckpt.CheckpointManager(f"{scheme}://no-such-{word}/run", storage_options=server.storage_options()) as mgr:
+        with pytest.raises(distckpt.StorageError, match=f"the {word} 'no-such-{word}' does not exist"):
+            mgr.load_latest(state_with(0))
+    with distckpt.CheckpointManager(f"{scheme}://ckpt/empty-{uuid.uuid4().hex[:8]}",
+                                    storage_options=server.storage_options()) as mgr:
+        assert mgr.load_latest(state_with(0)) is None  # an existing bucket with nothing in it: a fresh start

@@ -71,6 +71,11 @@ class Storage(Protocol):
 
     def exists(self, path: str) -> bool: ...
 
+    def check_root(self) -> None:
+        """StorageError if the root can never hold a checkpoint as named (an object store's bucket
+        or container does not exist): a load that finds nothing asks, so a typo in a bucket name
+        is an error rather than a fresh start. A missing directory is fine (the first save makes it)."""
+
     def size(self, path: str) -> int | None:
         """The file's size in bytes, read fresh from storage; None if it does not exist."""
 

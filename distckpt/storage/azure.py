@@ -25,6 +25,7 @@ class AzureStorage(ConditionalCreateStorage):
     """Checkpoints under az://container/prefix."""
 
     client_name = "AzureBlobFileSystem"
+    container_word = "container"
 
     @staticmethod
     def make_client(options: dict[str, Any]) -> Any:

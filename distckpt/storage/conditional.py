@@ -97,6 +97,16 @@ class ConditionalCreateStorage(FsspecStorage):
                                    f"{end - start} bytes at {start}")
             write_at(fd, piece, start)
 
+    container_word = "bucket"  # what the store calls the URL's first component, for messages
+
+    def check_root(self) -> None:
+        bucket = self.root.split("/", 1)[0]
+        self.fs.invalidate_cache(bucket)
+        if not self._call("checking", bucket, "exists", bucket):
+            raise StorageError(errno.ENOENT, f"{self.url}: the {self.container_word} {bucket!r} does not exist (or "
+                               "these credentials cannot see it): nothing can be loaded from or saved there; "
+                               f"create it, or fix the URL")
+
     def create_exclusive(self, path: str, data: bytes) -> None:
         target = _join(self.root, path)
         try:

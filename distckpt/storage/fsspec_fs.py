@@ -126,6 +126,9 @@ class FsspecStorage:
         self.fs.invalidate_cache(target)
         return bool(self._call("checking", target, "exists", target))
 
+    def check_root(self) -> None:
+        """Nothing to check on a filesystem of directories (object stores: conditional.py)."""
+
     def size(self, path: str) -> int | None:
         target = _join(self.root, path)
         self.fs.invalidate_cache(target)

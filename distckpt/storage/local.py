@@ -156,6 +156,9 @@ class LocalStorage:
     def exists(self, path: str) -> bool:
         return os.path.exists(self._abs(path))
 
+    def check_root(self) -> None:
+        """Nothing to check: the first save makes the directory."""
+
     def size(self, path: str) -> int | None:
         try:
             return os.stat(self._abs(path)).st_size
