@@ -43,6 +43,7 @@ from .capture import (
     _undo_generator_draws_of_next_iter,
     config_differences,
     copy_released,
+    has_own_load_logic,
     unwrap_module,
 )
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, UnstorableValueError
@@ -78,6 +79,21 @@ class Kind:
     def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
         """A function that puts the entry back as it is now."""
         return lambda: None
+
+    def is_late(self, entry: Entry) -> bool:
+        return self.late
+
+
+class _ModuleLike(Kind):
+    """A module is restored late (after every rank restored the rest) only when its restore cannot
+    fail: torch's own loading of a state checked completely before. One with load logic of its own
+    (hooks, its own _load_from_state_dict) may refuse; it is restored with the early entries, its
+    tensors copied first, so that its failure leaves every late entry untouched on every rank."""
+
+    late, copies_loaded_tensors = True, False
+
+    def is_late(self, entry: Entry) -> bool:
+        return not has_own_load_logic(unwrap_module(entry.target))
 
 
 class Config(Kind):
@@ -234,10 +250,10 @@ class Sampler(Kind):
         return lambda: _restore_sampler(target, plain)
 
 
-class ShardedModule(Kind):
+class ShardedModule(_ModuleLike):
     """A module over DTensor parameters (FSDP2, tensor parallel): each rank writes its pieces."""
 
-    name, scope, late, copies_loaded_tensors = "sharded_module", SHARDED, True, False
+    name, scope = "sharded_module", SHARDED
 
     def matches(self, key: str, obj: Any) -> bool:
         return isinstance(obj, nn.Module) and sharded.has_dtensor_params(unwrap_module(obj).parameters())
@@ -258,11 +274,11 @@ class ShardedModule(Kind):
         return undo.module_undo(unwrap_module(entry.target))
 
 
-class Module(Kind):
+class Module(_ModuleLike):
     """An nn.Module (bare, DDP, DataParallel or compiled): its state_dict and every submodule's
     `training` flag."""
 
-    name, late, copies_loaded_tensors = "module", True, False
+    name = "module"
 
     def matches(self, key: str, obj: Any) -> bool:
         return isinstance(obj, nn.Module)
@@ -451,4 +467,5 @@ def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any],
 
 
 def is_late(entry: Entry) -> bool:
-    return BY_NAME[entry.kind].late
+    """Restored in the second phase, after every rank restored the early entries."""
+    return BY_NAME[entry.kind].is_late(entry)

@@ -258,3 +258,43 @@ def overlapped_failures(rank: int, world: int, url: str, how: str) -> dict:
             out["cause"] = type(e.__cause__).__name__
         out["committed"] = mgr.committed_steps()
     return out
+
+
+class RefusingModule(nn.Module):
+    """A module with load logic of its own that refuses on the ranks listed in `refuse_on`."""
+
+    refuse_on: tuple[int, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(3))
+
+    def _load_from_state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        if int(os.environ.get("RANK", "0")) in self.refuse_on:
+            raise RuntimeError("this module refuses the checkpoint")
+        return super()._load_from_state_dict(*args, **kwargs)
+
+
+def _modules_state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    return {"plain": nn.Linear(3, 3), "t": torch.randn(4), "refusing": RefusingModule(), "model_eval": nn.Linear(2, 2)}
+
+
+def a_module_refusing_on_one_rank_leaves_every_rank_unchanged(rank: int, world: int, url: str, refuse_on: list) -> dict:
+    with distckpt.CheckpointManager(url) as mgr:
+        mgr.save(1, _modules_state(0))
+    live = _modules_state(1)
+    live["model_eval"].eval()
+    before = {k: [t.clone() for t in v.state_dict().values()] if isinstance(v, nn.Module) else v.clone()
+              for k, v in live.items()}
+    RefusingModule.refuse_on = tuple(refuse_on)
+    error = None
+    try:
+        with distckpt.CheckpointManager(url) as mgr:
+            mgr.load_latest(live)
+    except distckpt.DistCkptError as e:
+        error = type(e).__name__
+    unchanged = all(
+        all(torch.equal(a, b) for a, b in zip(before[k], v.state_dict().values())) if isinstance(v, nn.Module)
+        else torch.equal(before[k], v) for k, v in live.items())
+    return {"error": error, "unchanged": unchanged, "eval_kept": not live["model_eval"].training}

@@ -242,3 +242,17 @@ def test_system_random_is_refused_at_save(tmp_path):
     with distckpt.CheckpointManager(str(tmp_path)) as mgr:
         with pytest.raises(distckpt.UnstorableValueError, match="SystemRandom"):
             mgr.save(0, {"r": random.SystemRandom()})
+
+
+@pytest.mark.parametrize("world, refuse_on", [(1, [0]), (2, [1]), (2, [0, 1])])
+def test_a_module_with_its_own_load_logic_refusing_leaves_every_module_and_tensor_unchanged(tmp_path, world, refuse_on):
+    """Plain modules and tensor entries are restored after every rank restored the rest; a module
+    whose own _load_from_state_dict refuses is restored before them, so its failure (on any rank)
+    leaves them, and its own parameters, untouched on every rank."""
+    from distckpt.testing import run_world
+
+    results = run_world("dist_workers:a_module_refusing_on_one_rank_leaves_every_rank_unchanged", world,
+                        url=str(tmp_path), refuse_on=refuse_on)
+    for r in results:
+        assert r.error is None, r.error
+        assert r.value == {"error": "IncompatibleCheckpointError", "unchanged": True, "eval_kept": True}, r.value
