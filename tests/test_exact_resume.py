@@ -49,8 +49,8 @@ def test_four_ranks_killed_between_checkpoints(tmp_path):
 def test_two_ranks_on_s3_killed_during_a_save(tmp_path, s3_server, s3_url):
     # The killed run checkpoints to S3 (credentials and endpoint from the AWS_* environment);
     # rank 0 dies after step 40's data and manifest are uploaded, before the conditional commit.
-    result, resumes = run_pair(str(tmp_path), nproc=2, steps=70, kill_at="save/manifest-written:40:0",
-                               workers=2, ckpt_url=s3_url, env=s3_server.env())
+    result, resumes = run_pair(str(tmp_path), nproc=2, steps=50, kill_at="save/manifest-written:40:0",
+                               workers=2, ckpt_url=s3_url, env=s3_server.env())  # resumed run crosses epoch 1
     assert resumes == ["resumed from step 20 epoch 0"]
     assert result.identical, result.table
 
