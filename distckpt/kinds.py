@@ -96,6 +96,16 @@ class _ModuleLike(Kind):
         return not has_own_load_logic(unwrap_module(entry.target))
 
 
+def _trial(where: str, restore: Any) -> None:
+    """Restore a saved RNG state into a scratch generator first: a state that verifies but that
+    the generator refuses (forged) is found before anything changed, not half-way through."""
+    try:
+        restore()
+    except (TypeError, ValueError, OverflowError, RuntimeError, KeyError) as e:
+        raise CorruptCheckpointError(f"{where}: the saved random state would not restore "
+                                     f"({type(e).__name__}: {str(e)[:120]})") from e
+
+
 class Config(Kind):
     """`state["config"]`: compared with the resuming run's, never overwritten."""
 
@@ -122,6 +132,7 @@ class Generator(Kind):
 
     def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
         validation._generator(entry.target, saved, where, world, rules)
+        _trial(where, lambda: torch.Generator(device=entry.target.device).set_state(saved["state"]))
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
         entry.target.set_state(value["state"])
@@ -143,6 +154,7 @@ class NumpyGenerator(Kind):
 
     def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
         validation._np_generator(entry.target, saved, where, world, rules)
+        _trial(where, lambda: setattr(type(entry.target.bit_generator)(), "state", _plain_to_numpy(saved)))
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
         entry.target.bit_generator.state = _plain_to_numpy(value)
@@ -164,6 +176,7 @@ class NumpyRandomState(Kind):
 
     def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
         validation._np_random_state(entry.target, saved, where, world, rules)
+        _trial(where, lambda: np.random.RandomState().set_state(_plain_to_numpy(saved)))
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
         entry.target.set_state(_plain_to_numpy(value))
@@ -189,6 +202,7 @@ class PythonRandom(Kind):
 
     def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
         validation._py_random(entry.target, saved, where, world, rules)
+        _trial(where, lambda: random.Random().setstate(saved))
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
         entry.target.setstate(value)
@@ -433,8 +447,12 @@ def _link_optimizers(entries: list[Entry]) -> list[Entry]:
 
 
 def capture_entry(entry: Entry) -> dict[str, Any]:
-    """The entry's state as a tree of tensors and plain values (tagged with its kind)."""
-    return {"kind": entry.kind, "state": BY_NAME[entry.kind].capture(entry)}
+    """The entry's state as a tree of tensors and plain values (tagged with its kind; an
+    optimizer also with its class, which its state_dict does not say)."""
+    out = {"kind": entry.kind, "state": BY_NAME[entry.kind].capture(entry)}
+    if isinstance(entry.target, torch.optim.Optimizer):
+        out["type"] = type(entry.target).__name__
+    return out
 
 
 def validate_entry(entry: Entry, saved: dict[str, Any], world: World, rules: LoadRules = LoadRules()) -> None:
@@ -443,9 +461,15 @@ def validate_entry(entry: Entry, saved: dict[str, Any], world: World, rules: Loa
     if saved.get("kind") != entry.kind:
         raise IncompatibleCheckpointError(
             f"{where} is a {entry.kind} entry here but a {saved.get('kind')} entry in the checkpoint")
+    saved_type, live_type = saved.get("type"), type(entry.target).__name__
+    if isinstance(entry.target, torch.optim.Optimizer) and isinstance(saved_type, str) and saved_type != live_type:
+        raise IncompatibleCheckpointError(
+            f"{where} is a {live_type} here but a {saved_type} in the checkpoint: its state (moments, "
+            f"hyperparameters) means something else to another optimizer; build a {saved_type} as the run "
+            "that saved did, or leave the optimizer out of `state` to start it afresh")
     try:
         BY_NAME[entry.kind].validate(entry, saved["state"], where, world, rules)
-    except (KeyError, TypeError, IndexError, AttributeError) as e:  # a forged file that verifies
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:  # a forged file that verifies
         raise CorruptCheckpointError(f"{where}: the saved state does not have the structure of a {entry.kind} "
                                      f"entry ({type(e).__name__}: {str(e)[:120]})") from e
 

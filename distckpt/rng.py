@@ -54,6 +54,12 @@ def check_process_rng(state: Any, where: str) -> None:
         raise CorruptCheckpointError(f"{where}: the RNG streams are malformed: {type(e).__name__}: {e}") from e
     if not ok:
         raise CorruptCheckpointError(f"{where}: the RNG streams are malformed")
+    try:  # each stream put into a scratch generator first: the real restore runs last and must not fail
+        random.Random().setstate(_as_python_state(state["python"]))
+        _numpy_state_into(np.random.RandomState(), state["numpy"])
+        torch.Generator().set_state(state["torch_cpu"])
+    except (TypeError, ValueError, OverflowError, RuntimeError) as e:
+        raise CorruptCheckpointError(f"{where}: an RNG stream would not restore: {type(e).__name__}: {e}") from e
 
 
 def restore_process_rng(state: dict[str, Any], where: str) -> None:
@@ -96,10 +102,15 @@ def _numpy_global_state() -> dict[str, Any]:
 
 
 def _set_numpy_global_state(st: dict[str, Any]) -> None:
+    _numpy_state_into(np.random, st)
+
+
+def _numpy_state_into(target: Any, st: dict[str, Any]) -> None:
+    """`target.set_state` (the np.random module, or a RandomState) with a captured global state."""
     restored = dict(st)
     restored["state"] = {"key": np.asarray(st["state"]["key"], dtype=np.uint32),
                          "pos": st["state"]["pos"]}
-    np.random.set_state(restored)
+    target.set_state(restored)
 
 
 def _as_python_state(st: Any) -> tuple[Any, ...]:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .capture import unwrap_module
-from .errors import IncompatibleCheckpointError
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 
 # Optimizer state keys that hold one value per parameter element (torch.optim's optimizers):
 # their shape must be the parameter's. Others (Adafactor's factored row/column statistics,
@@ -37,6 +37,7 @@ class LoadRules:
 def _module(module: nn.Module, saved: dict[str, Any], where: str, world: tuple[int, int], rules: LoadRules) -> None:
     module = unwrap_module(module)
     current = module.state_dict()
+    _check_module_structure(saved, where)
     stored = saved["state_dict"]
     missing = [k for k in current if k not in stored]
     unexpected = [k for k in stored if k not in current]
@@ -53,6 +54,19 @@ def _module(module: nn.Module, saved: dict[str, Any], where: str, world: tuple[i
             f"{sorted(set(flags or names) ^ names)[:5]}; build the same model as the run that saved")
     if not rules.allow_dtype_cast:
         _check_dtypes(current, stored, where)
+
+
+def _check_module_structure(saved: Any, where: str) -> None:
+    """What the restore reads of a saved module, beyond the tensors checked below: a file that
+    verifies but was forged must fail here, before any parameter is copied."""
+    if not isinstance(saved, dict):
+        saved = {}
+    metadata, flags = saved.get("metadata"), saved.get("training")
+    if not (isinstance(saved.get("state_dict"), dict)
+            and isinstance(metadata, dict) and all(isinstance(v, dict) for v in metadata.values())
+            and (flags is None or (isinstance(flags, dict) and all(isinstance(f, bool) for f in flags.values())))):
+        raise CorruptCheckpointError(f"{where}: the saved module state does not have the structure distckpt writes "
+                                     "(state_dict, metadata, training flags)")
 
 
 def _check_dtypes(current: Any, stored: Any, where: str) -> None:
