@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import numbers
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -81,7 +82,9 @@ def _local_path(local_dir: Any) -> str:
         raise ConfigError(f"local_dir={local_dir!r}: must be a directory path on node-local disk")
     if local_dir.startswith("file://"):
         local_dir = local_dir[len("file://"):]
-    if "://" in local_dir:
+        if not local_dir.strip():
+            raise ConfigError("local_dir='file://': names no directory; give a path on node-local disk")
+    if "://" in local_dir or re.match(r"[A-Za-z][A-Za-z0-9+.\-]+:", local_dir):  # s3:/x is no local path either
         raise ConfigError(f"local_dir={local_dir!r}: must be a path on node-local disk, not a URL; the durable "
                           "tier is the first argument")
     return local_dir
