@@ -19,6 +19,7 @@ from .errors import (
                      RankDisagreementError,
                      RunConflictError,
                      SnapshotChangedError,
+                     StateArgumentError,
                      StorageError,
                      UnstorableValueError,
 )
@@ -34,7 +35,8 @@ __all__ = [
     "AsyncSaveError", "CheckpointExistsError", "CheckpointFallbackWarning", "CheckpointManager",
     "CheckpointWarning", "ConfigError", "CoordinationError", "CorruptCheckpointError", "DistCkptError",
     "DistInfo", "DurableUploadWarning", "FencedError", "IncompatibleCheckpointError", "MissingFileError", "PREEMPTED_EXIT_CODE", "PerRank", "Progress",
-    "RankDisagreementError", "RngRestoreWarning", "RunConflictError", "SnapshotChangedError", "StorageError", "UnstorableValueError",
+    "RankDisagreementError", "RngRestoreWarning", "RunConflictError", "SnapshotChangedError", "StateArgumentError", "StorageError",
+    "UnstorableValueError",
     "WeightsReport", "__version__", "export_weights", "init_distributed", "load_weights", "per_rank",
     "shutdown_distributed", "with_worker_rng",
 ]

@@ -39,6 +39,11 @@ class UnstorableValueError(DistCkptError, TypeError):
     """A value in `state` is neither a tensor nor a plain value; names its key path."""
 
 
+class StateArgumentError(ConfigError, UnstorableValueError):
+    """`state` itself is not a dict of entries: a bad argument (ConfigError) and nothing that
+    could be stored (UnstorableValueError), so code catching either sees it."""
+
+
 class StorageError(DistCkptError, OSError):
     """Reading or writing the storage failed."""
 

@@ -46,7 +46,7 @@ from .capture import (
     has_own_load_logic,
     unwrap_module,
 )
-from .errors import CorruptCheckpointError, IncompatibleCheckpointError, UnstorableValueError
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError, StateArgumentError, UnstorableValueError
 from .undo import Undo
 from .validation import LoadRules
 
@@ -411,7 +411,8 @@ BY_NAME: dict[str, Kind] = {k.name: k for k in [*KINDS, ShardedOptimizer()]}
 def classify(state: dict[str, Any]) -> list[Entry]:
     """Classify every top-level entry of `state` (a dict with str keys)."""
     if not isinstance(state, dict):
-        raise UnstorableValueError(f"state must be a dict of entries, got {type(state).__name__}")
+        raise StateArgumentError(f"state={repr(state)[:60]}: must be a dict of entries (str keys: a model, an "
+                                 f"optimizer, a loader ...), got {type(state).__name__}")
     entries = []
     for key, obj in state.items():
         if not isinstance(key, str):

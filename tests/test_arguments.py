@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import pathlib
 import signal
 
@@ -148,3 +149,13 @@ def test_a_slow_git_does_not_fail_the_constructor(tmp_path, monkeypatch):
 
     monkeypatch.setattr(versions.subprocess, "run", slow)
     assert distckpt.CheckpointManager(str(tmp_path)).rank == 0
+
+
+@pytest.mark.parametrize("state", [None, [], "model", 3])
+def test_a_state_that_is_not_a_dict_is_a_config_error_naming_state(tmp_path, state):
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        for call in (lambda: mgr.save(1, state), lambda: mgr.load_latest(state)):
+            with pytest.raises(distckpt.ConfigError, match="state=.*must be a dict of entries") as info:
+                call()
+            assert isinstance(info.value, distckpt.UnstorableValueError)  # what it was before, still
+    assert not os.listdir(str(tmp_path)) or "step-000000001" not in os.listdir(str(tmp_path))
