@@ -28,6 +28,7 @@ from torch import nn
 from . import sharded
 from .errors import IncompatibleCheckpointError
 from .serialize import key_path
+from .staging import region_key
 
 log = logging.getLogger("distckpt")
 
@@ -234,15 +235,19 @@ def copy_released(target: torch.Tensor, source: torch.Tensor, release: Release |
             release(piece)
 
 
-def _owned(value: Any, memo: dict[int, Any] | None = None, release: Release | None = None) -> Any:
+def _owned(value: Any, memo: dict[Any, Any] | None = None, release: Release | None = None) -> Any:
     """`value` with every tensor copied into its own memory, keeping what the tree said: the
-    Parameter type, requires_grad, the layout, and ties (a tensor in two places stays one)."""
+    Parameter type, requires_grad, the layout, and ties (a tensor in two places stays one; one
+    that a tensor or module entry restores in place is that live tensor: kinds.live_ties)."""
     memo = {} if memo is None else memo
     if id(value) in memo:
         return memo[id(value)]
     if sharded.is_dtensor(value):
         return value  # assembled for this load: already its own memory
     if isinstance(value, torch.Tensor):
+        region = region_key(value)
+        if region is not None and ("region",) + region in memo:
+            return memo[("region",) + region]
         copy = value.detach().clone()
         if release is not None:
             release(value)

@@ -47,6 +47,7 @@ from .capture import (
     unwrap_module,
 )
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, StateArgumentError, UnstorableValueError
+from .staging import region_key
 from .undo import Undo
 from .validation import LoadRules
 
@@ -481,7 +482,7 @@ def snapshot(entry: Entry, state: dict[str, Any]) -> Undo:
 
 
 def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any],
-                  memo: dict[int, Any] | None = None, release: Release | None = None) -> list[str]:
+                  memo: dict[Any, Any] | None = None, release: Release | None = None) -> list[str]:
     """Restore one validated entry in place; returns notes for the caller (config diffs).
     Entries restored with one `memo` keep the tensors they share shared. `release` is called
     with each source tensor once it is copied (the protocol's PageRelease)."""
@@ -489,6 +490,36 @@ def restore_entry(entry: Entry, saved: dict[str, Any], state: dict[str, Any],
     if kind.copies_loaded_tensors:
         value = _owned(value, memo, release)
     return kind.restore(entry, value, state, release)
+
+
+def live_ties(entries: list[Entry], saved: dict[str, Any], by_region: bool = True) -> dict[Any, Any]:
+    """The restore's memo to start from: each saved tensor that a tensor or module entry restores
+    in place, mapped to the live tensor it goes into. Another entry holding the same tensor (a
+    parameter list or an EMA kept beside the model, `{"a": t, "b": [t]}`) then gets that live
+    object back, not a copy: the tie of the saved state holds after the load. `by_region`: also a
+    reference that decoded as another view of the same stored bytes (a Parameter beside the
+    state_dict's plain tensor) — not for an incremental step, whose shared files hold equal bytes
+    of different tensors once."""
+    memo: dict[Any, Any] = {}
+
+    def tie(stored: torch.Tensor, live: torch.Tensor) -> None:
+        memo[id(stored)] = live
+        region = region_key(stored)  # another reference to the same stored bytes decodes as its own view
+        if by_region and region is not None:
+            memo[("region",) + region] = live
+
+    for entry in entries:
+        record = saved.get(entry.key)
+        if not isinstance(record, dict) or record.get("kind") != entry.kind:
+            continue
+        if entry.kind == Tensor.name and isinstance(record["state"], torch.Tensor):
+            tie(record["state"], entry.target)
+        elif entry.kind == Module.name and isinstance(record["state"], dict):
+            stored = record["state"].get("state_dict") or {}
+            for name, live in unwrap_module(entry.target).state_dict(keep_vars=True).items():
+                if isinstance(stored.get(name), torch.Tensor) and isinstance(live, torch.Tensor):
+                    tie(stored[name], live)
+    return memo
 
 
 def is_late(entry: Entry) -> bool:

@@ -55,7 +55,7 @@ from .errors import (
     StorageError,
 )
 from .fencing import Lease
-from .kinds import is_late, restore_entry, snapshot, validate_entry
+from .kinds import is_late, live_ties, restore_entry, snapshot, validate_entry
 from .rng import capture_process_rng, check_process_rng, restore_process_rng
 from .serialize import load_tree_file
 from .storage import Storage, is_mapped, release_pages
@@ -403,7 +403,7 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
     warn_extra_entries(set(saved), {e.key for e in entries}, f"step {read.step}")
     todo = [e for e in entries if e.key not in kept and e.key not in absent]
     notes: list[str] = []
-    memo: dict[int, Any] = {}  # tensors shared between entries stay shared
+    memo = live_ties(todo, saved, by_region=not read.manifest.reused)  # tensors shared between entries stay shared, with the live ones too
     undos: list[tuple[str, Undo]] = []
     release = PageRelease(read.buffers)
     early = [e for e in todo if not is_late(e)]

@@ -198,3 +198,27 @@ def test_the_tree_limits_are_the_same_for_save_and_load():
     data = b"".join(bytes(c) for c in safetensors_chunks(encode_tree({"x": [torch.zeros(1)] * 3})))
     assert load_tree_file(bytearray(data), "t")["x"][0].shape == (1,)
     assert serialize.MAX_TENSORS >= 4_000_000  # a million parameters with their AdamW state
+
+
+def test_a_tensor_held_by_two_entries_comes_back_as_one_object(tmp_path):
+    """Ties across entries: a tensor entry also held in a list, a model's parameters also held in a
+    dict beside it (an EMA or a parameter group kept next to the model) stay the live objects, so
+    an in-place update of one still reaches the other after the resume."""
+    import distckpt
+
+    def make(seed):
+        torch.manual_seed(seed)
+        t, model = torch.randn(3), torch.nn.Linear(2, 2)
+        return {"a": t, "b": [t], "model": model, "extra": {"w": model.weight, "n": 1}}
+
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, make(1))
+    live = make(0)
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load_latest(live)
+    saved = make(1)
+    assert live["b"][0] is live["a"] and torch.equal(live["a"], saved["a"])
+    assert live["extra"]["w"] is live["model"].weight and torch.equal(live["model"].weight, saved["model"].weight)
+    with torch.no_grad():
+        live["model"].weight.add_(1)
+    assert torch.equal(live["extra"]["w"], live["model"].weight)
