@@ -265,6 +265,7 @@ def _encode_checked(tree: dict[str, Any], path: tuple[Any, ...], entries: Sequen
     only when it fails (the second pass cost an async save() of the demo's state 8.4 -> 6.7 ms);
     with shards (sharded entries, split writes) it runs first, as only it knows which entries
     may hold DTensors."""
+    options["depth_base"] = len(path) + 2  # (file, "entries", key, "state"): the limit counts from state[key]
     if options.get("shards") is not None:
         _check_storable(tree["entries"], entries)
         return encode_tree(tree, path, **options)

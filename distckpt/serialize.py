@@ -120,8 +120,9 @@ class ShardSink(Protocol):
 
 class _Encoder:
     def __init__(self, stage: "bool | StagingPool", shards: "ShardSink | None" = None,
-                 split: bool = False) -> None:
+                 split: bool = False, depth_base: int = 0) -> None:
         self.stage = stage
+        self.max_path = MAX_DEPTH + depth_base
         self.shards = shards
         self.split = split
         self.tensors: dict[str, torch.Tensor] = {}
@@ -139,7 +140,7 @@ class _Encoder:
             return _encode_numpy_scalar(value, path)
         if isinstance(value, torch.Tensor):
             return self._encode_tensor(value, path)
-        if len(path) > MAX_DEPTH:
+        if len(path) > self.max_path:
             raise UnstorableValueError(f"{key_path(path[:8])}... nests containers more than {MAX_DEPTH} deep: "
                                        "flatten it")
         if kind is dict or kind is OrderedDict:
@@ -314,15 +315,16 @@ def _describe(value: Any) -> str:
 
 
 def encode_tree(value: Any, path: tuple[Any, ...] = (), *, stage: "bool | StagingPool" = False,
-                shards: "ShardSink | None" = None, split: bool = False) -> EncodedTree:
+                shards: "ShardSink | None" = None, split: bool = False, depth_base: int = 0) -> EncodedTree:
     """Check and encode a tree; raises UnstorableValueError naming the key path of a bad value.
 
     With ``stage=True`` every tensor is copied, with a StagingPool into its reused buffers, so
     the result no longer aliases live state. With `shards`, DTensors are handed to it and the
     tree keeps a reference ({"S": name}); without, a DTensor is refused. With `split` too, every
     other tensor goes to `shards` whole (split writes: ranks share the replicated payload).
+    `depth_base`: path elements above the user's values (their nesting limit counts from there).
     """
-    encoder = _Encoder(stage, shards, split)
+    encoder = _Encoder(stage, shards, split, depth_base)
     try:
         node = encoder.encode(value, path)
     except RecursionError as e:

@@ -180,6 +180,25 @@ def test_a_deep_tree_is_refused_at_save_not_at_load(tmp_path):
             mgr.save(1, {"v": deep})
 
 
+@pytest.mark.parametrize("per_rank", [False, True])
+def test_the_nesting_limit_is_200_deep_counted_from_the_entry_and_named_by_its_key_path(tmp_path, per_rank):
+    def nest(depth: int) -> list:
+        value: list = []
+        for _ in range(depth - 1):
+            value = [value]
+        return value
+
+    wrap = distckpt.per_rank if per_rank else (lambda v: v)
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"v": wrap(nest(200))})  # the documented limit: more than 200 is refused
+        with pytest.raises(distckpt.UnstorableValueError, match=r"^state\['v'\]\[0\]\[0\].* more than 200 deep"):
+            mgr.save(2, {"v": wrap(nest(201))})
+    state = {"v": wrap([])}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr.load_latest(state).step == 1
+    assert (state["v"].obj if per_rank else state["v"]) == nest(200)
+
+
 @pytest.mark.faults  # make test-faults (4M floats)
 def test_a_long_plain_list_is_stored_and_loaded(tmp_path):
     # 4M floats in a plain list used to commit and then be refused by every load.
