@@ -377,11 +377,17 @@ def raise_if_failed(coord: Coordinator, outcomes: list[Outcome], what: str,
         return
     if coord.world_size == 1 and local_exc is not None:
         raise local_exc  # a world of one: the original error, untouched
+    raise error_of(failed, what) from local_exc
+
+
+def error_of(failed: list[Outcome], what: str) -> DistCkptError:
+    """The one error for failed outcomes: the class of the first (a distckpt class, else
+    CoordinationError), naming every failed rank, with their tracebacks in `rank_tracebacks`."""
     lines = "; ".join(f"rank {o.rank}: {o.error_type}: {o.message}" for o in failed)
     cls = _error_class(failed[0].error_type)
     error = cls(f"{what} failed on rank(s) {[o.rank for o in failed]} — {lines}")
     error.rank_tracebacks = {o.rank: o.traceback for o in failed}  # type: ignore[attr-defined]
-    raise error from local_exc
+    return error
 
 
 def _error_class(name: str | None) -> type[DistCkptError]:

@@ -11,10 +11,11 @@ from typing import Any, Callable
 
 POINTS = (
     "save/captured",        # every rank, after capture, before the agreement collective
-    "save/gathered",        # rank 0, per-rank files in hand, nothing written
+    "save/gathered",        # rank 0, before its replicated file (its own rank file may be durable)
     "save/replicated-written",
-    "save/rank-files-written",
-    "save/shards-written",   # a rank's shard file durable and reported, before rank 0 commits
+    "save/rank-files-written",  # every rank, its own rank file durable, not yet reported (rank 0 too
+                                # when it writes the files handed over to it)
+    "save/shards-written",   # a rank's shard file durable, not yet reported, before rank 0 commits
     "save/manifest-written",  # data and manifest durable, marker not yet written
     "save/committed",        # rank 0, marker written, before retention
     "save/retained",         # rank 0, retention and leftover collection done

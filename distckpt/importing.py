@@ -85,9 +85,9 @@ def _write_import(obj: Any, url: str, source: str, world_size: int, step: int | 
         raise CheckpointExistsError(17, f"step {step} is already committed at {storage.url}; import into a new root")
     entries = {key: {"kind": IMPORTED, "state": value} for key, value in obj.items()}
     replicated = encode_tree({"step": step, "epoch": epoch, "entries": entries}, ("imported",))
-    rank_files = [b"".join(safetensors_chunks(encode_tree(
+    rank_files = {r: b"".join(safetensors_chunks(encode_tree(
         {"step": step, "epoch": epoch, "rank": r, "world_size": world_size, "rng": None, "entries": {}})))
-        for r in range(world_size)]
+        for r in range(world_size)}  # handed over: this process writes every rank's file
     run_id = uuid.uuid4().hex
     ranks: list[dict[str, Any]] = [{"rank": r, "step": step, "epoch": epoch, "host": "import", "pid": os.getpid(),
               "per_rank_entries": [], "generation": None} for r in range(world_size)]

@@ -34,7 +34,7 @@ from .preemption import PreemptionFlag
 from .retention import Committed, collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed
 from .saving import (
     CapturedSave,
-    ShardWrite,
+    RankWrite,
     StagedSave,
     capture_save,
     gather_save,
@@ -156,7 +156,7 @@ class CheckpointManager:
         args = (self._coord, self._target, entries, step, epoch, metric, self.run_id,
                 self._staging if self.config.async_save else None, replaceable, self._take_lease,
                 self._save_seq, self.split_writes, self.storage if self.local is not None else None,
-                self._prepare_local if self.local is not None else None)
+                self._prepare_local if self.local is not None else None, self._hands_over_rank_files)
         if self.config.async_save:
             # The training thread's only exchange: capture and agree. The gather, the write and
             # the outcome run on the writer thread, over the writer's own process group.
@@ -175,10 +175,10 @@ class CheckpointManager:
                 self._finish_pending()  # the VM's disk goes with the VM: this save must reach the URL
                 self._report_uploads(block=True, final=True)
             return
-        staged, shards = stage_save(*args)
+        staged, own_write = stage_save(*args)
         exc = None
         try:
-            self._write(staged, shards, durable)
+            self._write(staged, own_write, durable)
         except Exception as e:
             exc = e
         if staged is None:
@@ -208,11 +208,21 @@ class CheckpointManager:
         self._catch_up = False
         return durable
 
-    def _write(self, staged: StagedSave | None, shards: ShardWrite | None, durable: bool = False) -> None:
-        """This rank's part of the write: its shard file (if any); on rank 0 the rest and the commit."""
+    @property
+    def _hands_over_rank_files(self) -> bool:
+        """A local tier on several nodes: rank 0 writes the whole step (its ranks' files handed
+        over in a gather) and ships it to every node, as no node's disk is another's."""
+        return self.local is not None and self._nodes.count > 1
+
+    def _write(self, staged: StagedSave | None, own_write: RankWrite | None, durable: bool = False,
+               failure: BaseException | None = None) -> None:
+        """This rank's part of the write: its own files and their report (`failure` is reported
+        instead, then raised); on rank 0 the rest and the commit."""
         target = self._target
-        if shards is not None:
-            shards.run(target, self._coord.reports)
+        if own_write is not None:
+            own_write.run(target, self._coord.reports, failure)
+        if failure is not None:
+            raise failure
         if staged is None:
             return
         start = time.perf_counter()
@@ -426,12 +436,11 @@ class CheckpointManager:
         except Exception as e:
             exc = e
         staged = gather_save(coord, captured, exc)  # a failure of the collective itself is every rank's
-        if exc is None:
-            try:
-                raise_gathered_failures(coord, staged)  # rank 0: another rank failed, write nothing
-                self._write(staged, captured.shard_write, durable)
-            except Exception as e:
-                exc = e
+        try:
+            raise_gathered_failures(coord, staged)  # rank 0: another rank failed, write nothing
+            self._write(staged, captured.own_write, durable, exc)
+        except Exception as e:
+            exc = e
         share_outcome(coord, exc, "save/async-outcome", f"background save of step {captured.step}")
 
     def _finish_pending(self) -> None:

@@ -4,11 +4,10 @@ the load in loading.py, what "committed" means in commit.py. This module names t
 Save(step)
     capture   every rank: RNG first, then its per-rank entries; rank 0 also the replicated ones
     agree     all ranks: everyone captured, and all hold the same step and epoch
-    gather    per-rank files (bytes) to rank 0
-    shards    every rank, with sharded entries: its own shard file, then a report (size,
-              checksum, chunk boxes) through the store — no collective, so it runs in the
-              background writer too (sharded.py)
-    write     rank 0: replicated file, rank files; every rank's shard report; manifest
+    own files every rank: its rank file and (sharded entries, split writes) its shard file,
+              durable, then one report (names, sizes, checksums, chunk boxes, or its failure)
+              through the store — no collective, so it runs in the background writer too
+    write     rank 0: the replicated file; every rank's report; the manifest
     commit    rank 0: COMMITTED, exclusive create, last
     share     rank 0's outcome to every rank, so a failed save fails everywhere
 
@@ -36,7 +35,8 @@ from .loading import (
 )
 from .saving import (
     CapturedSave,
-    ShardWrite,
+    RankReport,
+    RankWrite,
     StagedSave,
     capture_save,
     gather_save,
@@ -47,5 +47,5 @@ from .saving import (
 )
 
 __all__ = ["WORLD_SIZE_POLICIES", "CapturedSave", "CheckpointFallbackWarning", "PageRelease", "Progress",
-           "ReadCheckpoint", "ShardWrite", "StagedSave", "capture_save", "gather_save", "load",
+           "RankReport", "RankWrite", "ReadCheckpoint", "StagedSave", "capture_save", "gather_save", "load",
            "raise_gathered_failures", "read_checkpoint", "share_outcome", "stage_save", "write_and_commit"]

@@ -2,22 +2,25 @@
 
     capture   every rank: RNG first, then its per-rank entries; rank 0 also the replicated ones
     agree     all ranks: everyone captured, and all hold the same step and epoch
-    gather    per-rank files (bytes) to rank 0
-    shards    every rank, with sharded entries: its own shard file, then a report (size,
-              checksum, chunk boxes) through the store — no collective, so it runs in the
-              background writer too (sharded.py)
-    write     rank 0: replicated file, rank files; every rank's shard report; manifest
+    own files every rank: its rank file and, with sharded entries or split writes, its shard
+              file, durable; then one report (names, sizes, checksums, chunk boxes, or its
+              failure) through the store — no collective, so it runs in the background writer too
+    write     rank 0: the replicated file; every rank's report; the manifest
     commit    rank 0: COMMITTED, exclusive create, last (commit.py holds the rule)
     share     rank 0's outcome to every rank, so a failed save fails everywhere
+
+One shape for every layout: each rank writes its own files and reports, rank 0 commits. The one
+exception is a local tier on several nodes (tiers.py): a node's disk is not the others', so the
+rank files travel to rank 0 in a gather (`handover`) and rank 0 writes the whole step, which it
+then ships to every node; that layout refuses sharded entries and split writes.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from . import faults, fencing, incremental, sharded
@@ -37,13 +40,12 @@ from .commit import (
     create_manifest,
     create_marker,
 )
-from .coord import Coordinator, Outcome, Reports, hostname, raise_if_failed, run_on_root, run_phase
+from .coord import Coordinator, Outcome, Reports, error_of, hostname, raise_if_failed, run_on_root, run_phase
 from .errors import (
     CheckpointExistsError,
     CoordinationError,
     FencedError,
     RankDisagreementError,
-    StorageError,
     UnstorableValueError,
 )
 from .fencing import Lease
@@ -66,40 +68,83 @@ class StagedSave:
     metric: float | None
     run_id: str
     replicated: EncodedTree
-    rank_files: list[bytes]
+    handed_over: dict[int, bytes]   # rank files rank 0 writes for their ranks (several nodes' local tier, imports)
     ranks: list[dict[str, Any]]
     entries: dict[str, dict[str, str]]
     timings: dict[str, float] = field(default_factory=dict)
     shard_meta: dict[str, dict[str, Any]] = field(default_factory=dict)  # global dtype/shape by name
-    shard_report_keys: list[str] = field(default_factory=list)           # one per rank; [] if none
+    report_keys: list[str] = field(default_factory=list)  # one per rank that writes its own files
     manifest_extra: dict[str, Any] = field(default_factory=dict)        # imports: {"imported": source}
     failures: list[Outcome] = field(default_factory=list)  # ranks that failed after the capture (async)
 
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
 
 @dataclass
-class ShardWrite:
-    """One rank's shard file of a save, and where to report it (see sharded.py)."""
+class RankReport:
+    """What a rank tells rank 0 once its own files are durable, or why they are not."""
+
+    rank: int
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> size and checksum, as in "files"
+    shard_file: str | None = None
+    boxes: dict[str, list[list[int]]] | None = None  # the shard file's pieces: name -> [offsets, shape]
+    failure: Outcome | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "files": self.files, "shard_file": self.shard_file, "boxes": self.boxes,
+                "failure": None if self.failure is None else asdict(self.failure)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "RankReport":
+        failure = d.get("failure")
+        return cls(int(d["rank"]), dict(d.get("files") or {}), d.get("shard_file"), d.get("boxes"),
+                   None if failure is None else Outcome(**failure))
+
+    def shard_report(self) -> sharded.ShardReport:
+        record = self.files.get(self.shard_file) if self.shard_file is not None else None
+        return sharded.ShardReport(self.rank, self.shard_file, record, self.boxes)
+
+
+@dataclass
+class RankWrite:
+    """One rank's own files of a save — its rank file (unless handed over to rank 0) and its
+    shard file (sharded entries, split writes) — and the key of its report to rank 0."""
 
     rank: int
     step: int
     generation: int
-    tree: EncodedTree
+    rank_file: bytes | None
+    shard_tree: EncodedTree | None
     boxes: dict[str, list[list[int]]]
     report_key: str
 
-    def run(self, storage: Storage, reports: Reports) -> None:
-        """Write the file durably, then report it; a failure is reported too, then raised."""
-        name = sharded.shard_file(self.rank, self.generation)
-        report = sharded.ShardReport(self.rank)
+    def run(self, storage: Storage, reports: Reports, failure: BaseException | None = None) -> None:
+        """Write the files durably, then report them. A failure — this rank's since the capture
+        (`failure`, not raised again) or the write's (raised) — is reported instead, so that
+        rank 0 never waits for a report that will not come."""
+        report = RankReport(self.rank, failure=None if failure is None else Outcome.failure(self.rank, failure))
         try:
-            record = _write(storage, f"{mf.step_dir(self.step)}/{name}", safetensors_chunks(self.tree))
-            faults.point("save/shards-written", step=self.step, rank=self.rank)
-            report = sharded.ShardReport(self.rank, name, record, self.boxes)
+            if failure is None:
+                self._write_files(storage, report)
         except Exception as e:
-            report.error = f"{type(e).__name__}: {e}"
+            report = RankReport(self.rank, failure=Outcome.failure(self.rank, e))
             raise
         finally:
             reports.post(self.report_key, report.to_json())
+
+    def _write_files(self, storage: Storage, report: RankReport) -> None:
+        base = mf.step_dir(self.step)
+        if self.rank_file is not None:
+            name = mf.rank_file(self.rank, self.generation)
+            report.files[name] = _write(storage, f"{base}/{name}", [self.rank_file])
+            faults.point("save/rank-files-written", step=self.step, rank=self.rank)
+        if self.shard_tree is not None:
+            name = sharded.shard_file(self.rank, self.generation)
+            report.files[name] = _write(storage, f"{base}/{name}", safetensors_chunks(self.shard_tree))
+            report.shard_file, report.boxes = name, self.boxes
+            faults.point("save/shards-written", step=self.step, rank=self.rank)
 
 
 # -- save -------------------------------------------------------------------------------------
@@ -109,7 +154,7 @@ class _Captured:
     rank_file: bytes = b""
     replicated: EncodedTree | None = None   # rank 0
     shards: sharded.LocalShards | None = None  # every rank, when the state has sharded entries
-    generation: int | None = None            # rank 0, when it has: the lease shard names carry
+    generation: int | None = None            # rank 0: the lease generation every rank's files carry
 
 
 @dataclass
@@ -126,17 +171,17 @@ class CapturedSave:
     local: _Captured
     infos: list[dict[str, Any]]
     kinds: dict[str, dict[str, str]]
-    report_keys: list[str]
-    shard_write: ShardWrite | None
+    report_keys: list[str]   # [] when the rank files are handed over to rank 0
+    own_write: RankWrite | None
     capture_s: float
 
 
-def stage_save(coord: Coordinator, *args: Any) -> tuple[StagedSave | None, ShardWrite | None]:
-    """Phases capture, agree and gather (call on every rank; the arguments are capture_save's).
-    Rank 0 gets the StagedSave; every rank gets its ShardWrite when the state has sharded entries
-    or `split_writes` spreads the replicated tensors across the ranks."""
-    captured = capture_save(coord, *args)
-    return gather_save(coord, captured), captured.shard_write
+def stage_save(coord: Coordinator, *args: Any, **options: Any) -> tuple[StagedSave | None, RankWrite | None]:
+    """Phases capture and agree, and the gather where the rank files are handed over (call on
+    every rank; the arguments are capture_save's). Rank 0 gets the StagedSave; every rank the
+    RankWrite of its own files (None when it has none: rank files handed over, nothing sharded)."""
+    captured = capture_save(coord, *args, **options)
+    return gather_save(coord, captured), captured.own_write
 
 
 def capture_save(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
@@ -145,16 +190,18 @@ def capture_save(coord: Coordinator, storage: Storage, entries: list[Entry], ste
                  take_lease: Callable[[], Lease] | None = None,
                  save_seq: int = 0, split_writes: bool = False,
                  durable: Storage | None = None,
-                 prepare: Callable[[], None] | None = None) -> CapturedSave:
+                 prepare: Callable[[], None] | None = None, handover: bool = False) -> CapturedSave:
     """Phases capture and agree (call on every rank; one exchange): every rank has captured
     and all hold the same step and epoch, or every rank raises the same error. With two tiers
     `storage` is the local one, the `durable` root is the one checked to be this run's, and rank 0
-    runs `prepare` first (it clears another job's steps out of the local tier)."""
+    runs `prepare` first (it clears another job's steps out of the local tier). With `handover`
+    (the same on every rank) the rank files go to rank 0 in the gather instead of being written
+    by their ranks."""
     t0 = time.perf_counter()
     split = split_writes and coord.world_size > 1
     def capture() -> _Captured:
         local = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable, take_lease, split,
-                               durable, prepare)
+                               durable, prepare, handover)
         faults.point("save/captured", step=step, rank=coord.rank)
         return local
 
@@ -166,38 +213,54 @@ def capture_save(coord: Coordinator, storage: Storage, entries: list[Entry], ste
     local, outcomes = run_phase(coord, "save/capture", f"save of step {step}", capture, described)
     infos = [o.info for o in outcomes]
     _check_same_progress(infos, f"save of step {step}")
-    keys = [f"distckpt/{run_id}/save-{save_seq}/shards/rank-{r}" for r in range(coord.world_size)]
-    shard_write = None
-    if local.shards is not None:
-        generation = int(infos[0]["generation"])
-        boxes = {name: [local.shards.offsets[name], list(t.shape)] for name, t in local.shards.pieces.items()}
-        shard_write = ShardWrite(coord.rank, step, generation, local.shards.file_tree(coord.rank), boxes,
-                                 keys[coord.rank])
+    keys = [f"distckpt/{run_id}/save-{save_seq}/files/rank-{r}" for r in range(coord.world_size)]
+    own_write = _own_write(coord.rank, step, local, infos, keys[coord.rank], handover)
     kinds = {e.key: {"scope": e.scope, "kind": e.kind} for e in entries}
-    return CapturedSave(step, epoch, metric, run_id, coord.rank, local, infos, kinds, keys, shard_write,
-                        time.perf_counter() - t0)
+    return CapturedSave(step, epoch, metric, run_id, coord.rank, local, infos, kinds,
+                        [] if own_write is None else keys, own_write, time.perf_counter() - t0)
+
+
+def _own_write(rank: int, step: int, local: _Captured, infos: list[dict[str, Any]], key: str,
+               handover: bool) -> RankWrite | None:
+    """This rank's own files: its rank file (unless handed over) and its shard file, named with
+    rank 0's lease generation (agreed in the capture), so a stale writer's never collide."""
+    if handover and local.shards is None:
+        return None
+    tree = local.shards.file_tree(rank) if local.shards is not None else None
+    boxes = {} if local.shards is None else \
+        {name: [local.shards.offsets[name], list(t.shape)] for name, t in local.shards.pieces.items()}
+    return RankWrite(rank, step, int(infos[0]["generation"]), None if handover else local.rank_file, tree,
+                     boxes, key)
 
 
 def gather_save(coord: Coordinator, captured: CapturedSave,
                 failure: BaseException | None = None) -> StagedSave | None:
-    """Phase gather (call on every rank, after capture_save; one exchange): the per-rank files
-    to rank 0, which gets the StagedSave; None elsewhere. `coord` may be a group of its own
-    (the background writer's), as the captured save no longer touches live state. A rank that
-    failed since the capture sends its `failure` instead of its file: rank 0's StagedSave lists
-    it (`failures`; raise_gathered_failures), so that rank 0 writes nothing and shares the error."""
+    """What rank 0 writes and commits (call on every rank, after capture_save): the StagedSave on
+    rank 0, None elsewhere. No exchange unless the rank files are handed over to rank 0; then one
+    gather, where a rank that failed since the capture sends its `failure` instead of its file:
+    rank 0's StagedSave lists it (`failures`; raise_gathered_failures), so that rank 0 writes
+    nothing and shares the error. `coord` may be a group of its own (the background writer's),
+    as the captured save no longer touches live state."""
     t1 = time.perf_counter()
     local = captured.local
-    mine = Outcome.failure(captured.rank, failure) if failure is not None else Outcome(captured.rank)
-    gathered = coord.gather({"file": local.rank_file if failure is None else b"", "outcome": mine}, "save/gather")
+    handed_over: dict[int, bytes] = {}
+    failures: list[Outcome] = []
+    if not captured.report_keys:
+        mine = Outcome.failure(captured.rank, failure) if failure is not None else Outcome(captured.rank)
+        gathered = coord.gather({"file": local.rank_file if failure is None else b"", "outcome": mine},
+                                "save/gather")
+        if gathered is not None:
+            handed_over = {rank: g["file"] for rank, g in enumerate(gathered)}
+            failures = [g["outcome"] for g in gathered if not g["outcome"].ok]
     if captured.rank != 0:
         return None
-    assert gathered is not None and local.replicated is not None  # rank 0 invariant, not user input
+    assert local.replicated is not None  # rank 0 invariant, not user input
     staged = StagedSave(captured.step, captured.epoch, captured.metric, captured.run_id, local.replicated,
-                        [g["file"] for g in gathered], captured.infos, captured.kinds,
-                        {"capture_s": captured.capture_s, "gather_s": time.perf_counter() - t1})
-    staged.failures = [g["outcome"] for g in gathered if not g["outcome"].ok]
+                        handed_over, captured.infos, captured.kinds,
+                        {"capture_s": captured.capture_s, "gather_s": time.perf_counter() - t1},
+                        report_keys=captured.report_keys, failures=failures)
     if local.shards is not None:
-        staged.shard_meta, staged.shard_report_keys = local.shards.meta, captured.report_keys
+        staged.shard_meta = local.shards.meta
     return staged
 
 
@@ -210,7 +273,8 @@ def raise_gathered_failures(coord: Coordinator, staged: StagedSave | None) -> No
 def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
                    epoch: int | None, staging: StagingPool | None, replaceable: "ReplacePolicy | None",
                    take_lease: Callable[[], Lease] | None, split: bool,
-                   durable: Storage | None = None, prepare: Callable[[], None] | None = None) -> _Captured:
+                   durable: Storage | None = None, prepare: Callable[[], None] | None = None,
+                   handover: bool = False) -> _Captured:
     """This rank's capture: RNG first, then its per-rank entries; rank 0 the replicated ones."""
     out = _Captured()
     rng = capture_process_rng()  # first: nothing below may draw before it is recorded
@@ -219,6 +283,8 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
             prepare()
         check_root_is_ours(durable if durable is not None else storage, replaceable or ReplacePolicy())
         check_step_is_free(storage, step, replaceable or ReplacePolicy())
+        if take_lease is not None:
+            out.generation = take_lease().generation  # every rank's own files are named with it
     own = {"step": step, "epoch": epoch, "rank": coord.rank, "world_size": coord.world_size,
            "rng": rng,
            "entries": {e.key: capture_entry(e) for e in entries if e.scope == PER_RANK}}
@@ -229,8 +295,6 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
     stage: bool | StagingPool = staging if staging is not None else False
     if split or any(e.scope == SHARDED for e in entries):
         out.shards = sharded.LocalShards(stage, coord.rank, coord.world_size)
-        if coord.rank == 0 and take_lease is not None:
-            out.generation = take_lease().generation  # other ranks' shard names carry it
     if coord.rank == 0:
         tree: dict[str, Any] = {"step": step, "epoch": epoch,
                 "entries": {e.key: capture_entry(e) for e in entries if e.scope in (REPLICATED, SHARDED)}}
@@ -333,14 +397,15 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
     files = {mf.replicated_file(gen): _write(storage, f"{base}/{mf.replicated_file(gen)}",
                                              safetensors_chunks(replicated))}
     faults.point("save/replicated-written", step=staged.step, rank=0)
-    for rank, data in enumerate(staged.rank_files):
+    for rank, data in staged.handed_over.items():
         files[mf.rank_file(rank, gen)] = _write(storage, f"{base}/{mf.rank_file(rank, gen)}", [data])
-    faults.point("save/rank-files-written", step=staged.step, rank=0)
-    table = _collect_shards(staged, reports, files, f"{storage.url}/{base}")
+    if staged.handed_over:
+        faults.point("save/rank-files-written", step=staged.step, rank=0)
+    table = _collect_reports(staged, reports, files, gen, f"{storage.url}/{base}")
     t1 = time.perf_counter()
     manifest = mf.Manifest(
         step=staged.step, epoch=staged.epoch, metric=staged.metric, run_id=staged.run_id, generation=gen,
-        created_unix=time.time(), world_size=len(staged.rank_files), ranks=staged.ranks,
+        created_unix=time.time(), world_size=staged.world_size, ranks=staged.ranks,
         entries=staged.entries, files=files, versions=versions, sharded=table,
         payload_bytes=replicated.payload_bytes + sum(
             r["size"] for name, r in files.items() if name.startswith(sharded.SHARD_PREFIX)),
@@ -359,24 +424,37 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
     return digest
 
 
-def _collect_shards(staged: StagedSave, reports: Reports | None, files: dict[str, Any],
-                    where: str) -> dict[str, Any] | None:
-    """Wait for every rank's shard report; add their files; return the chunk table (or None)."""
-    if not staged.shard_report_keys:
+def _collect_reports(staged: StagedSave, reports: Reports | None, files: dict[str, Any], generation: int,
+                     where: str) -> dict[str, Any] | None:
+    """Wait for the report of every rank that writes its own files; add their files; return the
+    chunk table of the sharded tensors (or None). A rank's failure fails the save, named."""
+    if not staged.report_keys:
         return None
     if reports is None:
-        raise CoordinationError(f"{where}: a sharded save needs the ranks' reports")
-    got = [sharded.ShardReport.from_json(d) for d in
-           reports.collect(staged.shard_report_keys, f"save of step {staged.step}: shard reports")]
-    failed = [r for r in got if r.error]
+        raise CoordinationError(f"{where}: the ranks' reports of their files are needed")
+    got = [RankReport.from_json(d) for d in
+           reports.collect(staged.report_keys, f"save of step {staged.step}: the ranks' reports of their files")]
+    failed = [r.failure for r in got if r.failure is not None]
     if failed:
-        raise StorageError(errno.EIO, f"{where}: rank(s) {[r.rank for r in failed]} could not write "
-                           f"their shards — " + "; ".join(f"rank {r.rank}: {r.error}" for r in failed))
-    for report in got:
-        if report.file is not None and report.record is not None:
-            mf.check_relative_path(report.file, where)
-            files[report.file] = report.record
-    return sharded.chunk_table(staged.shard_meta, got, where)
+        raise error_of(failed, f"save of step {staged.step}: writing the ranks' own files")
+    for rank, report in enumerate(got):
+        _check_report(report, rank, generation, staged, where)
+        files.update(report.files)
+    if not staged.shard_meta:
+        return None
+    return sharded.chunk_table(staged.shard_meta, [r.shard_report() for r in got], where)
+
+
+def _check_report(report: RankReport, rank: int, generation: int, staged: StagedSave, where: str) -> None:
+    """A report names exactly this rank's files of this generation (a mix-up is a bug, not a save)."""
+    expected = {mf.rank_file(rank, generation)} - {mf.rank_file(r, generation) for r in staged.handed_over}
+    if report.shard_file is not None:
+        expected.add(sharded.shard_file(rank, generation))
+    if report.rank != rank or set(report.files) != expected:
+        raise CoordinationError(f"{where}: rank {rank}'s report names {sorted(report.files)} (rank {report.rank}); "
+                                f"expected {sorted(expected)}")
+    for name in report.files:
+        mf.check_relative_path(name, where)
 
 
 def _check_still_current(storage: Storage, lease: Lease, step: int) -> None:

@@ -9,7 +9,7 @@ leases. So the zombie predicate (fencing.superseded_by) means the same on both t
 * `upload_step`: copies a committed local step to the durable root, every file re-verified
   against its checksum on the way (damaged local bytes are never made durable), manifest by
   exclusive create, marker last. An upload that stops half-way leaves no marker: not committed.
-* `ship_to_nodes`: with several nodes, rank 0 (which gathered every rank's files) sends the
+* `ship_to_nodes`: with several nodes, rank 0 (handed every rank's files in a gather) sends the
   committed step to one rank per other node, which commits it into its own `local_dir`.
 * `local_candidates`: the steps every node holds committed locally (a collective), the only
   local steps a load may choose.

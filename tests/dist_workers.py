@@ -58,7 +58,7 @@ def raise_during_save(rank: int, world: int, url: str, async_save: bool = False)
         mgr.save(5, state)
 
 
-def count_exchanges_of_async_saves(rank: int, world: int, url: str) -> dict:
+def count_exchanges_of_saves(rank: int, world: int, url: str, async_save: bool = True) -> dict:
     """Which thread ran each of the manager's exchanges, per save (every save after the first)."""
     import threading
 
@@ -73,7 +73,7 @@ def count_exchanges_of_async_saves(rank: int, world: int, url: str) -> dict:
 
     coord.GlooCoordinator._run = counting  # type: ignore[method-assign]
     state = _state(rank)
-    with distckpt.CheckpointManager(url, timeout=30, async_save=True, keep_last=2) as mgr:
+    with distckpt.CheckpointManager(url, timeout=30, async_save=async_save, keep_last=2) as mgr:
         del seen[:]  # the manager's set-up
         for step in range(1, 7):
             mgr.save(step, state)
@@ -85,14 +85,25 @@ def count_exchanges_of_async_saves(rank: int, world: int, url: str) -> dict:
     return {"phases": phases, "committed": steps}
 
 
-def raise_during_write(rank: int, world: int, url: str) -> None:
+def raise_during_write(rank: int, world: int, url: str, on_rank: int = 0, async_save: bool = False) -> dict:
+    """Rank `on_rank` cannot write its rank file of step 5 (each rank writes its own); then a
+    save of step 6 with nothing injected. Returns what the save of step 5 raised."""
     def fail(name: str, context: dict) -> None:
-        if name == "save/rank-files-written":
+        if name == "save/rank-files-written" and context["step"] == 5 and context["rank"] == on_rank:
             raise OSError(28, "No space left on device")
 
     faults.on_point(fail)
-    with distckpt.CheckpointManager(url, timeout=30) as mgr:
-        mgr.save(5, _state(rank))
+    out: dict = {}
+    with distckpt.CheckpointManager(url, timeout=30, async_save=async_save) as mgr:
+        try:
+            mgr.save(5, _state(rank))
+            mgr.wait()
+        except distckpt.DistCkptError as e:
+            out["error_type"], out["error"] = type(e).__name__, str(e)
+        mgr.save(6, _state(rank))
+        mgr.wait()
+        out["committed"] = mgr.committed_steps()
+    return out
 
 
 def raise_during_load(rank: int, world: int, url: str) -> str:

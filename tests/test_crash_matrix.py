@@ -21,7 +21,7 @@ MATRIX = [
     ("save/captured", 0, 1), ("save/captured", 1, 1),
     ("save/gathered", 0, 1),
     ("save/replicated-written", 0, 1),
-    ("save/rank-files-written", 0, 1),
+    ("save/rank-files-written", 0, 1), ("save/rank-files-written", 1, 1),
     ("save/manifest-written", 0, 1),
     ("save/committed", 0, 2),
     ("save/retained", 0, 2),

@@ -60,9 +60,20 @@ def test_a_rank_raising_during_capture_fails_every_rank(ckpt_dir, async_save):
     assert len(msgs) == 1
 
 
-def test_a_write_failure_on_rank_0_fails_every_rank(ckpt_dir):
-    results = run_world(f"{W}:raise_during_write", 2, url=ckpt_dir)
-    _same_error_everywhere(results, "CoordinationError", "rank(s) [0]", "No space left on device")
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("on_rank", [0, 1])
+def test_a_rank_failing_to_write_its_own_file_fails_every_rank_and_commits_nothing(ckpt_dir, on_rank, async_save):
+    """Each rank writes its own rank file and reports it; rank 0 commits only once every report
+    is in. A failed write on either rank is the same error on every rank, names that rank, leaves
+    the step uncommitted, and the next save commits."""
+    results = run_world(f"{W}:raise_during_write", 2, url=ckpt_dir, on_rank=on_rank, async_save=async_save)
+    messages = set()
+    for r in results:
+        assert r.error is None, r.error
+        assert r.value["committed"] == [6], r.value
+        assert f"rank {on_rank}: OSError: [Errno 28] No space left on device" in r.value["error"], r.value
+        messages.add((r.value["error_type"], r.value["error"]))
+    assert len(messages) == 1, messages  # the same error on every rank
     assert not os.path.exists(os.path.join(ckpt_dir, "step-000000005", "COMMITTED"))
 
 
@@ -99,11 +110,22 @@ def test_a_background_failure_surfaces_on_every_rank(ckpt_dir):
         assert r.value.startswith("AsyncSaveError") and "Input/output error" in r.value
 
 
+def test_a_sync_save_makes_two_exchanges(ckpt_dir):
+    """The capture's agreement and rank 0's outcome; the files travel to storage from the rank
+    that holds them, and only their reports to rank 0 (through the store, not a collective)."""
+    results = run_world(f"{W}:count_exchanges_of_saves", 2, url=ckpt_dir, async_save=False)
+    for r in results:
+        assert r.error is None, r.error
+        assert r.value["committed"] == [6, 5]
+        assert r.value["phases"] == [("MainThread", "save/capture"), ("MainThread", "save/commit")] * 6, r.value
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_an_async_save_makes_one_exchange_on_the_training_thread(ckpt_dir, world):
     """Every-step checkpoints: the capture's agreement is the training thread's only exchange;
-    the gather and the outcome run on the writer thread (over its own process group)."""
-    results = run_world(f"{W}:count_exchanges_of_async_saves", world, url=ckpt_dir)
+    the files' reports go through the store and the outcome runs on the writer thread (over its
+    own process group): one exchange there too."""
+    results = run_world(f"{W}:count_exchanges_of_saves", world, url=ckpt_dir)
     for r in results:
         assert r.error is None, r.error
         assert r.value["committed"] == [6, 5]
@@ -111,7 +133,7 @@ def test_an_async_save_makes_one_exchange_on_the_training_thread(ckpt_dir, world
         training = [phase for thread, phase in seen if thread == "MainThread"]
         writer = [phase for thread, phase in seen if thread == "distckpt-writer"]
         assert training == ["save/capture"] * 6, seen
-        assert writer == ["save/gather", "save/async-outcome"] * 6, seen
+        assert writer == ["save/async-outcome"] * 6, seen
         assert len(seen) == len(training) + len(writer)
 
 

@@ -359,7 +359,7 @@ def test_async_save_is_a_consistent_snapshot(ckpt_dir):
 
 
 def test_async_save_failure_surfaces_at_the_next_call(ckpt_dir, monkeypatch):
-    disk = FullDisk(1)
+    disk = FullDisk(2)  # the first write is the lease, taken by save() itself; the second is in the background
     with distckpt.CheckpointManager(ckpt_dir, async_save=True) as mgr:
         monkeypatch.setattr(storage_mod, "open", disk.open, raising=False)
         mgr.save(1, {"x": torch.ones(3)})

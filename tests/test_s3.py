@@ -116,13 +116,21 @@ def test_a_failed_multipart_upload_publishes_nothing_and_is_aborted(s3_server, s
     import s3fs
 
     proxy.add(Rule("PUT", r"partNumber=2", "status", times=1000, status=500))
-    with distckpt.CheckpointManager(s3_url, storage_options=via(proxy, s3_server, part_bytes=5 * 2**20)) as mgr:
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options())
+    with distckpt.CheckpointManager(s3_url, storage_options=via(proxy, s3_server, part_bytes=5 * 2**20),
+                                    leftover_grace_s=0) as mgr:
         with pytest.raises(distckpt.StorageError):
             mgr.save(1, {"big": torch.randn(3 * 2**20)})
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options())
-    assert [p for p in fs.find(s3_url[5:]) if "/fence/" not in p] == []  # the writer's lease stays
-    uploads = fs.call_s3("list_multipart_uploads", Bucket="ckpt", Prefix=s3_url[10:]).get("Uploads", [])
-    assert uploads == []
+        # Nothing published: no manifest, no marker; what the failed save left (its rank file,
+        # written by its rank before the replicated file failed) is an uncommitted leftover.
+        left = [p.rsplit("/", 2)[-2:] for p in fs.find(s3_url[5:]) if "/fence/" not in p]
+        assert left == [["ranks", "rank-00000.g000001.safetensors"]], left
+        uploads = fs.call_s3("list_multipart_uploads", Bucket="ckpt", Prefix=s3_url[10:]).get("Uploads", [])
+        assert uploads == []
+        proxy.clear()
+        mgr.save(2, {"big": torch.randn(3 * 2**20)})  # commits, and collects the failed save's leftover
+        fs.invalidate_cache()
+        assert {p.split("/")[2] for p in fs.find(s3_url[5:]) if "/fence/" not in p} == {"step-000000002"}
 
 
 def test_a_lost_response_to_the_conditional_commit_is_recognised_as_success(s3_server, s3_url, proxy):
