@@ -335,8 +335,12 @@ def main() -> int:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
         rows = local_rows(state, root, max(args.repeats, LOCAL_REPEATS))
+        per_rank = ""
         if not args.no_ranks:
+            from per_rank import per_rank_table
+
             rows += rank_rows(root, args.mib, args.repeats)
+            per_rank = per_rank_table(args.mib / 4, [2, 4], max(args.repeats, 5))
         if not args.no_s3:
             rows += s3_rows(state, root, args.repeats)
         if not args.no_training:
@@ -389,6 +393,9 @@ def main() -> int:
           + (" --no-history" if args.no_history else "") + (" --no-fresh" if args.no_fresh else "")
           + (" --no-overlap" if args.no_overlap else ""))
     print(render(rows, nbytes))
+    if per_rank:
+        print()
+        print(per_rank)
     if not args.no_training:
         print()
         print(training)
