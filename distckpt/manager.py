@@ -31,7 +31,15 @@ from .incremental import ContentTable
 from .kinds import classify
 from .loading import Progress, load
 from .preemption import PreemptionFlag
-from .retention import Committed, collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed
+from .retention import (
+    Committed,
+    Sweeper,
+    collect_leftovers,
+    kept_references,
+    plan_retention,
+    read_committed,
+    retire,
+)
 from .saving import (
     CapturedSave,
     RankWrite,
@@ -91,6 +99,7 @@ class CheckpointManager:
         self.run_id = self._coord.broadcast(uuid.uuid4().hex, "init/run-id")
         self._versions = collect_versions() if self.rank == 0 else {}
         self._writer = AsyncWriter()
+        self._sweeper = Sweeper()  # rank 0: retired steps' files, removed off the save's path
         self._writer_coord: Coordinator | None = None  # the writer thread's own group (async saves)
         self._staging = StagingPool()  # reused by every async save; free while none is in flight
         self._snapshot = OverlappedSnapshot(self._staging, self.config.timeout)  # overlap_snapshot
@@ -219,6 +228,7 @@ class CheckpointManager:
         """This rank's part of the write: its own files and their report (`failure` is reported
         instead, then raised); on rank 0 the rest and the commit."""
         target = self._target
+        self._sweeper.drain()  # rank 0: the retired steps' files are gone before this save's are written
         if own_write is not None:
             own_write.run(target, self._coord.reports, failure)
         if failure is not None:
@@ -277,11 +287,18 @@ class CheckpointManager:
             index.scan()
             spared = {just_committed} | ({self._uploading} if storage is self.local and self._uploading is not None else set())
             doomed, keep = self._plan_retention(index, keep_last, keep_best, spared)
-            for step in doomed:
-                delete_checkpoint(storage, step, keep)
-                index.forget(mf.step_dir(step))
-                log.info("rank 0: retention removed step %d from %s", step, storage.url)
-            collect_leftovers(storage, self.config.leftover_grace_s, index=index)
+            retired: list[int] = []
+            try:
+                for step in doomed:
+                    retire(storage, step)  # no longer committed; its files go on the sweeper's thread
+                    retired.append(step)
+                    index.forget(mf.step_dir(step))
+                    log.info("rank 0: retention removed step %d from %s", step, storage.url)
+            finally:
+                if retired:
+                    self._sweeper.submit(storage, retired, keep)
+            collect_leftovers(storage, self.config.leftover_grace_s, index=index,
+                              skip=frozenset(mf.step_dir(step) for step in retired))
             if self._lease is not None and storage is self.storage:  # local steps need their leases too
                 local = self.local
                 prune_leases(storage, self._lease, lambda: index.generations()
@@ -551,6 +568,7 @@ class CheckpointManager:
             self._preemption.uninstall()
             self._writer.close()
             self._uploader.close()
+            self._sweeper.close()
             self._snapshot.close()
             if self._writer_coord is not None and self._writer_coord is not self._coord:
                 self._writer_coord.close()

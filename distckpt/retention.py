@@ -8,8 +8,11 @@ grace period (a save in progress elsewhere must not be collected under its write
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from . import faults
 from . import manifest as mf
@@ -102,9 +105,20 @@ def delete_checkpoint(storage: Storage, step: int, keep: set[str] | None = None)
     """Marker first (from there on it is not committed), then its files, except those in `keep`
     (root-relative: files that other committed checkpoints reference, which stay where they are;
     the directory then holds only them, and is collected once nothing references them)."""
-    base = mf.step_dir(step)
-    storage.remove_file(f"{base}/{mf.MARKER}")
+    retire(storage, step)
+    delete_files(storage, step, keep)
+
+
+def retire(storage: Storage, step: int) -> None:
+    """The first half of a deletion: the marker goes; from here on the step is not committed in
+    any listing, and its files are an uncommitted leftover until delete_files removes them."""
+    storage.remove_file(f"{mf.step_dir(step)}/{mf.MARKER}")
     faults.point("retention/marker-removed", step=step, rank=0)
+
+
+def delete_files(storage: Storage, step: int, keep: set[str] | None = None) -> None:
+    """The second half: a retired step's files, except those in `keep` (see delete_checkpoint)."""
+    base = mf.step_dir(step)
     kept = {path for path in (keep or set()) if path.startswith(base + "/")}
     if f"{base}/" in kept:  # keep everything (kept_references could not tell)
         return
@@ -135,10 +149,11 @@ def _is_directory(storage: Storage, path: str) -> bool:
 
 
 def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None,
-                      index: CommitIndex | None = None) -> list[str]:
+                      index: CommitIndex | None = None, skip: frozenset[str] = frozenset()) -> list[str]:
     """Remove step directories without a marker that are older than `grace_s`; returns them.
     Files that committed checkpoints reference (incremental) stay until nothing does. With the
-    manager's `index` (scanned just before), which steps are committed comes from its listing."""
+    manager's `index` (scanned just before), which steps are committed comes from its listing.
+    Directories in `skip` (retired steps whose files the Sweeper is removing) are left to it."""
     now = time.time() if now is None else now
     if index is None:
         index = CommitIndex(storage)
@@ -150,7 +165,7 @@ def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None
     removed = []
     references: set[str] | None = None
     for name in sorted(names):
-        if mf.parse_step_dir(name) is None or name in committed:
+        if mf.parse_step_dir(name) is None or name in committed or name in skip:
             continue
         try:
             newest = storage.newest_mtime(name)
@@ -174,3 +189,63 @@ def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None
     if aborted:
         log.info("aborted %d abandoned multipart upload(s) under %s", aborted, storage.url)
     return removed
+
+
+class Sweeper:
+    """Removes retired checkpoints' files on a thread of its own (rank 0).
+
+    Retention retires a doomed step at once (its marker goes: from then on no listing calls it
+    committed) and hands its files here: unlinking the 256 MiB file of a retired step took
+    0.16 s of a 0.69 s sync save on this machine's disk (the kernel drops the file's cached
+    pages), which now passes while training runs. `drain()` waits for the files handed over so
+    far; the manager drains before each save writes, so the disk never holds more than
+    keep_last + 1 checkpoints, and at close(). A failure is logged: the files are then an
+    uncommitted leftover, collected later (collect_leftovers)."""
+
+    def __init__(self) -> None:
+        self._jobs: "queue.SimpleQueue[Callable[[], None] | None]" = queue.SimpleQueue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, storage: Storage, steps: list[int], keep: set[str] | None) -> None:
+        def sweep() -> None:
+            for step in steps:
+                try:
+                    delete_files(storage, step, keep)
+                except (OSError, DistCkptError) as e:
+                    log.warning("rank 0: removing the files of retired step %d from %s failed (it is not "
+                                "committed; leftover collection removes them later): %s", step, storage.url, e)
+
+        with self._idle:
+            self._pending += 1
+            if self._thread is None or not self._thread.is_alive():  # a forked child has no thread
+                self._thread = threading.Thread(target=self._serve, name="distckpt-sweeper", daemon=True)
+                self._thread.start()
+        self._jobs.put(sweep)
+
+    def drain(self) -> None:
+        with self._idle:
+            if self._thread is None or not self._thread.is_alive():
+                self._pending = 0  # a forked child: the parent's jobs are not this process's
+                return
+            self._idle.wait_for(lambda: self._pending == 0)
+
+    def close(self) -> None:
+        self.drain()
+        with self._idle:
+            if self._thread is not None:
+                self._jobs.put(None)
+                self._thread = None
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()

@@ -189,6 +189,46 @@ def test_retention_deletes_the_marker_first(ckpt_dir, monkeypatch):
     assert not os.path.exists(os.path.join(ckpt_dir, "step-000000001", "COMMITTED"))
 
 
+def test_a_retired_step_is_uncommitted_at_once_and_its_files_go_before_the_next_save_writes(ckpt_dir, monkeypatch):
+    """Retention removes a doomed step's marker inside save(); its files go on a thread of their
+    own (off the save's path), and are gone before the next save writes anything, so the disk
+    never holds more than keep_last + 1 checkpoints; close() waits for the last of them."""
+    import threading
+
+    from distckpt import faults
+
+    removing, release = threading.Event(), threading.Event()
+    remove_tree = storage_mod.LocalStorage.remove_tree
+
+    def held_removal(self, path):
+        removing.set()
+        assert release.wait(30)
+        remove_tree(self, path)
+
+    seen_at_write: list[list[str]] = []
+
+    def at_write(name, context):
+        if name == "save/rank-files-written" and context["step"] == 3:
+            seen_at_write.append(sorted(os.listdir(ckpt_dir)))
+
+    remove_hook = faults.on_point(at_write)
+    try:
+        with distckpt.CheckpointManager(ckpt_dir, keep_last=1) as mgr:
+            mgr.save(1, {"w": torch.arange(3.0)})
+            monkeypatch.setattr(storage_mod.LocalStorage, "remove_tree", held_removal)
+            mgr.save(2, {"w": torch.arange(3.0)})  # returns while step 1's files are still being removed
+            assert removing.wait(10)
+            assert mgr.committed_steps() == [2]
+            assert os.path.isdir(os.path.join(ckpt_dir, "step-000000001"))
+            assert not os.path.exists(os.path.join(ckpt_dir, "step-000000001", "COMMITTED"))
+            threading.Timer(0.2, release.set).start()
+            mgr.save(3, {"w": torch.arange(3.0)})  # waits for step 1's removal before writing
+        assert seen_at_write == [sorted(["fence", "step-000000002", "step-000000003"])], seen_at_write
+    finally:
+        remove_hook()
+    assert sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step-")) == ["step-000000003"]
+
+
 def test_leftovers_of_uncommitted_saves_are_collected(ckpt_dir):
     leftover = os.path.join(ckpt_dir, "step-000000009", "replicated")
     os.makedirs(leftover)

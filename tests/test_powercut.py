@@ -6,12 +6,38 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
 import torch
 from powercut import PowerCut, PowerCutNow
 from step_states import blank, state_for
 
 import distckpt
+from distckpt import retention
 from distckpt.cli import main as cli_main
+
+
+@pytest.fixture(autouse=True, params=["retired-files-inline", "retired-files-after-save"])
+def sweep_order(request, monkeypatch):
+    """Retention retires a step inside save() and removes its files on a thread of its own; the
+    thread's operations interleave with the end of save() in any order. The two extremes, made
+    deterministic so that every operation has a fixed number: the files removed at once (inside
+    save), or only once save() returned (at the next drain: the next save, or close())."""
+    if request.param == "retired-files-inline":
+        monkeypatch.setattr(retention.Sweeper, "submit", lambda self, storage, steps, keep: [
+            retention.delete_files(storage, step, keep) for step in steps])
+    else:
+        def submit(self, storage, steps, keep):
+            self.__dict__.setdefault("held", []).append((storage, steps, keep))
+
+        def drain(self):
+            while self.__dict__.get("held"):
+                storage, steps, keep = self.held.pop(0)
+                for step in steps:
+                    retention.delete_files(storage, step, keep)
+
+        monkeypatch.setattr(retention.Sweeper, "submit", submit)
+        monkeypatch.setattr(retention.Sweeper, "drain", drain)
+    return request.param
 
 
 def committed_run(path: str) -> None:
@@ -19,36 +45,43 @@ def committed_run(path: str) -> None:
         mgr.save(1, state_for(1))
 
 
-def save_under(cut: PowerCut, path: str) -> bool:
-    """The restarted job's next save (keep_last=1: retention deletes step 1); True if it returned."""
+def save_under(cut: PowerCut, path: str) -> tuple[bool, int]:
+    """The restarted job's next save (keep_last=1: retention retires step 1, whose files go on a
+    thread of their own, finished by close()): (whether save() returned, the operations it made)."""
     with distckpt.CheckpointManager(path, keep_last=1) as mgr:
         mgr.load_latest(blank())
         with cut:
             try:
                 mgr.save(2, state_for(2))
-                return True
             except PowerCutNow:
-                return False
+                return False, cut.ops
+            ops = cut.ops
+            try:
+                mgr.close()  # the retired step's files: a cut there comes after save() returned
+            except PowerCutNow:
+                pass
+            return True, ops
 
 
-def count_operations(tmp_path) -> int:
+def count_operations(tmp_path) -> tuple[int, int]:
     path = str(tmp_path / "count")
     committed_run(path)
     cut = PowerCut(path)
-    assert save_under(cut, path)
-    return cut.ops
+    returned, in_save = save_under(cut, path)
+    assert returned
+    return cut.ops, in_save
 
 
 def test_a_power_cut_at_every_operation_of_a_save(tmp_path):
-    total = count_operations(tmp_path)
-    assert total >= 10  # files, directories, manifest, marker, retention
+    total, in_save = count_operations(tmp_path)
+    assert total >= 10 and total >= in_save  # files, directories, manifest, marker, retention
     outcomes = []
-    for k in range(1, total + 2):  # k = total + 1: the cut comes after save() returned
+    for k in range(1, total + 2):  # k = total + 1: the cut comes after everything
         live = str(tmp_path / f"live{k}")
         committed_run(live)
         cut = PowerCut(live, at=k)
-        returned = save_under(cut, live)
-        assert returned == (k == total + 1)
+        returned, _ = save_under(cut, live)
+        assert returned == (k > in_save)
         found = str(tmp_path / f"after{k}")
         cut.image(found)
         state = blank()
@@ -72,9 +105,10 @@ def _shared_state(step: int) -> dict:
     return {**state_for(step), "frozen": state_for(0)["model"]}
 
 
-def incremental_save_under(path: str, at: int | None) -> tuple[PowerCut, bool]:
+def incremental_save_under(path: str, at: int | None) -> tuple[PowerCut, bool, int]:
     """Step 1, then (under the cut) step 2 of the same incremental manager: step 2 references the
-    frozen part in step 1's file, and retention (keep_last=1) retires step 1 around it."""
+    frozen part in step 1's file, and retention (keep_last=1) retires step 1 around it (its files
+    on the sweeper's thread, finished by close()). (cut, whether save() returned, its operations)"""
     with distckpt.CheckpointManager(path, keep_last=1, incremental=True, leftover_grace_s=0) as mgr:
         mgr.load_latest({})
         mgr.save(1, _shared_state(1))
@@ -82,20 +116,25 @@ def incremental_save_under(path: str, at: int | None) -> tuple[PowerCut, bool]:
         with cut:
             try:
                 mgr.save(2, _shared_state(2))
-                return cut, True
             except PowerCutNow:
-                return cut, False
+                return cut, False, cut.ops
+            ops = cut.ops
+            try:
+                mgr.close()
+            except PowerCutNow:
+                pass
+            return cut, True, ops
 
 
 def test_a_power_cut_at_every_operation_of_an_incremental_save_and_its_retention(tmp_path):
-    cut, returned = incremental_save_under(str(tmp_path / "count"), None)
-    assert returned
+    cut, returned, in_save = incremental_save_under(str(tmp_path / "count"), None)
+    assert returned and cut.ops >= in_save
     total = cut.ops
     outcomes = []
     for k in range(1, total + 2):
         live = str(tmp_path / f"live{k}")
-        cut, returned = incremental_save_under(live, k)
-        assert returned == (k == total + 1)
+        cut, returned, _ = incremental_save_under(live, k)
+        assert returned == (k > in_save)
         found = str(tmp_path / f"after{k}")
         cut.image(found)
         state = _shared_state(0)
