@@ -37,6 +37,8 @@ class Coordinator(Protocol):
 
     def broadcast(self, obj: Any, phase: str) -> Any: ...
 
+    def check_usable(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -58,6 +60,9 @@ class SingleProcess:
     def broadcast(self, obj: Any, phase: str) -> Any:
         return obj
 
+    def check_usable(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -74,16 +79,29 @@ class GlooCoordinator:
         self.world_size = dist.get_world_size()
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.reports = StoreReports(dist.distributed_c10d._get_default_store(), timeout_s)
+        self.broken: str | None = None  # the first failed collective: gloo closes its pairs after one
+
+    def check_usable(self) -> None:
+        """Raise if a collective of this group failed before: after a timeout gloo closes the
+        group's connections, and an exchange that half-works could let one rank commit what
+        another was told had failed; every later call fails here instead, at once, saying why."""
+        if self.broken is not None:
+            raise CoordinationError(
+                f"rank {self.rank}: this CheckpointManager's process group failed earlier ({self.broken}) "
+                "and cannot be trusted for another exchange; the job should restart (torchrun does) or "
+                "create a new CheckpointManager; committed checkpoints are unaffected")
 
     def _run(self, phase: str, fn: Any) -> Any:
+        self.check_usable()
         try:
             return fn()
         except Exception as e:  # gloo reports peers' deaths and timeouts as RuntimeError
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.broken = f"collective {phase!r}: {reason}"
             raise CoordinationError(
                 f"rank {self.rank}: collective {phase!r} failed within the {self.timeout_s:g}s "
-                f"timeout: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Another "
-                "rank has probably died, stopped, or is not calling the same distckpt method; "
-                "see its log") from e
+                f"timeout: {reason}. Another rank has probably died, stopped, is slower than the "
+                "timeout, or is not calling the same distckpt method; see its log") from e
 
     def all_gather(self, obj: Any, phase: str) -> list[Any]:
         # A gather to rank 0 and a broadcast back: 3-4 ms at 8 ranks on 2 CPUs, against 28 ms
@@ -305,7 +323,10 @@ class Outcome:
     @classmethod
     def failure(cls, rank: int, exc: BaseException, info: dict[str, Any] | None = None) -> "Outcome":
         frames = traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-6)
-        return cls(rank, type(exc).__name__, str(exc), dict(info or {}), "".join(frames)[-4000:])
+        info = dict(info or {})
+        if getattr(exc, "rank_tracebacks", None) is not None:
+            info["names_ranks"] = True  # already the error naming the ranks that failed: passed on as it is
+        return cls(rank, type(exc).__name__, str(exc), info, "".join(frames)[-4000:])
 
 
 # The phase runner. Every collective step of a save or a load is one of four shapes: run on
@@ -383,8 +404,12 @@ def raise_if_failed(coord: Coordinator, outcomes: list[Outcome], what: str,
 def error_of(failed: list[Outcome], what: str) -> DistCkptError:
     """The one error for failed outcomes: the class of the first (a distckpt class, else
     CoordinationError), naming every failed rank, with their tracebacks in `rank_tracebacks`."""
-    lines = "; ".join(f"rank {o.rank}: {o.error_type}: {o.message}" for o in failed)
     cls = _error_class(failed[0].error_type)
+    if len(failed) == 1 and failed[0].info.get("names_ranks"):  # rank 0 sharing who failed: said once
+        error = cls(failed[0].message or what)
+        error.rank_tracebacks = {failed[0].rank: failed[0].traceback}  # type: ignore[attr-defined]
+        return error
+    lines = "; ".join(f"rank {o.rank}: {o.error_type}: {o.message}" for o in failed)
     error = cls(f"{what} failed on rank(s) {[o.rank for o in failed]} — {lines}")
     error.rank_tracebacks = {o.rank: o.traceback for o in failed}  # type: ignore[attr-defined]
     return error

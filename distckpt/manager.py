@@ -192,7 +192,7 @@ class CheckpointManager:
             exc = e
         if staged is None:
             faults.point("save/awaiting-commit", step=step, rank=self.rank)
-        share_outcome(self._coord, exc, "save/commit", f"save of step {step}")
+        share_outcome(self._coord, exc, "save/commit", f"save of step {step}", step)
         self._ship_to_nodes(step)
         if durable and self._preempting:
             self._report_uploads(block=True, final=True)
@@ -448,6 +448,7 @@ class CheckpointManager:
         outcome to every rank (raised here, so each rank's wait() sees the same error)."""
         exc = None
         try:
+            coord.check_usable()  # after a failed exchange nothing is written: see GlooCoordinator
             faults.point("save/snapshot-copy", step=captured.step, rank=self.rank)
             self._snapshot.copy_and_wait_for_check()
         except Exception as e:
@@ -458,7 +459,7 @@ class CheckpointManager:
             self._write(staged, captured.own_write, durable, exc)
         except Exception as e:
             exc = e
-        share_outcome(coord, exc, "save/async-outcome", f"background save of step {captured.step}")
+        share_outcome(coord, exc, "save/async-outcome", f"background save of step {captured.step}", captured.step)
 
     def _finish_pending(self) -> None:
         """Check the overlapped snapshot, join the background save in flight and raise its

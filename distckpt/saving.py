@@ -475,14 +475,29 @@ def _write(storage: Storage, path: str, chunks: Any) -> dict[str, Any]:
     return {"size": check.size, "xxh3_64": check.hexdigest()}
 
 
-def share_outcome(coord: Coordinator, exc: BaseException | None, phase: str, what: str) -> None:
-    """Broadcast rank 0's outcome of a write; every rank raises the same error if it failed."""
+def share_outcome(coord: Coordinator, exc: BaseException | None, phase: str, what: str,
+                  step: int | None = None) -> None:
+    """Broadcast rank 0's outcome of a write; every rank raises the same error if it failed.
+    If the broadcast itself fails (a rank slower than the timeout, or dead), the error says what
+    each side knows: rank 0 whether it committed; the others that the step may or may not be."""
     def outcome() -> dict[str, Any]:
         if exc is not None:
             raise exc
         return {}
 
-    run_on_root(coord, phase, what, outcome, exc)
+    try:
+        run_on_root(coord, phase, what, outcome, exc)
+    except CoordinationError as e:
+        if getattr(e, "rank_tracebacks", None) is not None or step is None:
+            raise  # rank 0's own error, shared: the outcome is known
+        if coord.rank == 0:
+            known = (f"step {step} IS committed (rank 0 finished its commit)" if exc is None else
+                     f"step {step} is not committed ({type(exc).__name__}: {exc})")
+        else:
+            known = (f"rank 0's outcome did not arrive: step {step} may or may not be committed (it is if "
+                     "rank 0 finished its commit; committed_steps() or a restart's load_latest tell)")
+        raise CoordinationError(f"{what}: {known}; telling every rank failed: {e}. If rank 0's writes "
+                                "take longer than the timeout, raise timeout=") from e
 
 
 # -- load -------------------------------------------------------------------------------------

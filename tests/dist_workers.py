@@ -309,3 +309,40 @@ def a_module_refusing_on_one_rank_leaves_every_rank_unchanged(rank: int, world: 
         all(torch.equal(a, b) for a, b in zip(before[k], v.state_dict().values())) if isinstance(v, nn.Module)
         else torch.equal(before[k], v) for k, v in live.items())
     return {"error": error, "unchanged": unchanged, "eval_kept": not live["model_eval"].training}
+
+
+def rank_0_slower_than_the_timeout(rank: int, world: int, url: str, async_save: bool) -> dict:
+    """Rank 0's writes of step 1 take longer than timeout=: the other ranks stop waiting for its
+    outcome. Then: another save with the same manager, and one with a new manager."""
+    import time
+
+    from distckpt import faults
+
+    def slow(name: str, context: dict) -> None:
+        if name == "save/replicated-written" and context["step"] == 1 and rank == 0:
+            time.sleep(5)
+
+    faults.on_point(slow)
+    state = _state(rank)
+    out: dict = {}
+    mgr = distckpt.CheckpointManager(url, timeout=2, async_save=async_save)
+    mgr.save(0, state)
+    mgr.wait()
+    for step in (1, 2):
+        try:
+            mgr.save(step, state)
+            mgr.wait()
+            out[f"save {step}"] = None
+        except distckpt.DistCkptError as e:
+            out[f"save {step}"] = f"{type(e).__name__}: {e}"
+        time.sleep(4)  # every rank past its error, whichever rank stopped waiting first
+    try:
+        mgr.close()
+    except distckpt.DistCkptError:
+        pass
+    with distckpt.CheckpointManager(url, timeout=30, async_save=async_save) as fresh:
+        fresh.load_latest(_state(rank))
+        fresh.save(3, state)
+        fresh.wait()
+        out["committed"] = fresh.committed_steps()
+    return out

@@ -234,3 +234,20 @@ def test_coordination_messages_round_trip_without_pickle():
     assert back == [msg[0], msg[1], {"nested": [b"", b"xy", None, 1.5, True]}]
     with pytest.raises(TypeError, match="cannot carry object"):
         encode_message(object())
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_rank_0_slower_than_the_timeout_is_said_as_it_is_and_the_manager_then_refuses(ckpt_dir, async_save):
+    """A rank that stops waiting for rank 0's outcome cannot know it: its error says the step may
+    or may not be committed (rank 0 may finish its commit after). After a failed exchange the
+    manager's group is not trusted again: the next save fails on every rank and commits nothing
+    (a half-working group once let rank 0 commit a save every rank was told had failed); a new
+    manager works."""
+    results = run_world(f"{W}:rank_0_slower_than_the_timeout", 2, timeout=120, url=ckpt_dir, async_save=async_save)
+    for r in results:
+        assert r.error is None, r.error
+    waiting = results[1].value
+    assert "may or may not be committed" in waiting["save 1"], waiting
+    for r in results:
+        assert r.value["save 2"] is not None and "CoordinationError" in r.value["save 2"], r.value
+        assert r.value["committed"][0] == 3 and 2 not in r.value["committed"], r.value
