@@ -335,6 +335,9 @@ def main() -> int:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
         rows = local_rows(state, root, max(args.repeats, LOCAL_REPEATS))
+        from keep_one import keep_one_table
+
+        keep_one = keep_one_table(args.mib, 6, 0.5)
         per_rank = ""
         if not args.no_ranks:
             from per_rank import per_rank_table
@@ -393,6 +396,8 @@ def main() -> int:
           + (" --no-history" if args.no_history else "") + (" --no-fresh" if args.no_fresh else "")
           + (" --no-overlap" if args.no_overlap else ""))
     print(render(rows, nbytes))
+    print()
+    print(keep_one)
     if per_rank:
         print()
         print(per_rank)
