@@ -58,8 +58,13 @@ def _child(target: str, rank: int, world: int, port: int, results: Any, kwargs: 
     torch.set_num_threads(1)
     start = time.monotonic()
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                    world_size=world, timeout=datetime.timedelta(seconds=60))
+        except Exception as e:
+            if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+                raise _PortTaken(str(e)) from e  # another process took the free port in between: retried
+            raise
         module, name = target.split(":")
         value = getattr(importlib.import_module(module), name)(rank, world, **kwargs)
         results.put((rank, "ok", value, None, time.monotonic() - start))
@@ -85,7 +90,25 @@ def _context() -> Any:
     return ctx
 
 
+class _PortTaken(Exception):
+    pass
+
+
+PORT_ATTEMPTS = 3
+
+
 def run_world(target: str, world_size: int, timeout: float = 120.0, **kwargs: Any) -> list[RankResult]:
+    """Run `target(rank, world_size, **kwargs)` on every rank of a fresh gloo world; each rank's
+    RankResult (value, or error with traceback, or the exit code of a rank that died)."""
+    for _attempt in range(PORT_ATTEMPTS):
+        out = _run_world_once(target, world_size, timeout, kwargs)
+        if out is not None:
+            return out
+    raise RuntimeError(f"no free loopback port stayed free for {PORT_ATTEMPTS} attempts to start a world")
+
+
+def _run_world_once(target: str, world_size: int, timeout: float, kwargs: dict[str, Any]) -> list[RankResult] | None:
+    """One world on a free port; None if another process took the port before the store bound it."""
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
@@ -106,6 +129,11 @@ def run_world(target: str, world_size: int, timeout: float = 120.0, **kwargs: An
                     out[r].exitcode = procs[r].exitcode
                     pending.discard(r)
             continue
+        if status == _PortTaken.__name__:
+            for p in procs:
+                p.kill()
+                p.join()
+            return None
         res = out[rank]
         res.elapsed = elapsed
         if status == "ok":

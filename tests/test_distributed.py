@@ -251,3 +251,25 @@ def test_rank_0_slower_than_the_timeout_is_said_as_it_is_and_the_manager_then_re
     for r in results:
         assert r.value["save 2"] is not None and "CoordinationError" in r.value["save 2"], r.value
         assert r.value["committed"][0] == 3 and 2 not in r.value["committed"], r.value
+
+
+def test_run_world_starts_again_when_another_process_took_its_free_port(ckpt_dir, monkeypatch):
+    """distckpt.testing.run_world picks a free port, then the world's store binds it; another
+    process may take it in between (EADDRINUSE): the world is started again on another port."""
+    import socket
+
+    from distckpt import testing
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real = testing.free_port
+    monkeypatch.setattr(testing, "free_port", lambda: ports.pop() if ports else real())
+    try:
+        results = run_world(f"{W}:count_exchanges_of_saves", 2, url=ckpt_dir, async_save=False)
+    finally:
+        taken.close()
+    assert not ports  # the taken port was tried first
+    assert [r.error for r in results] == [None, None]
+    assert results[0].value["committed"] == [6, 5]
