@@ -248,7 +248,7 @@ def _owned(value: Any, memo: dict[Any, Any] | None = None, release: Release | No
         region = region_key(value)
         if region is not None and ("region",) + region in memo:
             return memo[("region",) + region]
-        copy = value.detach().clone()
+        copy = (value.detach() if value.requires_grad else value).clone()
         if release is not None:
             release(value)
         if type(value) is nn.Parameter:

@@ -641,7 +641,11 @@ def _itemsize(dtype: torch.dtype) -> int:
 def _tensor_at(buffer: memoryview, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
-    if offset % _itemsize(dtype):
-        raw = raw.clone()  # a file from another writer, not aligned: copy rather than fail
-    return raw.view(dtype).reshape(shape)
+    itemsize = _itemsize(dtype)
+    if offset % itemsize:  # a file from another writer, not aligned: copy rather than fail
+        raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset).clone()
+        return raw.view(dtype).reshape(shape)
+    # Straight to the dtype, and no reshape of what is already 1-D: per tensor, 13 -> 3 us of a
+    # 20,000-tensor load (frombuffer in bytes + view(dtype) + reshape against one frombuffer).
+    flat = torch.frombuffer(buffer, dtype=dtype, count=nbytes // itemsize, offset=offset)
+    return flat if len(shape) == 1 else flat.view(shape)
