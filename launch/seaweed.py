@@ -102,12 +102,13 @@ class SeaweedS3:
     def resume(self) -> None:
         os.killpg(self.proc.pid, signal.SIGCONT)
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s` (SeaweedFS often lingers the whole 15 s)."""
         if self.proc and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGCONT)
                 os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=grace_s)
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()

@@ -23,7 +23,7 @@ def s3_server(tmp_path_factory):
     server = SeaweedS3(str(tmp_path_factory.mktemp("seaweedfs"))).start()
     server.make_bucket("ckpt")
     yield server
-    server.stop()
+    server.stop(grace_s=2)  # throwaway data: it lingered the whole 15 s on SIGTERM at the session's end
 
 
 @pytest.fixture(scope="session")
