@@ -45,6 +45,8 @@ def _rounds(save: Callable[[int], None], saves: int, work_s: float,
 
 
 def keep_one_table(mib: float, saves: int, work_s: float) -> str:
+    from baselines import torch_save_durably
+
     import distckpt
 
     torch.set_num_threads(1)
@@ -53,12 +55,7 @@ def keep_one_table(mib: float, saves: int, work_s: float) -> str:
     root = tempfile.mkdtemp(prefix="distckpt-keep-one-", dir=os.environ.get("BENCH_DIR"))
     try:
         def torch_save(i: int) -> None:
-            path = os.path.join(root, "torch.pt")
-            with open(path + ".tmp", "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(path + ".tmp", path)
+            torch_save_durably(state, os.path.join(root, "torch.pt"))
 
         def raw_write(i: int, remove: bool = True) -> None:
             with open(os.path.join(root, f"raw-{i}"), "wb") as f:

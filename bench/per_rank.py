@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def per_rank_job(rank: int, world: int, root: str, mib: float, repeats: int) -> dict[str, float]:
+    from baselines import torch_save_durably
     from rank_jobs import _timed
 
     import distckpt
@@ -33,12 +34,7 @@ def per_rank_job(rank: int, world: int, root: str, mib: float, repeats: int) -> 
     os.makedirs(own, exist_ok=True)
 
     def torch_save_own_part() -> None:
-        path = os.path.join(own, f"rank-{rank}.pt")
-        with open(path + ".tmp", "wb") as f:
-            torch.save(tensors, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        torch_save_durably(tensors, os.path.join(own, f"rank-{rank}.pt"))
 
     out = {"every rank torch.save + fsync of its own part": _timed(torch_save_own_part, repeats)}
     for name, what, rounds in (("distckpt save", state, repeats), ("distckpt save (tiny state)", tiny, 4 * repeats)):

@@ -26,6 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "launch"))
 
+from baselines import torch_save_durably  # noqa: E402
+
 import distckpt  # noqa: E402
 
 Row = tuple[str, str, float, str]
@@ -86,11 +88,7 @@ def local_rows(state: dict, root: str, repeats: int) -> list[Row]:
         os.replace(raw + ".tmp", raw)
 
     def torch_save() -> None:
-        with open(ts_path + ".tmp", "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(ts_path + ".tmp", ts_path)
+        torch_save_durably(state, ts_path)
 
     writes = interleaved({"raw write + fsync": raw_write, "torch.save + fsync + rename": torch_save,
                           "dcp.save": lambda: dcp.save(state, checkpoint_id=dcp_dir),
