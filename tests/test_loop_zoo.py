@@ -24,7 +24,7 @@ ZOO = [
     pytest.param(4, ["--wrap", "fsdp2", "--optim", "sgd"], "23", id="fsdp2-4ranks", marks=faults),
     # A loader without generator= draws its base seed from torch's global generator.
     pytest.param(2, ["--no-loader-gen", "--workers", "2", "--bn-eval-at", "7", "--prefetch", "--async"], "23",
-                 id="ddp-no-loader-generator-workers-prefetch-async"),
+                 id="ddp-no-loader-generator-workers-prefetch-async", marks=faults),  # make test: test_loop_patterns
     pytest.param(2, ["--no-loader-gen", "--sampler", "random"], "23", id="ddp-no-generator-plain-shuffle",
                  marks=faults),
     # Gradient accumulation under no_sync(), wrapped and bare modules, at 4 ranks.
