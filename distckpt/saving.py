@@ -438,16 +438,16 @@ def _collect_reports(staged: StagedSave, reports: Reports | None, files: dict[st
     if failed:
         raise error_of(failed, f"save of step {staged.step}: writing the ranks' own files")
     for rank, report in enumerate(got):
-        _check_report(report, rank, generation, staged, where)
+        _check_report(report, rank, generation, where)
         files.update(report.files)
     if not staged.shard_meta:
         return None
     return sharded.chunk_table(staged.shard_meta, [r.shard_report() for r in got], where)
 
 
-def _check_report(report: RankReport, rank: int, generation: int, staged: StagedSave, where: str) -> None:
+def _check_report(report: RankReport, rank: int, generation: int, where: str) -> None:
     """A report names exactly this rank's files of this generation (a mix-up is a bug, not a save)."""
-    expected = {mf.rank_file(rank, generation)} - {mf.rank_file(r, generation) for r in staged.handed_over}
+    expected = {mf.rank_file(rank, generation)}  # reports come only where no rank file is handed over
     if report.shard_file is not None:
         expected.add(sharded.shard_file(rank, generation))
     if report.rank != rank or set(report.files) != expected:

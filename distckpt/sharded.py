@@ -172,21 +172,12 @@ class LocalShards:
 
 @dataclass
 class ShardReport:
-    """What a rank tells rank 0 once its shard file is durable (or why it is not)."""
+    """A rank's durable shard file, as the chunk table needs it (from saving.RankReport)."""
 
     rank: int
     file: str | None = None
     record: dict[str, Any] | None = None           # size and checksum, as in manifest "files"
     boxes: dict[str, list[list[int]]] | None = None  # name -> [offsets, shape]
-    error: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "file": self.file, "record": self.record, "boxes": self.boxes,
-                "error": self.error}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "ShardReport":
-        return cls(int(d["rank"]), d.get("file"), d.get("record"), d.get("boxes"), d.get("error"))
 
 
 def chunk_table(meta: dict[str, dict[str, Any]], reports: list[ShardReport], where: str) -> dict[str, Any]:
