@@ -19,13 +19,14 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from . import sharded
+from .copying import PageRelease, copy_released
 from .errors import IncompatibleCheckpointError
 from .serialize import key_path
 from .staging import region_key
@@ -209,30 +210,7 @@ def resolve_sharded_entry(entry: Entry, saved_state: Any, reader: "sharded.Shard
 
 # -- restore ----------------------------------------------------------------------------------
 
-Release = Callable[[torch.Tensor], None]  # lets go of the file pages behind a source tensor
-
-
-COPY_PIECE_BYTES = 8 << 20  # a large tensor is copied (and its source pages let go) in pieces
-
-
-def copy_released(target: torch.Tensor, source: torch.Tensor, release: Release | None) -> None:
-    """target.copy_(source); with `release`, a contiguous pair is copied in 8 MiB pieces and
-    each piece's source let go at once, so one large tensor does not hold its whole file range
-    resident either."""
-    with torch.no_grad():
-        if release is None or source.numel() * source.element_size() <= COPY_PIECE_BYTES or not (
-                target.is_contiguous() and source.is_contiguous()
-                and target.shape == source.shape and target.dtype == source.dtype):
-            target.copy_(source)
-            if release is not None:
-                release(source)
-            return
-        flat_target, flat_source = target.view(-1), source.view(-1)
-        step = max(1, COPY_PIECE_BYTES // max(1, source.element_size()))
-        for start in range(0, flat_source.numel(), step):
-            piece = flat_source[start:start + step]
-            flat_target[start:start + step].copy_(piece)
-            release(piece)
+Release = PageRelease  # lets go of the file pages behind source tensors; runs a phase's copies
 
 
 def _owned(value: Any, memo: dict[Any, Any] | None = None, release: Release | None = None) -> Any:

@@ -54,7 +54,7 @@ class Checksum:
         return self._h.hexdigest()
 
 
-_HASH_AHEAD_BYTES = 1 << 20
+_HASH_AHEAD_BYTES = 256 << 10  # smaller ones: handing over costs more than it saves
 _HASHER: ThreadPoolExecutor | None = None
 _HASHER_LOCK = threading.Lock()
 

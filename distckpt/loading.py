@@ -20,8 +20,6 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from . import faults, fencing, incremental, sharded, tiers
 from . import manifest as mf
 from .capture import (
@@ -45,6 +43,7 @@ from .commit import (
     step_candidates,
 )
 from .coord import Coordinator, Outcome, agree, attempt_on_root, attempt_phase, raise_if_failed, run_on_root
+from .copying import PageRelease
 from .errors import (
     CorruptCheckpointError,
     DistCkptError,
@@ -58,7 +57,7 @@ from .fencing import Lease
 from .kinds import is_late, live_ties, restore_entry, snapshot, validate_entry
 from .rng import capture_process_rng, check_process_rng, restore_process_rng
 from .serialize import load_tree_file
-from .storage import Storage, is_mapped, release_pages
+from .storage import Storage, release_pages
 from .undo import Undo, run_undos
 from .validation import LoadRules
 
@@ -434,48 +433,22 @@ def _restore_all(entries: list[Entry], saved: dict[str, Any], state: dict[str, A
         except DistCkptError as e:
             return e
         except Exception as e:
-            err = IncompatibleCheckpointError(
-                f"rank {rank}: restoring state[{entry.key!r}] of step {step} failed: {type(e).__name__}: {e}")
-            err.__cause__ = e
-            return err
+            return _restore_failed(e, entry.key, rank, step)
+    try:
+        if release is not None:
+            release.finish()  # the phase's copies into tensors, checked before: in parallel
+    except Exception as e:  # nothing a check could see: a device lost, memory exhausted
+        return _restore_failed(e, "tensors", rank, step)
     return None
 
 
-class PageRelease:
-    """Lets go of the file pages behind a restored tensor (storage.release_pages): a load into
-    existing tensors then holds at most a piece of the mapped files resident, not all of them
-    (the pages stay in the page cache; the tensors view them again if read). Tensors that do not
-    view a mapped file are ignored."""
-
-    PIECE = 8 << 20  # small tensors: the whole file is let go once this many bytes were copied
-
-    def __init__(self, buffers: list[Any]) -> None:
-        self._spans: list[list[Any]] = []  # [base address, length, buffer, bytes copied since released]
-        for data in buffers:
-            if len(data) and is_mapped(data):
-                self._spans.append([torch.frombuffer(data, dtype=torch.uint8).data_ptr(), len(data), data, 0])
-
-    def __call__(self, tensor: torch.Tensor) -> None:
-        if not self._spans or tensor.device.type != "cpu":
-            return
-        start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        for span in self._spans:
-            base, length, data, pending = span
-            if not base <= start < base + length:
-                continue
-            if nbytes >= self.PIECE // 4:
-                release_pages(data, start - base, nbytes)
-            elif pending + nbytes >= self.PIECE:  # one call for many small tensors (20,000 calls: 40 ms)
-                release_pages(data)
-                span[3] = 0
-            else:
-                span[3] = pending + nbytes
-            return
-
-    def everything(self) -> None:
-        for span in self._spans:
-            release_pages(span[2])
-            span[3] = 0
+def _restore_failed(e: Exception, what: str, rank: int, step: int) -> BaseException:
+    if isinstance(e, DistCkptError):
+        return e
+    where = f"state[{what!r}]" if what != "tensors" else "the state's tensors"
+    err = IncompatibleCheckpointError(f"rank {rank}: restoring {where} of step {step} failed: {type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err
 
 
 def _restore_rng(coord: Coordinator, read: ReadCheckpoint, kept: list[str]) -> BaseException | None:

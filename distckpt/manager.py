@@ -97,7 +97,7 @@ class CheckpointManager:
         self._coord = make_coordinator(self.config.timeout)
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
         self.run_id = self._coord.broadcast(uuid.uuid4().hex, "init/run-id")
-        self._versions = collect_versions() if self.rank == 0 else {}
+        self._versions_seen: dict[str, Any] | None = None  # rank 0, at its first write (_versions)
         self._writer = AsyncWriter()
         self._sweeper = Sweeper()  # rank 0: retired steps' files, removed off the save's path
         self._writer_coord: Coordinator | None = None  # the writer thread's own group (async saves)
@@ -239,7 +239,7 @@ class CheckpointManager:
         if self.local is not None:
             self._before_local_commit(self._take_lease())
         try:
-            write_and_commit(target, staged, self._versions, self._take_lease(), self._coord.reports,
+            write_and_commit(target, staged, self._versions(), self._take_lease(), self._coord.reports,
                              self._content)
         except StorageError as e:
             keep, name = (self.tiers.keep_local, "keep_local") if self.local is not None else \
@@ -263,6 +263,13 @@ class CheckpointManager:
                  "commit %.3fs), %d payload bytes", staged.step, self.storage.url,
                  time.perf_counter() - start + t["capture_s"] + t["gather_s"], t["capture_s"],
                  t["gather_s"], t["write_s"], t["commit_s"], staged.replicated.payload_bytes)
+
+    def _versions(self) -> dict[str, Any]:
+        """The environment for the manifest, collected at rank 0's first write rather than at
+        construction: its `git` calls (~5 ms) are no part of a resume that only loads."""
+        if self._versions_seen is None:
+            self._versions_seen = collect_versions()
+        return self._versions_seen
 
     def _take_lease(self) -> Lease:
         """Rank 0's write lease, taken once: from here on older incarnations cannot commit."""

@@ -482,7 +482,7 @@ def safetensors_chunks(tree: EncodedTree) -> Iterator[memoryview]:
         if not t.numel():
             continue
         data = _bytes_of(t)
-        if data.nbytes >= COALESCE_BYTES:
+        if data.nbytes >= SMALL_TENSOR_BYTES:
             if small:
                 yield memoryview(small)
                 small = bytearray()
@@ -509,9 +509,11 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-# Tensors smaller than this travel to storage in shared pieces of about this size: one write
-# and one hash update per piece, not per tensor (a save of the demo's optimizer state writes
-# ~110 tensors averaging 10 KiB).
+# Tensors smaller than SMALL_TENSOR_BYTES travel to storage in shared pieces of about
+# COALESCE_BYTES: one write and one hash update per piece, not per tensor (a save of the demo's
+# optimizer state writes ~110 tensors averaging 10 KiB). Larger ones go as they are: copying
+# 64 MiB of 0.64 MiB tensors into shared pieces cost 19 ms of a 0.18 s save.
+SMALL_TENSOR_BYTES = 64 << 10
 COALESCE_BYTES = 1 << 20
 
 

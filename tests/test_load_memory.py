@@ -10,6 +10,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from distckpt import copying
 
 CHILD = r"""
 import json, sys
@@ -18,6 +21,10 @@ from torch import nn
 import distckpt
 
 root, layout, fill, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+threads = int(sys.argv[5])
+if threads:  # the load's copies on this many threads (copying.copy_threads decides otherwise)
+    import distckpt.copying
+    distckpt.copying.copy_threads = lambda: threads
 MIB = 2**20 // 4  # float32 elements per MiB
 
 
@@ -66,20 +73,23 @@ print(json.dumps({"extra_mib": extra_mib, "same": same}))
 STATE_MIB = 128
 
 
-def _run(root: str, layout: str, fill: str, options: dict | None = None) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, root, layout, fill, json.dumps(options)],
+def _run(root: str, layout: str, fill: str, options: dict | None = None, threads: int = 0) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, root, layout, fill, json.dumps(options), str(threads)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1]) if fill != "save" else {}
 
 
+@pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("layout", ["module", pytest.param("tensors", marks=pytest.mark.faults),
                                     pytest.param("one-large", marks=pytest.mark.faults)])
-def test_a_load_holds_little_more_than_the_state_it_fills(tmp_path, layout):
+def test_a_load_holds_little_more_than_the_state_it_fills(tmp_path, layout, threads):
+    """With one copying thread and with four (each walks its own run of pieces, letting go of
+    each piece's pages as it goes)."""
     root = str(tmp_path / "ckpt")
     _run(root, layout, "save")
-    existing = _run(root, layout, "existing")
-    fresh = _run(root, layout, "fresh")
+    existing = _run(root, layout, "existing", threads=threads)
+    fresh = _run(root, layout, "fresh", threads=threads)
     assert existing["same"] and fresh["same"]
     # into tensors that hold memory already: verification and the copy let go of the file's
     # pages as they go (8 MiB pieces); 8 MiB of slack for the interpreter's own allocations
@@ -114,3 +124,51 @@ def test_an_object_store_load_holds_the_reads_in_flight_not_the_file(request, tm
     assert existing["extra_mib"] <= 0.25 * STATE_MIB + IN_FLIGHT_MIB[store] + 8, existing
     assert in_memory["extra_mib"] >= STATE_MIB, in_memory  # the bound above is not met by accident
     assert list(spill.iterdir()) == []  # the download file had no name: nothing left behind
+
+
+def _queued_copy_cases() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Targets and sources of every shape a restore queues: small and large, contiguous or not,
+    pieces that do not divide evenly, other dtypes, a 0-d and an empty tensor."""
+    g = torch.Generator().manual_seed(7)
+    piece = copying.COPY_PIECE_BYTES // 4  # float32 elements per piece
+    cases = []
+    for numel in (1, 3, 1000, piece - 1, piece, piece + 1, 2 * piece + 17, 5 * piece // 2):
+        cases.append((torch.empty(numel), torch.randn(numel, generator=g)))
+    cases.append((torch.empty(()), torch.randn((), generator=g)))
+    cases.append((torch.empty(0), torch.randn(0, generator=g)))
+    cases.append((torch.empty(512, 4096).t(), torch.randn(4096, 512, generator=g)))  # target not contiguous
+    cases.append((torch.empty(4096, 1024), torch.randn(1024, 4096, generator=g).t()))  # source not contiguous
+    cases.append((torch.empty(3 * piece, dtype=torch.int16), torch.randint(-9, 9, (3 * piece,), dtype=torch.int16, generator=g)))
+    cases.append((torch.empty(piece + 5, dtype=torch.float64), torch.randn(piece + 5, dtype=torch.float64, generator=g)))
+    return cases
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_queued_copies_put_every_value_where_a_direct_copy_would(threads):
+    """The restore's copies run at the phase's end, split into pieces over threads: each target
+    ends bitwise what target.copy_(source) makes it, and nothing runs before finish()."""
+    cases = _queued_copy_cases()
+    release = copying.PageRelease([], threads=threads)
+    for target, _ in cases:
+        target.fill_(0)
+    for target, source in cases:
+        copying.copy_released(target, source, release)
+    assert all(not target.any() for target, _ in cases)  # queued, not run
+    release.finish()
+    for target, source in cases:
+        expected = torch.empty_like(target).copy_(source)
+        assert torch.equal(target, expected), (target.shape, target.dtype)
+
+
+def test_the_copy_threads_follow_torch_and_the_local_ranks(monkeypatch):
+    """One thread where torch's own copies use several; else the cores shared by the node's ranks."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert copying.copy_threads() == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(copying.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert copying.copy_threads() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert copying.copy_threads() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert copying.copy_threads() == copying.MAX_COPY_THREADS

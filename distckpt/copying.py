@@ -1,0 +1,154 @@
+"""Copying a load's tensors out of the mapped checkpoint files into the state.
+
+A restore phase queues its copies (`PageRelease.copy`) and runs them together at its end
+(`PageRelease.finish`): split into 8 MiB pieces and spread over the cores this rank may use
+when torch's own copies run on one thread, each piece's file pages let go as soon as it is
+copied, so a load never holds the mapped files resident. The copies were checked completely
+before they are queued (keys, shapes, dtypes, devices), so running them later cannot fail
+half-way for a reason a check could have seen.
+
+Why threads: copying into tensors never touched before (a state built with `torch.empty`, an
+optimizer's fresh buffers) is bound by the page faults of the destination, not by memory
+bandwidth; two threads copied 256 MiB from a warm mapping into fresh tensors in 0.08 s against
+0.13 s for one (2-core VM), which is what torch's own copy does when it may use two threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .storage import is_mapped, release_pages
+
+COPY_PIECE_BYTES = 8 << 20  # a large tensor is copied (and its source pages let go) in pieces
+MAX_COPY_THREADS = 8
+
+
+def copy_threads() -> int:
+    """How many threads a load's copies may use: the cores this process may run on, shared
+    with the other ranks of its node (torchrun's LOCAL_WORLD_SIZE), and one where torch's own
+    copies already run on several (they would only compete)."""
+    if torch.get_num_threads() > 1:
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_ranks = 1
+    return max(1, min(MAX_COPY_THREADS, cores // local_ranks))
+
+
+class PageRelease:
+    """Lets go of the file pages behind restored tensors (storage.release_pages), and runs a
+    phase's queued copies. A load into existing tensors then holds at most a few pieces of the
+    mapped files resident, not all of them (the pages stay in the page cache; the tensors view
+    them again if read). Tensors that do not view a mapped file are ignored."""
+
+    PIECE = 8 << 20  # small tensors: the whole file is let go once this many bytes were copied
+
+    def __init__(self, buffers: list[Any], threads: int | None = None) -> None:
+        self._spans: list[list[Any]] = []  # [base address, length, buffer, bytes copied since released]
+        for data in buffers:
+            if len(data) and is_mapped(data):
+                self._spans.append([torch.frombuffer(data, dtype=torch.uint8).data_ptr(), len(data), data, 0])
+        self._threads = copy_threads() if threads is None else threads
+        self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._lock = threading.Lock()  # the small-tensor counts, updated from the copying threads
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        if not self._spans or tensor.device.type != "cpu":
+            return
+        start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        for span in self._spans:
+            base, length, data, _ = span
+            if not base <= start < base + length:
+                continue
+            if nbytes >= self.PIECE // 4:
+                release_pages(data, start - base, nbytes)
+                return
+            with self._lock:
+                span[3] += nbytes
+                due = span[3] >= self.PIECE  # one call for many small tensors (20,000 calls: 40 ms)
+                if due:
+                    span[3] = 0
+            if due:
+                release_pages(data)
+            return
+
+    def everything(self) -> None:
+        for span in self._spans:
+            release_pages(span[2])
+            span[3] = 0
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """target.copy_(source), run by `finish` (checked before: it cannot fail for a reason a
+        check sees)."""
+        self._queued.append((target, source))
+
+    def finish(self) -> None:
+        """Run the queued copies, in parallel where this rank has cores to spare, letting go of
+        each source piece once copied; then of whatever else of the files is still mapped."""
+        queued, self._queued = self._queued, []
+        pieces = [p for target, source in queued for p in _pieces(target, source)]
+        with torch.no_grad():
+            if self._threads <= 1 or len(pieces) <= 1:
+                for target, source in pieces:
+                    self._copy_piece(target, source)
+            else:
+                with ThreadPoolExecutor(self._threads, thread_name_prefix="distckpt-copy") as pool:
+                    for _ in pool.map(self._copy_run, _runs(pieces, self._threads)):
+                        pass
+        self.everything()
+
+    def _copy_run(self, run: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for target, source in run:
+                self._copy_piece(target, source)
+
+    def _copy_piece(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        target.copy_(source)
+        self(source)
+
+
+def copy_released(target: torch.Tensor, source: torch.Tensor, release: PageRelease | None) -> None:
+    """target.copy_(source): at once without `release`, else queued for the phase's `finish`."""
+    if release is None:
+        with torch.no_grad():
+            target.copy_(source)
+    else:
+        release.copy(target, source)
+
+
+def _pieces(target: torch.Tensor, source: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A contiguous pair of one shape and dtype as 8 MiB flat pieces; anything else whole."""
+    nbytes = source.numel() * source.element_size()
+    if nbytes <= COPY_PIECE_BYTES or not (target.is_contiguous() and source.is_contiguous()
+                                          and target.shape == source.shape and target.dtype == source.dtype):
+        return [(target, source)]
+    flat_target, flat_source = target.view(-1), source.view(-1)
+    step = max(1, COPY_PIECE_BYTES // max(1, source.element_size()))
+    return [(flat_target[i:i + step], flat_source[i:i + step]) for i in range(0, flat_source.numel(), step)]
+
+
+def _runs(pieces: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The pieces in about `threads` x 4 consecutive runs of similar byte counts: consecutive, so
+    each thread walks the files forward (the kernel's read-ahead), several per thread, so an
+    uneven run does not leave a core idle at the end."""
+    total = sum(s.numel() * s.element_size() for _, s in pieces)
+    share = max(1, total // (threads * 4))
+    runs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    held = 0
+    for pair in pieces:
+        if held >= share:
+            runs.append([])
+            held = 0
+        runs[-1].append(pair)
+        held += pair[1].numel() * pair[1].element_size()
+    return runs
