@@ -15,7 +15,9 @@ bandwidth; two threads copied 256 MiB from a warm mapping into fresh tensors in 
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -152,3 +154,81 @@ def _runs(pieces: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> list
         runs[-1].append(pair)
         held += pair[1].numel() * pair[1].element_size()
     return runs
+
+
+# -- the destination's pages, faulted in while the files are read ------------------------------
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, without writing to them
+_PREFAULT_MIN_BYTES = 1 << 20
+
+
+class Prefault:
+    """Faults in the pages of the tensors a load will copy into, on a thread of its own, while
+    the files are read and verified (`stop` ends it where it got to). A tensor never touched
+    before (`torch.empty`, a model built without initialising, an optimizer's new buffers) costs
+    a page fault per 4 KiB on its first write, most of a copy's cost; from a cold page cache
+    the reading waits on the disk, and this fills that wait (256 MiB into fresh tensors: copy
+    0.15 -> 0.07 s after the read). It never delays the load: from a warm cache the read ends
+    first and the copy faults in the rest. Faulting a page in writes nothing to it, so the
+    state's values are what they were whatever the load decides. Linux only; elsewhere, or if
+    the kernel refuses, the copy faults the pages in as before."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        ranges = [r for r in (_page_range(t) for t in tensors) if r is not None]
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        madvise = _libc_madvise() if ranges else None
+        if madvise is not None:
+            self._thread = threading.Thread(target=self._populate, args=(madvise, ranges), daemon=True,
+                                            name="distckpt-prefault")
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _populate(self, madvise: Any, ranges: list[tuple[int, int]]) -> None:
+        for address, length in ranges:
+            for offset in range(0, length, _PREFAULT_STEP):
+                if self._stopping.is_set():
+                    return
+                if madvise(address + offset, min(_PREFAULT_STEP, length - offset), _MADV_POPULATE_WRITE) != 0:
+                    return  # an older kernel (EINVAL) or memory it will not fault in: the copy does it
+
+
+_PREFAULT_STEP = 2 << 20  # how far it gets past a stop(): one call's worth
+
+
+def _page_range(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """The whole pages inside a contiguous CPU tensor's bytes: (address, length)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_sparse:
+        return None
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes < _PREFAULT_MIN_BYTES:
+        return None
+    page = _PAGE_SIZE
+    start = -(-tensor.data_ptr() // page) * page
+    end = (tensor.data_ptr() + nbytes) // page * page
+    return (start, end - start) if end > start else None
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_MADVISE: Any = None
+
+
+def _libc_madvise() -> Any:
+    global _MADVISE
+    if _MADVISE is None:
+        _MADVISE = False
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                fn = libc.madvise
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                fn.restype = ctypes.c_int
+                _MADVISE = fn
+            except (OSError, AttributeError):
+                pass
+    return _MADVISE or None

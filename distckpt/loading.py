@@ -43,7 +43,7 @@ from .commit import (
     step_candidates,
 )
 from .coord import Coordinator, Outcome, agree, attempt_on_root, attempt_phase, raise_if_failed, run_on_root
-from .copying import PageRelease
+from .copying import PageRelease, Prefault
 from .errors import (
     CorruptCheckpointError,
     DistCkptError,
@@ -54,7 +54,7 @@ from .errors import (
     StorageError,
 )
 from .fencing import Lease
-from .kinds import is_late, live_ties, restore_entry, snapshot, validate_entry
+from .kinds import copy_destinations, is_late, live_ties, restore_entry, snapshot, validate_entry
 from .rng import capture_process_rng, check_process_rng, restore_process_rng
 from .serialize import load_tree_file
 from .storage import Storage, release_pages
@@ -177,7 +177,11 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
     if not candidates:
         return None
     storages = {tiers.DURABLE: storage, tiers.LOCAL: local or storage}
-    found = _read_phase(coord, storages, entries, candidates, step is not None, world_size_policy, leases, rules)
+    prefault = Prefault(copy_destinations(entries))  # while the files are read and verified
+    try:
+        found = _read_phase(coord, storages, entries, candidates, step is not None, world_size_policy, leases, rules)
+    finally:
+        prefault.stop()
     if found is None:
         return None  # step directories, but none committed
     chosen, tier = found

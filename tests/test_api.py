@@ -42,7 +42,7 @@ def test_errors_form_one_tree():
 
 LEAVES = {"capture", "kinds", "validation", "undo", "rng", "serialize", "manifest", "storage/__init__", "storage/local",
           "storage/fsspec_fs", "storage/s3", "errors", "async_writer", "workers", "config", "faults",
-          "versions"}
+          "versions", "copying"}
 
 
 def _imports(path: str) -> set[str]:
@@ -63,3 +63,4 @@ def test_layering():
         assert not any(n.startswith("torch.distributed") for n in names), leaf
         assert not names & {".manager", ".protocol", ".coord", ".cli", "..manager", "..protocol", "..coord"}, leaf
     assert not {".storage", ".manifest", ".serialize"} & _imports(os.path.join(pkg, "coord.py"))
+

@@ -172,3 +172,39 @@ def test_the_copy_threads_follow_torch_and_the_local_ranks(monkeypatch):
     assert copying.copy_threads() == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
     assert copying.copy_threads() == copying.MAX_COPY_THREADS
+
+
+def _resident_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_prefaulting_the_destination_faults_its_pages_in_and_changes_no_value():
+    """What a load runs while it reads the files: the destination's pages become resident (the
+    copy then costs no faults), and every value, touched or not, is what it was."""
+    fresh = torch.empty(64 << 18)  # 64 MiB, never touched
+    g = torch.Generator().manual_seed(3)
+    held = torch.randn(3 << 18, generator=g)[5:]  # touched, and not starting on a page boundary
+    expected = held.clone()
+    small = torch.arange(100.0)  # below the size worth a thread's call: left alone
+    before = _resident_kib()
+    prefault = copying.Prefault([fresh, held, small, torch.zeros(4, 4).t()])
+    assert prefault._thread is not None
+    prefault._thread.join()  # let it finish rather than stop it where it got to
+    prefault.stop()
+    assert _resident_kib() - before >= 60 << 10
+    assert torch.equal(held, expected) and torch.equal(small, torch.arange(100.0))
+    assert not fresh.any()  # untouched anonymous memory reads as zeros, and still does
+
+
+def test_a_stopped_prefault_stops_at_once():
+    """stop() ends it where it got to: a load never waits for it."""
+    import time
+
+    tensors = [torch.empty(256 << 18) for _ in range(4)]  # 1 GiB, never touched
+    prefault = copying.Prefault(tensors)
+    started = time.perf_counter()
+    prefault.stop()
+    assert time.perf_counter() - started < 0.5
+    assert prefault._thread is None
