@@ -10,6 +10,15 @@ sys.path.insert(0, os.path.join(ROOT, "launch"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_configure(config):
+    """torch on one thread in the test process, as torchrun sets it for every rank: a load's
+    copies then run on distckpt.copying's own threads (one per core), so every in-process load
+    of the suite goes through them, not only the tests that ask for them."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def ckpt_dir(tmp_path):
     return str(tmp_path / "ckpt")
