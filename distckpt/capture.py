@@ -248,12 +248,13 @@ def _owned(value: Any, memo: dict[Any, Any] | None = None, release: Release | No
     return out
 
 
-def _restore_module(module: nn.Module, saved: dict[str, Any], release: Release | None = None) -> None:
+def _restore_module(module: nn.Module, saved: dict[str, Any], release: Release | None = None,
+                    where: str = "a module") -> None:
     from collections import OrderedDict
 
     sd = OrderedDict(saved["state_dict"])
     if release is not None and not has_own_load_logic(module):
-        _copy_into_live(module, sd, release)
+        _copy_into_live(module, sd, release, where)
     sd._metadata = OrderedDict((k, dict(v)) for k, v in saved["metadata"].items())  # type: ignore[attr-defined]
     module.load_state_dict(sd, strict=True)
     flags = saved["training"]
@@ -263,7 +264,7 @@ def _restore_module(module: nn.Module, saved: dict[str, Any], release: Release |
         sub.training = bool(flags[name])  # set each flag itself: .train() would overwrite children
 
 
-def _copy_into_live(module: nn.Module, sd: dict[str, Any], release: Release) -> None:
+def _copy_into_live(module: nn.Module, sd: dict[str, Any], release: Release, where: str) -> None:
     """Copy each saved tensor into the live parameter or buffer it restores, letting go of its
     file pages as it goes, and hand load_state_dict the live tensor itself (its copy of a tensor
     onto itself returns at once). Only for modules torch's own code loads (checked completely
@@ -274,7 +275,7 @@ def _copy_into_live(module: nn.Module, sd: dict[str, Any], release: Release) -> 
         if (isinstance(value, torch.Tensor) and isinstance(target, torch.Tensor) and target is not value
                 and not sharded.is_dtensor(target) and target.device.type == "cpu" and value.device.type == "cpu"
                 and target.shape == value.shape and target.dtype == value.dtype):
-            copy_released(target, value, release)
+            copy_released(target, value, release, f"{where}.{key}")
             sd[key] = target
 
 

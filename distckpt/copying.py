@@ -28,6 +28,7 @@ from .storage import is_mapped, release_pages
 
 COPY_PIECE_BYTES = 8 << 20  # a large tensor is copied (and its source pages let go) in pieces
 MAX_COPY_THREADS = 8
+Piece = tuple[torch.Tensor, torch.Tensor, str]  # target, source, what it restores
 
 
 def copy_threads() -> int:
@@ -61,7 +62,7 @@ class PageRelease:
             if len(data) and is_mapped(data):
                 self._spans.append([torch.frombuffer(data, dtype=torch.uint8).data_ptr(), len(data), data, 0])
         self._threads = copy_threads() if threads is None else threads
-        self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._queued: list[Piece] = []
         self._lock = threading.Lock()  # the small-tensor counts, updated from the copying threads
 
     def __call__(self, tensor: torch.Tensor) -> None:
@@ -89,63 +90,79 @@ class PageRelease:
             release_pages(span[2])
             span[3] = 0
 
-    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        """target.copy_(source), run by `finish` (checked before: it cannot fail for a reason a
-        check sees)."""
-        self._queued.append((target, source))
+    def copy(self, target: torch.Tensor, source: torch.Tensor, what: str = "a tensor") -> None:
+        """target.copy_(source), run by `finish`. Checked before (validation.check_writable and
+        the shape and dtype checks), so it fails only for what no check sees; `what` names it then."""
+        self._queued.append((target, source, what))
 
     def finish(self) -> None:
         """Run the queued copies, in parallel where this rank has cores to spare, letting go of
-        each source piece once copied; then of whatever else of the files is still mapped."""
+        each source piece once copied; then of whatever else of the files is still mapped. The
+        first failure stops every thread before its next piece and is raised as CopyFailed."""
         queued, self._queued = self._queued, []
-        pieces = [p for target, source in queued for p in _pieces(target, source)]
-        with torch.no_grad():
+        pieces = [p for target, source, what in queued for p in _pieces(target, source, what)]
+        failed: list[CopyFailed] = []
+        try:
             if self._threads <= 1 or len(pieces) <= 1:
-                for target, source in pieces:
-                    self._copy_piece(target, source)
+                self._copy_run(pieces, failed)
             else:
                 with ThreadPoolExecutor(self._threads, thread_name_prefix="distckpt-copy") as pool:
-                    for _ in pool.map(self._copy_run, _runs(pieces, self._threads)):
+                    for _ in pool.map(lambda run: self._copy_run(run, failed), _runs(pieces, self._threads)):
                         pass
-        self.everything()
+        finally:
+            self.everything()
+        if failed:
+            raise failed[0]
 
-    def _copy_run(self, run: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _copy_run(self, run: list[Piece], failed: list[CopyFailed]) -> None:
         with torch.no_grad():
-            for target, source in run:
-                self._copy_piece(target, source)
+            for target, source, what in run:
+                if failed:
+                    return  # another piece failed: copy no more
+                try:
+                    target.copy_(source)
+                except Exception as e:  # noqa: BLE001  (handed to the phase, which names it)
+                    failed.append(CopyFailed(what, e))
+                    return
+                self(source)
 
-    def _copy_piece(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        target.copy_(source)
-        self(source)
+
+class CopyFailed(Exception):
+    """A queued copy failed (memory, a device): `what` it copied into, and the error."""
+
+    def __init__(self, what: str, error: BaseException) -> None:
+        super().__init__(f"{what}: {type(error).__name__}: {error}")
+        self.what, self.error = what, error
 
 
-def copy_released(target: torch.Tensor, source: torch.Tensor, release: PageRelease | None) -> None:
+def copy_released(target: torch.Tensor, source: torch.Tensor, release: PageRelease | None,
+                  what: str = "a tensor") -> None:
     """target.copy_(source): at once without `release`, else queued for the phase's `finish`."""
     if release is None:
         with torch.no_grad():
             target.copy_(source)
     else:
-        release.copy(target, source)
+        release.copy(target, source, what)
 
 
-def _pieces(target: torch.Tensor, source: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _pieces(target: torch.Tensor, source: torch.Tensor, what: str) -> list[Piece]:
     """A contiguous pair of one shape and dtype as 8 MiB flat pieces; anything else whole."""
     nbytes = source.numel() * source.element_size()
     if nbytes <= COPY_PIECE_BYTES or not (target.is_contiguous() and source.is_contiguous()
                                           and target.shape == source.shape and target.dtype == source.dtype):
-        return [(target, source)]
+        return [(target, source, what)]
     flat_target, flat_source = target.view(-1), source.view(-1)
     step = max(1, COPY_PIECE_BYTES // max(1, source.element_size()))
-    return [(flat_target[i:i + step], flat_source[i:i + step]) for i in range(0, flat_source.numel(), step)]
+    return [(flat_target[i:i + step], flat_source[i:i + step], what) for i in range(0, flat_source.numel(), step)]
 
 
-def _runs(pieces: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def _runs(pieces: list[Piece], threads: int) -> list[list[Piece]]:
     """The pieces in about `threads` x 4 consecutive runs of similar byte counts: consecutive, so
     each thread walks the files forward (the kernel's read-ahead), several per thread, so an
     uneven run does not leave a core idle at the end."""
-    total = sum(s.numel() * s.element_size() for _, s in pieces)
+    total = sum(s.numel() * s.element_size() for _, s, _ in pieces)
     share = max(1, total // (threads * 4))
-    runs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    runs: list[list[Piece]] = [[]]
     held = 0
     for pair in pieces:
         if held >= share:

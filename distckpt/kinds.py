@@ -305,7 +305,7 @@ class Module(_ModuleLike):
         validation._module(entry.target, saved, where, world, rules)
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
-        _restore_module(unwrap_module(entry.target), value, release)
+        _restore_module(unwrap_module(entry.target), value, release, f"state[{entry.key!r}]")
         return []
 
     def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
@@ -371,7 +371,7 @@ class Tensor(Kind):
         validation._tensor(entry.target, saved, where, world, rules)
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
-        copy_released(entry.target, value, release)
+        copy_released(entry.target, value, release, f"state[{entry.key!r}]")
         return []
 
 

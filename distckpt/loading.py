@@ -43,7 +43,7 @@ from .commit import (
     step_candidates,
 )
 from .coord import Coordinator, Outcome, agree, attempt_on_root, attempt_phase, raise_if_failed, run_on_root
-from .copying import PageRelease, Prefault
+from .copying import CopyFailed, PageRelease, Prefault
 from .errors import (
     CorruptCheckpointError,
     DistCkptError,
@@ -441,15 +441,15 @@ def _restore_all(entries: list[Entry], saved: dict[str, Any], state: dict[str, A
     try:
         if release is not None:
             release.finish()  # the phase's copies into tensors, checked before: in parallel
-    except Exception as e:  # nothing a check could see: a device lost, memory exhausted
-        return _restore_failed(e, "tensors", rank, step)
+    except CopyFailed as e:  # nothing a check could see: memory exhausted, a device lost
+        return _restore_failed(e.error, e.what, rank, step)
     return None
 
 
-def _restore_failed(e: Exception, what: str, rank: int, step: int) -> BaseException:
+def _restore_failed(e: BaseException, what: str, rank: int, step: int) -> BaseException:
     if isinstance(e, DistCkptError):
         return e
-    where = f"state[{what!r}]" if what != "tensors" else "the state's tensors"
+    where = what if what.startswith("state[") else f"state[{what!r}]"
     err = IncompatibleCheckpointError(f"rank {rank}: restoring {where} of step {step} failed: {type(e).__name__}: {e}")
     err.__cause__ = e
     return err

@@ -54,6 +54,9 @@ def _module(module: nn.Module, saved: dict[str, Any], where: str, world: tuple[i
             f"{sorted(set(flags or names) ^ names)[:5]}; build the same model as the run that saved")
     if not rules.allow_dtype_cast:
         _check_dtypes(current, stored, where)
+    for key, value in current.items():
+        if isinstance(value, torch.Tensor) and key in stored:
+            check_writable(value, f"{where}.{key}")
 
 
 def _check_module_structure(saved: Any, where: str) -> None:
@@ -160,6 +163,31 @@ def _tensor(target: torch.Tensor, saved: Any, where: str, world: tuple[int, int]
         desc = f"{tuple(saved.shape)} {saved.dtype}" if isinstance(saved, torch.Tensor) else type(saved).__name__
         raise IncompatibleCheckpointError(
             f"{where}: tensor {desc} in the checkpoint, {tuple(target.shape)} {target.dtype} here")
+    check_writable(target, where)
+
+
+def check_writable(target: torch.Tensor, where: str) -> None:
+    """A load copies into `target` in place, after every entry was checked and while nothing is
+    snapshotted: refuse here, before anything changes, a tensor that cannot take the copy."""
+    if target.device.type == "meta":
+        raise IncompatibleCheckpointError(
+            f"{where}: a tensor on the meta device holds no values to load into; materialize it first "
+            "(module.to_empty(device=...)) and then load")
+    if target.is_inference() and not torch.is_inference_mode_enabled():
+        raise IncompatibleCheckpointError(
+            f"{where}: an inference tensor (made under torch.inference_mode) cannot be written in place "
+            "outside it; build the state to load into outside inference_mode")
+    if _has_internal_overlap(target):
+        raise IncompatibleCheckpointError(
+            f"{where}: its elements share memory (an expanded tensor, stride 0), so no copy can give each "
+            "its saved value; load into a tensor with memory of its own (.clone())")
+
+
+def _has_internal_overlap(t: torch.Tensor) -> bool:
+    check = getattr(torch, "_debug_has_internal_overlap", None)
+    if check is not None:
+        return bool(check(t) == 1)  # 0 no, 1 yes, 2 too hard to tell (a copy_ then decides)
+    return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
 
 
 def _generator(gen: torch.Generator, saved: Any, where: str, world: tuple[int, int], rules: LoadRules) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 
 import numpy as np
 import pytest
@@ -256,3 +257,62 @@ def test_a_module_with_its_own_load_logic_refusing_leaves_every_module_and_tenso
     for r in results:
         assert r.error is None, r.error
         assert r.value == {"error": "IncompatibleCheckpointError", "unchanged": True, "eval_kept": True}, r.value
+
+
+def _unwritable(kind: str, like: torch.Tensor) -> torch.Tensor:
+    if kind == "expanded":
+        return torch.zeros(1, dtype=like.dtype).expand(like.shape)
+    if kind == "inference":
+        with torch.inference_mode():
+            return torch.zeros(like.shape, dtype=like.dtype)
+    return torch.empty(like.shape, dtype=like.dtype, device="meta")
+
+
+class _Buffered(nn.Module):
+    def __init__(self, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("mask", mask)
+
+
+@pytest.mark.parametrize("kind", ["expanded", "inference", "meta"])
+@pytest.mark.parametrize("where", ["tensor entry", "module buffer"])
+def test_a_tensor_that_cannot_take_the_copy_is_refused_before_anything_changes(tmp_path, kind, where):
+    """The copies into tensors run together at the phase's end (on several threads): what would
+    make one fail — elements sharing memory, an inference tensor outside inference_mode, the
+    meta device — is refused by the checks, naming it, and every entry is as it was (also the
+    large one after it, which a copy on another thread would otherwise have filled)."""
+    big = 3 * (8 << 20) // 4 + 17  # over three 8 MiB pieces
+    torch.manual_seed(0)
+    saved = {"z": torch.randn(10), "model": _Buffered(torch.randn(10)), "a": torch.randn(big)}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load_latest(saved)
+        mgr.save(1, saved)
+    target = {"z": torch.zeros(10), "model": _Buffered(torch.zeros(10)), "a": torch.zeros(big)}
+    if where == "tensor entry":
+        target["z"] = _unwritable(kind, target["z"])
+        named = "state['z']"
+    else:
+        target["model"].mask = _unwritable(kind, target["model"].mask)
+        named = "state['model'].mask"
+    before = {"a": target["a"].clone(), "lin": copy.deepcopy(target["model"].lin.state_dict())}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(distckpt.IncompatibleCheckpointError, match=re.escape(named)):
+            mgr.load_latest(target)
+    assert torch.equal(target["a"], before["a"])
+    assert all(torch.equal(v, before["lin"][k]) for k, v in target["model"].lin.state_dict().items())
+    if kind != "meta":
+        assert not target["z"].any() and not target["model"].mask.any()
+
+
+def test_a_queued_copy_that_fails_is_raised_naming_what_it_restores():
+    """A copy that fails for a reason no check sees stops the others before their next piece
+    and is raised as CopyFailed, naming the entry."""
+    from distckpt import copying
+
+    release = copying.PageRelease([], threads=2)
+    release.copy(torch.zeros(3 << 20), torch.ones(3 << 20), "state['before']")
+    release.copy(torch.zeros(1).expand(8), torch.arange(8.0), "state['bad']")  # bypasses the checks
+    release.copy(torch.zeros(3 << 20), torch.ones(3 << 20), "state['after']")
+    with pytest.raises(copying.CopyFailed, match=re.escape("state['bad']")):
+        release.finish()
