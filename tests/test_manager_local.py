@@ -520,6 +520,100 @@ def test_an_io_error_at_every_fsync_rename_and_link_keeps_the_previous_checkpoin
     print(f"\n[io-error] EIO at each of the {total} {op} calls of a save: previous checkpoint byte-identical each time")
 
 
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
+def test_a_failed_early_writeback_fails_the_save_and_keeps_the_previous_checkpoint(ckpt_dir, monkeypatch, code):
+    """The disk is started on each window of a file as it is written (sync_file_range); an error
+    there is the write's error: the save fails with it, at every call, and nothing committed changes."""
+    monkeypatch.setattr(storage_mod, "WRITEBACK_WINDOW_BYTES", 4096)  # many windows in a small state
+    state = trained_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(10, state)
+    before = tree_bytes(os.path.join(ckpt_dir, "step-000000010"))
+    real = storage_mod.sync_file_range
+    calls = {"n": 0, "fail_at": None}
+
+    def flaky(fd, offset, nbytes, flags):
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            raise OSError(code, f"injected {errno.errorcode[code]} in sync_file_range")
+        return real(fd, offset, nbytes, flags)
+
+    monkeypatch.setattr(storage_mod, "sync_file_range", flaky)
+    n = 0
+    while True:
+        n += 1
+        calls.update(n=0, fail_at=n)
+        with distckpt.CheckpointManager(ckpt_dir) as mgr:
+            mgr.load_latest(fresh_state())
+            try:
+                mgr.save(20, state)
+                failed = None
+            except distckpt.StorageError as e:
+                failed = e
+        calls.update(fail_at=None)
+        if failed is None:
+            assert calls["n"] < n, f"the save succeeded although sync_file_range call {n} failed"
+            break
+        assert failed.errno == code and "injected" in str(failed)
+        assert tree_bytes(os.path.join(ckpt_dir, "step-000000010")) == before
+        with distckpt.CheckpointManager(ckpt_dir) as mgr:
+            assert mgr.committed_steps() == [10]
+    assert n - 1 >= 4, "the small windows should have made several early writebacks"
+
+
+def test_a_file_system_without_early_writeback_still_saves_everything(ckpt_dir, monkeypatch):
+    """ENOSYS/EINVAL (FUSE, a pipe, an old kernel) turn the early writeback off for that file;
+    the fsync alone then makes it durable, and every value comes back."""
+    monkeypatch.setattr(storage_mod, "WRITEBACK_WINDOW_BYTES", 4096)
+    calls = []
+
+    def unsupported(fd, offset, nbytes, flags):
+        calls.append((offset, nbytes))
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(storage_mod, "sync_file_range", unsupported)
+    state = trained_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(10, state)
+    other = fresh_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.load_latest(other).step == 10
+    assert same_params(other["model"], state["model"])
+    assert calls, "the early writeback was never tried"
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(sizes=st.lists(st.integers(0, 40_000), max_size=12), window=st.sampled_from([4096, 5000, 65536]))
+def test_a_file_written_in_windows_holds_exactly_its_chunks_and_every_window_went_to_the_disk(tmp_path_factory, sizes, window):
+    """Chunks of any size, cut into windows for the early writeback: the file is their concatenation,
+    and the disk was started on each full window, in order, without gaps or overlaps."""
+    root = tmp_path_factory.mktemp("windows")
+    chunks = [os.urandom(n) for n in sizes]
+    started = []
+    real = storage_mod.sync_file_range
+
+    def recording(fd, offset, nbytes, flags):
+        if flags == 2:  # SYNC_FILE_RANGE_WRITE alone: a window handed to the disk
+            started.append((offset, nbytes))
+        return real(fd, offset, nbytes, flags)
+
+    old_window, old_call = storage_mod.WRITEBACK_WINDOW_BYTES, storage_mod.sync_file_range
+    storage_mod.WRITEBACK_WINDOW_BYTES, storage_mod.sync_file_range = window, recording
+    try:
+        storage_mod.LocalStorage(str(root)).write_file("f.bin", iter(chunks))
+    finally:
+        storage_mod.WRITEBACK_WINDOW_BYTES, storage_mod.sync_file_range = old_window, old_call
+    with open(root / "f.bin", "rb") as f:
+        assert f.read() == b"".join(chunks)
+    if storage_mod._SYNC_FILE_RANGE is None:
+        return  # not Linux: nothing is started early
+    offset = 0
+    for start, nbytes in started:
+        assert start == offset and nbytes >= window
+        offset += nbytes
+    assert sum(sizes) - offset < window, "a full window was never handed to the disk"
+
+
 def test_directories_of_saves_that_never_committed_are_skipped_silently(tmp_path):
     """The loader takes step directories from a shallow listing and reads markers newest first:
     a newer directory without a marker is not a checkpoint (no fallback warning), and a root of

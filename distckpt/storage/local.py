@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import mmap
 import os
 import shutil
+import sys
 import uuid
 from typing import Any, Iterable, Iterator
 
@@ -38,8 +41,11 @@ class LocalStorage:
         try:
             self._makedirs(directory)
             with open(tmp, "wb", buffering=0) as f:
+                writeback = Writeback(f.fileno())
                 for chunk in chunks:
-                    _write_all(f, chunk)
+                    for piece in _pieces(chunk):
+                        _write_all(f, piece)
+                        writeback.wrote(piece.nbytes)
                 os.fsync(f.fileno())
             os.replace(tmp, final)
             _fsync_dir(directory)
@@ -217,6 +223,81 @@ class LocalStorage:
         os.makedirs(directory, exist_ok=True)
         for created in reversed(missing):  # make each new directory entry durable
             _fsync_dir(os.path.dirname(created))
+
+
+# -- writing back while the file is still being written --------------------------------------
+#
+# A plain write + fsync leaves every page dirty until the fsync, which then writes the whole file
+# while the writer waits. Starting the disk on each window as soon as it is written overlaps the
+# disk with the rest of the save (encoding, hashing, copying), and waiting for the window before
+# it keeps at most two windows dirty (the page cache is not flooded by a multi-GB file). 1 GiB on
+# this VM's disk, median of 6: 2.57 s plain, 2.08 s with the windows; see bench/fresh.py's save
+# rows. The final fsync is still what makes the file durable: the windows only start it early.
+
+WRITEBACK_WINDOW_BYTES = 32 << 20
+_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
+# errors that mean "not on this file system" (a pipe, FUSE, an old kernel): the fsync alone then
+_NOT_SUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def _load_sync_file_range() -> Any:
+    if not sys.platform.startswith("linux") or sys.maxsize <= 2**32:  # off64_t arguments as int64
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+
+
+def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> None:
+    """Linux's sync_file_range(2); OSError on failure, as the os module's calls raise."""
+    if _SYNC_FILE_RANGE is None:
+        raise OSError(errno.ENOSYS, "sync_file_range is not available")
+    if _SYNC_FILE_RANGE(fd, offset, nbytes, flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+class Writeback:
+    """Starts the disk on each window of a file as the window is written (see above)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.written = 0
+        self.started = 0  # bytes handed to the disk so far
+        self.waited = 0  # bytes known to be on the disk
+        self.enabled = _SYNC_FILE_RANGE is not None
+
+    def wrote(self, nbytes: int) -> None:
+        self.written += nbytes
+        if not self.enabled or self.written - self.started < WRITEBACK_WINDOW_BYTES:
+            return
+        try:
+            sync_file_range(self.fd, self.started, self.written - self.started, _SYNC_FILE_RANGE_WRITE)
+            if self.started > self.waited:  # the previous window: its writes have had a window's time
+                sync_file_range(self.fd, self.waited, self.started - self.waited,
+                                _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER)
+                self.waited = self.started
+        except OSError as e:
+            if e.errno not in _NOT_SUPPORTED:
+                raise  # EIO, ENOSPC...: the write failed, and the save with it
+            self.enabled = False
+            return
+        self.started = self.written
+
+
+def _pieces(chunk: memoryview | bytes) -> Iterator[memoryview]:
+    """A chunk in windows, so that the disk starts on a large tensor before it is all written."""
+    view = memoryview(chunk).cast("B")
+    for start in range(0, view.nbytes, WRITEBACK_WINDOW_BYTES):
+        yield view[start:start + WRITEBACK_WINDOW_BYTES]
 
 
 def _write_all(f: Any, chunk: memoryview | bytes) -> None:
