@@ -175,11 +175,18 @@ class _Encoder:
 
     @staticmethod
     def _check_key(key: Any, path: tuple[Any, ...]) -> str | int:
-        if isinstance(key, bool) or not isinstance(key, (str, int)):
+        """Exactly str or int: a key of a subclass (an IntEnum, a str subclass, numpy's str_ or
+        int64) would come back as the plain type, so it is refused like such a value."""
+        kind = type(key)
+        if kind is str or kind is int:
+            return key  # type: ignore[no-any-return]
+        if isinstance(key, (str, int, np.integer, np.str_)) and not isinstance(key, bool):
             raise UnstorableValueError(
-                f"{key_path(path)} has a key {key!r} of type {type(key).__name__}: "
-                "dict keys must be str or int")
-        return key if isinstance(key, str) else int(key)
+                f"{key_path(path)} has a key {key!r} of type {kind.__module__}.{kind.__qualname__}, a "
+                f"subclass of {'str' if isinstance(key, (str, np.str_)) else 'int'} that would come back "
+                "as the plain type: use plain keys (e.g. .value of an Enum, int(k), str(k))")
+        raise UnstorableValueError(
+            f"{key_path(path)} has a key {key!r} of type {kind.__name__}: dict keys must be str or int")
 
     def _add_tensor(self, tensor: torch.Tensor, path: tuple[Any, ...], plain: bool = False) -> str:
         self._check_dense(tensor, path, plain)

@@ -171,6 +171,24 @@ def test_what_cannot_come_back_identical_is_refused_at_save_naming_the_key(tmp_p
         assert mgr.committed_steps() == []
 
 
+class Tag(str):
+    pass
+
+
+@pytest.mark.parametrize("key, what", [
+    (Colour.RED, "subclass of int"), (Mode.TRAIN, "subclass of str"), (Tag("t"), "subclass of str"),
+    (np.str_("n"), "subclass of str"), (np.int64(3), "subclass of int"), (np.uint8(3), "subclass of int"),
+    (True, "type bool"), (1.5, "type float"), ((1, 2), "type tuple"), (None, "type NoneType"),
+])
+def test_a_key_that_cannot_come_back_identical_is_refused_at_save_naming_the_dict(tmp_path, key, what):
+    """Keys as values: a key of a subclass of str or int would come back as the plain type."""
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(distckpt.UnstorableValueError, match=r"state\['cfg'\]\['deep'\]\[1\] has a key") as info:
+            mgr.save(1, {"cfg": {"deep": [0, {"fine": 1, key: 2}]}})
+        assert what.lower() in str(info.value).lower()
+        assert mgr.committed_steps() == []
+
+
 def test_a_deep_tree_is_refused_at_save_not_at_load(tmp_path):
     deep: list = []
     for _ in range(500):
