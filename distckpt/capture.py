@@ -16,6 +16,8 @@ This module never touches storage or torch.distributed.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import logging
 import warnings
 from dataclasses import dataclass
@@ -130,7 +132,13 @@ def _plain_to_numpy(value: Any) -> Any:
 
 
 def _capture_plain(value: Any) -> Any:
-    return dict(value) if isinstance(value, dict) else value
+    """A shallow copy of a top-level dict (later writes to the live dict do not reach a save in
+    flight) of the same type: an OrderedDict stays one, and a dict subclass (defaultdict,
+    Counter) reaches the encoder as itself and is refused there, naming its key."""
+    kind = type(value)
+    if kind is dict or kind is OrderedDict:
+        return kind(value)
+    return value
 
 
 def capture_rank_buffers(entries: list[Entry]) -> dict[str, dict[str, torch.Tensor]]:

@@ -388,10 +388,13 @@ class Value(Kind):
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
         target = entry.target
-        if isinstance(target, dict) and isinstance(value, dict):
+        # Refilled in place (whoever holds the live container sees the values) only when the live
+        # one is of the saved type: a plain dict refilled from a saved OrderedDict (or the reverse)
+        # would not come back as what was saved.
+        if type(target) is type(value) and isinstance(value, dict):
             target.clear()
             target.update(value)
-        elif isinstance(target, list) and isinstance(value, list):
+        elif type(target) is type(value) and isinstance(value, list):
             target[:] = value
         else:
             state[entry.key] = PerRank(value) if entry.scope == PER_RANK and isinstance(state[entry.key], PerRank) else value

@@ -68,14 +68,15 @@ def optimizer_undo(opt: torch.optim.Optimizer) -> Undo:
 
 
 def value_undo(entry: Entry, state: dict[str, Any]) -> Undo:
-    target = entry.target
+    """The live container's contents and the object under its key: the restore refills the live
+    container in place or, when the saved one is of another type, puts the saved one there."""
+    target, key, before = entry.target, entry.key, state.get(entry.key)
     if isinstance(target, dict):
         items = list(target.items())
-        return lambda: replace_dict(target, items)
+        return lambda: (replace_dict(target, items), state.__setitem__(key, before))
     if isinstance(target, list):
         elements = list(target)
-        return lambda: target.__setitem__(slice(None), elements)
-    key, before = entry.key, state.get(entry.key)
+        return lambda: (target.__setitem__(slice(None), elements), state.__setitem__(key, before))
     return lambda: state.__setitem__(key, before)
 
 

@@ -5,6 +5,7 @@ anything changed)."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import random
 import re
@@ -159,6 +160,31 @@ def test_a_failure_after_everything_was_restored_puts_everything_back(saved_root
         remove()
     assert same(before_opt, state["optimizer"].state_dict())
     assert torch.equal(before_rng, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("saved, live", [
+    (collections.OrderedDict(a=1), {"stale": 0}), ({"a": 1}, collections.OrderedDict(stale=0)),
+    ((1, 2), [0]), ([1, 2], (0,)), ({"a": 1}, None)])
+def test_a_placeholder_replaced_by_a_value_of_another_type_is_put_back_after_a_failed_load(tmp_path, saved, live):
+    """A live container of another type than the saved value is replaced, not refilled; after
+    a failure later in the load the very same object is back under its key, contents unchanged."""
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"v": saved})
+    state = {"v": live}
+    contents = copy.deepcopy(live)
+
+    def fail(name, ctx):
+        if name == "load/applied":
+            raise RuntimeError("injected after every entry was restored")
+
+    remove = faults.on_point(fail)
+    try:
+        with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+            with pytest.raises(distckpt.DistCkptError, match="injected"):
+                mgr.load_latest(state)
+    finally:
+        remove()
+    assert state["v"] is live and type(state["v"]) is type(contents) and state["v"] == contents
 
 
 def _refused_before_anything_changed(saved_root, state, match):

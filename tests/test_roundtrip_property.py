@@ -142,6 +142,27 @@ def test_a_tensor_in_two_places_comes_back_as_one(tmp_path_factory, value):
     assert back["a"] is back["b"][1]
 
 
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+@given(value=trees, live=st.sampled_from(["none", "dict", "ordered", "list", "tuple", "int"]),
+       async_save=st.booleans())
+def test_a_tree_held_directly_as_an_entry_comes_back_identical_whatever_the_live_placeholder(
+        tmp_path_factory, value, live, async_save):
+    """The tree is the entry itself (not inside a dict): a live container of the saved type is
+    refilled in place (its holders see the values); any other placeholder is replaced."""
+    root = str(tmp_path_factory.mktemp("top"))
+    with distckpt.CheckpointManager(root, async_save=async_save) as mgr:
+        mgr.save(1, {"v": value, "r": distckpt.per_rank(value)})
+    placeholder = {"none": None, "dict": {"stale": 1}, "ordered": collections.OrderedDict(stale=1),
+                   "list": [1, 2], "tuple": (1,), "int": 7}[live]
+    state = {"v": placeholder, "r": distckpt.per_rank(placeholder)}
+    with distckpt.CheckpointManager(root) as mgr:
+        mgr.load(state, 1)
+    assert_identical(value, state["v"], "state['v']")
+    assert_identical(value, state["r"].obj, "state['r']")
+    if type(placeholder) is type(value) and isinstance(value, (dict, list)):
+        assert state["v"] is placeholder, "a live container of the saved type is refilled in place"
+
+
 class Colour(enum.IntEnum):
     RED = 1
 
@@ -185,6 +206,18 @@ def test_a_key_that_cannot_come_back_identical_is_refused_at_save_naming_the_dic
     with distckpt.CheckpointManager(str(tmp_path)) as mgr:
         with pytest.raises(distckpt.UnstorableValueError, match=r"state\['cfg'\]\['deep'\]\[1\] has a key") as info:
             mgr.save(1, {"cfg": {"deep": [0, {"fine": 1, key: 2}]}})
+        assert what.lower() in str(info.value).lower()
+        assert mgr.committed_steps() == []
+
+
+@pytest.mark.parametrize("key", ["cfg", "config"])
+@pytest.mark.parametrize("bad, what", [(collections.defaultdict(list, a=[1]), "defaultdict"),
+                                       (collections.Counter("ab"), "Counter"), (Point(1, 2), "namedtuple")])
+def test_a_dict_subclass_held_directly_as_an_entry_is_refused_at_save(tmp_path, key, bad, what):
+    """At the top of an entry too (it was copied into a plain dict there, and came back as one)."""
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(distckpt.UnstorableValueError, match=rf"^state\['{key}'\] is") as info:
+            mgr.save(1, {key: bad})
         assert what.lower() in str(info.value).lower()
         assert mgr.committed_steps() == []
 
