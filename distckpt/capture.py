@@ -16,10 +16,9 @@ This module never touches storage or torch.distributed.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import logging
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 

@@ -71,13 +71,18 @@ def value_undo(entry: Entry, state: dict[str, Any]) -> Undo:
     """The live container's contents and the object under its key: the restore refills the live
     container in place or, when the saved one is of another type, puts the saved one there."""
     target, key, before = entry.target, entry.key, state.get(entry.key)
+    contents: Undo = lambda: None  # noqa: E731
     if isinstance(target, dict):
         items = list(target.items())
-        return lambda: (replace_dict(target, items), state.__setitem__(key, before))
-    if isinstance(target, list):
+        contents = lambda: replace_dict(target, items)  # noqa: E731
+    elif isinstance(target, list):
         elements = list(target)
-        return lambda: (target.__setitem__(slice(None), elements), state.__setitem__(key, before))
-    return lambda: state.__setitem__(key, before)
+        contents = lambda: target.__setitem__(slice(None), elements)  # noqa: E731
+
+    def put_back() -> None:
+        contents()
+        state[key] = before
+    return put_back
 
 
 def replace_dict(target: dict[Any, Any], items: Any) -> None:
