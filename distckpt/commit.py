@@ -224,16 +224,23 @@ class CommitIndex:
         self._manifests: dict[tuple[int, str], dict] = {}
         self._since_full: int | None = None  # scans since the last full listing; None: none yet
 
-    def scan(self) -> RootListing:
+    def scan(self, expect: int | None = None) -> RootListing:
         """A fresh listing. The first (and every FULL_SCAN_EVERY-th) lists the whole root; the
         others list only what sorts after the newest step committed at the last scan (the store
         starts there: one page for a save's new step, whatever the history) and keep the older
         part of the last listing, less what this index was told is gone (`forget`). What that
         misses until the next full listing: files another process adds to or removes from the
         older steps (a zombie's late commit of an old step, which no load accepts; a `distckpt
-        prune`), so retention and gc act on them a little later, never wrongly."""
+        prune`), so retention and gc act on them a little later, never wrongly.
+
+        `expect`: a step this process just committed. Step directories sort as numbers only while
+        they have the same number of digits (step-1000000000 sorts before step-999999999~), so
+        when it would sort before the newest step's names the whole root is listed."""
         newest = max(self.listing.committed(), default=None)
-        if newest is None or self._since_full is None or self._since_full + 1 >= self.FULL_SCAN_EVERY:
+        sorts_before = (newest is not None and expect is not None
+                        and mf.step_dir(expect) + "/" < mf.step_dir(newest) + "~")
+        if (newest is None or sorts_before or self._since_full is None
+                or self._since_full + 1 >= self.FULL_SCAN_EVERY):
             files = self.storage.list_files("")
             self._since_full = 0
         else:

@@ -291,7 +291,7 @@ class CheckpointManager:
             keep_last = keep_best = None
         try:
             index = self._index(storage)
-            index.scan()
+            index.scan(expect=just_committed)
             spared = {just_committed} | ({self._uploading} if storage is self.local and self._uploading is not None else set())
             doomed, keep = self._plan_retention(index, keep_last, keep_best, spared)
             retired: list[int] = []

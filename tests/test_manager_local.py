@@ -646,11 +646,13 @@ _INDEX_EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "8"))
 
 @settings(max_examples=_INDEX_EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(keep_last=st.integers(1, 4), actions=st.lists(st.sampled_from(["save", "leftover", "skip"]), min_size=1, max_size=12))
-def test_the_commit_index_agrees_with_a_full_listing_after_every_save(tmp_path_factory, keep_last, actions):
+@given(keep_last=st.integers(1, 4), start=st.sampled_from([0, 99_999_997, 999_999_997, 9_999_999_997]),
+       actions=st.lists(st.sampled_from(["save", "leftover", "skip", "far"]), min_size=1, max_size=12))
+def test_the_commit_index_agrees_with_a_full_listing_after_every_save(tmp_path_factory, keep_last, start, actions):
     """Rank 0's commit index lists only what sorts after the newest step between full listings;
     after every save, what it believes is committed equals a fresh full listing, whatever mix of
-    saves, skipped step numbers and leftover directories of unfinished saves came before."""
+    saves, skipped step numbers, leftover directories of unfinished saves and step numbers that
+    gain digits (step-1000000000 sorts before step-999999999 by name) came before."""
     from distckpt import manifest as mf
     from distckpt.commit import list_committed
     from distckpt.storage import open_storage
@@ -658,15 +660,15 @@ def test_the_commit_index_agrees_with_a_full_listing_after_every_save(tmp_path_f
     root = str(tmp_path_factory.mktemp("index"))
     storage = open_storage(root)
     state = {"w": torch.arange(4.0)}
-    step = 0
+    step = start
     saved: list[int] = []
     with distckpt.CheckpointManager(root, keep_last=keep_last, leftover_grace_s=0) as mgr:
         mgr.load_latest(state)
         for action in actions:
-            step += 1
+            step = step * 10 + 3 if action == "far" else step + 1
             if action == "leftover":
                 storage.write_file(f"{mf.step_dir(step)}/replicated/state.g000099.safetensors", [b"unfinished"])
-            elif action == "save":
+            elif action in ("save", "far"):
                 mgr.save(step, state)
                 saved.insert(0, step)
                 index = mgr._index(mgr.storage)
