@@ -192,9 +192,8 @@ def cmd_prune(storage: Storage, args: argparse.Namespace) -> int:
 
 
 def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
-    if args.dry_run:
-        doomed = [s.step for s in list_steps(storage) if s.status == "uncommitted"
-                  and time.time() - (storage.newest_mtime(mf.step_dir(s.step)) or 0) >= args.grace_s]
+    if args.dry_run:  # the same decisions as the real collection
+        doomed = [mf.parse_step_dir(n) for n in collect_leftovers(storage, args.grace_s, dry_run=True)]
         _emit(args, {"dry_run": True, "removed": doomed},
               "\n".join(f"would remove uncommitted step {s}" for s in doomed) or "nothing to collect")
         return EXIT_OK

@@ -149,11 +149,13 @@ def _is_directory(storage: Storage, path: str) -> bool:
 
 
 def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None,
-                      index: CommitIndex | None = None, skip: frozenset[str] = frozenset()) -> list[str]:
+                      index: CommitIndex | None = None, skip: frozenset[str] = frozenset(),
+                      dry_run: bool = False) -> list[str]:
     """Remove step directories without a marker that are older than `grace_s`; returns them.
     Files that committed checkpoints reference (incremental) stay until nothing does. With the
     manager's `index` (scanned just before), which steps are committed comes from its listing.
-    Directories in `skip` (retired steps whose files the Sweeper is removing) are left to it."""
+    Directories in `skip` (retired steps whose files the Sweeper is removing) are left to it.
+    `dry_run`: what would be removed, removing nothing (the same decisions, for `distckpt gc`)."""
     now = time.time() if now is None else now
     if index is None:
         index = CommitIndex(storage)
@@ -161,7 +163,7 @@ def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None
     committed = {mf.step_dir(step) for step in index.listing.committed()}
     names = set(index.listing.step_names())
     if storage.capabilities.keeps_empty_directories:  # a directory without files is in no listing of files
-        names |= set(storage.list_dir(""))
+        names |= {name for name in storage.list_dir("") if name not in names and _not_a_file(storage, name)}
     removed = []
     references: set[str] | None = None
     for name in sorted(names):
@@ -174,6 +176,10 @@ def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None
             if references is None:
                 references = referenced_files(storage, index=index)
             kept = {path for path in references if path.startswith(name + "/")}
+            if dry_run:
+                if not kept:
+                    removed.append(name)
+                continue
             if kept:
                 _remove_all_but(storage, name, kept)
                 index.forget(name)  # what stays is listed again at the next full listing
@@ -185,10 +191,22 @@ def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None
             log.warning("gc: skipping %s/%s: %s", storage.url, name, e)
             continue
         removed.append(name)
+    if dry_run:
+        return removed
     aborted = storage.collect_abandoned_uploads(grace_s)
     if aborted:
         log.info("aborted %d abandoned multipart upload(s) under %s", aborted, storage.url)
     return removed
+
+
+def _not_a_file(storage: Storage, name: str) -> bool:
+    """A name of the root's own listing that holds no files: an empty directory (a save's
+    leftover), or a stray file spelled like a step, which is not ours to remove."""
+    try:
+        storage.list_dir(name)
+        return True
+    except (OSError, DistCkptError):  # ENOTDIR: a file
+        return False
 
 
 class Sweeper:

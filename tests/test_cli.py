@@ -174,6 +174,41 @@ def test_step_names_parse_strictly_and_stray_files_do_not_stop_gc(tmp_path, caps
     assert (root / "step-000000007").exists()  # not ours: left alone
 
 
+@pytest.mark.parametrize("stray", ["file", "marker-directory", "empty-directory", "uncommitted-save"])
+def test_a_stray_name_spelled_like_a_newer_step_is_skipped_by_loads_and_gc_does_what_its_dry_run_says(tmp_path, capsys, stray):
+    """A file named like a step, or a directory where the marker should be, is not a checkpoint:
+    load_latest resumes from the committed step below it, and `gc --dry-run` names exactly what
+    `gc` then removes (a stray file is not ours: neither names it)."""
+    import os
+    import time
+
+    root = tmp_path / "c"
+    make_run(str(root), steps=(1,))
+    name = root / "step-000000009"
+    if stray == "file":
+        name.write_text("notes")
+    elif stray == "marker-directory":
+        (name / "COMMITTED").mkdir(parents=True)
+    elif stray == "empty-directory":
+        name.mkdir()
+    else:
+        (name / "replicated").mkdir(parents=True)
+        (name / "replicated" / "state.g000099.safetensors").write_bytes(b"unfinished")
+    old = time.time() - 3600
+    os.utime(name, (old, old))
+    state = {"model": nn.Linear(3, 2), "config": {"lr": 0.1},
+             "sampler": torch.utils.data.DistributedSampler(list(range(10)), num_replicas=1, rank=0)}
+    with distckpt.CheckpointManager(str(root)) as mgr:
+        assert mgr.load_latest(state).step == 1
+    capsys.readouterr()
+    assert cli.main(["gc", str(root), "--grace-s", "0", "--dry-run", "--json"]) == 0
+    would = json.loads(capsys.readouterr().out)["removed"]
+    assert cli.main(["gc", str(root), "--grace-s", "0", "--json"]) == 0
+    removed = json.loads(capsys.readouterr().out)["removed"]
+    assert would == removed == ([] if stray == "file" else [9])
+    assert name.exists() == (stray == "file")
+
+
 def test_diff_of_an_unchanged_nan_is_no_change_and_json_is_valid(tmp_path, capsys):
     import torch
 

@@ -91,6 +91,11 @@ class LocalStorage:
                 yield f
         except FileNotFoundError as e:
             raise _not_found(full) from e
+        except (NotADirectoryError, IsADirectoryError) as e:  # a stray file spelled like a step
+            # directory, or a directory where a file should be: that file does not exist
+            raise MissingFileError(errno.ENOENT, f"{full} does not exist ({e.strerror}: "
+                                   f"{'a directory' if isinstance(e, IsADirectoryError) else 'a file'} "
+                                   "stands in its path)") from e
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise StorageError(errno.ELOOP, f"{full} is a symbolic link; checkpoint files never are, "
