@@ -249,3 +249,45 @@ def _libc_madvise() -> Any:
             except (OSError, AttributeError):
                 pass
     return _MADVISE or None
+
+
+# -- where copies land: overlap between two destinations --------------------------------------
+
+def byte_extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte address a non-empty tensor's elements span (strides >= 0)."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+# Above this many elements two tensors whose extents overlap are taken to overlap (a list of
+# every element's address costs 8 bytes an element); only interleaved views (x[::2] and x[1::2])
+# are told apart below it.
+_EXACT_OVERLAP_ELEMENTS = 1 << 22
+
+
+def elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors on one storage share a byte (their extents are known to overlap)."""
+    if a.is_contiguous() and b.is_contiguous() or max(a.numel(), b.numel()) > _EXACT_OVERLAP_ELEMENTS:
+        return True
+    bytes_a, bytes_b = _byte_addresses(a), _byte_addresses(b)
+    return bool(torch.isin(bytes_a, bytes_b).any())
+
+
+def _byte_addresses(t: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros((), dtype=torch.int64)
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        shape = [1] * t.dim()
+        shape[dim] = size
+        offsets = offsets + torch.arange(size, dtype=torch.int64).reshape(shape) * stride
+    first = offsets.reshape(-1, 1) * t.element_size() + t.data_ptr()
+    return (first + torch.arange(t.element_size(), dtype=torch.int64)).reshape(-1)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaNs with equal bits are equal), dtype and shape included."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
+                       b.detach().contiguous().reshape(-1).view(torch.uint8))

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import copy
 import random
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 import numpy as np
 import torch
 from torch import nn
 
-from . import sharded, undo, validation
+from . import copying, sharded, undo, validation
 from .capture import (
     CONFIG_KEY,
     PER_RANK,
@@ -509,25 +509,62 @@ def live_ties(entries: list[Entry], saved: dict[str, Any], by_region: bool = Tru
     state_dict's plain tensor) — not for an incremental step, whose shared files hold equal bytes
     of different tensors once."""
     memo: dict[Any, Any] = {}
-
-    def tie(stored: torch.Tensor, live: torch.Tensor) -> None:
+    for _, stored, live in _in_place_copies(entries, saved):
         memo[id(stored)] = live
         region = region_key(stored)  # another reference to the same stored bytes decodes as its own view
         if by_region and region is not None:
             memo[("region",) + region] = live
+    return memo
 
+
+def _in_place_copies(entries: list[Entry], saved: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(where, stored tensor, live tensor) for every copy a load makes in place: tensor entries
+    and the parameters and buffers of module entries."""
     for entry in entries:
         record = saved.get(entry.key)
         if not isinstance(record, dict) or record.get("kind") != entry.kind:
             continue
         if entry.kind == Tensor.name and isinstance(record["state"], torch.Tensor):
-            tie(record["state"], entry.target)
+            yield f"state[{entry.key!r}]", record["state"], entry.target
         elif entry.kind == Module.name and isinstance(record["state"], dict):
             stored = record["state"].get("state_dict") or {}
             for name, live in unwrap_module(entry.target).state_dict(keep_vars=True).items():
                 if isinstance(stored.get(name), torch.Tensor) and isinstance(live, torch.Tensor):
-                    tie(stored[name], live)
-    return memo
+                    yield f"state[{entry.key!r}].{name}", stored[name], live
+
+
+def check_destinations_apart(entries: list[Entry], saved: dict[str, Any]) -> None:
+    """Refuse, before anything changes, two different saved tensors whose live destinations share
+    memory (`{"a": t, "b": t}` loaded from a checkpoint where a and b differed; a checkpoint of an
+    untied model loaded into a tied one): the second copy would overwrite the first, and one of
+    them would silently hold the other's values. Equal bytes into the same live tensor are fine."""
+    by_storage: dict[tuple[Any, int], list[tuple[int, int, str, torch.Tensor, torch.Tensor]]] = {}
+    for where, stored, live in _in_place_copies(entries, saved):
+        if live.numel() == 0 or live.device.type == "meta":
+            continue
+        start, end = copying.byte_extent(live)
+        by_storage.setdefault((live.device, live.untyped_storage().data_ptr()), []).append(
+            (start, end, where, stored, live))
+    for copies in by_storage.values():
+        if len(copies) < 2:
+            continue
+        copies.sort(key=lambda c: c[0])
+        for i, (_, end, where, stored, live) in enumerate(copies):
+            for other_start, _, other_where, other_stored, other_live in copies[i + 1:]:
+                if other_start >= end:
+                    break
+                if _same_stored(stored, other_stored) or not copying.elements_overlap(live, other_live):
+                    continue
+                if region_key(live) == region_key(other_live) and copying.same_bits(stored, other_stored):
+                    continue
+                raise IncompatibleCheckpointError(
+                    f"{where} and {other_where} share memory here but are different tensors in the checkpoint: "
+                    "copying both into it would leave one holding the other's values. Untie them here (or tie "
+                    "them as the run that saved did, e.g. the same parameter for embedding and output) before loading")
+
+
+def _same_stored(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (region_key(a) is not None and region_key(a) == region_key(b))
 
 
 def copy_destinations(entries: list[Entry]) -> list[torch.Tensor]:

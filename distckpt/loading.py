@@ -54,7 +54,7 @@ from .errors import (
     StorageError,
 )
 from .fencing import Lease
-from .kinds import copy_destinations, is_late, live_ties, restore_entry, snapshot, validate_entry
+from .kinds import check_destinations_apart, copy_destinations, is_late, live_ties, restore_entry, snapshot, validate_entry
 from .rng import capture_process_rng, check_process_rng, restore_process_rng
 from .serialize import load_tree_file
 from .storage import Storage, release_pages
@@ -344,6 +344,7 @@ def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: t
                 f"{sorted(saved)}); remove it from `state`, start a new run directory, or pass "
                 "missing_entries='keep' to CheckpointManager to keep its live value")
         validate_entry(entry, saved[entry.key], world, rules)
+    check_destinations_apart([e for e in entries if e.key in saved], saved)
     if read.own.get("rank") != world[0]:
         raise CorruptCheckpointError(f"step {read.step}: the file for rank {world[0]} holds rank {read.own.get('rank')}")
 

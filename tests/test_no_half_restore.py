@@ -342,3 +342,73 @@ def test_a_queued_copy_that_fails_is_raised_naming_what_it_restores():
     release.copy(torch.zeros(3 << 20), torch.ones(3 << 20), "state['after']")
     with pytest.raises(copying.CopyFailed, match=re.escape("state['bad']")):
         release.finish()
+
+
+class _TwoLinears(nn.Module):
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2, bias=False)
+        self.b = nn.Linear(2, 2, bias=False)
+        if tie:
+            self.b.weight = self.a.weight
+
+
+def _live(layout: str) -> dict:
+    x = torch.zeros(8)
+    return {
+        "same-tensor": {"a": x, "b": x},
+        "overlapping-slices": {"a": x[:5], "b": x[3:]},
+        "a-view-of-the-other": {"a": x, "b": x.view(2, 4)[1]},
+        "interleaved": {"a": x[::2], "b": x[1::2]},
+        "apart": {"a": torch.zeros(4), "b": torch.zeros(4)},
+    }[layout]
+
+
+@pytest.mark.parametrize("layout, refused", [("same-tensor", True), ("overlapping-slices", True),
+                                             ("a-view-of-the-other", True), ("interleaved", False),
+                                             ("apart", False)])
+def test_two_saved_tensors_copied_into_shared_live_memory_are_refused_before_anything_changes(tmp_path, layout, refused):
+    """One copy would overwrite the other: one entry would silently hold the other's values."""
+    live = _live(layout)
+    saved = {k: torch.arange(v.numel(), dtype=torch.float32).reshape(v.shape) + (10 if k == "b" else 0)
+             for k, v in live.items()}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, saved)
+    before = {k: v.clone() for k, v in live.items()}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        if refused:
+            with pytest.raises(distckpt.IncompatibleCheckpointError, match=r"state\['a'\] and state\['b'\] share memory"):
+                mgr.load_latest(live)
+            assert all(torch.equal(live[k], before[k]) for k in live), "a refused load changed a tensor"
+        else:
+            mgr.load_latest(live)
+            assert all(torch.equal(live[k], saved[k]) for k in live)
+
+
+@pytest.mark.parametrize("saved_tied, live_tied, same_values, refused", [
+    (True, True, True, False),     # tied as saved: the tie holds
+    (False, True, False, True),    # an untied checkpoint into a tied model: refused
+    (False, True, True, False),    # untied but equal: the tied weight gets exactly that value
+    (True, False, True, False),    # a tied checkpoint into an untied model: each gets the value
+])
+def test_a_checkpoint_loaded_into_a_model_tied_otherwise_is_refused_unless_the_values_agree(
+        tmp_path, saved_tied, live_tied, same_values, refused):
+    torch.manual_seed(0)
+    src = _TwoLinears(saved_tied)
+    if not saved_tied and same_values:
+        with torch.no_grad():
+            src.b.weight.copy_(src.a.weight)
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"model": src})
+    torch.manual_seed(1)
+    dst = _TwoLinears(live_tied)
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        if refused:
+            with pytest.raises(distckpt.IncompatibleCheckpointError, match=r"a\.weight and .*b\.weight share memory"):
+                mgr.load_latest({"model": dst})
+            assert all(torch.equal(v, before[k]) for k, v in dst.state_dict().items())
+        else:
+            mgr.load_latest({"model": dst})
+            assert all(torch.equal(v, src.state_dict()[k]) for k, v in dst.state_dict().items())
+            assert (dst.a.weight is dst.b.weight) == live_tied
