@@ -15,7 +15,10 @@ This module never touches storage or torch.distributed.
 from __future__ import annotations
 
 import copy
+import logging
 import random
+import warnings
+import weakref
 from typing import Any, ClassVar, Iterator
 
 import numpy as np
@@ -28,6 +31,7 @@ from .capture import (
     PER_RANK,
     REPLICATED,
     SHARDED,
+    CheckpointWarning,
     Entry,
     PerRank,
     Release,
@@ -50,6 +54,9 @@ from .errors import CorruptCheckpointError, IncompatibleCheckpointError, StateAr
 from .staging import region_key
 from .undo import Undo
 from .validation import LoadRules
+from .workers import WorkerRngDataset, WorkerRngIterableDataset
+
+log = logging.getLogger("distckpt")
 
 World = tuple[int, int]  # (rank, world size)
 
@@ -228,6 +235,7 @@ class Loader(Kind):
         return isinstance(obj, torch.utils.data.DataLoader)
 
     def capture(self, entry: Entry) -> Any:
+        _warn_unwrapped_workers(entry)
         return entry.target.state_dict()
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
@@ -238,6 +246,26 @@ class Loader(Kind):
     def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
         attributes = dict(vars(entry.target))  # StatefulDataLoader.load_state_dict only sets attributes
         return lambda: undo.replace_dict(vars(entry.target), attributes.items())
+
+
+_WARNED_LOADERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _warn_unwrapped_workers(entry: Entry) -> None:
+    """Once per loader: workers seed their own random streams when an epoch starts, and only a
+    dataset wrapped with with_worker_rng carries them in the loader's state. A dataset that draws
+    nothing needs no wrapper, which is why this warns rather than refuses."""
+    loader = entry.target
+    if getattr(loader, "num_workers", 0) <= 0 or loader in _WARNED_LOADERS:
+        return
+    if isinstance(loader.dataset, (WorkerRngDataset, WorkerRngIterableDataset)):
+        return
+    _WARNED_LOADERS.add(loader)
+    message = (f"state[{entry.key!r}] loads with {loader.num_workers} workers and its dataset is not wrapped "
+               "with distckpt.with_worker_rng(dataset): random draws inside the workers (augmentation, "
+               "random crops) will not resume exactly. Wrap the dataset, or ignore this if it draws nothing")
+    log.warning(message)
+    warnings.warn(message, CheckpointWarning, stacklevel=6)
 
 
 class Sampler(Kind):

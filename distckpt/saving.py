@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 from . import faults, fencing, incremental, sharded
 from . import manifest as mf
+from .agreement import check_replicated_agree, replicated_digests
 from .capture import (
     PER_RANK,
     REPLICATED,
@@ -155,6 +156,7 @@ class _Captured:
     replicated: EncodedTree | None = None   # rank 0
     shards: sharded.LocalShards | None = None  # every rank, when the state has sharded entries
     generation: int | None = None            # rank 0: the lease generation every rank's files carry
+    digests: dict[str, str] = field(default_factory=dict)  # replicated values, compared across ranks
 
 
 @dataclass
@@ -202,17 +204,20 @@ def capture_save(coord: Coordinator, storage: Storage, entries: list[Entry], ste
     def capture() -> _Captured:
         local = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable, take_lease, split,
                                durable, prepare, handover)
+        if coord.world_size > 1:
+            local.digests = replicated_digests(entries)
         faults.point("save/captured", step=step, rank=coord.rank)
         return local
 
     def described(local: _Captured) -> dict[str, Any]:
         return {"rank": coord.rank, "step": step, "epoch": epoch, "host": hostname(), "pid": os.getpid(),
                 "per_rank_entries": sorted(e.key for e in entries if e.scope == PER_RANK),
-                "generation": local.generation, "async": staging is not None}
+                "generation": local.generation, "async": staging is not None, "replicated": local.digests}
 
     local, outcomes = run_phase(coord, "save/capture", f"save of step {step}", capture, described)
     infos = [o.info for o in outcomes]
     _check_same_progress(infos, f"save of step {step}")
+    check_replicated_agree([i["replicated"] for i in infos], f"save of step {step}")
     keys = [f"distckpt/{run_id}/save-{save_seq}/files/rank-{r}" for r in range(coord.world_size)]
     own_write = _own_write(coord.rank, step, local, infos, keys[coord.rank], handover)
     kinds = {e.key: {"scope": e.scope, "kind": e.kind} for e in entries}

@@ -346,3 +346,26 @@ def rank_0_slower_than_the_timeout(rank: int, world: int, url: str, async_save: 
         fresh.wait()
         out["committed"] = fresh.committed_steps()
     return out
+
+
+def replicated_values_by_rank(rank: int, world: int, url: str, case: str, async_save: bool = False) -> dict:
+    """Each rank saves the `case` pair's value for its rank in a replicated entry (rank 0 the
+    first, the others the second), then, if the save went through, loads it back."""
+    pairs = {
+        "float": (4.0, 4.5), "negative-zero": (0.0, -0.0), "nan-payload": (float("nan"), -float("nan")),
+        "big-int": (2**80, 2**80 + 1), "str": ("a", "b"), "list-length": ([1], [1, 1]),
+        "tuple-vs-list": ((1,), [1]), "int-vs-float": (1, 1.0), "dict-value": ({"a": 1, "b": 2}, {"b": 2, "a": 3}),
+        "tensor-bits": (torch.tensor([0.0]), torch.tensor([-0.0])), "tensor-dtype": (torch.zeros(2), torch.zeros(2, dtype=torch.float64)),
+        "nested-tensor": ({"h": [torch.ones(3)]}, {"h": [torch.ones(3) * 2]}), "numpy": (np.float32(1), np.float64(1)),
+        "equal": ({"best": 1.5, "t": torch.arange(4)}, {"best": 1.5, "t": torch.arange(4)}),
+        "equal-in-another-order": ({"a": 1, "b": [2]}, {"b": [2], "a": 1}),
+    }
+    mine = pairs[case][0 if rank == 0 else 1]
+    state = {"v": mine, "own": distckpt.per_rank({"rank": rank, "loss": 1.0 + rank})}
+    with distckpt.CheckpointManager(url, async_save=async_save) as mgr:
+        mgr.load_latest(state)
+        mgr.save(1, state)
+    back = {"v": None, "own": distckpt.per_rank({})}
+    with distckpt.CheckpointManager(url) as mgr:
+        mgr.load_latest(back)
+    return {"own": back["own"].obj}

@@ -6,6 +6,8 @@ import ast
 import inspect
 import os
 
+import pytest
+
 import distckpt
 
 
@@ -64,3 +66,24 @@ def test_layering():
         assert not names & {".manager", ".protocol", ".coord", ".cli", "..manager", "..protocol", "..coord"}, leaf
     assert not {".storage", ".manifest", ".serialize"} & _imports(os.path.join(pkg, "coord.py"))
 
+
+
+@pytest.mark.parametrize("workers, wrapped, warned", [(2, False, True), (2, True, False), (0, False, False)])
+def test_a_loader_with_workers_over_an_unwrapped_dataset_is_warned_about_once(tmp_path, workers, wrapped, warned):
+    """Workers' random streams travel only with with_worker_rng; a dataset that draws nothing
+    needs no wrapper, so this is a warning (once per loader), not a refusal."""
+    import warnings
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = list(range(8))
+    loader = StatefulDataLoader(distckpt.with_worker_rng(data) if wrapped else data, batch_size=2, num_workers=workers)
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mgr.save(1, {"loader": loader})
+            mgr.save(2, {"loader": loader})
+    ours = [str(w.message) for w in caught if issubclass(w.category, distckpt.CheckpointWarning)]
+    assert len(ours) == (1 if warned else 0), ours
+    if warned:
+        assert "state['loader']" in ours[0] and "with_worker_rng" in ours[0]

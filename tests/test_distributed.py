@@ -273,3 +273,27 @@ def test_run_world_starts_again_when_another_process_took_its_free_port(ckpt_dir
     assert not ports  # the taken port was tried first
     assert [r.error for r in results] == [None, None]
     assert results[0].value["committed"] == [6, 5]
+
+
+_DIFFERING = ["float", "negative-zero", "nan-payload", "big-int", "str", "list-length", "tuple-vs-list",
+              "int-vs-float", "dict-value", "tensor-bits", "tensor-dtype", "nested-tensor", "numpy"]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("case", [*_DIFFERING, "equal", "equal-in-another-order"])
+def test_a_replicated_value_that_differs_between_ranks_is_refused_at_save_on_every_rank(ckpt_dir, case, async_save):
+    """A replicated entry is written from rank 0 and every rank gets rank 0's copy back, so a
+    value each rank holds for itself (nanoGPT's best_val_loss) would come back wrong on the others:
+    refused by save() itself (async too) on every rank, naming the entry; per_rank values and
+    equal replicated ones save and come back. Most cases are == in Python yet not the same bits
+    (-0.0, NaN payloads, 1 vs 1.0, dtypes); the digest itself is checked on generated trees in
+    tests/test_roundtrip_property.py."""
+    world = 3 if case in ("float", "tensor-bits") else 2
+    results = run_world(f"{W}:replicated_values_by_rank", world, url=ckpt_dir, case=case, async_save=async_save)
+    if case.startswith("equal"):  # a dict's order is not compared: set-built dicts differ in it by rank
+        assert [r.value["own"] for r in results] == [{"rank": r, "loss": 1.0 + r} for r in range(world)]
+        return
+    msgs = _same_error_everywhere(results, "UnstorableValueError", "state['v'] differs on rank(s) "
+                                  f"{list(range(1, world))}", "distckpt.per_rank")
+    assert len(msgs) == 1 and "state['own']" not in msgs.pop()
+    assert not os.path.exists(os.path.join(ckpt_dir, "step-000000001"))

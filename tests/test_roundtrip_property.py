@@ -163,6 +163,39 @@ def test_a_tree_held_directly_as_an_entry_comes_back_identical_whatever_the_live
         assert state["v"] is placeholder, "a live container of the saved type is refilled in place"
 
 
+def _replicated_digest(value):
+    from distckpt.agreement import replicated_digests
+    from distckpt.capture import Entry
+
+    return replicated_digests([Entry("v", "replicated", "value", value)])["v"]
+
+
+def _sorted_dicts(value):
+    """The value with every dict's items in key order (the ranks' digests ignore dict order)."""
+    if isinstance(value, dict):
+        items = sorted(((k, _sorted_dicts(v)) for k, v in value.items()), key=lambda kv: (type(kv[0]).__name__, kv[0]))
+        return type(value)(items)
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_sorted_dicts(v) for v in value)
+    return value
+
+
+@settings(max_examples=EXAMPLES * 2, deadline=None, derandomize=True)
+@given(a=trees, b=trees)
+def test_the_ranks_digest_of_a_replicated_value_is_equal_exactly_when_the_values_are_identical(a, b):
+    """What save() compares across ranks: a copy digests alike; two trees that digest alike are
+    identical (type, bits, structure), up to the order of a dict's items."""
+    import copy
+
+    assert _replicated_digest(a) == _replicated_digest(copy.deepcopy(a))
+    if _replicated_digest(a) == _replicated_digest(b):
+        assert_identical(_sorted_dicts(a), _sorted_dicts(b))
+    if a is not b and isinstance(a, torch.Tensor) and a.numel():
+        flipped = a.detach().contiguous().clone()
+        flipped.view(-1).view(torch.uint8)[0] ^= 1
+        assert _replicated_digest(a) != _replicated_digest(flipped)
+
+
 class Colour(enum.IntEnum):
     RED = 1
 

@@ -1,0 +1,98 @@
+"""Replicated values agree across ranks: a digest of each one, compared at every save.
+
+A replicated entry is written once, from rank 0, and every rank gets rank 0's copy back on
+load. Modules and optimizers are kept equal by DDP (and checked on load against each rank's
+own objects); a plain value or tensor is not — nanoGPT's `best_val_loss` is each rank's own —
+and a resume then silently gives every rank rank 0's. So every rank digests its replicated
+value and tensor entries during the capture, the digests travel in the capture's agreement
+(no extra exchange), and a difference is refused on every rank by save() itself, naming the
+entry and the ranks. Hashing costs a pass over those tensors' bytes (xxh3: several GB/s per
+core); modules, optimizers and config (compared on load instead) are not hashed.
+
+This module never touches storage or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from .capture import PER_RANK, Entry
+from .errors import UnstorableValueError
+
+COMPARED_KINDS = ("value", "tensor")
+
+
+def replicated_digests(entries: list[Entry]) -> dict[str, str]:
+    """Each replicated value or tensor entry's digest (the same on every rank iff equal)."""
+    out = {}
+    for entry in entries:
+        if entry.scope != PER_RANK and entry.kind in COMPARED_KINDS:
+            h = xxhash.xxh3_64()
+            _feed(h, entry.target, 0)
+            out[entry.key] = h.hexdigest()
+    return out
+
+
+def _feed(h: Any, value: Any, depth: int) -> None:
+    kind = type(value)
+    h.update(kind.__name__.encode() + b"\x00")
+    if depth > 256:  # the encoder refuses such a tree on rank 0, naming it
+        return
+    if value is None or kind is bool:
+        h.update(b"1" if value else b"0")
+    elif isinstance(value, int):
+        h.update(hex(int(value)).encode())  # hex: no 4,300-digit limit as str() has
+    elif isinstance(value, float):
+        h.update(struct.pack("<d", value))  # by its bits: -0.0 and NaN payloads as saved
+    elif isinstance(value, str):
+        h.update(value.encode("utf-8", "surrogatepass"))
+    elif isinstance(value, torch.Tensor):
+        _feed_tensor(h, value)
+    elif isinstance(value, np.generic):
+        h.update(str(value.dtype).encode() + value.tobytes())
+    elif isinstance(value, dict):  # in any order: a dict built from a set (string hashes are
+        # seeded per process) holds the same items in another order on each rank
+        pairs = []
+        for k, v in value.items():
+            pair = xxhash.xxh3_64()
+            _feed(pair, k, depth + 1)
+            _feed(pair, v, depth + 1)
+            pairs.append(pair.digest())
+        for digest in sorted(pairs):
+            h.update(digest)
+    elif isinstance(value, (list, tuple)):
+        h.update(str(len(value)).encode())
+        for v in value:
+            _feed(h, v, depth + 1)
+    # anything else is refused at save by the encoder (rank 0 names it): its type is fed above
+
+
+def _feed_tensor(h: Any, t: torch.Tensor) -> None:
+    h.update(f"{t.dtype}{tuple(t.shape)}{t.layout}{t.device.type}".encode())
+    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta" or not t.numel():
+        return  # refused by the encoder, or nothing to compare
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return  # a subclass (DTensor): refused or sharded elsewhere
+    data = t.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    h.update(data.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def check_replicated_agree(digests: list[dict[str, str]], what: str) -> None:
+    """Every rank runs this on the same gathered digests, so every rank raises the same error."""
+    first = digests[0]
+    differing = sorted({key for d in digests[1:] for key in set(d) | set(first) if d.get(key) != first.get(key)})
+    if not differing:
+        return
+    ranks = {key: [r for r, d in enumerate(digests) if d.get(key) != first.get(key)] for key in differing}
+    named = "; ".join(f"state[{key!r}] differs on rank(s) {ranks[key]} from rank 0's" for key in differing[:8])
+    raise UnstorableValueError(
+        f"{what}: {named}. A replicated entry is written once, from rank 0, and every rank would get rank "
+        "0's value back on resume. Wrap values each rank keeps for itself in distckpt.per_rank(...) (or "
+        "make them equal, e.g. by an all_reduce) before saving")
