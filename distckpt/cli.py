@@ -265,6 +265,28 @@ def _nbytes(dtype: Any, shape: list[int]) -> int:
     return _math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
+def _step(text: str) -> int:
+    """A step number: an int >= 0 (steps are never negative)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step number (an int >= 0)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a step number: steps are >= 0")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A duration: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds >= 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="distckpt", description=__doc__.splitlines()[0],
                 epilog="exit codes: 0 ok, 1 problem found, 2 usage, missing root or storage error")
@@ -280,25 +302,26 @@ def build_parser() -> argparse.ArgumentParser:
     tiered = []
     tiered.append(command("ls", "committed checkpoints and uncommitted leftovers"))
     inspect = command("inspect", "one checkpoint in detail")
-    inspect.add_argument("--step", type=int)
+    inspect.add_argument("--step", type=_step)
     verify = command("verify", "check sizes, checksums and structure")
     tiered += [inspect, verify]
     for tiered_command in tiered:
         tiered_command.add_argument("--local-dir", help="a two-tier job's local_dir: show that tier too")
-    verify.add_argument("--step", type=int)
-    verify.add_argument("--all", action="store_true")
+    which = verify.add_mutually_exclusive_group()
+    which.add_argument("--step", type=_step)
+    which.add_argument("--all", action="store_true")
     prune = command("prune", "apply a retention policy")
     prune.add_argument("--keep-last", type=int, required=True)
     prune.add_argument("--keep-best", type=int)
     prune.add_argument("--best-mode", choices=("min", "max"), default="min")
     prune.add_argument("--dry-run", action="store_true")
     gc = command("gc", "remove uncommitted leftovers and abandoned uploads")
-    gc.add_argument("--grace-s", type=float, default=3600.0,
+    gc.add_argument("--grace-s", type=_seconds, default=3600.0,
                     help="only collect leftovers older than this (a save may be in progress)")
     gc.add_argument("--dry-run", action="store_true")
     export = command("export", "the model entry as Hugging Face safetensors (shards + index when large)")
     export.add_argument("out_dir")
-    export.add_argument("--step", type=int)
+    export.add_argument("--step", type=_step)
     export.add_argument("--entry", default="model", help="the key of the model in `state` (default: model)")
     export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast floating-point tensors")
     export.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB (Hugging Face's convention)")
@@ -309,11 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
         imp.add_argument("url", help="the new checkpoint root")
         imp.add_argument("--trust-pickle", action="store_true", help="required: the source is a pickle")
         imp.add_argument("--world-size", type=int, default=1, help="ranks of the job that will resume from it")
-        imp.add_argument("--step", type=int, help="the step to commit it as (default: its 'step', else 0)")
+        imp.add_argument("--step", type=_step, help="the step to commit it as (default: its 'step', else 0)")
         imp.add_argument("--json", action="store_true")
     diff = command("diff", "what changed between two steps")
-    diff.add_argument("a", type=int)
-    diff.add_argument("b", type=int)
+    diff.add_argument("a", type=_step)
+    diff.add_argument("b", type=_step)
     return p
 
 

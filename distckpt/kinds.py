@@ -452,7 +452,8 @@ def classify(state: dict[str, Any]) -> list[Entry]:
     entries = []
     for key, obj in state.items():
         if not isinstance(key, str):
-            raise UnstorableValueError(f"state key {key!r} must be a str")
+            raise StateArgumentError(f"state=: its key {key!r} is a {type(key).__name__}; the entries of `state` "
+                                     "are named by str keys ('model', 'optimizer', ...)")
         forced = isinstance(obj, PerRank)
         target = obj.obj if forced else obj
         kind = _TENSOR if type(target) in _PLAIN_TENSOR_TYPES and key != CONFIG_KEY else \

@@ -159,3 +159,13 @@ def test_a_state_that_is_not_a_dict_is_a_config_error_naming_state(tmp_path, sta
                 call()
             assert isinstance(info.value, distckpt.UnstorableValueError)  # what it was before, still
     assert not os.listdir(str(tmp_path)) or "step-000000001" not in os.listdir(str(tmp_path))
+
+
+@pytest.mark.parametrize("key", [1, None, ("a",), b"model"])
+def test_a_state_key_that_is_not_a_str_is_a_config_error_naming_state_on_save_and_load(tmp_path, key):
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(distckpt.ConfigError, match=r"^state=: its key"):
+            mgr.load_latest({key: 1})
+        with pytest.raises(distckpt.ConfigError, match=r"^state=: its key"):
+            mgr.save(1, {key: 1})
+        assert mgr.committed_steps() == []

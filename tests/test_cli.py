@@ -233,3 +233,17 @@ def test_output_piped_into_head_prints_no_traceback(tmp_path):
     cmd = f"{sys.executable} -m distckpt ls {tmp_path / 'c'} | head -n 1"
     out = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=120)
     assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["gc", "{root}", "--grace-s", "nan"], "seconds"), (["gc", "{root}", "--grace-s", "-1"], "seconds"),
+    (["verify", "{root}", "--step", "1", "--all"], "not allowed with"), (["inspect", "{root}", "--step", "-1"], "step"),
+    (["diff", "{root}", "-1", "2"], "step"), (["export", "{root}", "out", "--step", "x"], "step"),
+])
+def test_a_bad_command_line_argument_is_a_usage_error_naming_it(tmp_path, capsys, argv, needle):
+    root = str(tmp_path / "c")
+    make_run(root, steps=(1,))
+    with pytest.raises(SystemExit) as info:
+        cli.main([a.format(root=root) for a in argv])
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
