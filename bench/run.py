@@ -336,6 +336,10 @@ def main() -> int:
         from keep_one import keep_one_table
 
         keep_one = keep_one_table(args.mib, 6, 0.5)
+        if sys.platform.startswith("linux"):
+            from dirty_pages import dirty_table
+
+            keep_one += "\n\n" + dirty_table(1024, args.repeats)
         per_rank = ""
         if not args.no_ranks:
             from per_rank import per_rank_table

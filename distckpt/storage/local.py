@@ -232,12 +232,14 @@ class LocalStorage:
 
 # -- writing back while the file is still being written --------------------------------------
 #
-# A plain write + fsync leaves every page dirty until the fsync, which then writes the whole file
-# while the writer waits. Starting the disk on each window as soon as it is written overlaps the
-# disk with the rest of the save (encoding, hashing, copying), and waiting for the window before
-# it keeps at most two windows dirty (the page cache is not flooded by a multi-GB file). 1 GiB on
-# this VM's disk, median of 6: 2.57 s plain, 2.08 s with the windows; see bench/fresh.py's save
-# rows. The final fsync is still what makes the file durable: the windows only start it early.
+# A plain write + fsync leaves every page of the file dirty until the fsync, then writes it all
+# while the writer waits: a 1 GiB save held 1,024 MiB of dirty + writeback pages at its peak,
+# pressing on the page cache of the training job and of every other rank writing beside it.
+# Starting the disk on each window as soon as it is written, and waiting for the window before it,
+# keeps at most two windows in flight: the same save peaked at 32 MiB (python bench/dirty_pages.py).
+# Time is the disk's either way (fresh-process saves of 256 MiB-1 GiB with and without it were
+# within this VM's disk noise, e.g. 1 GiB 2.86 against 2.89 s, medians of 5). The final fsync is
+# still what makes the file durable: the windows only start it early.
 
 WRITEBACK_WINDOW_BYTES = 32 << 20
 _SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
