@@ -493,27 +493,8 @@ def test_an_io_error_at_every_fsync_rename_and_link_keeps_the_previous_checkpoin
         return real(*args, **kwargs)
 
     monkeypatch.setattr(os_module, op, flaky)
-    n = 0
-    while True:  # fail the 1st, 2nd, ... call until a save makes fewer calls than that
-        n += 1
-        calls.update(n=0, fail_at=n)
-        with distckpt.CheckpointManager(ckpt_dir) as mgr:  # a restarted job: load, then save
-            mgr.load_latest(fresh_state())
-            try:
-                mgr.save(20, state)
-                failed = None
-            except distckpt.StorageError as e:
-                failed = e
-        calls.update(fail_at=None)
-        if failed is None:
-            assert calls["n"] < n, f"the save succeeded although {op} call {n} failed"
-            break
-        assert "injected EIO" in str(failed)
-        assert tree_bytes(os.path.join(ckpt_dir, "step-000000010")) == before
-        with distckpt.CheckpointManager(ckpt_dir) as mgr:
-            assert mgr.committed_steps() == [10]
-            assert mgr.load_latest(fresh_state()).step == 10
-    total = n - 1
+    total = _fail_each_call_in_turn(ckpt_dir, state, calls, before, op,
+                                    lambda failed: "injected EIO" in str(failed))
     assert total >= 2
     with distckpt.CheckpointManager(ckpt_dir) as mgr:  # the save after the last failure committed
         assert mgr.committed_steps() == [20, 10]
@@ -539,11 +520,20 @@ def test_a_failed_early_writeback_fails_the_save_and_keeps_the_previous_checkpoi
         return real(fd, offset, nbytes, flags)
 
     monkeypatch.setattr(storage_mod, "sync_file_range", flaky)
+    total = _fail_each_call_in_turn(ckpt_dir, state, calls, before, "sync_file_range",
+                                    lambda failed: failed.errno == code and "injected" in str(failed))
+    assert total >= 4, "the small windows should have made several early writebacks"
+
+
+def _fail_each_call_in_turn(ckpt_dir, state, calls, before, what, is_the_injected_error) -> int:
+    """Fail the 1st, 2nd, ... call of `what` during a restarted job's save of step 20 until a save
+    makes fewer calls than that; each failure leaves step 10 byte-identical and the only one
+    committed. Returns how many calls a save made."""
     n = 0
     while True:
         n += 1
         calls.update(n=0, fail_at=n)
-        with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        with distckpt.CheckpointManager(ckpt_dir) as mgr:  # a restarted job: load, then save
             mgr.load_latest(fresh_state())
             try:
                 mgr.save(20, state)
@@ -552,13 +542,13 @@ def test_a_failed_early_writeback_fails_the_save_and_keeps_the_previous_checkpoi
                 failed = e
         calls.update(fail_at=None)
         if failed is None:
-            assert calls["n"] < n, f"the save succeeded although sync_file_range call {n} failed"
-            break
-        assert failed.errno == code and "injected" in str(failed)
+            assert calls["n"] < n, f"the save succeeded although {what} call {n} failed"
+            return n - 1
+        assert is_the_injected_error(failed), failed
         assert tree_bytes(os.path.join(ckpt_dir, "step-000000010")) == before
         with distckpt.CheckpointManager(ckpt_dir) as mgr:
             assert mgr.committed_steps() == [10]
-    assert n - 1 >= 4, "the small windows should have made several early writebacks"
+            assert mgr.load_latest(fresh_state()).step == 10
 
 
 def test_a_file_system_without_early_writeback_still_saves_everything(ckpt_dir, monkeypatch):
