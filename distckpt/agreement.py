@@ -23,6 +23,8 @@ import xxhash
 
 from .capture import PER_RANK, Entry
 from .errors import UnstorableValueError
+from .serialize import dim_order
+from .staging import region_key
 
 COMPARED_KINDS = ("value", "tensor")
 
@@ -33,12 +35,14 @@ def replicated_digests(entries: list[Entry]) -> dict[str, str]:
     for entry in entries:
         if entry.scope != PER_RANK and entry.kind in COMPARED_KINDS:
             h = xxhash.xxh3_64()
-            _feed(h, entry.target, 0)
+            _feed(h, entry.target, 0, {})
             out[entry.key] = h.hexdigest()
     return out
 
 
-def _feed(h: Any, value: Any, depth: int) -> None:
+def _feed(h: Any, value: Any, depth: int, ties: dict[Any, int]) -> None:
+    """`ties`: each tensor region seen so far in the entry, numbered: which tensors are one
+    object comes back as saved, so it is compared too."""
     kind = type(value)
     h.update(kind.__name__.encode() + b"\x00")
     if depth > 256:  # the encoder refuses such a tree on rank 0, naming it
@@ -52,7 +56,7 @@ def _feed(h: Any, value: Any, depth: int) -> None:
     elif isinstance(value, str):
         h.update(value.encode("utf-8", "surrogatepass"))
     elif isinstance(value, torch.Tensor):
-        _feed_tensor(h, value)
+        _feed_tensor(h, value, ties)
     elif isinstance(value, np.generic):
         h.update(str(value.dtype).encode() + value.tobytes())
     elif isinstance(value, dict):  # in any order: a dict built from a set (string hashes are
@@ -60,20 +64,24 @@ def _feed(h: Any, value: Any, depth: int) -> None:
         pairs = []
         for k, v in value.items():
             pair = xxhash.xxh3_64()
-            _feed(pair, k, depth + 1)
-            _feed(pair, v, depth + 1)
+            _feed(pair, k, depth + 1, ties)
+            _feed(pair, v, depth + 1, ties)
             pairs.append(pair.digest())
         for digest in sorted(pairs):
             h.update(digest)
     elif isinstance(value, (list, tuple)):
         h.update(str(len(value)).encode())
         for v in value:
-            _feed(h, v, depth + 1)
+            _feed(h, v, depth + 1, ties)
     # anything else is refused at save by the encoder (rank 0 names it): its type is fed above
 
 
-def _feed_tensor(h: Any, t: torch.Tensor) -> None:
-    h.update(f"{t.dtype}{tuple(t.shape)}{t.layout}{t.device.type}".encode())
+def _feed_tensor(h: Any, t: torch.Tensor, ties: dict[Any, int]) -> None:
+    # what a load gives back besides the bytes: requires_grad, the dimension order, ties
+    h.update(f"{t.dtype}{tuple(t.shape)}{t.layout}{t.device.type}{t.requires_grad}{dim_order(t)}".encode())
+    region = region_key(t)
+    if region is not None:
+        h.update(f"tie{ties.setdefault(region, len(ties))}".encode())
     if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta" or not t.numel():
         return  # refused by the encoder, or nothing to compare
     if type(t) not in (torch.Tensor, torch.nn.Parameter):

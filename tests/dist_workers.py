@@ -348,6 +348,9 @@ def rank_0_slower_than_the_timeout(rank: int, world: int, url: str, async_save: 
     return out
 
 
+_T = torch.zeros(2)
+
+
 def replicated_values_by_rank(rank: int, world: int, url: str, case: str, async_save: bool = False) -> dict:
     """Each rank saves the `case` pair's value for its rank in a replicated entry (rank 0 the
     first, the others the second), then, if the save went through, loads it back."""
@@ -357,6 +360,10 @@ def replicated_values_by_rank(rank: int, world: int, url: str, case: str, async_
         "tuple-vs-list": ((1,), [1]), "int-vs-float": (1, 1.0), "dict-value": ({"a": 1, "b": 2}, {"b": 2, "a": 3}),
         "tensor-bits": (torch.tensor([0.0]), torch.tensor([-0.0])), "tensor-dtype": (torch.zeros(2), torch.zeros(2, dtype=torch.float64)),
         "nested-tensor": ({"h": [torch.ones(3)]}, {"h": [torch.ones(3) * 2]}), "numpy": (np.float32(1), np.float64(1)),
+        "requires-grad": ([torch.zeros(2, requires_grad=True)], [torch.zeros(2)]),
+        "parameter": ([nn.Parameter(torch.zeros(2))], [torch.zeros(2)]),
+        "tie": ([_T, _T], [_T, _T.clone()]),
+        "dim-order": (torch.zeros(2, 3), torch.zeros(3, 2).t()),
         "equal": ({"best": 1.5, "t": torch.arange(4)}, {"best": 1.5, "t": torch.arange(4)}),
         "equal-in-another-order": ({"a": 1, "b": [2]}, {"b": [2], "a": 1}),
     }

@@ -276,7 +276,8 @@ def test_run_world_starts_again_when_another_process_took_its_free_port(ckpt_dir
 
 
 _DIFFERING = ["float", "negative-zero", "nan-payload", "big-int", "str", "list-length", "tuple-vs-list",
-              "int-vs-float", "dict-value", "tensor-bits", "tensor-dtype", "nested-tensor", "numpy"]
+              "int-vs-float", "dict-value", "tensor-bits", "tensor-dtype", "nested-tensor", "numpy",
+              "requires-grad", "parameter", "tie", "dim-order"]
 
 
 @pytest.mark.parametrize("case, async_save", [*[(c, False) for c in [*_DIFFERING, "equal", "equal-in-another-order"]],
