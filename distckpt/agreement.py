@@ -35,14 +35,18 @@ def replicated_digests(entries: list[Entry]) -> dict[str, str]:
     for entry in entries:
         if entry.scope != PER_RANK and entry.kind in COMPARED_KINDS:
             h = xxhash.xxh3_64()
-            _feed(h, entry.target, 0, {})
+            regions: dict[Any, list[str]] = {}
+            _feed(h, entry.target, 0, "", regions)
+            # which tensors are one object comes back as saved, so it is compared too: as the
+            # sets of paths that share bytes, whatever order the tree was walked in
+            h.update(repr(sorted(sorted(paths) for paths in regions.values() if len(paths) > 1)).encode())
             out[entry.key] = h.hexdigest()
     return out
 
 
-def _feed(h: Any, value: Any, depth: int, ties: dict[Any, int]) -> None:
-    """`ties`: each tensor region seen so far in the entry, numbered: which tensors are one
-    object comes back as saved, so it is compared too."""
+def _feed(h: Any, value: Any, depth: int, path: str, regions: dict[Any, list[str]]) -> None:
+    """`path` names where `value` sits in the entry; `regions` collects each tensor's path by the
+    bytes it views."""
     kind = type(value)
     h.update(kind.__name__.encode() + b"\x00")
     if depth > 256:  # the encoder refuses such a tree on rank 0, naming it
@@ -56,32 +60,33 @@ def _feed(h: Any, value: Any, depth: int, ties: dict[Any, int]) -> None:
     elif isinstance(value, str):
         h.update(value.encode("utf-8", "surrogatepass"))
     elif isinstance(value, torch.Tensor):
-        _feed_tensor(h, value, ties)
+        _feed_tensor(h, value)
+        region = region_key(value)
+        if region is not None:
+            regions.setdefault(region, []).append(path)
     elif isinstance(value, np.generic):
         h.update(str(value.dtype).encode() + value.tobytes())
-    elif isinstance(value, dict):  # in any order: a dict built from a set (string hashes are
-        # seeded per process) holds the same items in another order on each rank
+    elif isinstance(value, dict):
         pairs = []
         for k, v in value.items():
             pair = xxhash.xxh3_64()
-            _feed(pair, k, depth + 1, ties)
-            _feed(pair, v, depth + 1, ties)
+            _feed(pair, k, depth + 1, path, regions)
+            _feed(pair, v, depth + 1, f"{path}[{type(k).__name__}:{k!r}]", regions)
             pairs.append(pair.digest())
-        for digest in sorted(pairs):
+        # a plain dict in any order: one built from a set (string hashes are seeded per process)
+        # holds the same items in another order on each rank; an OrderedDict's order is its value
+        for digest in (pairs if kind is not dict else sorted(pairs)):
             h.update(digest)
     elif isinstance(value, (list, tuple)):
         h.update(str(len(value)).encode())
-        for v in value:
-            _feed(h, v, depth + 1, ties)
+        for i, v in enumerate(value):
+            _feed(h, v, depth + 1, f"{path}[{i}]", regions)
     # anything else is refused at save by the encoder (rank 0 names it): its type is fed above
 
 
-def _feed_tensor(h: Any, t: torch.Tensor, ties: dict[Any, int]) -> None:
-    # what a load gives back besides the bytes: requires_grad, the dimension order, ties
+def _feed_tensor(h: Any, t: torch.Tensor) -> None:
+    # what a load gives back besides the bytes: requires_grad and the dimension order
     h.update(f"{t.dtype}{tuple(t.shape)}{t.layout}{t.device.type}{t.requires_grad}{dim_order(t)}".encode())
-    region = region_key(t)
-    if region is not None:
-        h.update(f"tie{ties.setdefault(region, len(ties))}".encode())
     if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta" or not t.numel():
         return  # refused by the encoder, or nothing to compare
     if type(t) not in (torch.Tensor, torch.nn.Parameter):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import signal
@@ -365,7 +366,9 @@ def replicated_values_by_rank(rank: int, world: int, url: str, case: str, async_
         "tie": ([_T, _T], [_T, _T.clone()]),
         "dim-order": (torch.zeros(2, 3), torch.zeros(3, 2).t()),
         "equal": ({"best": 1.5, "t": torch.arange(4)}, {"best": 1.5, "t": torch.arange(4)}),
-        "equal-in-another-order": ({"a": 1, "b": [2]}, {"b": [2], "a": 1}),
+        "equal-in-another-order": ({"a": 1, "b": [2], "t": _T, "u": torch.ones(2), "w": _T},
+                                   {"w": _T, "u": torch.ones(2), "t": _T, "b": [2], "a": 1}),
+        "ordered-dict-order": (collections.OrderedDict(a=1, b=2), collections.OrderedDict(b=2, a=1)),
     }
     mine = pairs[case][0 if rank == 0 else 1]
     state = {"v": mine, "own": distckpt.per_rank({"rank": rank, "loss": 1.0 + rank})}

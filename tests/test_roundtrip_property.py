@@ -171,7 +171,10 @@ def _replicated_digest(value):
 
 
 def _sorted_dicts(value):
-    """The value with every dict's items in key order (the ranks' digests ignore dict order)."""
+    """The value with every plain dict's items in key order (the ranks' digests ignore a plain
+    dict's order, not an OrderedDict's)."""
+    if type(value) is collections.OrderedDict:
+        return collections.OrderedDict((k, _sorted_dicts(v)) for k, v in value.items())
     if isinstance(value, dict):
         items = sorted(((k, _sorted_dicts(v)) for k, v in value.items()), key=lambda kv: (type(kv[0]).__name__, kv[0]))
         return type(value)(items)
