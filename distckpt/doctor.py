@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .commit import list_committed
+from .copying import same_bits
 from .errors import DistCkptError
 from .storage import open_storage
 
@@ -281,8 +282,7 @@ def _leaves(value: Any, path: str = "") -> list[tuple[str, Any]]:
 
 def _same(x: Any, y: Any) -> bool:
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-        return x.dtype == y.dtype and x.shape == y.shape and (x.numel() == 0 or torch.equal(
-            x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8)))
+        return same_bits(x, y)
     if isinstance(x, float) and isinstance(y, float):
         return struct.pack("<d", x) == struct.pack("<d", y)
     if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):

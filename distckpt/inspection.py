@@ -15,6 +15,7 @@ import torch
 from . import incremental
 from . import manifest as mf
 from .commit import check_not_superseded, list_committed, read_marker, read_verified_manifest
+from .copying import same_bits
 from .errors import CorruptCheckpointError, DistCkptError
 from .fencing import Lease, read_leases
 from .serialize import checked_header, decode_tree, load_tree_file
@@ -183,13 +184,6 @@ def flatten(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
         yield path, value
 
 
-def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Bitwise equal (an unchanged NaN is unchanged)."""
-    if x.numel() == 0:
-        return True
-    return torch.equal(x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8))
-
-
 def _tensor_change(key: str, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     xd, yd = x.double(), y.double()
     changed = ~((xd == yd) | (xd.isnan() & yd.isnan()))
@@ -214,7 +208,7 @@ def diff_steps(storage: Storage, a: int, b: int) -> list[dict[str, Any]]:
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
             if x.shape != y.shape or x.dtype != y.dtype:
                 rows.append({"key": key, "change": f"{x.dtype}{list(x.shape)} -> {y.dtype}{list(y.shape)}"})
-            elif not _same_bytes(x, y):
+            elif not same_bits(x, y):  # an unchanged NaN is unchanged
                 rows.append(_tensor_change(key, x, y))
         elif x != y and not (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)):
             rows.append({"key": key, "change": "value", "old": _plain(x), "new": _plain(y)})
