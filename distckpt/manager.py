@@ -27,6 +27,7 @@ from .errors import AsyncSaveError, ConfigError, DistCkptError, FencedError, Run
 from .fencing import Lease, acquire, read_leases
 from .fencing import check_current as check_fence
 from .fencing import prune as prune_leases
+from .gcpause import collector_paused
 from .incremental import ContentTable
 from .kinds import classify
 from .loading import Progress, load
@@ -155,6 +156,10 @@ class CheckpointManager:
         """
         self._check_open()
         step, epoch, metric = _check_save_args(step, epoch, metric)
+        with collector_paused():
+            self._save(step, state, epoch, metric)
+
+    def _save(self, step: int, state: dict[str, Any], epoch: int | None, metric: float | None) -> None:
         self._finish_pending()
         self._report_uploads(block=False)
         entries = classify(state)
@@ -453,6 +458,10 @@ class CheckpointManager:
         """The writer thread's part of an async save, on every rank: the overlapped snapshot's
         copies and their check, gather (with this rank's failure, if any), write, and rank 0's
         outcome to every rank (raised here, so each rank's wait() sees the same error)."""
+        with collector_paused():
+            self._background_save_paused(coord, captured, durable)
+
+    def _background_save_paused(self, coord: Coordinator, captured: CapturedSave, durable: bool) -> None:
         exc = None
         try:
             coord.check_usable()  # after a failed exchange nothing is written: see GlooCoordinator
@@ -505,9 +514,10 @@ class CheckpointManager:
     def _load(self, state: dict[str, Any], step: int | None) -> Progress | None:
         self._check_open()
         self._finish_pending()
-        entries = classify(state)
-        progress = load(self._coord, self.storage, entries, state, step, self.config.world_size_policy,
-                        self._rules, self.local)
+        with collector_paused():
+            entries = classify(state)
+            progress = load(self._coord, self.storage, entries, state, step, self.config.world_size_policy,
+                            self._rules, self.local)
         if self._lease is None:
             self._floor = progress.step if progress is not None else -1
         if progress is not None and progress.tier == "local":

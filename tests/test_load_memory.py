@@ -6,6 +6,8 @@ comes back bitwise."""
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import subprocess
 import sys
 
@@ -174,26 +176,38 @@ def test_the_copy_threads_follow_torch_and_the_local_ranks(monkeypatch):
     assert copying.copy_threads() == copying.MAX_COPY_THREADS
 
 
-def _resident_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+def _resident_fraction(tensor: torch.Tensor) -> float:
+    """The share of a tensor's whole pages that are resident (mincore). Asked of the range
+    itself, not of the process's resident set, which other memory freed meanwhile moves."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-tensor.data_ptr() // page) * page
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+    pages = (end - start) // page
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) / pages
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
 def test_prefaulting_the_destination_faults_its_pages_in_and_changes_no_value():
     """What a load runs while it reads the files: the destination's pages become resident (the
     copy then costs no faults), and every value, touched or not, is what it was."""
-    fresh = torch.empty(64 << 18)  # 64 MiB, never touched
+    # 64 MiB never touched: mapped here, since torch.empty may hand back memory an earlier test
+    # freed into the heap, resident and holding its values
+    fresh = torch.frombuffer(mmap.mmap(-1, 64 << 20), dtype=torch.float32)
     g = torch.Generator().manual_seed(3)
     held = torch.randn(3 << 18, generator=g)[5:]  # touched, and not starting on a page boundary
     expected = held.clone()
     small = torch.arange(100.0)  # below the size worth a thread's call: left alone
-    before = _resident_kib()
+    assert _resident_fraction(fresh) < 0.5
     prefault = copying.Prefault([fresh, held, small, torch.zeros(4, 4).t()])
     assert prefault._thread is not None
     prefault._thread.join()  # let it finish rather than stop it where it got to
     prefault.stop()
-    assert _resident_kib() - before >= 60 << 10
+    assert _resident_fraction(fresh) > 0.99 and _resident_fraction(held) > 0.99
     assert torch.equal(held, expected) and torch.equal(small, torch.arange(100.0))
     assert not fresh.any()  # untouched anonymous memory reads as zeros, and still does
 

@@ -1,0 +1,118 @@
+"""The collector is held off during saves and loads, and always put back as it was found."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.gcpause import collector_paused
+
+
+@pytest.fixture(autouse=True)
+def _collector_restored():
+    was = gc.isenabled()
+    yield
+    (gc.enable if was else gc.disable)()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_pause_puts_the_collector_back_as_it_found_it_also_after_an_error(enabled):
+    (gc.enable if enabled else gc.disable)()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled() is enabled
+    with pytest.raises(RuntimeError):
+        with collector_paused():
+            raise RuntimeError("boom")
+    assert gc.isenabled() is enabled
+
+
+def test_nested_and_overlapping_pauses_on_two_threads_end_with_the_last_one():
+    gc.enable()
+    inside, leave = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with collector_paused():
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert inside.wait(10)
+    with collector_paused():
+        with collector_paused():
+            assert not gc.isenabled()
+    assert not gc.isenabled(), "the writer thread's pause still holds"
+    leave.set()
+    thread.join(10)
+    assert gc.isenabled()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_a_child_forked_during_a_pause_has_the_collector_back():
+    gc.enable()
+    with collector_paused():
+        pid = os.fork()
+        if pid == 0:
+            ok = gc.isenabled()
+            with collector_paused():  # and its own pauses work from zero
+                ok = ok and not gc.isenabled()
+            os._exit(0 if ok and gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_saves_and_loads_leave_the_collector_as_found_whether_they_succeed_or_fail(tmp_path, async_save, enabled):
+    (gc.enable if enabled else gc.disable)()
+    state = {"w": torch.arange(8.0), "model": torch.nn.Linear(3, 2)}
+    with distckpt.CheckpointManager(tmp_path / "ckpt", async_save=async_save) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        assert gc.isenabled() is enabled
+        with pytest.raises(distckpt.CheckpointExistsError):
+            mgr.save(1, state)
+        with pytest.raises(distckpt.UnstorableValueError):
+            mgr.save(2, {"bad": object()})
+        assert gc.isenabled() is enabled
+        fresh = {"w": torch.zeros(8), "model": torch.nn.Linear(3, 2)}
+        assert mgr.load_latest(fresh).step == 1
+        assert torch.equal(fresh["w"], state["w"])
+        assert gc.isenabled() is enabled
+        with pytest.raises(distckpt.DistCkptError):
+            mgr.load_latest({"w": torch.zeros(9), "model": torch.nn.Linear(3, 2)})  # wrong shape: refused
+        assert gc.isenabled() is enabled
+    assert gc.isenabled() is enabled
+
+
+class _Recording(torch.nn.Linear):
+    """Notes whether the collector was on while its state was captured and restored."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 2)
+        self.seen: list[tuple[str, bool]] = []
+
+    def state_dict(self, *args, **kwargs):  # type: ignore[override]
+        self.seen.append(("capture", gc.isenabled()))
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):  # type: ignore[override]
+        self.seen.append(("restore", gc.isenabled()))
+        return super().load_state_dict(*args, **kwargs)
+
+
+def test_the_collector_is_off_while_a_save_captures_and_a_load_restores(tmp_path):
+    gc.enable()
+    model = _Recording()
+    with distckpt.CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(1, {"model": model})
+        mgr.load_latest({"model": model})
+    assert model.seen and ("capture", False) in model.seen and ("restore", False) in model.seen, model.seen
+    assert all(not enabled for _, enabled in model.seen), model.seen
+    assert gc.isenabled()
