@@ -6,7 +6,9 @@ collector's thresholds, so it ran again and again during the operation, each ful
 every object of the process (torch's own included), and found nothing to free: a 20,000-tensor
 state (64 MiB) saved in 1.0 s and loaded in 1.4 s with the collector on, 0.5 s and 0.7 s with it
 held off (one process, medians of 2). Reference counting still frees everything that is not in a
-cycle; cycles made meanwhile wait for the first collection after the operation.
+cycle; cycles made meanwhile wait for the first collection after the operation. The pause covers
+what runs on the caller's thread (`save()`, the loads), not an async save's background write: the
+switch is the whole process's, and that write can outlast many training steps.
 
 This module never touches storage or torch.distributed.
 """
@@ -26,8 +28,8 @@ _was_enabled = False  # the collector's state when the first of them came in
 
 @contextmanager
 def collector_paused() -> Iterator[None]:
-    """Hold the collector off for the block; nested and concurrent blocks (the training thread's
-    save while the writer thread runs) share one pause, and the last one out puts it back as it
+    """Hold the collector off for the block; nested and concurrent blocks (two managers' saves on
+    two threads) share one pause, and the last one out puts it back as it
     found it: a process that disabled the collector itself keeps it disabled."""
     global _holders, _was_enabled
     with _lock:

@@ -458,10 +458,8 @@ class CheckpointManager:
         """The writer thread's part of an async save, on every rank: the overlapped snapshot's
         copies and their check, gather (with this rank's failure, if any), write, and rank 0's
         outcome to every rank (raised here, so each rank's wait() sees the same error)."""
-        with collector_paused():
-            self._background_save_paused(coord, captured, durable)
-
-    def _background_save_paused(self, coord: Coordinator, captured: CapturedSave, durable: bool) -> None:
+        # Not under collector_paused(): the pause is the whole process's, and a background write
+        # can outlast many training steps, whose cyclic garbage would wait for it.
         exc = None
         try:
             coord.check_usable()  # after a failed exchange nothing is written: see GlooCoordinator

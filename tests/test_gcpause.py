@@ -47,7 +47,7 @@ def test_nested_and_overlapping_pauses_on_two_threads_end_with_the_last_one():
     with collector_paused():
         with collector_paused():
             assert not gc.isenabled()
-    assert not gc.isenabled(), "the writer thread's pause still holds"
+    assert not gc.isenabled(), "the other thread's pause still holds"
     leave.set()
     thread.join(10)
     assert gc.isenabled()
@@ -116,3 +116,30 @@ def test_the_collector_is_off_while_a_save_captures_and_a_load_restores(tmp_path
     assert model.seen and ("capture", False) in model.seen and ("restore", False) in model.seen, model.seen
     assert all(not enabled for _, enabled in model.seen), model.seen
     assert gc.isenabled()
+
+
+def test_an_async_saves_background_write_leaves_the_collector_on_for_the_training_loop(tmp_path):
+    """The switch is the whole process's: a write in flight must not hold it off for the steps
+    the loop runs meanwhile."""
+    from distckpt import faults
+
+    gc.enable()
+    in_write, release, seen = threading.Event(), threading.Event(), []
+
+    def hold(name, context):
+        if name == "save/snapshot-copy":
+            in_write.set()
+            release.wait(10)
+
+    unregister = faults.on_point(hold)
+    try:
+        with distckpt.CheckpointManager(tmp_path / "ckpt", async_save=True) as mgr:
+            mgr.save(1, {"w": torch.arange(4.0)})
+            assert in_write.wait(10)
+            seen.append(gc.isenabled())  # the training thread, while the write is held
+            release.set()
+            mgr.wait()
+    finally:
+        release.set()
+        unregister()
+    assert seen == [True]
