@@ -35,6 +35,7 @@ from . import manifest as mf
 from .commit import list_committed
 from .errors import ConfigError, DistCkptError
 from .fencing import read_leases
+from .gcpause import collector_paused
 from .inspection import describe_step, diff_steps, list_steps, read_manifest, verify_step
 from .retention import collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed
 from .storage import Storage, open_storage
@@ -357,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         storage = open_storage(args.url)
         if not args.command.startswith("import") and not _root_exists(storage, args.url):
             return _fail(args, f"{args.url}: no such checkpoint root (nothing is stored there)", EXIT_USAGE)
-        code = COMMANDS[args.command](storage, args)
+        with collector_paused():  # one command's trees, as in a save or load (gcpause.py)
+            code = COMMANDS[args.command](storage, args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below
         return code
     except BrokenPipeError:

@@ -15,11 +15,12 @@ This module never touches storage or torch.distributed.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 _lock = threading.Lock()
 _holders = 0  # saves and loads (any thread) now inside collector_paused()
@@ -44,6 +45,18 @@ def collector_paused() -> Iterator[None]:
             _holders -= 1
             if _holders == 0 and _was_enabled:
                 gc.enable()
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def paused_while_running(fn: F) -> F:
+    """`fn` runs under collector_paused() (the weights loader and exporter walk whole trees too)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with collector_paused():
+            return fn(*args, **kwargs)
+    return wrapper  # type: ignore[return-value]
 
 
 def _reset_after_fork() -> None:

@@ -32,6 +32,7 @@ from . import manifest as mf
 from .capture import unwrap_module
 from .commit import list_committed, read_marker, read_verified_manifest
 from .errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError, MissingFileError
+from .gcpause import paused_while_running
 from .serialize import _DTYPE_TO_ST, _ST_TO_DTYPE, ShardRef, load_tree_file
 from .sharded import ShardReader
 from .storage import Storage, open_storage, release_pages
@@ -215,6 +216,7 @@ def open_model_source(source: str, *, step: int | None = None, entry: str = "mod
 
 # -- load_weights -----------------------------------------------------------------------------
 
+@paused_while_running
 def load_weights(source: str, module: nn.Module, *, step: int | None = None, strict: bool = True,
                  entry: str = "model", prefix_map: dict[str, str] | None = None,
                  ignore: tuple[str, ...] | list[str] = (), allow_cast: bool = True,
@@ -308,6 +310,7 @@ def parse_size(text: str | int) -> int:
     return size
 
 
+@paused_while_running
 def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: str = "model",
                    dtype: str | None = None, max_shard_size: str | int = "5GB",
                    storage_options: dict[str, Any] | None = None,

@@ -143,3 +143,22 @@ def test_an_async_saves_background_write_leaves_the_collector_on_for_the_trainin
         release.set()
         unregister()
     assert seen == [True]
+
+
+def test_the_decorated_weights_functions_run_paused_and_keep_their_signature():
+    from distckpt.gcpause import paused_while_running
+
+    gc.enable()
+
+    @paused_while_running
+    def probe(x: int, *, fail: bool = False) -> bool:
+        """doc"""
+        if fail:
+            raise ValueError("x")
+        return gc.isenabled()
+
+    assert probe(1) is False and gc.isenabled()
+    with pytest.raises(ValueError):
+        probe(1, fail=True)
+    assert gc.isenabled() and probe.__doc__ == "doc"
+    assert distckpt.load_weights.__name__ == "load_weights" and distckpt.export_weights.__name__ == "export_weights"
