@@ -13,6 +13,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -20,11 +21,34 @@ log = logging.getLogger("distckpt")
 
 
 class _Job:
+    """One save's background part. Its end is told by a flag and a lock the writer releases, not
+    by a threading.Event: a KeyboardInterrupt landing inside Event.wait() can leave the Event's
+    internal lock held, and the writer's set() then blocks on it forever (Ctrl-C during wait()
+    hung the process, and so did the next wait()). Lock.acquire() is interrupted cleanly, and
+    the flag is set before the lock is released, so an interrupted waiter never blocks anyone."""
+
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn = fn
-        self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
+        self.finished = False
+        self._gate = threading.Lock()
+        self._gate.acquire()  # released by the writer when the job ends
+
+    def end(self) -> None:
+        self.finished = True
+        self._gate.release()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the job ended (True), or `timeout` seconds passed (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.finished:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            if self._gate.acquire(timeout=-1 if left is None else left):
+                self._gate.release()
+        return True
 
 
 class AsyncWriter:
@@ -43,7 +67,7 @@ class AsyncWriter:
     @property
     def finished(self) -> bool:
         """A submitted job has ended and waits to be collected by wait()."""
-        return self._job is not None and self._job.done.is_set()
+        return self._job is not None and self._job.finished
 
     def submit(self, fn: Callable[[], Any], description: str) -> None:
         if self._job is not None:
@@ -64,7 +88,7 @@ class AsyncWriter:
         job = self._job
         if job is None:
             return None, None
-        job.done.wait()
+        job.join()
         self._job = None
         return job.result, job.error
 
@@ -88,7 +112,7 @@ def _serve(jobs: "queue.SimpleQueue[_Job | None]") -> None:
             job.error = e
         finally:
             job.fn = _done  # drop the closure: it holds the staged state
-            job.done.set()
+            job.end()
 
 
 def _done() -> None:
@@ -134,7 +158,7 @@ def _finish_at_exit() -> None:
                     "training: it also reports the outcome to every rank)", writer.description)
         if writer.before_exit is not None:
             writer.before_exit()
-        if not job.done.wait(EXIT_WAIT_S):
+        if not job.join(EXIT_WAIT_S):
             log.error("distckpt: the background save of %s did not finish within %.0f s of exit; it is "
                       "NOT committed", writer.description, EXIT_WAIT_S)
         elif job.error is not None:

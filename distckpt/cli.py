@@ -349,7 +349,8 @@ COMMANDS = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune":
 def main(argv: list[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     if raw[:1] == ["doctor"]:  # its own parser: everything after -- is the user's command
-        return doctor_main(raw[1:])
+        with collector_paused():  # its own process compares whole states (gcpause.py)
+            return doctor_main(raw[1:])
     _ARGV[:] = list(argv or [])
     args = build_parser().parse_args(argv)
     if getattr(args, "keep_last", 1) is not None and getattr(args, "keep_last", 1) < 1:

@@ -19,32 +19,54 @@ import functools
 import gc
 import os
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, TypeVar
 
-_lock = threading.Lock()
-_holders = 0  # saves and loads (any thread) now inside collector_paused()
-_was_enabled = False  # the collector's state when the first of them came in
+
+class _Holder:
+    """One pause in progress; weakly held, so a pause whose exit never ran (a KeyboardInterrupt
+    landing inside it) stops counting as soon as its frame is gone."""
+
+
+# Re-entrant: a signal handler that saves runs on the thread that may hold it.
+_lock = threading.RLock()
+_holders: "weakref.WeakSet[_Holder]" = weakref.WeakSet()
+_was_enabled: bool | None = None  # the collector's state when the first pause came in; None: no pause
 
 
 @contextmanager
 def collector_paused() -> Iterator[None]:
     """Hold the collector off for the block; nested and concurrent blocks (two managers' saves on
-    two threads) share one pause, and the last one out puts it back as it
-    found it: a process that disabled the collector itself keeps it disabled."""
-    global _holders, _was_enabled
-    with _lock:
-        if _holders == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _holders += 1
+    two threads) share one pause, and the last one out puts it back as it found it: a process
+    that disabled the collector itself keeps it disabled. Every step is ordered so that a
+    KeyboardInterrupt between any two of them leaves the collector as found, or off only until
+    the next pause ends."""
+    holder = _Holder()
     try:
+        with _lock:
+            if _was_enabled is None:
+                _note_state(gc.isenabled())
+            _holders.add(holder)
+            gc.disable()
         yield
     finally:
         with _lock:
-            _holders -= 1
-            if _holders == 0 and _was_enabled:
-                gc.enable()
+            _holders.discard(holder)
+            _restore_if_last()
+
+
+def _note_state(enabled: bool) -> None:
+    global _was_enabled
+    _was_enabled = enabled
+
+
+def _restore_if_last() -> None:
+    global _was_enabled
+    if len(_holders) == 0 and _was_enabled is not None:
+        if _was_enabled:
+            gc.enable()
+        _was_enabled = None
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -61,11 +83,12 @@ def paused_while_running(fn: F) -> F:
 
 def _reset_after_fork() -> None:
     """A child forked during a pause (a loader worker started by a restore) has no thread of
-    the parent inside it: the collector is put back as the parent found it."""
-    global _lock, _holders
-    if _holders > 0 and _was_enabled:
+    the parent inside it: the collector is put back as the parent found it. A child that
+    carries on through the parent's save ends its pause harmlessly (its holder is not here)."""
+    global _lock, _holders, _was_enabled
+    if _was_enabled:
         gc.enable()
-    _lock, _holders = threading.Lock(), 0
+    _lock, _holders, _was_enabled = threading.RLock(), weakref.WeakSet(), None
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
+import random
+import signal
 import threading
+import time
 
 import pytest
 import torch
 
 import distckpt
+from distckpt import gcpause
 from distckpt.gcpause import collector_paused
 
 
@@ -162,3 +167,88 @@ def test_the_decorated_weights_functions_run_paused_and_keep_their_signature():
         probe(1, fail=True)
     assert gc.isenabled() and probe.__doc__ == "doc"
     assert distckpt.load_weights.__name__ == "load_weights" and distckpt.export_weights.__name__ == "export_weights"
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
+def test_ctrl_c_at_any_instant_of_a_pause_leaves_the_collector_on_by_the_next_pause_at_the_latest():
+    """A KeyboardInterrupt can land between any two bytecodes of the pause's entry and exit.
+    Whatever it hits, the collector is on again once the next uninterrupted pause ends (a pause
+    whose exit was cut short stops counting when its frame goes)."""
+    gc.enable()
+    armed = [False]
+
+    def interrupt(signum, frame):
+        if armed[0]:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    interrupts, wrong_after_next = 0, 0
+    signal.setitimer(signal.ITIMER_REAL, 0.00005, 0.00003)
+    try:
+        deadline = time.monotonic() + float(os.environ.get("DISTCKPT_GC_STRESS_S", "3"))
+        while time.monotonic() < deadline:
+            cut = False
+            try:
+                armed[0] = True
+                with collector_paused():
+                    pass
+                armed[0] = False
+            except KeyboardInterrupt:
+                armed[0] = False
+                cut = True
+            if cut:  # out of the except clause: the interrupt's traceback (and the cut pause) is gone
+                interrupts += 1
+                with collector_paused():  # the next pause, not interrupted
+                    pass
+                if not gc.isenabled() or len(gcpause._holders):
+                    wrong_after_next += 1
+                    gc.enable()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert interrupts > 100, interrupts  # the windows were really shot at
+    assert wrong_after_next == 0, f"{wrong_after_next} of {interrupts} interrupts left the collector off"
+    assert gc.isenabled() and len(gcpause._holders) == 0
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
+def test_ctrl_c_during_the_wait_for_a_background_save_never_hangs_the_next_wait():
+    """An interrupt inside wait() leaves the job pending; the next wait() collects it. (With a
+    threading.Event, an interrupt inside Event.wait() could leave its lock held: both hung.)"""
+    from distckpt.async_writer import AsyncWriter
+
+    armed = [False]
+
+    def interrupt(signum, frame):
+        if armed[0]:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    faulthandler.dump_traceback_later(60, exit=True)  # a hang ends the run loudly, with the stacks
+    writer = AsyncWriter()
+    rng = random.Random(7)
+    interrupted, jobs = 0, 0
+    deadline = time.monotonic() + float(os.environ.get("DISTCKPT_GC_STRESS_S", "3"))
+    try:
+        while time.monotonic() < deadline:
+            jobs += 1
+            writer.submit(lambda n=jobs: n, f"job {jobs}")
+            time.sleep(rng.uniform(0, 0.002))  # often already done: wait() goes straight for the end signal
+            try:
+                armed[0] = True
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.000005, 0.0003))
+                writer.wait()
+                time.sleep(0.0004)
+            except KeyboardInterrupt:
+                interrupted += 1
+            finally:
+                armed[0] = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            result, error = writer.wait()  # collected here if the interrupt cut the first one short
+            assert error is None and result in (None, jobs)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        faulthandler.cancel_dump_traceback_later()
+        writer.close()
+    assert interrupted > 10, interrupted
