@@ -54,6 +54,7 @@ from .errors import (
     StorageError,
 )
 from .fencing import Lease
+from .interrupts import sigint_deferred
 from .kinds import check_destinations_apart, copy_destinations, is_late, live_ties, restore_entry, snapshot, validate_entry
 from .rng import capture_process_rng, check_process_rng, restore_process_rng
 from .serialize import load_tree_file
@@ -185,7 +186,8 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
     if found is None:
         return None  # step directories, but none committed
     chosen, tier = found
-    notes, kept = _apply_phase(coord, entries, state, chosen, rules)
+    with sigint_deferred():  # a Ctrl-C here would leave the state half-restored (interrupts.py)
+        notes, kept = _apply_phase(coord, entries, state, chosen, rules)
     return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.metric,
                     f"{storages[tier].url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept), tier)
 

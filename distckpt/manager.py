@@ -29,6 +29,7 @@ from .fencing import check_current as check_fence
 from .fencing import prune as prune_leases
 from .gcpause import collector_paused
 from .incremental import ContentTable
+from .interrupts import sigint_deferred
 from .kinds import classify
 from .loading import Progress, load
 from .preemption import PreemptionFlag
@@ -179,12 +180,14 @@ class CheckpointManager:
             try:
                 captured = capture_save(*args)
                 background = self._background_coordinator()
-                self._snapshot.started()  # optimizer steps wait from here until the copy is done
-                self._writer.submit(lambda: self._background_save(background, captured, durable), f"step {step}")
+                with sigint_deferred():  # a Ctrl-C between these would leave a job no wait() collects
+                    self._snapshot.started()  # optimizer steps wait from here until the copy is done
+                    self._writer.submit(lambda: self._background_save(background, captured, durable), f"step {step}")
+                    self._pending_step = step
             except BaseException:
-                self._snapshot.abandon()
+                if self._pending_step != step:
+                    self._snapshot.abandon()
                 raise
-            self._pending_step = step
             if durable and self._preempting:
                 self._finish_pending()  # the VM's disk goes with the VM: this save must reach the URL
                 self._report_uploads(block=True, final=True)

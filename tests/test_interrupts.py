@@ -1,0 +1,82 @@
+"""Ctrl-C (SIGINT) while a load changes the live state, or while an async save is handed to the
+writer, is raised only once that step is whole: never a half-restored state or a lost save."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import distckpt
+
+
+class _CtrlCWhileLoading(torch.nn.Linear):
+    """Sends this process a SIGINT from inside its own restore, as a user's Ctrl-C would land."""
+
+    armed = False
+
+    def __init__(self) -> None:
+        super().__init__(4, 3)
+
+    def load_state_dict(self, *args, **kwargs):  # type: ignore[override]
+        if _CtrlCWhileLoading.armed:
+            _CtrlCWhileLoading.armed = False
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().load_state_dict(*args, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _default_sigint():
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def _state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = _CtrlCWhileLoading()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return {"model": model, "opt": opt, "t": torch.randn(5), "n": seed}
+
+
+def test_ctrl_c_during_a_load_is_raised_after_every_entry_is_restored(tmp_path):
+    saved = _state(1)
+    with distckpt.CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(1, saved)
+        live = _state(2)
+        _CtrlCWhileLoading.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            mgr.load_latest(live)
+        # all of step 1, not the module restored and the rest not (or the reverse)
+        assert all(torch.equal(a, b) for a, b in zip(live["model"].state_dict().values(),
+                                                     saved["model"].state_dict().values()))
+        assert live["opt"].state_dict()["state"][0]["momentum_buffer"].equal(
+            saved["opt"].state_dict()["state"][0]["momentum_buffer"])
+        assert torch.equal(live["t"], saved["t"]) and live["n"] == 1
+        assert mgr.load_latest(_state(3)).step == 1  # and the manager goes on
+
+
+def test_ctrl_c_while_an_async_save_is_handed_over_leaves_it_pending_for_the_next_wait(tmp_path, monkeypatch):
+    from distckpt.async_writer import AsyncWriter
+
+    submit = AsyncWriter.submit
+
+    def submit_then_ctrl_c(self, fn, description):
+        submit(self, fn, description)
+        os.kill(os.getpid(), signal.SIGINT)  # lands before save() noted the job as pending
+
+    state = {"t": torch.arange(6.0)}
+    with distckpt.CheckpointManager(tmp_path / "ckpt", async_save=True) as mgr:
+        monkeypatch.setattr(AsyncWriter, "submit", submit_then_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            mgr.save(1, state)
+        monkeypatch.setattr(AsyncWriter, "submit", submit)
+        mgr.wait()  # collects step 1
+        assert mgr.committed_steps() == [1]
+        mgr.save(2, state)  # not "a background save is already in flight"
+        mgr.wait()
+        assert mgr.committed_steps() == [2, 1]
