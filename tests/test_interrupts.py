@@ -80,3 +80,40 @@ def test_ctrl_c_while_an_async_save_is_handed_over_leaves_it_pending_for_the_nex
         mgr.save(2, state)  # not "a background save is already in flight"
         mgr.wait()
         assert mgr.committed_steps() == [2, 1]
+
+
+class _Counter:
+    """A user's stateful object (restored in the first phase, before modules and tensors) that can
+    send the SIGINT from inside its own restore."""
+
+    armed = False
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if _Counter.armed:
+            _Counter.armed = False
+            os.kill(os.getpid(), signal.SIGINT)
+        self.n = sd["n"]
+
+
+@pytest.mark.parametrize("where", ["first phase (a stateful object)", "second phase (a module)"])
+@pytest.mark.parametrize("async_save", [False, True])
+def test_ctrl_c_in_either_restore_phase_leaves_everything_restored(tmp_path, where, async_save):
+    saved = {**_state(1), "counter": _Counter(1)}
+    with distckpt.CheckpointManager(tmp_path / "ckpt", async_save=async_save) as mgr:
+        mgr.save(1, saved)
+        mgr.wait()
+        live = {**_state(2), "counter": _Counter(2)}
+        (_Counter if where.startswith("first") else _CtrlCWhileLoading).armed = True
+        with pytest.raises(KeyboardInterrupt):
+            mgr.load_latest(live)
+        assert live["counter"].n == 1 and live["n"] == 1 and torch.equal(live["t"], saved["t"])
+        assert all(torch.equal(a, b) for a, b in zip(live["model"].state_dict().values(),
+                                                     saved["model"].state_dict().values()))
+        assert live["opt"].state_dict()["state"][0]["momentum_buffer"].equal(
+            saved["opt"].state_dict()["state"][0]["momentum_buffer"])
