@@ -13,42 +13,36 @@ import atexit
 import logging
 import queue
 import threading
-import time
 import weakref
 from typing import Any, Callable
+
+from .interrupts import Gate
 
 log = logging.getLogger("distckpt")
 
 
 class _Job:
-    """One save's background part. Its end is told by a flag and a lock the writer releases, not
-    by a threading.Event: a KeyboardInterrupt landing inside Event.wait() can leave the Event's
-    internal lock held, and the writer's set() then blocks on it forever (Ctrl-C during wait()
-    hung the process, and so did the next wait()). Lock.acquire() is interrupted cleanly, and
-    the flag is set before the lock is released, so an interrupted waiter never blocks anyone."""
+    """One save's background part. Its end is told by a Gate, not a threading.Event: a
+    KeyboardInterrupt landing inside Event.wait() can leave the Event's internal lock held, and
+    the writer's set() then blocks on it forever (Ctrl-C during wait() hung the process, and so
+    did the next wait()); interrupts.py."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn = fn
         self.result: Any = None
         self.error: BaseException | None = None
-        self.finished = False
-        self._gate = threading.Lock()
-        self._gate.acquire()  # released by the writer when the job ends
+        self._ended = Gate(is_open=False)
+
+    @property
+    def finished(self) -> bool:
+        return self._ended.is_open()
 
     def end(self) -> None:
-        self.finished = True
-        self._gate.release()
+        self._ended.open()
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait until the job ended (True), or `timeout` seconds passed (False)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.finished:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            if self._gate.acquire(timeout=-1 if left is None else left):
-                self._gate.release()
-        return True
+        return self._ended.wait(timeout)
 
 
 class AsyncWriter:

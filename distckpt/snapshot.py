@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .capture import Entry, unwrap_module
+from .interrupts import Gate
 from .staging import StagingPool, region_key
 
 
@@ -32,10 +33,10 @@ class OverlappedSnapshot:
     def __init__(self, pool: StagingPool, timeout_s: float) -> None:
         self.pool = pool
         self.timeout_s = timeout_s
-        self._copied = threading.Event()   # set while no copy is outstanding
-        self._checked = threading.Event()  # set while no check is outstanding
-        self._copied.set()
-        self._checked.set()
+        # Gates, not threading.Events: a Ctrl-C inside an Event's wait() on the training thread
+        # could leave its internal lock held and the writer's set() blocked for good (interrupts.py).
+        self._copied = Gate()   # open while no copy is outstanding
+        self._checked = Gate()  # open while no check is outstanding
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._hooks: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]" = weakref.WeakKeyDictionary()
@@ -63,14 +64,14 @@ class OverlappedSnapshot:
         """After the capture, before the writer runs: copies (and a check) are outstanding."""
         self._error = None
         if self.pool.has_deferred:
-            self._copied.clear()
-            self._checked.clear()
+            self._copied.close()
+            self._checked.close()
 
     def abandon(self) -> None:
         """The save did not reach the writer: nothing is outstanding."""
         self.pool.discard_deferred()
-        self._copied.set()
-        self._checked.set()
+        self._copied.open()
+        self._checked.open()
 
     # -- the writer thread -------------------------------------------------------------------
 
@@ -80,7 +81,7 @@ class OverlappedSnapshot:
         try:
             self.pool.copy_deferred()
         finally:
-            self._copied.set()
+            self._copied.open()
         if not self._checked.wait(self.timeout_s / 2):  # the other ranks' writers wait up to timeout_s
             self.check()
         if self._error is not None:
@@ -92,13 +93,13 @@ class OverlappedSnapshot:
         """Wait for the copy, then compare every source's version counter with the capture's."""
         self._copied.wait()
         with self._lock:
-            if self._checked.is_set():
+            if self._checked.is_open():
                 return
             try:
                 self.pool.verify_deferred()
             except Exception as e:  # the writer raises it: the save fails on every rank
                 self._error = e
-            self._checked.set()
+            self._checked.open()
 
     def close(self) -> None:
         for handle in list(self._hooks.values()):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -117,3 +119,23 @@ def test_ctrl_c_in_either_restore_phase_leaves_everything_restored(tmp_path, whe
                                                      saved["model"].state_dict().values()))
         assert live["opt"].state_dict()["state"][0]["momentum_buffer"].equal(
             saved["opt"].state_dict()["state"][0]["momentum_buffer"])
+
+
+_STORM_S = 3.0 if int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "6")) < 50 else 30.0
+
+
+@pytest.mark.parametrize("mode", ["overlap", "async", "sync", "load"])
+def test_ctrl_c_at_random_instants_never_hangs_loses_or_half_restores(tmp_path, mode):
+    """A real SIGINT a random instant into save(), wait(), the next optimizer step or
+    load_latest(), hundreds of times (tests/interrupt_storm.py): no hang, every committed step
+    holds exactly its save's values, an interrupted load leaves the state wholly before or wholly
+    after. With the threading.Events the overlapped snapshot used, 1 in 6 runs of 3 s hung
+    (4 in 6 of 8 s), the writer blocked on an Event lock an interrupted wait() left held."""
+    script = os.path.join(os.path.dirname(__file__), "interrupt_storm.py")
+    seed = ["overlap", "async", "sync", "load"].index(mode) + 1
+    done = subprocess.run([sys.executable, script, mode, str(_STORM_S), str(seed), str(tmp_path)],
+                          capture_output=True, text=True, timeout=_STORM_S + 120)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    last = done.stdout.strip().splitlines()[-1]
+    rounds, interrupted = (int(part.split("=")[1]) for part in last.split()[1:])
+    assert rounds >= 20 and interrupted >= 10, last  # the storm really interrupted calls

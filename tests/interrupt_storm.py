@@ -1,0 +1,162 @@
+"""Ctrl-C at random instants of a training loop's checkpoint calls, for N seconds; run as a script.
+
+    python tests/interrupt_storm.py MODE SECONDS SEED DIR
+
+MODE: `overlap` (async saves with overlap_snapshot), `async`, `sync`, or `load`. A real SIGINT (what a
+terminal's Ctrl-C sends) is raised a random 0-3 ms (a save or load: or 0-30 ms) into save(), wait(),
+the next optimizer step, or load_latest(). Checked: nothing hangs (faulthandler kills the process
+after a deadline), every step that committed holds exactly the values at its save() call, and
+after an interrupted load the state is wholly the live one or wholly the checkpoint's. Prints
+`ok rounds=N interrupted=M` and exits 0, or raises.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import random
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import distckpt
+
+DEADLINE_S = 60
+LONGER = (0.003, 0.03)  # a save or load may take longer than 3 ms: some must also finish
+
+
+def main() -> None:
+    mode, seconds, seed, root = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    faulthandler.dump_traceback_later(seconds + DEADLINE_S, exit=True)  # a hang fails the run
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    storm = _Storm(random.Random(seed))
+    run = _loads if mode == "load" else _saves
+    rounds = run(storm, mode, seconds, root)
+    faulthandler.cancel_dump_traceback_later()
+    print(f"ok rounds={rounds} interrupted={storm.interrupted}", flush=True)
+
+
+class _Storm:
+    """Runs a call with a SIGINT raised a random instant into it.
+
+    The instant is kept by the kernel (an interval timer's SIGALRM, whose handler raises the
+    SIGINT in the main thread): a timer thread would have to wait for the GIL, so its signals
+    would land mostly while the main thread blocks, and not between two bytecodes."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.interrupted = 0
+        signal.signal(signal.SIGALRM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+
+    def call(self, fn: Callable[[], Any], within: tuple[float, ...] = (0.003,)) -> bool:
+        """True if fn returned, False if a KeyboardInterrupt ended it (or landed just after);
+        the interrupt comes up to one of `within` seconds in."""
+        try:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, self.rng.uniform(1e-5, self.rng.choice(within)))
+                fn()
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            return True
+        except KeyboardInterrupt:
+            self.interrupted += 1
+            return False
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Linear(512, 512))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    x = torch.randn(32, 128, generator=torch.Generator().manual_seed(seed))
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+
+
+def _values(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, s in enumerate(opt.state.values()):
+        out.update({f"opt.{i}.{k}": v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _collect(storm: _Storm, mgr: distckpt.CheckpointManager) -> None:
+    """wait() until the pending save is collected (a refused one is a save error, not a hang)."""
+    while True:
+        try:
+            if storm.call(mgr.wait):
+                return
+        except distckpt.DistCkptError:
+            return
+
+
+def _saves(storm: _Storm, mode: str, seconds: float, root: str) -> int:
+    model, opt = _model()
+    _train(model, opt, 0)
+    mgr = distckpt.CheckpointManager(root, async_save=mode != "sync", overlap_snapshot=mode == "overlap",
+                                     timeout=30, keep_last=1000)
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    end, step = time.monotonic() + seconds, 0
+    while time.monotonic() < end:
+        step += 1
+        expected[step] = _values(model, opt)
+        try:
+            storm.call(lambda s=step: mgr.save(s, {"model": model, "optimizer": opt}), LONGER)
+        except distckpt.DistCkptError:
+            pass  # a failed save: its step must not commit with other values, checked below
+        try:
+            if storm.rng.random() < 0.5:
+                storm.call(mgr.wait)
+            else:
+                storm.call(lambda s=step: _train(model, opt, s))
+        except distckpt.DistCkptError:
+            pass
+        _collect(storm, mgr)
+    mgr.close()
+    _check_committed(root, expected)
+    return step
+
+
+def _check_committed(root: str, expected: dict[int, dict[str, torch.Tensor]]) -> None:
+    with distckpt.CheckpointManager(root) as reader:
+        steps = reader.committed_steps()
+        assert steps, "no save committed"
+        for step in steps:
+            model, opt = _model()
+            reader.load({"model": model, "optimizer": opt}, step)
+            assert _same(_values(model, opt), expected[step]), f"step {step} does not hold its save's values"
+
+
+def _loads(storm: _Storm, mode: str, seconds: float, root: str) -> int:
+    model, opt = _model()
+    _train(model, opt, 0)
+    with distckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt})
+    saved = _values(model, opt)
+    end, rounds = time.monotonic() + seconds, 0
+    mgr = distckpt.CheckpointManager(root)
+    while time.monotonic() < end:
+        rounds += 1
+        _train(model, opt, rounds)  # the live state moves away from the checkpoint
+        live = _values(model, opt)
+        if not storm.call(lambda: mgr.load_latest({"model": model, "optimizer": opt}), LONGER):
+            now = _values(model, opt)
+            assert _same(now, live) or _same(now, saved), f"round {rounds}: an interrupted load half-restored"
+        mgr.load_latest({"model": model, "optimizer": opt})
+        assert _same(_values(model, opt), saved), f"round {rounds}: the load after an interrupted one is wrong"
+    mgr.close()
+    return rounds
+
+
+if __name__ == "__main__":
+    main()
