@@ -5,14 +5,12 @@ This module never touches storage or torch.distributed.
 
 from __future__ import annotations
 
-import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Iterator
 
 import xxhash
 
 from .errors import CorruptCheckpointError
+from .interrupts import Helpers, Task
 
 
 class Checksum:
@@ -28,7 +26,7 @@ class Checksum:
     def __init__(self) -> None:
         self._h = xxhash.xxh3_64()
         self.size = 0
-        self._pending: Future[None] | None = None
+        self._pending: Task | None = None
 
     def wrap(self, chunks: Iterable[memoryview | bytes]) -> Iterator[memoryview | bytes]:
         try:
@@ -36,7 +34,7 @@ class Checksum:
                 n = memoryview(chunk).nbytes
                 self._settle()
                 if n >= _HASH_AHEAD_BYTES:
-                    self._pending = _hasher().submit(self._h.update, chunk)
+                    self._pending = _HASHER.submit(self._h.update, chunk)
                 else:
                     self._h.update(chunk)
                 self.size += n
@@ -55,26 +53,7 @@ class Checksum:
 
 
 _HASH_AHEAD_BYTES = 256 << 10  # smaller ones: handing over costs more than it saves
-_HASHER: ThreadPoolExecutor | None = None
-_HASHER_LOCK = threading.Lock()
-
-
-def _hasher() -> ThreadPoolExecutor:
-    global _HASHER
-    with _HASHER_LOCK:
-        if _HASHER is None:
-            _HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="distckpt-hash")
-        return _HASHER
-
-
-def _forget_hasher_after_fork() -> None:
-    """A forked child (a data-loader worker saving, say) has none of the parent's threads:
-    an executor inherited from it would queue work no thread ever runs."""
-    global _HASHER, _HASHER_LOCK
-    _HASHER, _HASHER_LOCK = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_hasher_after_fork)
+_HASHER = Helpers(2, "distckpt-hash")
 
 
 def checksum_of(data: bytes | bytearray | memoryview) -> str:

@@ -11,18 +11,21 @@ are KeyboardInterrupts raised by other means (those still land wherever they lan
 And a wait a KeyboardInterrupt cannot wedge (`Gate`): threading.Event and Condition take their
 internal lock in Python code, so an interrupt landing between that lock's acquire and the `with`
 that releases it leaves it held, and the next set() from another thread blocks forever (Ctrl-C in
-an async save's wait() hung the process: 4 of 6 runs of 8 s of random interrupts).
+an async save's wait() hung the process: 4 of 6 runs of 8 s of random interrupts). And helper
+threads fed the same way (`Helpers`), in place of concurrent.futures' pool, which has the hazard too.
 
 This module never touches storage or torch.distributed.
 """
 
 from __future__ import annotations
 
+import os
+import queue
 import signal
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 @contextmanager
@@ -93,3 +96,64 @@ class Gate:
                 except RuntimeError:  # a second open() released it for us
                     pass
         return True
+
+
+class Task:
+    """One call handed to `Helpers`; result() waits for it on a Gate and re-raises its error."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self._fn, self._args = fn, args
+        self._error: BaseException | None = None
+        self._done = Gate(is_open=False)
+
+    def run(self) -> None:
+        try:
+            self._fn(*self._args)
+        except BaseException as e:  # noqa: BLE001  (handed to whoever waits for it)
+            self._error = e
+        finally:
+            self._done.open()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until it ended (True) or `timeout` seconds passed (False)."""
+        return self._done.wait(timeout)
+
+    def result(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
+class Helpers:
+    """A few daemon threads running calls other threads hand over; concurrent.futures' thread
+    pool, without its Ctrl-C hazards. Its submit() takes a Semaphore and Future.result() a
+    Condition, both in Python code: an interrupt between one's acquire and its `with` left the
+    lock held, the helper thread blocked releasing it, and the next save or the process's exit
+    hung (a sync-save storm of random SIGINTs: 1 run in 4 of 3 s). Here submitting is a
+    SimpleQueue.put and waiting a Gate, both cleanly interrupted. Threads start on first use,
+    and again in a forked child, which has none of its parent's."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._threads, self._name = threads, name
+        self._queue: "queue.SimpleQueue[Task]" = queue.SimpleQueue()
+        self._pid: int | None = None
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Task:
+        if self._pid != os.getpid():
+            self._start()
+        task = Task(fn, args)
+        self._queue.put(task)
+        return task
+
+    def _start(self) -> None:
+        # No lock (a forked child could inherit it held): two threads starting at once each start
+        # threads for a queue of their own, and every task is still served by the queue's threads.
+        tasks: "queue.SimpleQueue[Task]" = queue.SimpleQueue()  # a forked child's may hold its parent's tasks
+        for i in range(self._threads):
+            threading.Thread(target=_serve_tasks, args=(tasks,), name=f"{self._name}-{i}", daemon=True).start()
+        self._queue, self._pid = tasks, os.getpid()
+
+
+def _serve_tasks(tasks: "queue.SimpleQueue[Task]") -> None:
+    while True:
+        tasks.get().run()

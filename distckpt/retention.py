@@ -8,16 +8,15 @@ grace period (a save in progress elsewhere must not be collected under its write
 from __future__ import annotations
 
 import logging
-import queue
-import threading
+import os
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 from . import faults
 from . import manifest as mf
 from .commit import CommitIndex
 from .errors import CorruptCheckpointError, DistCkptError, MissingFileError
+from .interrupts import Helpers, Task
 from .storage import Storage
 
 log = logging.getLogger("distckpt")
@@ -221,49 +220,36 @@ class Sweeper:
     uncommitted leftover, collected later (collect_leftovers)."""
 
     def __init__(self) -> None:
-        self._jobs: "queue.SimpleQueue[Callable[[], None] | None]" = queue.SimpleQueue()
-        self._pending = 0
-        self._idle = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._tasks: list[Task] = []  # handed over, not yet seen done by drain()
+        self._pid = os.getpid()
 
     def submit(self, storage: Storage, steps: list[int], keep: set[str] | None) -> None:
         def sweep() -> None:
             for step in steps:
                 try:
                     delete_files(storage, step, keep)
-                except (OSError, DistCkptError) as e:
+                except Exception as e:  # noqa: BLE001  (never fails a save: the files are a leftover)
                     log.warning("rank 0: removing the files of retired step %d from %s failed (it is not "
                                 "committed; leftover collection removes them later): %s", step, storage.url, e)
 
-        with self._idle:
-            self._pending += 1
-            if self._thread is None or not self._thread.is_alive():  # a forked child has no thread
-                self._thread = threading.Thread(target=self._serve, name="distckpt-sweeper", daemon=True)
-                self._thread.start()
-        self._jobs.put(sweep)
+        self._forget_if_forked()
+        self._tasks.append(_SWEEPING.submit(sweep))
 
     def drain(self) -> None:
-        with self._idle:
-            if self._thread is None or not self._thread.is_alive():
-                self._pending = 0  # a forked child: the parent's jobs are not this process's
-                return
-            self._idle.wait_for(lambda: self._pending == 0)
+        """Wait for every removal handed over so far. An interrupted drain leaves the rest for
+        the next (a Task's wait cannot be wedged by a Ctrl-C; a Condition's could: interrupts.py)."""
+        self._forget_if_forked()
+        while self._tasks:
+            self._tasks[0].result()
+            self._tasks.pop(0)
 
     def close(self) -> None:
         self.drain()
-        with self._idle:
-            if self._thread is not None:
-                self._jobs.put(None)
-                self._thread = None
 
-    def _serve(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                job()
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+    def _forget_if_forked(self) -> None:
+        if self._pid != os.getpid():  # a forked child: the parent's removals are not this process's
+            self._tasks, self._pid = [], os.getpid()
+
+
+# One thread removes every manager's retired files, in the order they were handed over.
+_SWEEPING = Helpers(1, "distckpt-sweeper")

@@ -7,11 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 import distckpt
+from distckpt.interrupts import Gate, Helpers
 
 
 class _CtrlCWhileLoading(torch.nn.Linear):
@@ -124,18 +126,85 @@ def test_ctrl_c_in_either_restore_phase_leaves_everything_restored(tmp_path, whe
 _STORM_S = 3.0 if int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "6")) < 50 else 30.0
 
 
-@pytest.mark.parametrize("mode", ["overlap", "async", "sync", "load"])
+@pytest.mark.parametrize("mode", ["overlap", "async", "sync", "load", "gate"])
 def test_ctrl_c_at_random_instants_never_hangs_loses_or_half_restores(tmp_path, mode):
     """A real SIGINT a random instant into save(), wait(), the next optimizer step or
     load_latest(), hundreds of times (tests/interrupt_storm.py): no hang, every committed step
     holds exactly its save's values, an interrupted load leaves the state wholly before or wholly
     after. With the threading.Events the overlapped snapshot used, 1 in 6 runs of 3 s hung
-    (4 in 6 of 8 s), the writer blocked on an Event lock an interrupted wait() left held."""
+    (4 in 6 of 8 s), the writer blocked on an Event lock an interrupted wait() left held; with
+    concurrent.futures' pool hashing a sync save's chunks, 1 in 4 hung (its Semaphore's lock);
+    the gate mode alone, with threading.Event in Gate's place, hangs in every 3 s run."""
     script = os.path.join(os.path.dirname(__file__), "interrupt_storm.py")
-    seed = ["overlap", "async", "sync", "load"].index(mode) + 1
+    seed = ["overlap", "async", "sync", "load", "gate"].index(mode) + 1
     done = subprocess.run([sys.executable, script, mode, str(_STORM_S), str(seed), str(tmp_path)],
                           capture_output=True, text=True, timeout=_STORM_S + 120)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     last = done.stdout.strip().splitlines()[-1]
     rounds, interrupted = (int(part.split("=")[1]) for part in last.split()[1:])
     assert rounds >= 20 and interrupted >= 10, last  # the storm really interrupted calls
+
+
+def test_a_gate_waits_times_out_and_reopens():
+    gate = Gate(is_open=False)
+    assert not gate.wait(0.05) and not gate.is_open()
+    threading.Timer(0.05, gate.open).start()
+    assert gate.wait(5) and gate.is_open()
+    gate.open()  # twice: harmless
+    gate.close()
+    assert not gate.wait(0.02)
+    gate.open()
+    assert gate.wait(0)
+
+
+def test_helpers_run_tasks_hand_back_errors_and_restart_in_a_forked_child():
+    helpers = Helpers(2, "test-helper")
+    seen: list[int] = []
+    tasks = [helpers.submit(seen.append, i) for i in range(50)]
+    for task in tasks:
+        task.result()
+    assert sorted(seen) == list(range(50))
+    with pytest.raises(ZeroDivisionError):
+        helpers.submit(lambda: 1 / 0).result()
+    pid = os.fork()
+    if pid == 0:  # the child has none of the parent's threads: the helpers start again
+        code = 1
+        try:
+            out: list[int] = []
+            helpers.submit(out.append, 7).result()
+            code = 0 if out == [7] else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_sweeper_drain_interrupted_leaves_its_removals_to_the_next_and_a_fork_forgets_them(tmp_path):
+    from distckpt.retention import Sweeper
+
+    release = threading.Event()
+    sweeper = Sweeper()
+    sweeper._tasks.append(retention_sweeping().submit(release.wait))  # a removal still running
+    threading.Timer(0.05, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        sweeper.drain()
+    assert len(sweeper._tasks) == 1
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            sweeper.drain()  # the parent's removal is not this process's to wait for
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    release.set()
+    sweeper.drain()
+    assert sweeper._tasks == []
+
+
+def retention_sweeping() -> Helpers:
+    from distckpt import retention
+
+    return retention._SWEEPING

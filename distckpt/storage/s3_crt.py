@@ -24,10 +24,10 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from concurrent.futures import Future
 from typing import Any
 
 from ..errors import ConfigError, StorageError
+from ..interrupts import Task
 from .spill import write_at
 
 CLIENT_CHOICES = ("s3fs", "crt")
@@ -91,24 +91,20 @@ class CrtReader:
         """Write the object into `fd` from offset 0, or raise StorageError (ETIMEDOUT after
         `deadline_s`: the native call cannot be interrupted, so it runs on a thread of its own,
         which keeps its own handle on the file and is left to finish)."""
-        done: Future[None] = Future()
         own_fd = os.dup(fd)
 
         def run() -> None:
             try:
                 self._stream_into(bucket, key, size, own_fd, where)
-                done.set_result(None)
-            except BaseException as e:  # handed to the caller
-                done.set_exception(e)
             finally:
                 os.close(own_fd)
 
-        threading.Thread(target=run, name="distckpt-crt-get", daemon=True).start()
-        try:
-            done.result(timeout=deadline_s)
-        except TimeoutError as e:
+        reading = Task(run, ())  # waited on through a Gate: a Ctrl-C cannot wedge it (interrupts.py)
+        threading.Thread(target=reading.run, name="distckpt-crt-get", daemon=True).start()
+        if not reading.wait(deadline_s):
             raise StorageError(errno.ETIMEDOUT, f"reading {where} took longer than {deadline_s:.0f}s: the S3 "
-                               "server is unreachable, stopped or too slow") from e
+                               "server is unreachable, stopped or too slow")
+        reading.result()
 
     def _stream_into(self, bucket: str, key: str, size: int, fd: int, where: str) -> None:
         from s3torchconnectorclient import S3Exception
