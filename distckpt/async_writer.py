@@ -16,7 +16,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from .interrupts import Gate
+from .interrupts import Gate, start_thread
 
 log = logging.getLogger("distckpt")
 
@@ -71,7 +71,7 @@ class AsyncWriter:
         if self._thread is None or not self._thread.is_alive():  # a forked child has no thread
             self._thread = threading.Thread(target=_serve, args=(self._jobs,), name="distckpt-writer",
                                             daemon=True)
-            self._thread.start()
+            start_thread(self._thread)
             # The thread holds only the queue: when the writer goes, so does the thread.
             weakref.finalize(self, self._jobs.put, None)
         self._jobs.put(self._job)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .interrupts import start_thread
 from .storage import is_mapped, release_pages
 
 COPY_PIECE_BYTES = 8 << 20  # a large tensor is copied (and its source pages let go) in pieces
@@ -192,16 +193,16 @@ class Prefault:
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         ranges = [r for r in (_page_range(t) for t in tensors) if r is not None]
-        self._stopping = threading.Event()
+        self._stopping = False  # a flag, not an Event: set() takes a lock a Ctrl-C could leave held
         self._thread: threading.Thread | None = None
         madvise = _libc_madvise() if ranges else None
         if madvise is not None:
             self._thread = threading.Thread(target=self._populate, args=(madvise, ranges), daemon=True,
                                             name="distckpt-prefault")
-            self._thread.start()
+            start_thread(self._thread)
 
     def stop(self) -> None:
-        self._stopping.set()
+        self._stopping = True
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -209,7 +210,7 @@ class Prefault:
     def _populate(self, madvise: Any, ranges: list[tuple[int, int]]) -> None:
         for address, length in ranges:
             for offset in range(0, length, _PREFAULT_STEP):
-                if self._stopping.is_set():
+                if self._stopping:
                     return
                 if madvise(address + offset, min(_PREFAULT_STEP, length - offset), _MADV_POPULATE_WRITE) != 0:
                     return  # an older kernel (EINVAL) or memory it will not fault in: the copy does it

@@ -48,6 +48,15 @@ def sigint_deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
+def start_thread(thread: threading.Thread) -> threading.Thread:
+    """thread.start(), with a Ctrl-C held back until it returns: start() waits on a
+    threading.Event for the new thread, and an interrupt there can leave the Event's lock held,
+    the new thread then blocked before it runs anything."""
+    with sigint_deferred():
+        thread.start()
+    return thread
+
+
 class Gate:
     """An Event whose waits a KeyboardInterrupt can interrupt without wedging anyone.
 
@@ -150,7 +159,7 @@ class Helpers:
         # threads for a queue of their own, and every task is still served by the queue's threads.
         tasks: "queue.SimpleQueue[Task]" = queue.SimpleQueue()  # a forked child's may hold its parent's tasks
         for i in range(self._threads):
-            threading.Thread(target=_serve_tasks, args=(tasks,), name=f"{self._name}-{i}", daemon=True).start()
+            start_thread(threading.Thread(target=_serve_tasks, args=(tasks,), name=f"{self._name}-{i}", daemon=True))
         self._queue, self._pid = tasks, os.getpid()
 
 

@@ -27,7 +27,7 @@ import threading
 from typing import Any
 
 from ..errors import ConfigError, StorageError
-from ..interrupts import Task
+from ..interrupts import Task, start_thread
 from .spill import write_at
 
 CLIENT_CHOICES = ("s3fs", "crt")
@@ -100,7 +100,7 @@ class CrtReader:
                 os.close(own_fd)
 
         reading = Task(run, ())  # waited on through a Gate: a Ctrl-C cannot wedge it (interrupts.py)
-        threading.Thread(target=reading.run, name="distckpt-crt-get", daemon=True).start()
+        start_thread(threading.Thread(target=reading.run, name="distckpt-crt-get", daemon=True))
         if not reading.wait(deadline_s):
             raise StorageError(errno.ETIMEDOUT, f"reading {where} took longer than {deadline_s:.0f}s: the S3 "
                                "server is unreachable, stopped or too slow")
