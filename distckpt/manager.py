@@ -163,6 +163,8 @@ class CheckpointManager:
     def _save(self, step: int, state: dict[str, Any], epoch: int | None, metric: float | None) -> None:
         self._finish_pending()
         self._report_uploads(block=False)
+        if self.rank == 0 and self.local is None:
+            self._index(self.storage).prefetch()  # retention's first listing runs while this save writes
         entries = classify(state)
         doctor_hooks.rebase_fingerprints(step)
         durable = self._next_save_is_durable(entries)

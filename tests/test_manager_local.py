@@ -631,18 +631,42 @@ def test_directories_of_saves_that_never_committed_are_skipped_silently(tmp_path
     assert torch.equal(target["w"], state["w"])
 
 
-_INDEX_EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "8"))
+_INDEX_EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "60"))
 
 
 @settings(max_examples=_INDEX_EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(keep_last=st.integers(1, 4), start=st.sampled_from([0, 99_999_997, 999_999_997, 9_999_999_997]),
-       actions=st.lists(st.sampled_from(["save", "leftover", "skip", "far"]), min_size=1, max_size=12))
-def test_the_commit_index_agrees_with_a_full_listing_after_every_save(tmp_path_factory, keep_last, start, actions):
-    """Rank 0's commit index lists only what sorts after the newest step between full listings;
-    after every save, what it believes is committed equals a fresh full listing, whatever mix of
-    saves, skipped step numbers, leftover directories of unfinished saves and step numbers that
-    gain digits (step-1000000000 sorts before step-999999999 by name) came before."""
+       actions=st.lists(st.sampled_from(["save", "leftover", "skip", "far"]), min_size=1, max_size=12),
+       full_every=st.sampled_from([64, 2, 3]))
+def test_the_commit_index_agrees_with_a_full_listing_after_every_save(tmp_path_factory, keep_last, start, actions,
+                                                                      full_every):
+    """Rank 0's commit index lists only what sorts after the newest step between full listings,
+    and makes each full listing ahead of time (the first when a save starts, the next one scan
+    before it is due) while retention removes steps; after every save, what it believes is
+    committed equals a fresh full listing, whatever mix of saves, skipped step numbers, leftover
+    directories of unfinished saves and step numbers that gain digits (step-1000000000 sorts
+    before step-999999999 by name) came before, with a full listing every 2, 3 or 64 scans."""
+    from distckpt import manager
+    from distckpt.commit import CommitIndex, is_committed
+
+    real_retire = manager.retire
+
+    def retire(storage, step):  # an index that kept a step already gone would retire it again
+        assert is_committed(storage, step), f"retention retired step {step}, which is not committed"
+        real_retire(storage, step)
+
+    before = CommitIndex.FULL_SCAN_EVERY
+    CommitIndex.FULL_SCAN_EVERY = full_every
+    manager.retire = retire
+    try:
+        _index_agrees_after_every_save(tmp_path_factory, keep_last, start, actions)
+    finally:
+        CommitIndex.FULL_SCAN_EVERY = before
+        manager.retire = real_retire
+
+
+def _index_agrees_after_every_save(tmp_path_factory, keep_last, start, actions):
     from distckpt import manifest as mf
     from distckpt.commit import list_committed
     from distckpt.storage import open_storage
