@@ -6,10 +6,13 @@ One root on SeaweedFS (loopback) grows to each count in turn: step 1 is a real s
 state (1 MiB in 4 tensors and a generator); the steps after it are copies of the newest real save made with
 the store's server-side copy and a manifest and marker rewritten for their step (checkpoints
 of the newest real save that load and verify like any other: faster to make than 2,000 real saves). At each count, a
-new manager (a new process's position: nothing remembered) times `load_latest`,
-`committed_steps()`, its first save (with `keep_last` above the count, so retention weighs
-every step) and a second save, each a median of --repeats; every request is counted through a
-counting proxy in front of the server.
+new manager (a new process's position: nothing remembered) times `load_latest`, its first
+save right after it (with `keep_last` above the count, so retention weighs every step) and a
+second save; another times its first save TRAINING_S seconds after its `load_latest` (the
+root's listing for retention starts when a load or save does and runs meanwhile); a third
+`committed_steps()` alone. Each a median of --repeats; every request is counted through a
+counting proxy in front of the server (a row's count includes what a listing made ahead of time
+sent while the row ran).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import tempfile
 import time
 
 import torch
+
+TRAINING_S = 5.0
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "launch"))
@@ -73,12 +78,20 @@ def measure(url: str, options: dict, proxy: FaultProxy, count: int, repeats: int
     for _ in range(repeats):
         state = small_state()
         with distckpt.CheckpointManager(url, storage_options=options, keep_last=10**6) as mgr:
-            samples.setdefault("load_latest", []).append(timed(proxy, mgr.load_latest, state))
-            samples.setdefault("committed_steps()", []).append(timed(proxy, mgr.committed_steps))
-            newest = mgr.committed_steps()[0]
-            samples.setdefault("first save in the process", []).append(timed(proxy, mgr.save, newest + 1, state))
+            loaded: list = []
+            samples.setdefault("load_latest", []).append(timed(proxy, lambda out=loaded, s=state: out.append(mgr.load_latest(s))))
+            newest = loaded[0].step
+            samples.setdefault("first save, right after load_latest", []).append(
+                timed(proxy, mgr.save, newest + 1, state))
             samples.setdefault("next save", []).append(timed(proxy, mgr.save, newest + 2, state))
-        assert newest >= count
+        with distckpt.CheckpointManager(url, storage_options=options, keep_last=10**6) as mgr:
+            mgr.load_latest(state)
+            time.sleep(TRAINING_S)  # the training between a resume and its first save
+            samples.setdefault(f"first save, {TRAINING_S:.0f} s after load_latest", []).append(
+                timed(proxy, mgr.save, newest + 3, state))
+        with distckpt.CheckpointManager(url, storage_options=options, keep_last=10**6) as mgr:
+            samples.setdefault("committed_steps()", []).append(timed(proxy, mgr.committed_steps))
+    assert newest >= count
     return {what: (statistics.median(t for t, _ in s), int(statistics.median(n for _, n in s)))
             for what, s in samples.items()}
 
@@ -102,7 +115,7 @@ def history_table(counts: list[int], repeats: int) -> str:
                 forge_steps(fs, made, made + 1, count)
                 made = count
                 rows.append((count, measure(url, options, proxy, count, repeats)))
-                made += 2 * repeats  # the saves measured added steps after `count`
+                made += 3 * repeats  # the saves measured added steps after `count`
         finally:
             proxy.stop()
             server.stop()

@@ -163,8 +163,7 @@ class CheckpointManager:
     def _save(self, step: int, state: dict[str, Any], epoch: int | None, metric: float | None) -> None:
         self._finish_pending()
         self._report_uploads(block=False)
-        if self.rank == 0 and self.local is None:
-            self._index(self.storage).prefetch()  # retention's first listing runs while this save writes
+        self._list_ahead()  # retention's first listing runs while this save writes
         entries = classify(state)
         doctor_hooks.rebase_fingerprints(step)
         durable = self._next_save_is_durable(entries)
@@ -505,7 +504,15 @@ class CheckpointManager:
         (step, epoch, manifest digest) or all raise. Nothing is changed unless every rank
         read and checked everything first.
         """
-        return self._load(state, None)
+        progress = self._load(state, None)
+        self._list_ahead()  # a job that resumes goes on to save: its first retention's listing runs meanwhile
+        return progress
+
+    def _list_ahead(self) -> None:
+        """Rank 0: start the root's full listing that retention after the first save (and every
+        64th) needs, on a helper thread (commit.CommitIndex.prefetch); once at most."""
+        if self.rank == 0 and self.local is None:
+            self._index(self.storage).prefetch()
 
     def load(self, state: dict[str, Any], step: int) -> Progress:
         """Restore `state` from committed checkpoint `step` (collective); no fallback."""
