@@ -6,6 +6,8 @@ import errno
 import json
 import os
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -690,3 +692,32 @@ def _index_agrees_after_every_save(tmp_path_factory, keep_last, start, actions):
                 # have had retention or gc remove a checkpoint it should keep
                 assert list_committed(storage) == saved[:keep_last]
                 assert index.listing.committed() == saved[:keep_last]
+
+
+def test_retentions_listing_of_the_root_runs_once_and_off_the_save_path_after_a_resume(tmp_path, monkeypatch):
+    """After load_latest, rank 0 lists the root for retention on a helper thread; the first save
+    uses that listing (also when it was still running as the save committed, so it may list the
+    new step itself) plus a short listing after it: one slow full listing in all, not two."""
+    from distckpt.storage.local import LocalStorage
+
+    root = str(tmp_path / "ckpt")
+    state = {"w": torch.arange(4.0)}
+    with distckpt.CheckpointManager(root) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, state)
+    real = LocalStorage.list_files
+    full: list[str] = []
+
+    def slow_full_listing(self, path="", start_after=None):
+        if path == "" and start_after is None:
+            full.append(threading.current_thread().name)
+            time.sleep(0.5)  # an object store's pages: still running when the save commits
+        return real(self, path, start_after)
+
+    monkeypatch.setattr(LocalStorage, "list_files", slow_full_listing)
+    with distckpt.CheckpointManager(root, keep_last=2) as mgr:
+        assert mgr.load_latest(state).step == 3
+        mgr.save(4, state)
+        mgr.save(5, state)
+        assert mgr.committed_steps() == [5, 4]  # retention saw every step
+    assert full[:1] == ["distckpt-listing-0"] and full[1:] == ["MainThread"], full  # the last: committed_steps()
