@@ -42,6 +42,10 @@ def sigint_deferred() -> Iterator[None]:
     signal.signal(signal.SIGINT, note)
     try:
         yield
+    except BaseException as e:
+        if received:  # the block failed meanwhile: the Ctrl-C is not lost (the failure is its cause)
+            raise KeyboardInterrupt from e
+        raise
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if received:  # the block ended as it would have without the interrupt: now it is raised

@@ -208,3 +208,17 @@ def retention_sweeping() -> Helpers:
     from distckpt import retention
 
     return retention._SWEEPING
+
+
+def test_a_ctrl_c_held_back_is_not_lost_when_the_block_fails():
+    from distckpt.interrupts import sigint_deferred
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        with sigint_deferred():
+            signal.raise_signal(signal.SIGINT)
+            raise ValueError("the load failed meanwhile")
+    assert isinstance(caught.value.__cause__, ValueError)
+    with pytest.raises(ValueError):  # without a Ctrl-C the failure is raised as it was
+        with sigint_deferred():
+            raise ValueError("x")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
