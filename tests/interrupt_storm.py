@@ -1,14 +1,17 @@
-"""Ctrl-C at random instants of a training loop's checkpoint calls, for N seconds; run as a script.
+"""Ctrl-C at random instants of a training loop's checkpoint calls; run as a script.
 
     python tests/interrupt_storm.py MODE SECONDS SEED DIR
 
 MODE: `overlap` (async saves with overlap_snapshot), `async`, `sync`, `load`, or `gate` (the
-wait primitive alone, opened from another thread; a threading.Event in its place hangs in 3 s). A real SIGINT (what a
-terminal's Ctrl-C sends) is raised a random 0-3 ms (a save or load: or 0-30 ms) into save(), wait(),
-the next optimizer step, or load_latest(). Checked: nothing hangs (faulthandler kills the process
-after a deadline), an interrupted call leaves gradients on, every step that committed holds exactly the values at its save() call, and
-after an interrupted load the state is wholly the live one or wholly the checkpoint's. Prints
-`ok rounds=N interrupted=M` and exits 0, or raises.
+wait primitive alone, opened from another thread; a threading.Event in its place hangs in 3 s).
+A real SIGINT (what a terminal's Ctrl-C sends) is raised a random 0-3 ms (a save or load: or
+0-30 ms) into save(), wait(), the next optimizer step, or load_latest(); every CLEAN_EVERY-th
+save runs uninterrupted, so that some commit however slow the machine. It runs SECONDS, and on
+past them until MIN_ROUNDS rounds. Checked: nothing hangs (a watchdog kills the process when a
+round, or the exit, takes DEADLINE_S), an interrupted call leaves gradients on, every step that
+committed holds exactly the values at its save() call, and after an interrupted load the state
+is wholly the live one or wholly the checkpoint's. Prints `ok rounds=N interrupted=M` and exits
+0, or raises.
 """
 
 from __future__ import annotations
@@ -26,18 +29,30 @@ from torch import nn
 
 import distckpt
 
-DEADLINE_S = 20
+DEADLINE_S = 60  # a round (a few calls) that takes longer is a hang
+MIN_ROUNDS = 25  # on a slow machine the storm runs past SECONDS until it made these
+CLEAN_EVERY = 8  # every 8th save runs without an interrupt: some must commit, however slow the machine
 LONGER = (0.003, 0.03)  # a save or load may take longer than 3 ms: some must also finish
 
 
 def main() -> None:
     mode, seconds, seed, root = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    faulthandler.dump_traceback_later(seconds + DEADLINE_S, exit=True)  # a hang, at exit too, fails the run
+    _watch()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     storm = _Storm(random.Random(seed))
     run = {"load": _loads, "gate": _gate}.get(mode, _saves)
     rounds = run(storm, mode, seconds, root)
     print(f"ok rounds={rounds} interrupted={storm.interrupted}", flush=True)
+
+
+def _watch() -> None:
+    """(Re)arm the watchdog: a hang, at exit too, prints every thread's stack and fails the run."""
+    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
+
+
+def _going(end: float, rounds: int) -> bool:
+    _watch()
+    return time.monotonic() < end or rounds < MIN_ROUNDS
 
 
 class _Storm:
@@ -52,12 +67,13 @@ class _Storm:
         self.interrupted = 0
         signal.signal(signal.SIGALRM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
 
-    def call(self, fn: Callable[[], Any], within: tuple[float, ...] = (0.003,)) -> bool:
+    def call(self, fn: Callable[[], Any], within: tuple[float, ...] | None = (0.003,)) -> bool:
         """True if fn returned, False if a KeyboardInterrupt ended it (or landed just after);
-        the interrupt comes up to one of `within` seconds in."""
+        the interrupt comes up to one of `within` seconds in (None: no interrupt)."""
         try:
             try:
-                signal.setitimer(signal.ITIMER_REAL, self.rng.uniform(1e-5, self.rng.choice(within)))
+                if within is not None:
+                    signal.setitimer(signal.ITIMER_REAL, self.rng.uniform(1e-5, self.rng.choice(within)))
                 fn()
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
@@ -119,11 +135,12 @@ def _saves(storm: _Storm, mode: str, seconds: float, root: str) -> int:
                                      timeout=30, keep_last=storm.rng.choice([2, 8]))
     expected: dict[int, dict[str, torch.Tensor]] = {}
     end, step = time.monotonic() + seconds, 0
-    while time.monotonic() < end:
+    while _going(end, step):
         step += 1
         expected[step] = _values(model, opt)
         try:
-            storm.call(lambda s=step: mgr.save(s, {"model": model, "optimizer": opt}), LONGER)
+            storm.call(lambda s=step: mgr.save(s, {"model": model, "optimizer": opt}),
+                       None if step % CLEAN_EVERY == 0 else LONGER)
         except distckpt.DistCkptError:
             pass  # a failed save: its step must not commit with other values, checked below
         try:
@@ -157,7 +174,7 @@ def _loads(storm: _Storm, mode: str, seconds: float, root: str) -> int:
     saved = _values(model, opt)
     end, rounds = time.monotonic() + seconds, 0
     mgr = distckpt.CheckpointManager(root)
-    while time.monotonic() < end:
+    while _going(end, rounds):
         rounds += 1
         _train(model, opt, rounds)  # the live state moves away from the checkpoint
         live = _values(model, opt)
@@ -174,7 +191,7 @@ def _gate(storm: _Storm, mode: str, seconds: float, root: str) -> int:
     from distckpt.interrupts import Gate
 
     gate, rounds, end = Gate(), 0, time.monotonic() + seconds
-    while time.monotonic() < end:
+    while _going(end, rounds):
         rounds += 1
         gate.close()
         threading.Timer(storm.rng.uniform(0, 0.0002), gate.open).start()

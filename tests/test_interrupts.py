@@ -138,7 +138,7 @@ def test_ctrl_c_at_random_instants_never_hangs_loses_or_half_restores(tmp_path, 
     script = os.path.join(os.path.dirname(__file__), "interrupt_storm.py")
     seed = ["overlap", "async", "sync", "load", "gate"].index(mode) + 1
     done = subprocess.run([sys.executable, script, mode, str(_STORM_S), str(seed), str(tmp_path)],
-                          capture_output=True, text=True, timeout=_STORM_S + 120)
+                          capture_output=True, text=True, timeout=_STORM_S + 600)  # a hang: the script's watchdog
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     last = done.stdout.strip().splitlines()[-1]
     rounds, interrupted = (int(part.split("=")[1]) for part in last.split()[1:])
