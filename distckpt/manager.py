@@ -591,16 +591,27 @@ class CheckpointManager:
         try:
             self._finish_pending()
             self._make_last_save_durable()
-        finally:
-            self._closed = True
-            self._preemption.uninstall()
-            self._writer.close()
-            self._uploader.close()
-            self._sweeper.close()
-            self._snapshot.close()
-            if self._writer_coord is not None and self._writer_coord is not self._coord:
-                self._writer_coord.close()
-            self._coord.close()
+        except BaseException as e:
+            if not isinstance(e, Exception):
+                # Ctrl-C (or SystemExit) while waiting: the save in flight and the upload stay
+                # pending, the manager open; close() again, or the exit hook, finishes them.
+                # Closing here left the writer running with its groups torn down, and the next
+                # close() returned at once: a step lost, or committed after close() returned.
+                raise
+            self._shut_down()
+            raise
+        self._shut_down()
+
+    def _shut_down(self) -> None:
+        self._closed = True
+        self._preemption.uninstall()
+        self._writer.close()
+        self._uploader.close()
+        self._sweeper.close()
+        self._snapshot.close()
+        if self._writer_coord is not None and self._writer_coord is not self._coord:
+            self._writer_coord.close()
+        self._coord.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -222,3 +223,58 @@ def test_a_ctrl_c_held_back_is_not_lost_when_the_block_fails():
         with sigint_deferred():
             raise ValueError("x")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _stall_step_2_write(seconds: float):
+    from distckpt import faults
+
+    def hook(name, context):
+        if name == "save/replicated-written" and context.get("step") == 2:
+            time.sleep(seconds)
+    return faults.on_point(hook)
+
+
+def _committed(root) -> list[int]:
+    with distckpt.CheckpointManager(root) as reader:
+        return reader.committed_steps()
+
+
+@pytest.mark.parametrize("tiers", [False, True])
+def test_ctrl_c_inside_close_leaves_the_save_in_flight_for_the_next_close(tmp_path, tiers):
+    """close() interrupted while it waits for an async save: the save stays pending and the
+    manager open, and the next close() waits for it (it returned at once before, the step
+    committed later or never; with two tiers the URL never got it)."""
+    root = tmp_path / "url"
+    extra = {"local_dir": str(tmp_path / "local"), "durable_every": 10} if tiers else {}
+    off = _stall_step_2_write(1.0)
+    try:
+        mgr = distckpt.CheckpointManager(root, async_save=True, **extra)
+        mgr.save(1, {"t": torch.arange(4.0)})
+        mgr.save(2, {"t": torch.arange(5.0)})
+        threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            mgr.close()
+        mgr.close()
+        # as close() returned, not later; with two tiers the last save reached the URL too
+        assert _committed(root) == ([2] if tiers else [2, 1])
+        with pytest.raises(distckpt.ConfigError, match="closed"):
+            mgr.save(3, {"t": torch.arange(4.0)})
+    finally:
+        off()
+
+
+def test_an_uncaught_ctrl_c_inside_close_still_finishes_the_save_at_exit(tmp_path):
+    script = f"""
+import signal, threading, time, torch, distckpt
+from distckpt import faults
+faults.on_point(lambda name, c: time.sleep(1.0) if name == "save/replicated-written" and c.get("step") == 2 else None)
+mgr = distckpt.CheckpointManager({str(tmp_path / 'ckpt')!r}, async_save=True)
+mgr.save(1, {{"t": torch.arange(4.0)}})
+mgr.save(2, {{"t": torch.arange(5.0)}})
+threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+mgr.close()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "KeyboardInterrupt" in done.stderr, done.stderr[-2000:]
+    assert "the background save of step 2 finished at exit" in done.stderr, done.stderr[-2000:]
+    assert _committed(tmp_path / "ckpt") == [2, 1]
