@@ -379,3 +379,42 @@ def replicated_values_by_rank(rank: int, world: int, url: str, case: str, async_
     with distckpt.CheckpointManager(url) as mgr:
         mgr.load_latest(back)
     return {"own": back["own"].obj}
+
+
+def interrupted_inside_an_exchange(rank: int, world: int, url: str) -> dict:
+    """Rank 0 gets a KeyboardInterrupt inside load_latest()'s exchange, catches it and goes on to
+    save(); rank 1 is still in load_latest(). Returns what each call raised."""
+    import torch
+
+    import distckpt
+    from distckpt.coord import GlooCoordinator
+
+    state = {"t": torch.arange(4.0)}
+    out: dict = {}
+    with distckpt.CheckpointManager(url, timeout=6) as mgr:
+        mgr.save(1, state)
+        if rank == 0:
+            broadcast = GlooCoordinator._broadcast_object
+
+            def interrupted(self, obj):  # a Ctrl-C landing as this rank enters the broadcast
+                GlooCoordinator._broadcast_object = broadcast  # type: ignore[method-assign]
+                raise KeyboardInterrupt
+
+            GlooCoordinator._broadcast_object = interrupted  # type: ignore[method-assign]
+        for call in ("load_latest", "save"):
+            try:
+                if call == "load_latest":
+                    mgr.load_latest(state)
+                else:
+                    mgr.save(2, state)
+                out[call] = None
+            except BaseException as e:  # noqa: BLE001  (the test compares the types)
+                out[call] = type(e).__name__
+                out[f"{call} says"] = str(e)
+            if rank == 1:
+                break  # rank 1 goes on only after its load
+        try:
+            mgr.close()
+        except BaseException as e:  # noqa: BLE001
+            out["close"] = type(e).__name__
+    return out

@@ -299,3 +299,15 @@ def test_a_replicated_value_that_differs_between_ranks_is_refused_at_save_on_eve
                                   f"{list(range(1, world))}", "distckpt.per_rank")
     assert len(msgs) == 1 and "state['own']" not in msgs.pop()
     assert not os.path.exists(os.path.join(ckpt_dir, "step-000000001"))
+
+
+def test_a_ctrl_c_inside_an_exchange_on_one_rank_is_a_clear_error_on_every_rank(ckpt_dir):
+    """Rank 0 interrupted inside load_latest()'s exchange goes on to save(): its manager refuses
+    at once (the exchange was left part-way; pairing the save's exchange with rank 1's rest of the
+    load's gave raw KeyErrors on both ranks), and rank 1 gets a CoordinationError in its timeout."""
+    results = run_world(f"{W}:interrupted_inside_an_exchange", 2, timeout=90, url=ckpt_dir)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    rank0, rank1 = results[0].value, results[1].value
+    assert rank0["load_latest"] == "KeyboardInterrupt", rank0
+    assert rank0["save"] == "CoordinationError" and "interrupted (KeyboardInterrupt)" in rank0["save says"], rank0
+    assert rank1["load_latest"] == "CoordinationError", rank1
