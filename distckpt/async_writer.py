@@ -150,9 +150,15 @@ def _finish_at_exit() -> None:
         log.warning("distckpt: the process is exiting with the background save of %s in flight and "
                     "without CheckpointManager.close(); finishing it now (call close() at the end of "
                     "training: it also reports the outcome to every rank)", writer.description)
-        if writer.before_exit is not None:
-            writer.before_exit()
-        if not job.join(EXIT_WAIT_S):
+        try:
+            if writer.before_exit is not None:
+                writer.before_exit()
+            finished = job.join(EXIT_WAIT_S)
+        except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, but say what it costs
+            log.error("distckpt: interrupted at exit: the background save of %s was abandoned and is NOT "
+                      "committed (its files are a leftover, removed by a later save)", writer.description)
+            return
+        if not finished:
             log.error("distckpt: the background save of %s did not finish within %.0f s of exit; it is "
                       "NOT committed", writer.description, EXIT_WAIT_S)
         elif job.error is not None:

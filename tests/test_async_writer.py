@@ -75,3 +75,25 @@ def test_a_forked_child_does_not_wait_at_exit_for_the_parents_save_in_flight():
     assert writer.wait() == (True, None)
     writer.close()
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_second_ctrl_c_at_exit_says_the_save_in_flight_is_abandoned(caplog):
+    writer = AsyncWriter()
+    release = threading.Event()
+    writer.submit(release.wait, "step 7")
+    async_writer._IN_FLIGHT.add(writer)
+
+    def interrupted():
+        raise KeyboardInterrupt  # the user's second Ctrl-C while the exit hook waits
+
+    writer.before_exit = interrupted
+    try:
+        with caplog.at_level("ERROR", logger="distckpt"):
+            async_writer._finish_at_exit()
+        assert "the background save of step 7 was abandoned and is NOT committed" in caplog.text
+    finally:
+        writer.before_exit = None
+        release.set()
+        writer.wait()
+        async_writer._IN_FLIGHT.discard(writer)
+        writer.close()
