@@ -591,15 +591,13 @@ class CheckpointManager:
         try:
             self._finish_pending()
             self._make_last_save_durable()
-        except BaseException as e:
-            if not isinstance(e, Exception):
-                # Ctrl-C (or SystemExit) while waiting: the save in flight and the upload stay
-                # pending, the manager open; close() again, or the exit hook, finishes them.
-                # Closing here left the writer running with its groups torn down, and the next
-                # close() returned at once: a step lost, or committed after close() returned.
-                raise
+        except Exception:
             self._shut_down()
             raise
+        # Not on Ctrl-C (or SystemExit) while waiting: the save in flight and the upload stay
+        # pending, the manager open; close() again, or the exit hook, finishes them. Closing then
+        # left the writer running with its groups torn down, and the next close() returned at
+        # once: a step lost, or committed after close() returned.
         self._shut_down()
 
     def _shut_down(self) -> None:
