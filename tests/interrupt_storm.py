@@ -2,7 +2,8 @@
 
     python tests/interrupt_storm.py MODE SECONDS SEED DIR
 
-MODE: `overlap` (async saves with overlap_snapshot), `async`, `sync`, `load`, or `gate` (the
+MODE: `overlap` (async saves with overlap_snapshot), `async`, `sync`, `load`, `close` (an async
+save in flight, close() interrupted, close() again), or `gate` (the
 wait primitive alone, opened from another thread; a threading.Event in its place hangs in 3 s).
 A real SIGINT (what a terminal's Ctrl-C sends) is raised a random 0-3 ms (a save or load: or
 0-30 ms) into save(), wait(), the next optimizer step, or load_latest(); every CLEAN_EVERY-th
@@ -40,7 +41,7 @@ def main() -> None:
     _watch()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     storm = _Storm(random.Random(seed))
-    run = {"load": _loads, "gate": _gate}.get(mode, _saves)
+    run = {"load": _loads, "gate": _gate, "close": _closes}.get(mode, _saves)
     rounds = run(storm, mode, seconds, root)
     print(f"ok rounds={rounds} interrupted={storm.interrupted}", flush=True)
 
@@ -185,6 +186,29 @@ def _loads(storm: _Storm, mode: str, seconds: float, root: str) -> int:
         assert _same(_values(model, opt), saved), f"round {rounds}: the load after an interrupted one is wrong"
     mgr.close()
     return rounds
+
+
+def _closes(storm: _Storm, mode: str, seconds: float, root: str) -> int:
+    """Each round an async save (overlapped or not) in flight, then close() interrupted at a
+    random instant, then close() again: the step is committed, exactly, as that close() returns."""
+    model, opt = _model()
+    end, step = time.monotonic() + seconds, 0
+    while _going(end, step):
+        step += 1
+        mgr = distckpt.CheckpointManager(root, async_save=True, overlap_snapshot=step % 2 == 0, keep_last=2)
+        mgr.load_latest({"model": model, "optimizer": opt})  # a new job resuming the last one
+        _train(model, opt, step)
+        want = _values(model, opt)
+        mgr.save(step, {"model": model, "optimizer": opt})
+        storm.call(mgr.close, LONGER)
+        while not storm.call(mgr.close, None):
+            pass
+        with distckpt.CheckpointManager(root) as reader:
+            assert reader.committed_steps()[0] == step, f"step {step} not committed as close() returned"
+            fresh_model, fresh_opt = _model()
+            reader.load({"model": fresh_model, "optimizer": fresh_opt}, step)
+        assert _same(_values(fresh_model, fresh_opt), want), f"step {step} does not hold its save's values"
+    return step
 
 
 def _gate(storm: _Storm, mode: str, seconds: float, root: str) -> int:

@@ -127,7 +127,7 @@ def test_ctrl_c_in_either_restore_phase_leaves_everything_restored(tmp_path, whe
 _STORM_S = 3.0 if int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "6")) < 50 else 30.0
 
 
-@pytest.mark.parametrize("mode", ["overlap", "async", "sync", "load", "gate"])
+@pytest.mark.parametrize("mode", ["overlap", "async", "sync", "load", "close", "gate"])
 def test_ctrl_c_at_random_instants_never_hangs_loses_or_half_restores(tmp_path, mode):
     """A real SIGINT a random instant into save(), wait(), the next optimizer step or
     load_latest(), hundreds of times (tests/interrupt_storm.py): no hang, every committed step
@@ -137,7 +137,7 @@ def test_ctrl_c_at_random_instants_never_hangs_loses_or_half_restores(tmp_path, 
     concurrent.futures' pool hashing a sync save's chunks, 1 in 4 hung (its Semaphore's lock);
     the gate mode alone, with threading.Event in Gate's place, hangs in every 3 s run."""
     script = os.path.join(os.path.dirname(__file__), "interrupt_storm.py")
-    seed = ["overlap", "async", "sync", "load", "gate"].index(mode) + 1
+    seed = ["overlap", "async", "sync", "load", "close", "gate"].index(mode) + 1
     done = subprocess.run([sys.executable, script, mode, str(_STORM_S), str(seed), str(tmp_path)],
                           capture_output=True, text=True, timeout=_STORM_S + 600)  # a hang: the script's watchdog
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
