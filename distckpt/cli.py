@@ -32,7 +32,7 @@ import time
 from typing import Any, NoReturn
 
 from . import manifest as mf
-from .commit import list_committed
+from .commit import CommitIndex, list_committed
 from .errors import ConfigError, DistCkptError
 from .fencing import read_leases
 from .gcpause import collector_paused
@@ -180,8 +180,11 @@ def _progress(storage: Storage, steps: list[int]) -> Any:
 
 
 def cmd_prune(storage: Storage, args: argparse.Namespace) -> int:
-    committed = read_committed(storage, list_committed(storage))
-    doomed = plan_retention(committed, args.keep_last, args.keep_best, args.best_mode)
+    index = CommitIndex(storage)
+    index.scan()
+    zombies = index.superseded(read_leases(storage))  # never loaded: counted toward nothing, removed
+    committed = read_committed(storage, [s for s in index.listing.committed() if s not in zombies], index)
+    doomed = sorted(plan_retention(committed, args.keep_last, args.keep_best, args.best_mode) + sorted(zombies))
     keep = kept_references(committed, doomed)  # files the remaining checkpoints reference stay
     for step in doomed:
         if not args.dry_run:

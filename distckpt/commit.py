@@ -338,26 +338,48 @@ class CommitIndex:
         return manifest
 
     def generations(self) -> list[int]:
-        """The writer generation of every committed step of the last scan, for lease pruning.
-        Read from the listing where it can be: a writer names its replicated file after its
+        """The writer generation of every committed step of the last scan, for lease pruning
+        (lower bounds: see generation_bounds)."""
+        return list(self.generation_bounds().values())
+
+    def generation_bounds(self) -> dict[int, int]:
+        """Per committed step of the last scan, a lower bound of its writer's generation, read
+        from the listing where it can be: a writer names its replicated file after its
         generation, and the lowest such name in a step directory is never above the marker's
-        (a leftover of an older attempt only lowers it, which keeps more leases). A marker is
-        read only for a step without such a name (2,000 steps on S3: 2,000 GETs otherwise)."""
+        (a leftover of an older attempt only lowers it). A marker is read only for a step
+        without such a name (2,000 steps on S3: 2,000 GETs otherwise); 0 if it cannot be."""
         named: dict[int, int] = {}
         for path in self.listing.files:
             match = _REPLICATED_RE.fullmatch(path)
             if match:
                 step, generation = int(match.group(1)), int(match.group(2) or 0)
                 named[step] = min(generation, named.get(step, generation))
-        out = []
+        out = {}
         for step in self.listing.committed():
             if step in named:
-                out.append(named[step])
+                out[step] = named[step]
                 continue
             try:
-                out.append(self.marker(step).generation)
+                out[step] = self.marker(step).generation
             except (MissingFileError, CorruptCheckpointError):
-                out.append(0)  # unreadable or gone meanwhile: keep every lease
+                out[step] = 0  # unreadable or gone meanwhile: the lowest bound
+        return out
+
+    def superseded(self, leases: list[Lease]) -> set[int]:
+        """Committed steps of the last scan that a load refuses as a superseded writer's output
+        (check_not_superseded). A step whose lower bound is not superseded is not (the predicate
+        only loosens as the generation falls); one whose bound is, is confirmed from its marker
+        (a leftover of an older attempt can lower a live step's bound): rare, one GET each."""
+        out = set()
+        for step, bound in self.generation_bounds().items():
+            if fencing.superseded_by(bound, step, leases) is None:
+                continue
+            try:
+                generation = self.marker(step).generation
+            except (MissingFileError, CorruptCheckpointError):
+                continue  # unreadable or gone meanwhile: not judged here
+            if fencing.superseded_by(generation, step, leases) is not None:
+                out.add(step)
         return out
 
 

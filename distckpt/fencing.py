@@ -70,15 +70,22 @@ def lease_generations(storage: Storage) -> list[int]:
     return sorted(int(m.group(1)) for m in map(_LEASE_RE.fullmatch, storage.list_dir(FENCE_DIR)) if m)
 
 
-def read_leases(storage: Storage) -> list[Lease]:
-    """Every lease that can be read, by generation; an unreadable one is skipped with a warning."""
+def read_leases(storage: Storage, known: dict[int, Lease] | None = None) -> list[Lease]:
+    """Every lease that can be read, by generation; an unreadable one is skipped with a warning.
+    `known`: leases read before, by generation (a lease is never rewritten, so only new ones are
+    read; the new ones are added): one LIST per call once all are known."""
     leases = []
     for gen in lease_generations(storage):
+        if known is not None and gen in known:
+            leases.append(known[gen])
+            continue
         try:
             d = json.loads(storage.read_bytes(lease_path(gen), _MAX_LEASE_BYTES))
             floor = d["floor"]
             leases.append(Lease(gen, None if floor is None else int(floor), str(d["run_id"]), str(d.get("host", "")),
                                 int(d.get("pid", 0)), float(d.get("created_unix", 0.0))))
+            if known is not None:
+                known[gen] = leases[-1]
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             log.warning("fence: lease %s is unreadable and ignored: %s", lease_path(gen), e)
     return leases

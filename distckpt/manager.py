@@ -131,6 +131,7 @@ class CheckpointManager:
         self._uploader = AsyncWriter()   # rank 0: one upload to the durable tier in flight
         self._upload_failures: list[tuple[int, str]] = []  # rank 0: not yet reported to the ranks
         self._indexes: dict[str, CommitIndex] = {}  # rank 0: see _index
+        self._leases_seen: dict[int, Lease] = {}  # rank 0: the durable root's leases read so far (fencing.read_leases)
         self._uploading: int | None = None   # rank 0: the step being uploaded (local retention spares it)
         self._last_local: int | None = None  # rank 0: the newest step committed on the local tier
         self._last_durable: int | None = None  # rank 0: the newest step uploaded
@@ -329,18 +330,32 @@ class CheckpointManager:
         checkpoint references). Manifests are read only when needed: for the metrics of
         `keep_best`, and for the references when something is deleted; each once per process
         (the index), so a save's cost does not grow with the number of committed steps."""
-        steps = index.listing.committed()
         if keep_last is None and keep_best is None:
             return [], set()
+        # A superseded writer's commit is never loaded: counted, it could push the live job's
+        # steps out of keep_last (and a zombie's own retention delete them all); it goes instead.
+        zombies = index.superseded(self._known_leases())
+        steps = [step for step in index.listing.committed() if step not in zombies]
         committed = (read_committed(index.storage, steps, index) if keep_best is not None
                      else [Committed(step, None) for step in steps])
         doomed = [step for step in plan_retention(committed, keep_last, keep_best, self.config.best_mode)
-                  if step not in spared]
+                  + sorted(zombies) if step not in spared]
         if not doomed:
             return [], set()
         if keep_best is None:
             committed = read_committed(index.storage, steps, index)
-        return doomed, kept_references(committed, doomed)
+        return sorted(doomed), kept_references(committed, doomed)
+
+    def _known_leases(self) -> list[Lease]:
+        """The durable root's leases; those read before if it cannot be listed now (the local
+        tier's retention goes on while the durable root is unreachable; fewer leases only make
+        fewer steps count as a superseded writer's)."""
+        try:
+            return read_leases(self.storage, self._leases_seen)
+        except (OSError, DistCkptError) as e:
+            log.info("rank 0: the leases at %s cannot be listed (%s); retention judges by those seen before",
+                     self.storage.url, e)
+            return sorted(self._leases_seen.values(), key=lambda lease: lease.generation)
 
     # -- the durable tier (two tiers only) -------------------------------------------------
 

@@ -201,3 +201,49 @@ def test_the_commit_index_reads_generations_from_the_listing_as_the_markers_say(
     fresh = CommitIndex(storage)
     fresh.scan()
     assert fresh.generations()[0] == 1  # lowered, never raised
+
+
+@pytest.mark.parametrize("keep_last", [1, 2])
+def test_retention_never_counts_or_keeps_a_zombies_steps(where, monkeypatch, keep_last):
+    """A zombie's slipped-through commit is never loaded, so it counts toward no keep_last: not
+    in the zombie's own retention (which would delete the live job's only steps) nor in the live
+    job's; the live job's retention removes it."""
+    old = manager(where, keep_last=keep_last)
+    old.save(1, {"w": torch.full((4,), 1.0)})
+    new = manager(where, keep_last=keep_last)
+    new.load_latest({"w": torch.zeros(4)})  # resumes from 1
+    new.save(2, {"w": torch.full((4,), 2.0)})
+    with monkeypatch.context() as m:
+        m.setattr(fencing, "check_current", lambda storage, lease: None)  # the zombie's view
+        old.save(5, {"w": torch.full((4,), 99.0)})
+        old.save(6, {"w": torch.full((4,), 98.0)})
+    old._sweeper.drain()
+    # The live job's newest step survives the zombie's retention: a crash now resumes from it.
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="superseded writer"):
+        assert value_of(where) == (2, 2.0)
+    new.save(3, {"w": torch.full((4,), 3.0)})
+    new._sweeper.drain()
+    live = [3, 2, 1][:keep_last]
+    assert new.committed_steps() == live  # the zombie's steps are gone, the live ones counted alone
+    assert value_of(where) == (3, 3.0)
+    new.close()
+    old.close()
+
+
+def test_prune_counts_a_zombies_step_toward_nothing_and_removes_it(where, monkeypatch, capsys):
+    old = manager(where)
+    old.save(1, {"w": torch.full((4,), 1.0)})
+    new = manager(where)
+    new.load_latest({"w": torch.zeros(4)})
+    new.save(2, {"w": torch.full((4,), 2.0)})
+    with monkeypatch.context() as m:
+        m.setattr(fencing, "check_current", lambda storage, lease: None)  # the zombie's view
+        old.save(5, {"w": torch.full((4,), 99.0)})
+    url = where[0]
+    assert cli_main(["prune", url, "--keep-last", "1", "--dry-run"]) == 0
+    assert capsys.readouterr().out.split() == "would remove step 1 would remove step 5".split()
+    assert cli_main(["prune", url, "--keep-last", "1"]) == 0
+    assert new.committed_steps() == [2]
+    assert value_of(where) == (2, 2.0)
+    new.close()
+    old.close()
