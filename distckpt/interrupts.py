@@ -4,9 +4,10 @@ A KeyboardInterrupt raised between two restored entries left the state half-rest
 independent check: 354 of 1,590 loads interrupted at random instants, optimizer restored and
 model not, or one module half A and half B), and one raised between handing an async save to the
 writer and noting it pending left the manager unable to save again. While such a block runs on
-the main thread with Python's default SIGINT handler in place, a SIGINT is noted and raised as
-KeyboardInterrupt when the block ends; a handler the program installed itself is left alone, as
-are KeyboardInterrupts raised by other means (those still land wherever they land).
+the main thread, a SIGINT or SIGTERM is noted and its Python handler (the default SIGINT handler,
+which raises KeyboardInterrupt, or the program's own, which may raise anything) runs when the
+block ends; exceptions raised by other means (another thread's `PyThreadState_SetAsyncExc`)
+still land wherever they land.
 
 And a wait a KeyboardInterrupt cannot wedge (`Gate`): threading.Event and Condition take their
 internal lock in Python code, so an interrupt landing between that lock's acquire and the `with`
@@ -27,29 +28,49 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 
 @contextmanager
 def sigint_deferred() -> Iterator[None]:
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    """Hold back SIGINT and SIGTERM while the block runs on the main thread: each one's Python
+    handler (Python's default SIGINT handler, which raises KeyboardInterrupt, or one the program
+    installed, which may raise anything) runs when the block ends, in the order they arrived.
+    A signal whose handler is the OS default (SIGTERM's: the process ends, so nothing is left
+    half-done) or ignored is left alone. If the block fails meanwhile, the handlers run then, and
+    what they raise has the failure as its cause."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received: list[int] = []
+    handlers = {sig: h for sig in DEFERRED_SIGNALS if callable(h := signal.getsignal(sig))}
+    received: list[tuple[int, Any]] = []
 
     def note(signum: int, frame: Any) -> None:
-        received.append(signum)
+        received.append((signum, frame))
 
-    signal.signal(signal.SIGINT, note)
+    for sig in handlers:
+        signal.signal(sig, note)
     try:
         yield
     except BaseException as e:
-        if received:  # the block failed meanwhile: the Ctrl-C is not lost (the failure is its cause)
-            raise KeyboardInterrupt from e
+        _restore(handlers)
+        try:
+            _run_handlers(handlers, received)
+        except BaseException as raised:
+            raise raised from e
         raise
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if received:  # the block ended as it would have without the interrupt: now it is raised
-        raise KeyboardInterrupt
+    _restore(handlers)
+    _run_handlers(handlers, received)  # the block ended as it would have without the signals
+
+
+def _restore(handlers: dict[int, Any]) -> None:
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def _run_handlers(handlers: dict[int, Any], received: list[tuple[int, Any]]) -> None:
+    for signum, frame in received:
+        handlers[signum](signum, frame)
 
 
 def start_thread(thread: threading.Thread) -> threading.Thread:

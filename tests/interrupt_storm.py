@@ -2,7 +2,8 @@
 
     python tests/interrupt_storm.py MODE SECONDS SEED DIR
 
-MODE: `overlap` (async saves with overlap_snapshot), `async`, `sync`, `load`, `close` (an async
+MODE: `overlap` (async saves with overlap_snapshot), `async`, `sync`, `load`, `own-handlers` (loads,
+the program's own SIGINT and SIGTERM handlers raising in turn), `close` (an async
 save in flight, close() interrupted, close() again), or `gate` (the
 wait primitive alone, opened from another thread; a threading.Event in its place hangs in 3 s).
 A real SIGINT (what a terminal's Ctrl-C sends) is raised a random 0-3 ms (a save or load: or
@@ -41,9 +42,17 @@ def main() -> None:
     _watch()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     storm = _Storm(random.Random(seed))
-    run = {"load": _loads, "gate": _gate, "close": _closes}.get(mode, _saves)
+    if mode == "own-handlers":  # the program's own handlers, SIGINT and SIGTERM alike, raise
+        storm.signals = (signal.SIGINT, signal.SIGTERM)
+        signal.signal(signal.SIGINT, _own_handler)
+        signal.signal(signal.SIGTERM, _own_handler)
+    run = {"load": _loads, "own-handlers": _loads, "gate": _gate, "close": _closes}.get(mode, _saves)
     rounds = run(storm, mode, seconds, root)
     print(f"ok rounds={rounds} interrupted={storm.interrupted}", flush=True)
+
+
+def _own_handler(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"the program's own {signal.Signals(signum).name} handler")
 
 
 def _watch() -> None:
@@ -66,7 +75,8 @@ class _Storm:
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
         self.interrupted = 0
-        signal.signal(signal.SIGALRM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+        self.signals = (signal.SIGINT,)  # raised in turn
+        signal.signal(signal.SIGALRM, lambda signum, frame: signal.raise_signal(self.signals[self.interrupted % len(self.signals)]))
 
     def call(self, fn: Callable[[], Any], within: tuple[float, ...] | None = (0.003,)) -> bool:
         """True if fn returned, False if a KeyboardInterrupt ended it (or landed just after);

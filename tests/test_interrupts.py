@@ -127,7 +127,7 @@ def test_ctrl_c_in_either_restore_phase_leaves_everything_restored(tmp_path, whe
 _STORM_S = 3.0 if int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "6")) < 50 else 30.0
 
 
-@pytest.mark.parametrize("mode", ["overlap", "async", "sync", "load", "close", "gate"])
+@pytest.mark.parametrize("mode", ["overlap", "async", "sync", "load", "own-handlers", "close", "gate"])
 def test_ctrl_c_at_random_instants_never_hangs_loses_or_half_restores(tmp_path, mode):
     """A real SIGINT a random instant into save(), wait(), the next optimizer step or
     load_latest(), hundreds of times (tests/interrupt_storm.py): no hang, every committed step
@@ -137,7 +137,7 @@ def test_ctrl_c_at_random_instants_never_hangs_loses_or_half_restores(tmp_path, 
     concurrent.futures' pool hashing a sync save's chunks, 1 in 4 hung (its Semaphore's lock);
     the gate mode alone, with threading.Event in Gate's place, hangs in every 3 s run."""
     script = os.path.join(os.path.dirname(__file__), "interrupt_storm.py")
-    seed = ["overlap", "async", "sync", "load", "close", "gate"].index(mode) + 1
+    seed = ["overlap", "async", "sync", "load", "own-handlers", "close", "gate"].index(mode) + 1
     done = subprocess.run([sys.executable, script, mode, str(_STORM_S), str(seed), str(tmp_path)],
                           capture_output=True, text=True, timeout=_STORM_S + 600)  # a hang: the script's watchdog
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
@@ -223,6 +223,36 @@ def test_a_ctrl_c_held_back_is_not_lost_when_the_block_fails():
         with sigint_deferred():
             raise ValueError("x")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_programs_own_sigint_and_sigterm_handlers_run_after_the_block():
+    from distckpt.interrupts import sigint_deferred
+
+    ran: list[tuple[str, int]] = []
+
+    def own(signum, frame):
+        ran.append(("handler", signum))
+        if signum == signal.SIGTERM:
+            raise SystemExit(143)
+
+    previous = {sig: signal.signal(sig, own) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit):
+            with sigint_deferred():
+                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGTERM)
+                ran.append(("block", 0))  # the block runs on to its end first
+        assert ran == [("block", 0), ("handler", signal.SIGINT), ("handler", signal.SIGTERM)]
+        assert signal.getsignal(signal.SIGINT) is own and signal.getsignal(signal.SIGTERM) is own
+        ran.clear()
+        with pytest.raises(SystemExit) as caught:
+            with sigint_deferred():
+                signal.raise_signal(signal.SIGTERM)
+                raise ValueError("the load failed meanwhile")
+        assert isinstance(caught.value.__cause__, ValueError) and ran == [("handler", signal.SIGTERM)]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _stall_step_2_write(seconds: float):
