@@ -42,7 +42,7 @@ def sigint_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    handlers = {sig: h for sig in DEFERRED_SIGNALS if callable(h := signal.getsignal(sig))}
+    handlers: dict[int, Any] = {int(sig): h for sig in DEFERRED_SIGNALS if callable(h := signal.getsignal(sig))}
     received: list[tuple[int, Any]] = []
 
     def note(signum: int, frame: Any) -> None:
