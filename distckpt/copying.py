@@ -19,12 +19,11 @@ import ctypes
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from .interrupts import start_thread
+from .interrupts import Helpers, start_thread
 from .storage import is_mapped, release_pages
 
 COPY_PIECE_BYTES = 8 << 20  # a large tensor is copied (and its source pages let go) in pieces
@@ -47,6 +46,11 @@ def copy_threads() -> int:
     except ValueError:
         local_ranks = 1
     return max(1, min(MAX_COPY_THREADS, cores // local_ranks))
+
+
+# Helper threads per thread count, kept for the process (interrupts.Helpers: a wait for them an
+# interrupt cannot wedge, unlike concurrent.futures' pool, which also started threads per load).
+_COPIERS: dict[int, Helpers] = {}
 
 
 class PageRelease:
@@ -107,9 +111,14 @@ class PageRelease:
             if self._threads <= 1 or len(pieces) <= 1:
                 self._copy_run(pieces, failed)
             else:
-                with ThreadPoolExecutor(self._threads, thread_name_prefix="distckpt-copy") as pool:
-                    for _ in pool.map(lambda run: self._copy_run(run, failed), _runs(pieces, self._threads)):
-                        pass
+                copiers = _COPIERS.get(self._threads) or _COPIERS.setdefault(self._threads, Helpers(self._threads, "distckpt-copy"))
+                tasks = [copiers.submit(self._copy_run, run, failed) for run in _runs(pieces, self._threads)]
+                try:
+                    for task in tasks:
+                        task.result()
+                finally:
+                    for task in tasks:
+                        task.wait()  # every copy ended before the files are let go
         finally:
             self.everything()
         if failed:
