@@ -370,7 +370,9 @@ class CommitIndex:
         (check_not_superseded). A step whose lower bound is not superseded is not (the predicate
         only loosens as the generation falls); one whose bound is, is confirmed from its marker
         (a leftover of an older attempt can lower a live step's bound): rare, one GET each."""
-        out = set()
+        out: set[int] = set()
+        if all(lease.floor is None for lease in leases):
+            return out  # no incarnation ever resumed: nothing is superseded (and no listing walked)
         for step, bound in self.generation_bounds().items():
             if fencing.superseded_by(bound, step, leases) is None:
                 continue
