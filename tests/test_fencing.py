@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing as mp
+import os
 import time
+import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import distckpt
 from distckpt import fencing
@@ -247,3 +251,60 @@ def test_prune_counts_a_zombies_step_toward_nothing_and_removes_it(where, monkey
     assert value_of(where) == (2, 2.0)
     new.close()
     old.close()
+
+
+_EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "40"))
+
+
+@settings(max_examples=max(10, _EXAMPLES // 2), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(keep_last=st.integers(1, 3), keep_best=st.sampled_from([None, 1]),
+       ops=st.lists(st.tuples(st.sampled_from(["save", "save", "zombie", "restart"]), st.integers(0, 40)),
+                    min_size=1, max_size=14))
+def test_housekeeping_never_loses_the_live_jobs_newest_step(tmp_path_factory, keep_last, keep_best, ops):
+    """Random sequences of the live job's saves, restarts (the old incarnation lives on) and a
+    superseded incarnation's commits slipping past the fence (at any free step number, metric
+    better than everything), under keep_last / keep_best: after each, a fresh load returns the
+    live job's newest step with exactly its values."""
+    root = str(tmp_path_factory.mktemp("housekeeping"))
+    kw = {"keep_last": keep_last, "keep_best": keep_best, "best_mode": "min"}
+    live = distckpt.CheckpointManager(root, **kw)
+    zombie = None
+    newest: tuple[int, float] | None = None  # the live job's newest step and its value
+    step = 0
+    leased = {"live": False, "zombie": False}  # a writer takes its lease at its first save
+    for op, number in ops:
+        if op == "save":
+            step += 1
+            live.save(step, {"w": torch.full((4,), float(step))}, metric=float(100 - step))
+            newest, leased["live"] = (step, float(step)), True
+        elif op == "restart":
+            if zombie is not None:
+                zombie.close()
+            zombie, live = live, distckpt.CheckpointManager(root, **kw)
+            leased = {"live": False, "zombie": leased["live"]}
+            state = {"w": torch.zeros(4)}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", distckpt.CheckpointFallbackWarning)
+                progress = live.load_latest(state)
+            assert (progress and (progress.step, float(state["w"][0]))) == (newest or None)
+        elif zombie is not None and leased["zombie"] and leased["live"] and number not in live.committed_steps():
+            # Superseded: both hold leases, the live one's the newer (before the live job's first
+            # save after its resume, the old incarnation is still the directory's writer).
+            with pytest.MonkeyPatch.context() as m:
+                m.setattr(fencing, "check_current", lambda storage, lease: None)  # the zombie's view
+                try:
+                    zombie.save(number, {"w": torch.full((4,), -1.0)}, metric=-1000.0)
+                except (distckpt.CheckpointExistsError, distckpt.FencedError):
+                    pass  # the live job took that step meanwhile
+        live._sweeper.drain()
+        if newest is not None:
+            state = {"w": torch.zeros(4)}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", distckpt.CheckpointFallbackWarning)
+                with distckpt.CheckpointManager(root) as reader:
+                    progress = reader.load_latest(state)
+            assert progress is not None and (progress.step, float(state["w"][0])) == newest, (op, number)
+    live.close()
+    if zombie is not None:
+        zombie.close()
