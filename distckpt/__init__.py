@@ -21,6 +21,7 @@ from .errors import (
                      SnapshotChangedError,
                      StateArgumentError,
                      StorageError,
+                     SupersededCheckpointError,
                      UnstorableValueError,
 )
 from .loading import CheckpointFallbackWarning, Progress
@@ -36,7 +37,7 @@ __all__ = [
     "CheckpointWarning", "ConfigError", "CoordinationError", "CorruptCheckpointError", "DistCkptError",
     "DistInfo", "DurableUploadWarning", "FencedError", "IncompatibleCheckpointError", "MissingFileError", "PREEMPTED_EXIT_CODE", "PerRank", "Progress",
     "RankDisagreementError", "RngRestoreWarning", "RunConflictError", "SnapshotChangedError", "StateArgumentError", "StorageError",
-    "UnstorableValueError",
+    "SupersededCheckpointError", "UnstorableValueError",
     "WeightsReport", "__version__", "export_weights", "init_distributed", "load_weights", "per_rank",
     "shutdown_distributed", "with_worker_rng",
 ]

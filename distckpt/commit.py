@@ -25,7 +25,15 @@ from dataclasses import dataclass
 
 from . import fencing
 from . import manifest as mf
-from .errors import CheckpointExistsError, CorruptCheckpointError, DistCkptError, MissingFileError, RunConflictError, StorageError
+from .errors import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    DistCkptError,
+    MissingFileError,
+    RunConflictError,
+    StorageError,
+    SupersededCheckpointError,
+)
 from .fencing import Lease
 from .interrupts import Helpers, Task
 from .storage import Storage
@@ -396,10 +404,11 @@ def committed_generations(storage: Storage) -> list[int]:
 
 
 def check_not_superseded(marker: mf.Marker, leases: list[Lease], where: str) -> None:
-    """CorruptCheckpointError for zombie output (see fencing.py): never loaded, never preferred."""
+    """SupersededCheckpointError for zombie output (see fencing.py): never preferred; the loader
+    takes it only as the last resort, when no other committed step verifies."""
     newer = fencing.superseded_by(marker.generation, marker.step, leases)
     if newer is not None:
-        raise CorruptCheckpointError(
+        raise SupersededCheckpointError(
             f"{where}: committed by generation {marker.generation} after a newer incarnation took over "
             f"from step {newer.floor} ({newer.describe()}): output of a superseded writer, not loaded")
 

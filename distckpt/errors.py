@@ -65,6 +65,12 @@ class NotCommittedError(CorruptCheckpointError):
     removed meanwhile). The loader skips it silently; it is not damage."""
 
 
+class SupersededCheckpointError(CorruptCheckpointError):
+    """A step committed by a superseded writer (fencing.py): intact, but after a newer incarnation
+    took over from an earlier step. Never preferred; loaded only as the last resort, with a warning,
+    when no other committed step verifies."""
+
+
 class IncompatibleCheckpointError(DistCkptError):
     """The checkpoint is intact but does not fit the state it is loaded into."""
 

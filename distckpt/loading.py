@@ -52,6 +52,7 @@ from .errors import (
     NotCommittedError,
     RankDisagreementError,
     StorageError,
+    SupersededCheckpointError,
 )
 from .fencing import Lease
 from .interrupts import sigint_deferred
@@ -102,7 +103,7 @@ WORLD_SIZE_POLICIES = ("refuse", "reshard", "replicated_only")  # the last: the 
 
 def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
                     world_size_policy: str = "refuse", leases: list[Lease] | None = None,
-                    owned_by_leases: bool = False) -> ReadCheckpoint:
+                    owned_by_leases: bool = False, superseded_ok: bool = False) -> ReadCheckpoint:
     """Read and verify what this rank needs of one committed step. Raises CorruptCheckpointError.
 
     With another world size than the writer's: "refuse" raises IncompatibleCheckpointError;
@@ -117,7 +118,8 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
     except MissingFileError as e:
         raise NotCommittedError(f"{where} holds no {mf.MARKER} marker: not committed") from e
     try:
-        check_not_superseded(marker, leases or [], where)
+        if not superseded_ok:
+            check_not_superseded(marker, leases or [], where)
         if owned_by_leases:  # a local tier step: written by a job of this durable root
             check_written_under_a_lease(marker, leases or [], where)
         manifest = read_verified_manifest(storage, step, marker)
@@ -168,28 +170,45 @@ def _read_tree(storage: Storage, base: str, name: str, manifest: mf.Manifest, wh
     return tree
 
 
+# A load whose every candidate vanished or was not committed yet while it read (a concurrent
+# writer's next save and retention) lists again; a few times, as each listing can lose again.
+_LISTING_ATTEMPTS = 4
+
+
 def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict[str, Any],
          step: int | None = None, world_size_policy: str = "refuse",
          rules: LoadRules = LoadRules(), local: Storage | None = None) -> Progress | None:
     """The load protocol (call on every rank). None when nothing is committed yet. With a
     `local` tier (tiers.py), a step committed on every node's local tier is tried before the
     durable copy of the same step, and a damaged copy falls back to the next candidate."""
-    candidates, leases = _choose_phase(coord, storage, step, local)
-    if not candidates:
-        return None
     storages = {tiers.DURABLE: storage, tiers.LOCAL: local or storage}
-    prefault = Prefault(copy_destinations(entries))  # while the files are read and verified
-    try:
-        found = _read_phase(coord, storages, entries, candidates, step is not None, world_size_policy, leases, rules)
-    finally:
-        prefault.stop()
-    if found is None:
-        return None  # step directories, but none committed
-    chosen, tier = found
-    with sigint_deferred():  # a Ctrl-C here would leave the state half-restored (interrupts.py)
-        notes, kept = _apply_phase(coord, entries, state, chosen, rules)
-    return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.metric,
-                    f"{storages[tier].url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept), tier)
+    previous: list[tuple[int, str]] | None = None
+    failure: CorruptCheckpointError | None = None
+    for _ in range(_LISTING_ATTEMPTS):
+        candidates, leases = _choose_phase(coord, storage, step, local)  # the same on every rank
+        if failure is not None and set(candidates) == set(previous or []):
+            break  # nothing changed: the damage stands (a None is retried as is: see below)
+        if not candidates:
+            return None
+        prefault = Prefault(copy_destinations(entries))  # while the files are read and verified
+        try:
+            found = _read_phase(coord, storages, entries, candidates, step is not None, world_size_policy, leases, rules)
+        finally:
+            prefault.stop()
+        if isinstance(found, tuple):
+            chosen, tier = found
+            with sigint_deferred():  # a Ctrl-C here would leave the state half-restored (interrupts.py)
+                notes, kept = _apply_phase(coord, entries, state, chosen, rules)
+            return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.metric,
+                            f"{storages[tier].url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept), tier)
+        # Agreed on every rank, so all list again or none. A None is retried even on the same
+        # listing: the loader may read a step's marker before its commit and the previous step's
+        # after retention removed it (cheap: only markers were read).
+        previous, failure = candidates, found
+        log.info("rank %d: no candidate of %s could be loaded; listing again", coord.rank, [s for s, _ in candidates[:10]])
+    if failure is not None:
+        raise failure
+    return None  # step directories, but none committed
 
 
 def _choose_phase(coord: Coordinator, storage: Storage, step: int | None,
@@ -258,50 +277,110 @@ def _choose_tiered(coord: Coordinator, storage: Storage, step: int | None,
 
 def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[Entry],
                 candidates: list[tuple[int, str]], explicit: bool, world_size_policy: str,
-                leases: list[Lease] | None, rules: LoadRules = LoadRules()) -> tuple[ReadCheckpoint, str] | None:
-    """The newest candidate every rank reads and verifies, and its tier; None when no candidate
-    was committed at all (directories of saves that never committed)."""
+                leases: list[Lease] | None,
+                rules: LoadRules = LoadRules()) -> tuple[ReadCheckpoint, str] | CorruptCheckpointError | None:
+    """The newest candidate every rank reads and verifies, and its tier. Otherwise (the same on
+    every rank) None when no candidate was committed (directories of saves that never committed,
+    or removed meanwhile), or the error saying none verifies; an explicit step raises it."""
     tiered = storages[tiers.LOCAL] is not storages[tiers.DURABLE]
     committed = 0
+    superseded: list[tuple[int, str]] = []
     for i, (step, tier) in enumerate(candidates):
-        owned = tier == tiers.LOCAL and leases is not None
-        read, exc, outcomes = attempt_phase(
-            coord, f"load/read step {step} ({tier})",
-            functools.partial(_read_and_check, coord, storages[tier], entries, step, world_size_policy,
-                              leases or [], rules, owned),
-            lambda r: {"step": r.step, "epoch": r.own["epoch"], "digest": r.digest})
+        read, exc, outcomes = _attempt_read(coord, storages[tier], entries, step, tier, world_size_policy, leases, rules)
         if all(o.error_type == NotCommittedError.__name__ for o in outcomes):
             continue  # a save that never committed (or removed meanwhile): not a checkpoint
         committed += 1
-        damaged = [o for o in outcomes if o.error_type in (CorruptCheckpointError.__name__, NotCommittedError.__name__)]
+        damaged = [o for o in outcomes if o.error_type in _SKIPPABLE]
         following = candidates[i + 1] if i + 1 < len(candidates) else None
         may_fall_back = not explicit or (following is not None and following[0] == step)
         if damaged and len(damaged) == len([o for o in outcomes if not o.ok]) and may_fall_back:
             _warn_fallback(step, tier, following, damaged, coord.rank, tiered)
+            if all(o.error_type == SupersededCheckpointError.__name__ for o in damaged):
+                superseded.append((step, tier))
             continue
         raise_if_failed(coord, outcomes, f"loading step {step}", exc)
         _check_agreement(outcomes, step)
         assert read is not None  # every rank succeeded
         return read, tier
+    if superseded and not explicit:
+        last_resort = _read_superseded(coord, storages, entries, superseded[0], world_size_policy, leases, rules)
+        if last_resort is not None:
+            return last_resort
     if not committed and not explicit:
         return None
     where = storages[tiers.DURABLE].url + (f" or {storages[tiers.LOCAL].url}" if tiered else "")
     tried = [f"{s} ({t})" for s, t in candidates[:10]] if tiered else [s for s, _ in candidates[:10]]
-    raise CorruptCheckpointError(
+    error = CorruptCheckpointError(
         f"no committed checkpoint at {where} verifies (tried steps {tried}); "
         "see the warnings above for each damaged file; `distckpt verify` lists them")
+    if explicit:
+        raise error
+    return error
+
+
+_SKIPPABLE = (CorruptCheckpointError.__name__, NotCommittedError.__name__, SupersededCheckpointError.__name__)
+
+
+def _attempt_read(coord: Coordinator, storage: Storage, entries: list[Entry], step: int, tier: str,
+                  world_size_policy: str, leases: list[Lease] | None, rules: LoadRules,
+                  superseded_ok: bool = False) -> tuple[ReadCheckpoint | None, BaseException | None, list[Outcome]]:
+    owned = tier == tiers.LOCAL and leases is not None
+    return attempt_phase(
+        coord, f"load/read step {step} ({tier})",
+        functools.partial(_read_and_check, coord, storage, entries, step, world_size_policy,
+                          leases or [], rules, owned, superseded_ok),
+        lambda r: {"step": r.step, "epoch": r.own["epoch"], "digest": r.digest})
+
+
+def _read_superseded(coord: Coordinator, storages: dict[str, Storage], entries: list[Entry],
+                     candidate: tuple[int, str], world_size_policy: str, leases: list[Lease] | None,
+                     rules: LoadRules) -> tuple[ReadCheckpoint, str] | None:
+    """The last resort: nothing but a superseded writer's steps verify. That happens when the newer
+    incarnation took its lease and stopped before its first commit, while the older one's retention
+    had removed the step it resumed from; the run continues from the older writer's newest step
+    (a complete checkpoint of its own run) rather than from nothing. The next incarnation's lease
+    then resumes from this step, so the older writer stays fenced."""
+    step, tier = candidate
+    read, _, outcomes = _attempt_read(coord, storages[tier], entries, step, tier, world_size_policy, leases, rules,
+                                      superseded_ok=True)
+    if not all(o.ok for o in outcomes):
+        return None
+    _check_agreement(outcomes, step)
+    message = (f"rank {coord.rank}: no checkpoint of the newest incarnation verifies, only steps committed by a "
+               f"superseded writer (see the warnings above); loading the newest of them, step {step}, as the last "
+               "resort: the run continues from that writer's state, not from the newer incarnation's. "
+               "`distckpt ls` shows the leases and steps")
+    log.warning(message)
+    warnings.warn(message, CheckpointFallbackWarning, stacklevel=5)
+    assert read is not None
+    return read, tier
 
 
 def _read_and_check(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
                     world_size_policy: str, leases: list[Lease], rules: LoadRules = LoadRules(),
-                    owned_by_leases: bool = False) -> ReadCheckpoint:
-    """This rank's files of `step`, verified, and checked against the live state."""
-    read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy, leases,
-                           owned_by_leases)
-    read.entries = _resolve_sharded(storage, entries, read)
+                    owned_by_leases: bool = False, superseded_ok: bool = False) -> ReadCheckpoint:
+    """This rank's files of `step`, verified, and checked against the live state. A step whose
+    files vanished while they were read, and whose marker is gone too, was removed by a
+    concurrent writer's retention: NotCommittedError, skipped like a save that never committed."""
+    try:
+        read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy, leases,
+                               owned_by_leases, superseded_ok)
+        read.entries = _resolve_sharded(storage, entries, read)
+    except CorruptCheckpointError as e:
+        if not isinstance(e, NotCommittedError) and _removed_meanwhile(storage, step):
+            raise NotCommittedError(f"{storage.url}/{mf.step_dir(step)} was removed while it was read "
+                                    "(retention of a concurrent writer)") from e
+        raise
     _validate_against_state(read.entries, read, (coord.rank, coord.world_size), rules)
     faults.point("load/read", step=step, rank=coord.rank)
     return read
+
+
+def _removed_meanwhile(storage: Storage, step: int) -> bool:
+    try:
+        return not is_committed(storage, step)
+    except DistCkptError:
+        return False  # cannot tell: the damage stands as reported
 
 
 def _resolve_sharded(storage: Storage, entries: list[Entry], read: ReadCheckpoint) -> list[Entry]:
@@ -376,7 +455,7 @@ def _warn_fallback(step: int, tier: str, following: tuple[int, str] | None, dama
     elif tiered or following[1] != tier:
         then = f"loading step {following[0]} from the {following[1]} tier"
     else:
-        then = "loading the previous committed step"
+        then = "trying the previous step"
     message = f"rank {rank}: committed {where} cannot be loaded and was skipped — {detail}; {then}"
     log.warning(message)
     warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)

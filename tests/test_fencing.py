@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distckpt
-from distckpt import fencing
+from distckpt import faults, fencing
 from distckpt.cli import main as cli_main
 from distckpt.storage import open_storage
 
@@ -104,6 +104,48 @@ def test_a_zombie_commit_that_slipped_through_is_never_loaded(where, monkeypatch
     new.save(5, {"w": torch.full((4,), 5.0)})  # the live incarnation replaces the zombie's step
     assert value_of(where) == (5, 5.0)
     new.close()
+    old.close()
+
+
+def test_a_new_incarnation_stopped_before_its_first_commit_leaves_the_old_writers_newest_step(where):
+    """The new incarnation loaded step 20; the old one, still running with keep_last=1, commits 30
+    and removes 20; the new one takes its lease (30 is now a superseded writer's) and dies before
+    its first commit. Only 30 is left: it is loaded as the last resort, loudly, rather than
+    nothing; the next incarnation resumes from it, fences the old writer and goes on."""
+    old = manager(where, keep_last=1)
+    old.save(10, {"w": torch.full((4,), 10.0)})
+    old.save(20, {"w": torch.full((4,), 20.0)})
+    new = manager(where, keep_last=1)
+    assert new.load_latest({"w": torch.zeros(4)}).step == 20
+    old.save(30, {"w": torch.full((4,), 30.0)})  # the old one has not noticed: 20 is removed
+    old._sweeper.drain()
+
+    def killed(name, context):
+        if name == "save/manifest-written":
+            raise RuntimeError("killed after its lease, before its first commit")
+
+    stop = faults.on_point(killed)
+    try:
+        with pytest.raises(Exception, match="killed after its lease"):
+            new.save(21, {"w": torch.full((4,), 21.0)})
+    finally:
+        stop()
+    new.close()
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="last resort"):
+        assert value_of(where) == (30, 30.0)
+    with pytest.raises(distckpt.SupersededCheckpointError, match="superseded writer"):
+        with manager(where) as reader:
+            reader.load({"w": torch.zeros(4)}, 30)  # named explicitly: refused, as before
+    third = manager(where, keep_last=1)
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="last resort"):
+        assert third.load_latest({"w": torch.zeros(4)}).step == 30
+    third.save(31, {"w": torch.full((4,), 31.0)})
+    with pytest.raises(distckpt.FencedError):
+        old.save(40, {"w": torch.full((4,), 40.0)})
+    third._sweeper.drain()
+    assert third.committed_steps() == [31]
+    assert value_of(where) == (31, 31.0)
+    third.close()
     old.close()
 
 
