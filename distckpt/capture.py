@@ -189,6 +189,24 @@ _LOADS_AS_SHARDED = {"sharded_module": ("module", "sharded_module"),
                      "sharded_optimizer": ("stateful", "sharded_optimizer")}
 
 
+_REPLACED_UNDER_KEY = ("value", "tensor")
+
+
+def replaced_under_key(entries: list[Entry], saved: dict[str, Any]) -> list[Entry]:
+    """The entries as restored when a plain value was saved where a tensor is now, or a tensor
+    where a plain value is now (a best loss kept as a float until the first evaluation makes it a
+    0-d tensor): replaced under its key, as a plain value is, and its saved record with it."""
+    out = []
+    for entry in entries:
+        record = saved.get(entry.key)
+        if (isinstance(record, dict) and entry.kind in _REPLACED_UNDER_KEY and record.get("kind") in _REPLACED_UNDER_KEY
+                and record["kind"] != entry.kind):
+            record["kind"] = "value"
+            entry = Entry(entry.key, entry.scope, "value", entry.target, entry.owner)
+        out.append(entry)
+    return out
+
+
 def loading_entry(entry: Entry, saved_kind: Any) -> Entry:
     """The entry as it is restored from a checkpoint whose entry has `saved_kind`: sharded state
     also loads into a plain module and its optimizer (a world of one gathers it whole)."""

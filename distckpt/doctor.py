@@ -182,6 +182,9 @@ class Report:
     per_step: dict[int, list[str]] = field(default_factory=dict)  # step -> entries that differ there
     fingerprint_every: int | None = None       # --every K
     first_fingerprint_step: int | None = None  # the first optimizer step whose parameters differ
+    # process streams never drawn from at any compared step in either run (a script that never seeds
+    # Python's or NumPy's stream and never uses it): their difference is left out, and named here
+    unused_streams: list[str] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
@@ -195,13 +198,39 @@ def compare_roots(reference: str, resumed: str) -> Report:
     steps_a, steps_b = set(where_a), set(where_b)
     common = sorted(steps_a & steps_b)
     report = Report(common, sorted(steps_a - steps_b), sorted(steps_b - steps_a), None)
-    for step in common:
-        diffs = _compare_step(where_a[step], where_b[step], step)
+    compared = {step: _compare_step(where_a[step], where_b[step], step) for step in common}
+    unused = _unused_streams([streams for _, streams in compared.values()])
+    report.unused_streams = [f"{where}: {stream}" for where, stream in sorted(unused)]
+    for step, (diffs, _) in compared.items():
+        diffs = [d for d in diffs if (d.where, _stream(d)) not in unused]
         report.per_step[step] = sorted({f"{d.where}: {d.entry}" for d in diffs})
         if diffs and report.first_step is None:
             report.first_step, report.differences = step, diffs
             report.causes = likely_causes(diffs, report)
     return report
+
+
+Stream = tuple[str, str]  # (where, "rng/<stream>"): one process stream of one rank
+
+
+def _stream(d: Difference) -> str:
+    return f"rng/{d.path.split('/')[0]}" if d.entry == "rng" else ""
+
+
+def _unused_streams(steps: list[tuple[dict[Stream, Any], dict[Stream, Any]]]) -> set[Stream]:
+    """The process streams whose state is the same at every compared step in each run but differs
+    between the runs: never drawn from after the first checkpoint (draws would move them), so
+    nothing they hold reached the training; they differ only because neither run seeded them.
+    Two steps at least, or nothing can be told."""
+    if len(steps) < 2:
+        return set()
+    out = set()
+    for key in set(steps[0][0]) & set(steps[0][1]):
+        a, b = [s[0].get(key, _MISSING) for s in steps], [s[1].get(key, _MISSING) for s in steps]
+        if all(_same_leaves(x, a[0]) for x in a) and all(_same_leaves(y, b[0]) for y in b) \
+                and not _same_leaves(a[0], b[0]):
+            out.add(key)
+    return out
 
 
 def compare_fingerprints(reference: str, resumed: str) -> int | None:
@@ -233,7 +262,8 @@ def _committed(root: str) -> dict[int, Any]:
     return out
 
 
-def _compare_step(a: Any, b: Any, step: int) -> list[Difference]:
+def _compare_step(a: Any, b: Any, step: int) -> tuple[list[Difference], tuple[dict[Stream, Any], dict[Stream, Any]]]:
+    """The differences at `step`, and each run's process streams there (for _unused_streams)."""
     trees_a, trees_b = _trees(a, step), _trees(b, step)
     out = []
     for where in sorted(set(trees_a) | set(trees_b)):
@@ -249,7 +279,20 @@ def _compare_step(a: Any, b: Any, step: int) -> list[Difference]:
                 if entry == "entries":
                     entry, _, inner = inner.partition("/")
                 out.append(Difference(step, where, entry, inner, _describe(x, y)))
+    return out, (_streams(trees_a), _streams(trees_b))
+
+
+def _streams(trees: dict[str, Any]) -> dict[Stream, Any]:
+    out = {}
+    for where, tree in trees.items():
+        rng = tree.get("rng") if isinstance(tree, dict) else None
+        for name, value in (rng.items() if isinstance(rng, dict) else []):
+            out[(where, f"rng/{name}")] = dict(_leaves(value))
     return out
+
+
+def _same_leaves(x: Any, y: Any) -> bool:
+    return isinstance(x, dict) and isinstance(y, dict) and x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
 
 
 def _trees(storage: Any, step: int) -> dict[str, Any]:
@@ -387,6 +430,9 @@ def report_text(report: Report) -> str:
         lines.append(f"parameter fingerprints every {report.fingerprint_every} optimizer steps: " + (
             "equal at every common step" if report.first_fingerprint_step is None
             else f"first differ after step {report.first_fingerprint_step}"))
+    if report.unused_streams:
+        lines.append(f"left out: {', '.join(report.unused_streams)} — never seeded and never drawn from (the same at "
+                     "every step of each run, different between the runs); seed them to have them compared")
     if report.first_step is None:
         lines.append("VERDICT: bitwise identical at every common step" if report.identical else "VERDICT: not proven")
         return "\n".join(lines)

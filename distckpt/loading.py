@@ -29,6 +29,7 @@ from .capture import (
     Entry,
     loading_entry,
     normalize_imported,
+    replaced_under_key,
     resolve_sharded_entry,
     use_rank_buffers,
     warn_extra_entries,
@@ -365,7 +366,8 @@ def _read_and_check(coord: Coordinator, storage: Storage, entries: list[Entry], 
     try:
         read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy, leases,
                                owned_by_leases, superseded_ok)
-        read.entries = _resolve_sharded(storage, entries, read)
+        read.entries = replaced_under_key(_resolve_sharded(storage, entries, read),
+                                          {**read.replicated["entries"], **read.own["entries"]})
     except CorruptCheckpointError as e:
         if not isinstance(e, NotCommittedError) and _removed_meanwhile(storage, step):
             raise NotCommittedError(f"{storage.url}/{mf.step_dir(step)} was removed while it was read "

@@ -418,3 +418,16 @@ def interrupted_inside_an_exchange(rank: int, world: int, url: str) -> dict:
         except BaseException as e:  # noqa: BLE001
             out["close"] = type(e).__name__
     return out
+
+
+def metric_on_rank_0_only(rank: int, world: int, url: str, async_save: bool) -> dict:
+    """A job that evaluates on rank 0 only: the others pass None. keep_best keeps by rank 0's values."""
+    state = _state(rank)
+    with distckpt.CheckpointManager(url, timeout=30, keep_last=1, keep_best=1, best_mode="min",
+                                    async_save=async_save) as mgr:
+        for step, loss in enumerate([3.0, 1.0, 2.0, 4.0]):
+            mgr.save(step, state, metric=loss if rank == 0 else None)
+        mgr.wait()
+        kept = mgr.committed_steps()
+        progress = mgr.load(state, 1)
+    return {"kept": kept, "metric": progress.metric}

@@ -311,3 +311,9 @@ def test_a_ctrl_c_inside_an_exchange_on_one_rank_is_a_clear_error_on_every_rank(
     assert rank0["load_latest"] == "KeyboardInterrupt", rank0
     assert rank0["save"] == "CoordinationError" and "interrupted (KeyboardInterrupt)" in rank0["save says"], rank0
     assert rank1["load_latest"] == "CoordinationError", rank1
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_metric_given_on_rank_0_only_is_the_checkpoints(ckpt_dir, async_save):
+    results = run_world(f"{W}:metric_on_rank_0_only", 2, url=ckpt_dir, async_save=async_save)
+    assert [r.value for r in results] == [{"kept": [3, 1], "metric": 1.0}] * 2, results

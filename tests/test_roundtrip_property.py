@@ -13,7 +13,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -143,17 +143,20 @@ def test_a_tensor_in_two_places_comes_back_as_one(tmp_path_factory, value):
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
-@given(value=trees, live=st.sampled_from(["none", "dict", "ordered", "list", "tuple", "int"]),
+@given(value=trees, live=st.sampled_from(["none", "dict", "ordered", "list", "tuple", "int", "float", "tensor"]),
        async_save=st.booleans())
 def test_a_tree_held_directly_as_an_entry_comes_back_identical_whatever_the_live_placeholder(
         tmp_path_factory, value, live, async_save):
     """The tree is the entry itself (not inside a dict): a live container of the saved type is
-    refilled in place (its holders see the values); any other placeholder is replaced."""
+    refilled in place (its holders see the values); any other placeholder is replaced, a tensor
+    placeholder of a plain value too and a plain placeholder of a tensor (a best loss kept as a
+    float until an evaluation makes it a 0-d tensor)."""
+    placeholder = {"none": None, "dict": {"stale": 1}, "ordered": collections.OrderedDict(stale=1),
+                   "list": [1, 2], "tuple": (1,), "int": 7, "float": 1e9, "tensor": torch.tensor(1e9)}[live]
+    assume(not (isinstance(value, torch.Tensor) and isinstance(placeholder, torch.Tensor)))  # copied into in place
     root = str(tmp_path_factory.mktemp("top"))
     with distckpt.CheckpointManager(root, async_save=async_save) as mgr:
         mgr.save(1, {"v": value, "r": distckpt.per_rank(value)})
-    placeholder = {"none": None, "dict": {"stale": 1}, "ordered": collections.OrderedDict(stale=1),
-                   "list": [1, 2], "tuple": (1,), "int": 7}[live]
     state = {"v": placeholder, "r": distckpt.per_rank(placeholder)}
     with distckpt.CheckpointManager(root) as mgr:
         mgr.load(state, 1)

@@ -1,0 +1,58 @@
+"""The doctor's comparison of two runs' checkpoints, on roots written by real managers: a process
+stream that neither run seeds nor draws from differs between the runs from the start and is left
+out (named in the report), so it neither raises a false alarm nor hides a real difference; a stream
+that is drawn from is compared as before."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import distckpt
+from distckpt.doctor import compare_roots, report_text
+
+
+def _run(root, entropy: int, draw_python: bool, model_bump_at: int | None) -> None:
+    random.seed(entropy)  # what an unseeded process gets from the OS: different in every run
+    np.random.seed(entropy)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    with distckpt.CheckpointManager(str(root)) as mgr:
+        for step in range(4):
+            with torch.no_grad():
+                model.weight.add_(torch.randn(2, 3))
+                if step == model_bump_at:
+                    model.weight[0, 0] += 1
+            if draw_python:
+                random.random()
+            mgr.save(step, {"model": model})
+
+
+@pytest.mark.parametrize("bump", [None, 2])
+def test_streams_never_seeded_and_never_drawn_are_left_out_and_named(tmp_path, bump):
+    _run(tmp_path / "a", 1, False, None)
+    _run(tmp_path / "b", 2, False, bump)
+    report = compare_roots(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert report.unused_streams == ["rank 0: rng/numpy", "rank 0: rng/python"], report
+    assert report.first_step == bump, report
+    if bump is not None:
+        assert {d.entry for d in report.differences} == {"model"}, report.differences
+    assert "left out: rank 0: rng/numpy, rank 0: rng/python" in report_text(report)
+
+
+def test_an_unseeded_stream_that_is_drawn_from_is_a_difference(tmp_path):
+    _run(tmp_path / "a", 1, True, None)
+    _run(tmp_path / "b", 2, True, None)
+    report = compare_roots(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert report.unused_streams == ["rank 0: rng/numpy"], report
+    assert report.first_step == 0 and {(d.entry, d.path.split("/")[0]) for d in report.differences} == {("rng", "python")}
+
+
+def test_identical_runs_leave_nothing_out(tmp_path):
+    _run(tmp_path / "a", 1, True, None)
+    _run(tmp_path / "b", 1, True, None)
+    report = compare_roots(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert report.unused_streams == [] and report.first_step is None and report.common_steps == [0, 1, 2, 3]
