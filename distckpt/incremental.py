@@ -93,11 +93,16 @@ class ContentTable:
         where.update({split.keys[name]: stored for name, stored in split.reused.items()})
         self._where = where
 
-    def split_present(self, tensors: dict[str, torch.Tensor], storage: Storage) -> Split:
+    def split_present(self, tensors: dict[str, torch.Tensor], storage: Storage, step: int) -> Split:
         """split(), then every tensor whose file is gone or damaged is written again: a
         reference is made only to a file of the recorded size (and, every VERIFY_EVERY-th save,
-        checksum)."""
+        checksum). So is one whose file lies in the directory of `step` or a later step (a run
+        that saves a lower step than its last): a step references older steps' files only, which
+        retention relies on."""
         split = self.split(tensors)
+        for name in [n for n, s in split.reused.items() if _step_of(s.file) >= step]:
+            split.own[name] = tensors[name]
+            del split.reused[name]
         self._splits += 1
         records = {s.file: s.record for s in split.reused.values()}
         bad = {f for f, r in records.items() if not _intact(storage, f, r, self._splits % VERIFY_EVERY == 0)}
@@ -108,6 +113,11 @@ class ContentTable:
             log.warning("rank 0: %s changed since it was written (size or checksum); its tensors are written "
                         "again instead of referenced", sorted(bad))
         return split
+
+
+def _step_of(file: str) -> int:
+    step = mf.parse_step_dir(file.split("/", 1)[0])
+    return -1 if step is None else step
 
 
 def _intact(storage: Storage, file: str, record: dict[str, Any], read: bool) -> bool:

@@ -67,7 +67,10 @@ def _committed(index: CommitIndex, step: int) -> Committed:
     try:
         manifest = index.manifest_json(step)
     except (OSError, ValueError, RecursionError, CorruptCheckpointError) as e:  # unreadable: never "best", still subject to keep_last
-        log.warning("retention: cannot read the manifest of step %d: %s", step, e)
+        if isinstance(e, MissingFileError) or isinstance(e.__cause__, MissingFileError):
+            log.debug("retention: step %d was removed meanwhile (another process's retention): %s", step, e)
+        else:
+            log.warning("retention: cannot read the manifest of step %d: %s", step, e)
         return Committed(step, None, frozenset(), False)
     metric = manifest.get("metric")
     refs = manifest.get(mf._SHARED)

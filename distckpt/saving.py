@@ -395,7 +395,7 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
     clear_step_dir(storage, staged.step, policy)
     gen = lease.generation
     replicated = staged.replicated
-    split = content.split_present(replicated.tensors, storage) if content is not None else None
+    split = content.split_present(replicated.tensors, storage, staged.step) if content is not None else None
     if split is not None:  # incremental: what an earlier commit holds is referenced, not written
         replicated = EncodedTree(replicated.node, split.own)
         incremental.check_not_overwriting_shared(storage, f"{base}/{mf.replicated_file(gen)}", staged.step)
