@@ -16,7 +16,7 @@ from . import incremental
 from . import manifest as mf
 from .commit import check_not_superseded, list_committed, read_marker, read_verified_manifest
 from .copying import same_bits
-from .errors import CorruptCheckpointError, DistCkptError
+from .errors import CorruptCheckpointError, DistCkptError, SupersededCheckpointError
 from .fencing import Lease, read_leases
 from .serialize import checked_header, decode_tree, load_tree_file
 from .storage import Storage
@@ -32,7 +32,7 @@ def read_manifest(storage: Storage, step: int, leases: list[Lease] | None = None
 @dataclass(frozen=True)
 class StepListing:
     step: int
-    status: str  # "committed", "damaged: …", "uncommitted"
+    status: str  # "committed", "damaged: …", "superseded: …", "uncommitted", "retired: …"
     manifest: mf.Manifest | None = None
 
 
@@ -51,6 +51,8 @@ def list_steps(storage: Storage) -> list[StepListing]:
         try:
             out.append(StepListing(step, "committed", read_manifest(storage, step, leases)))
             shared.update(out[-1].manifest.shared_files or {})  # type: ignore[union-attr]
+        except SupersededCheckpointError as e:  # intact, but a zombie's: loaded only as the last resort
+            out.append(StepListing(step, f"superseded: {e}"))
         except (DistCkptError, OSError) as e:
             out.append(StepListing(step, f"damaged: {e}"))
     for i, listing in enumerate(out):  # incremental: a deleted step whose files newer ones share

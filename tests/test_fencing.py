@@ -98,7 +98,11 @@ def test_a_zombie_commit_that_slipped_through_is_never_loaded(where, monkeypatch
     assert cli_main(["verify", url, "--step", "5"]) == 1
     assert "superseded writer" in capsys.readouterr().out
     assert cli_main(["verify", url, "--step", "2"]) == 0
-    with pytest.raises(distckpt.CorruptCheckpointError, match="superseded writer"):
+    capsys.readouterr()
+    assert cli_main(["ls", url]) == 0
+    listing = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "superseded: " in listing["5"] and "damaged" not in listing["5"] and listing["2"].rstrip().endswith("committed")
+    with pytest.raises(distckpt.SupersededCheckpointError, match="superseded writer"):
         with manager(where) as reader:
             reader.load({"w": torch.zeros(4)}, 5)
     new.save(5, {"w": torch.full((4,), 5.0)})  # the live incarnation replaces the zombie's step
