@@ -32,7 +32,7 @@ import time
 from typing import Any, NoReturn
 
 from . import manifest as mf
-from .commit import CommitIndex, list_committed
+from .commit import CommitIndex, is_committed, list_committed
 from .errors import ConfigError, DistCkptError
 from .fencing import read_leases
 from .gcpause import collector_paused
@@ -146,23 +146,42 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+_VERIFY_LISTINGS = 3  # plain `verify` lists again when the newest step was removed while it was verified
+
+
 def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     tiers = _tiers(storage, args)
-    todo = [(tier, root, step) for tier, root in tiers for step in _steps(root, args)
-            if len(tiers) == 1 or args.step is None or step in list_committed(root)]
-    if not todo:
-        return _fail(args, f"no committed checkpoint at {storage.url}", EXIT_PROBLEM)
     leases = read_leases(storage)  # the durable root's leases judge both tiers (tiers.py)
     rows: list[dict[str, Any]] = []
-    for tier, root, step in todo:
-        with _progress(root, [step]) as bar:
-            problems = verify_step(root, step, bar.update, leases)
-        rows.append({"step": step, "ok": not problems, "problems": problems, **({"tier": tier} if len(tiers) > 1 else {})})
+    for _ in range(_VERIFY_LISTINGS):
+        todo = [(tier, root, step) for tier, root in tiers for step in _steps(root, args)
+                if len(tiers) == 1 or args.step is None or step in list_committed(root)]
+        if not todo:
+            return _fail(args, f"no committed checkpoint at {storage.url}", EXIT_PROBLEM)
+        for tier, root, step in todo:
+            with _progress(root, [step]) as bar:
+                problems = verify_step(root, step, bar.update, leases)
+            if problems and args.step is None and _removed_meanwhile(root, step):
+                continue  # a running writer's retention took it while it was read: not damage
+            rows.append({"step": step, "ok": not problems, "problems": problems,
+                         **({"tier": tier} if len(tiers) > 1 else {})})
+        if rows:
+            break
+    if not rows:
+        return _fail(args, f"every committed step at {storage.url} was removed while it was verified (a running "
+                     "writer's retention); run it again", EXIT_PROBLEM)
     label = (lambda r: f"step {r['step']} ({r['tier']})") if len(tiers) > 1 else (lambda r: f"step {r['step']}")
     lines = [f"{label(r)}: ok" if r["ok"] else f"{label(r)}: BAD\n" + "\n".join(f"  {x}" for x in r["problems"])
              for r in rows]
     _emit(args, rows, "\n".join(lines))
     return EXIT_PROBLEM if any(not r["ok"] for r in rows) else EXIT_OK
+
+
+def _removed_meanwhile(storage: Storage, step: int) -> bool:
+    try:
+        return not is_committed(storage, step)
+    except (OSError, DistCkptError):
+        return False  # cannot tell: the problems stand
 
 
 def _progress(storage: Storage, steps: list[int]) -> Any:

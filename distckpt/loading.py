@@ -16,6 +16,8 @@ import dataclasses
 import errno
 import functools
 import logging
+import random
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -171,9 +173,24 @@ def _read_tree(storage: Storage, base: str, name: str, manifest: mf.Manifest, wh
     return tree
 
 
-# A load whose every candidate vanished or was not committed yet while it read (a concurrent
-# writer's next save and retention) lists again; a few times, as each listing can lose again.
-_LISTING_ATTEMPTS = 4
+# A concurrent writer (its next save, its retention) can make every candidate of a listing look
+# uncommitted or vanish while a load reads it, or commit a newer step meanwhile. The load then
+# lists again, at most this many times in all (each listing can lose the race again).
+_LISTING_ATTEMPTS = 10
+_RELIST_PAUSE_S = 0.002  # before the k-th listing again, a random pause of up to 2**k times this (at most
+# 0.25 s): a reader whose reads keep lining up with the writer's saves falls out of step with them.
+# A private stream: a load never draws from the process's own (what it restores, or leaves alone).
+_JITTER = random.Random()
+
+
+@dataclass
+class _Attempt:
+    """One read phase over one listing, the same on every rank (its outcomes were exchanged)."""
+
+    found: tuple[ReadCheckpoint, str] | None = None  # the checkpoint read, and its tier
+    error: CorruptCheckpointError | None = None      # none verifies (for a load of the newest)
+    raced: bool = False  # a candidate newer than `found` was uncommitted or vanished while read
+    split: dict[int, str] = field(default_factory=dict)  # steps some ranks read and others found uncommitted
 
 
 def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict[str, Any],
@@ -183,33 +200,91 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
     `local` tier (tiers.py), a step committed on every node's local tier is tried before the
     durable copy of the same step, and a damaged copy falls back to the next candidate."""
     storages = {tiers.DURABLE: storage, tiers.LOCAL: local or storage}
-    previous: list[tuple[int, str]] | None = None
-    failure: CorruptCheckpointError | None = None
-    for _ in range(_LISTING_ATTEMPTS):
-        candidates, leases = _choose_phase(coord, storage, step, local)  # the same on every rank
-        if failure is not None and set(candidates) == set(previous or []):
-            break  # nothing changed: the damage stands (a None is retried as is: see below)
+    candidates, leases = _choose_phase(coord, storage, step, local)  # the same on every rank
+    split: set[int] | None = None  # the steps split between ranks at every read so far
+    for attempt in range(1, _LISTING_ATTEMPTS + 1):
         if not candidates:
+            _check_nothing_was_committed(storage, leases)
             return None
         prefault = Prefault(copy_destinations(entries))  # while the files are read and verified
         try:
-            found = _read_phase(coord, storages, entries, candidates, step is not None, world_size_policy, leases, rules)
+            read = _read_phase(coord, storages, entries, candidates, step is not None, world_size_policy, leases, rules)
         finally:
             prefault.stop()
-        if isinstance(found, tuple):
-            chosen, tier = found
-            with sigint_deferred():  # a Ctrl-C here would leave the state half-restored (interrupts.py)
-                notes, kept = _apply_phase(coord, entries, state, chosen, rules)
-            return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.metric,
-                            f"{storages[tier].url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept), tier)
-        # Agreed on every rank, so all list again or none. A None is retried even on the same
-        # listing: the loader may read a step's marker before its commit and the previous step's
-        # after retention removed it (cheap: only markers were read).
-        previous, failure = candidates, found
-        log.info("rank %d: no candidate of %s could be loaded; listing again", coord.rank, [s for s, _ in candidates[:10]])
-    if failure is not None:
-        raise failure
-    return None  # step directories, but none committed
+        split = set(read.split) if split is None else split & set(read.split)
+        if read.found is not None and not read.raced:
+            return _apply(coord, entries, state, read.found, storages, rules)
+        if attempt == _LISTING_ATTEMPTS:
+            break
+        time.sleep(_JITTER.uniform(0, min(0.25, _RELIST_PAUSE_S * 2 ** attempt)))
+        listed, listed_leases = _choose_phase(coord, storage, step, local)
+        changed = set(listed) != set(candidates) or (read.raced and _committed_since(
+            coord, storage, listed, read.found[0].step if read.found is not None else -1))
+        if read.found is not None and not changed and not read.split:
+            return _apply(coord, entries, state, read.found, storages, rules)  # nothing newer came
+        if read.error is not None and not changed and not read.split:
+            raise read.error  # the damage stands
+        if read.found is None and read.error is None and not changed and not read.split and attempt > 1:
+            _check_nothing_was_committed(storage, leases)
+            return None  # step directories, none committed, twice the same: a fresh start
+        # Otherwise read again: a step was committed or removed meanwhile (a None is retried once
+        # even on the same listing: a step's marker read before its commit and the previous
+        # step's after retention removed it), or the ranks disagreed on a step's marker.
+        log.info("rank %d: the steps at %s changed while they were read; reading again", coord.rank, storage.url)
+        candidates, leases = listed, listed_leases
+    if split:  # the same steps, at every read: the ranks do not see one storage
+        _raise_split_view(storage, [read.split[s] for s in sorted(split, reverse=True)])
+    if read.found is not None:  # newer steps kept coming: the newest this load could read
+        return _apply(coord, entries, state, read.found, storages, rules)
+    if read.error is not None:
+        raise read.error
+    raise CorruptCheckpointError(
+        f"{storage.url}: every committed step this load found was removed before it could be read, "
+        f"{_LISTING_ATTEMPTS} listings in a row: a concurrent writer commits and removes steps faster "
+        "than this process reads them (keep_last=1 with frequent saves); keep two or more steps "
+        "(keep_last=2) so that readers have time, or load while the writer pauses")
+
+
+def _committed_since(coord: Coordinator, storage: Storage, listed: list[tuple[int, str]], above: int) -> bool:
+    """Rank 0: whether a listed durable step newer than `above` is committed now (its marker: a
+    commit adds no directory, and retention removes the marker before the directory). Asked only
+    after a read that met an uncommitted or vanished candidate, of the candidates above the one
+    found (a step left uncommitted by a killed save costs one more check)."""
+    def check() -> dict[str, Any]:
+        return {"committed": any(is_committed(storage, s) for s, t in listed if t == tiers.DURABLE and s > above)}
+
+    return bool(run_on_root(coord, "load/recheck", "checking for a newer commit", check)["committed"])
+
+
+def _raise_split_view(storage: Storage, split: list[str]) -> None:
+    """Some ranks read a step the others found uncommitted, on an unchanged listing: not a race."""
+    raise RankDisagreementError(
+        f"the ranks see different checkpoints at {storage.url}: {'; '.join(split[:3])}. Every rank must "
+        "see the same storage (a local path must be on a filesystem shared by every node; otherwise "
+        "use an object store URL, or local_dir= for node-local disks)")
+
+
+def _apply(coord: Coordinator, entries: list[Entry], state: dict[str, Any], found: tuple[ReadCheckpoint, str],
+           storages: dict[str, Storage], rules: LoadRules) -> Progress:
+    chosen, tier = found
+    with sigint_deferred():  # a Ctrl-C here would leave the state half-restored (interrupts.py)
+        notes, kept = _apply_phase(coord, entries, state, chosen, rules)
+    return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.metric,
+                    f"{storages[tier].url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept), tier)
+
+
+def _check_nothing_was_committed(storage: Storage, leases: list[Lease] | None) -> None:
+    """Nothing committed: a fresh start. Unless a lease says an incarnation of this job resumed from a
+    committed step: then its history is gone (removed by hand, or a writer killed while it
+    replaced a superseded writer's step: fencing.py), and starting over would be a silent wrong
+    resume: CorruptCheckpointError, the same on every rank (the leases were broadcast)."""
+    resumed = [lease for lease in leases or [] if lease.floor is not None and lease.floor >= 0]
+    if resumed:
+        raise CorruptCheckpointError(
+            f"no committed checkpoint at {storage.url}, but {resumed[-1].describe()} resumed from a committed "
+            f"step there: the run's checkpoints are gone (removed, or lost with a writer killed while it "
+            f"replaced a superseded writer's step). Starting over silently would not resume the run; to start "
+            f"it over on purpose, remove {storage.url} (or its {fencing.FENCE_DIR}/ directory) first")
 
 
 def _choose_phase(coord: Coordinator, storage: Storage, step: int | None,
@@ -221,7 +296,7 @@ def _choose_phase(coord: Coordinator, storage: Storage, step: int | None,
 
     def choose() -> dict[str, Any]:
         steps = _durable_candidates(storage, step)
-        leases = fencing.read_leases(storage) if steps else []
+        leases = fencing.read_leases(storage) if steps or step is None else []  # None: see _nothing_committed
         return {"candidates": tiers.merge_candidates([], steps, step),
                 "leases": [dataclasses.asdict(lease) for lease in leases]}
 
@@ -278,18 +353,23 @@ def _choose_tiered(coord: Coordinator, storage: Storage, step: int | None,
 
 def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[Entry],
                 candidates: list[tuple[int, str]], explicit: bool, world_size_policy: str,
-                leases: list[Lease] | None,
-                rules: LoadRules = LoadRules()) -> tuple[ReadCheckpoint, str] | CorruptCheckpointError | None:
-    """The newest candidate every rank reads and verifies, and its tier. Otherwise (the same on
-    every rank) None when no candidate was committed (directories of saves that never committed,
-    or removed meanwhile), or the error saying none verifies; an explicit step raises it."""
+                leases: list[Lease] | None, rules: LoadRules = LoadRules()) -> _Attempt:
+    """The newest candidate every rank reads and verifies. Otherwise (the same on every rank)
+    nothing when no candidate was committed (directories of saves that never committed, or
+    removed meanwhile), or the error saying none verifies; an explicit step raises it."""
     tiered = storages[tiers.LOCAL] is not storages[tiers.DURABLE]
     committed = 0
+    uncommitted = False
+    split: dict[int, str] = {}
     superseded: list[tuple[int, str]] = []
     for i, (step, tier) in enumerate(candidates):
         read, exc, outcomes = _attempt_read(coord, storages[tier], entries, step, tier, world_size_policy, leases, rules)
-        if all(o.error_type == NotCommittedError.__name__ for o in outcomes):
-            continue  # a save that never committed (or removed meanwhile): not a checkpoint
+        if _uncommitted(outcomes):
+            uncommitted = True
+            if any(o.ok for o in outcomes):
+                split[step] = (f"step {step}: rank(s) {[o.rank for o in outcomes if o.ok]} read it, rank(s) "
+                               f"{[o.rank for o in outcomes if not o.ok]} found no {mf.MARKER} marker")
+            continue  # a save that never committed (or removed meanwhile, seen so by some rank): not a checkpoint
         committed += 1
         damaged = [o for o in outcomes if o.error_type in _SKIPPABLE]
         following = candidates[i + 1] if i + 1 < len(candidates) else None
@@ -302,13 +382,13 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
         raise_if_failed(coord, outcomes, f"loading step {step}", exc)
         _check_agreement(outcomes, step)
         assert read is not None  # every rank succeeded
-        return read, tier
+        return _Attempt((read, tier), raced=uncommitted, split=split)
     if superseded and not explicit:
         last_resort = _read_superseded(coord, storages, entries, superseded[0], world_size_policy, leases, rules)
         if last_resort is not None:
-            return last_resort
+            return _Attempt(last_resort, raced=uncommitted, split=split)
     if not committed and not explicit:
-        return None
+        return _Attempt(split=split)
     where = storages[tiers.DURABLE].url + (f" or {storages[tiers.LOCAL].url}" if tiered else "")
     tried = [f"{s} ({t})" for s, t in candidates[:10]] if tiered else [s for s, _ in candidates[:10]]
     error = CorruptCheckpointError(
@@ -316,7 +396,14 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
         "see the warnings above for each damaged file; `distckpt verify` lists them")
     if explicit:
         raise error
-    return error
+    return _Attempt(error=error, split=split)
+
+
+def _uncommitted(outcomes: list[Outcome]) -> bool:
+    """Not committed where some rank looked: on every rank, or on some while the others read it
+    (a step committed or removed between two ranks' reads of its marker): never damage."""
+    failed = [o for o in outcomes if not o.ok]
+    return bool(failed) and all(o.error_type == NotCommittedError.__name__ for o in failed)
 
 
 _SKIPPABLE = (CorruptCheckpointError.__name__, NotCommittedError.__name__, SupersededCheckpointError.__name__)

@@ -392,7 +392,6 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
     fencing.check_current(storage, lease)
     base = mf.step_dir(staged.step)
     policy = ReplacePolicy(lease.floor, lease.generation)
-    clear_step_dir(storage, staged.step, policy)
     gen = lease.generation
     replicated = staged.replicated
     split = content.split_present(replicated.tensors, storage, staged.step) if content is not None else None
@@ -407,6 +406,10 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
     if staged.handed_over:
         faults.point("save/rank-files-written", step=staged.step, rank=0)
     table = _collect_reports(staged, reports, files, gen, f"{storage.url}/{base}")
+    # A superseded writer's commit of this step (see fencing.py) is taken down only now, every file
+    # of this save durable beside it (the names carry the generation): until then it stays the
+    # loader's last resort, should this writer die first.
+    clear_step_dir(storage, staged.step, policy)
     t1 = time.perf_counter()
     manifest = mf.Manifest(
         step=staged.step, epoch=staged.epoch, metric=staged.metric, run_id=staged.run_id, generation=gen,

@@ -124,13 +124,13 @@ def upload_step(local: Storage, durable: Storage, step: int, lease: Lease) -> bo
         return False
     policy = ReplacePolicy(lease.floor, lease.generation)
     fencing.check_current(durable, lease)
-    clear_step_dir(durable, step, policy)  # only a superseded writer's commit of this step
     for name, record in manifest.files.items():
         mf.check_relative_path(name, where)
         data = local.read_buffer(f"{base}/{name}")
         mf.verify_file(data, record, f"{where}/{name}")  # damaged local bytes never become durable
         durable.write_file(f"{base}/{name}", [memoryview(data)])
     faults.point("upload/files-written", step=step, rank=0)
+    clear_step_dir(durable, step, policy)  # a superseded writer's commit: taken down only now (saving.py)
     create_manifest(durable, base, manifest_bytes, lease.generation, policy, step)
     fencing.check_current(durable, lease)  # last check before the durable commit
     create_marker(durable, marker, policy)
@@ -164,10 +164,10 @@ def commit_files(storage: Storage, step: int, files: dict[str, bytes], lease: Le
     """Write a shipped committed step into this node's local tier, marker last."""
     base = mf.step_dir(step)
     policy = ReplacePolicy(lease.floor, lease.generation)
-    clear_step_dir(storage, step, policy)
     for name, data in files.items():
         if name not in (mf.MANIFEST, mf.MARKER):
             storage.write_file(f"{base}/{name}", [data])
+    clear_step_dir(storage, step, policy)  # a superseded writer's commit: taken down only now (saving.py)
     create_manifest(storage, base, files[mf.MANIFEST], lease.generation, policy, step)
     create_marker(storage, mf.Marker.parse(files[mf.MARKER], f"{storage.url}/{base}"), policy)
 

@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -431,3 +432,47 @@ def metric_on_rank_0_only(rank: int, world: int, url: str, async_save: bool) -> 
         kept = mgr.committed_steps()
         progress = mgr.load(state, 1)
     return {"kept": kept, "metric": progress.metric}
+
+
+def split_view_load(rank: int, world: int, url: str) -> str:
+    """Rank 1 cannot see the markers rank 0 reads (a local path not shared by the nodes)."""
+    from distckpt import loading
+    from distckpt.errors import MissingFileError
+
+    state = _state(rank)
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state)
+        if rank == 1:
+            def invisible(storage, step):
+                raise MissingFileError(2, f"{storage.url}/step {step}/COMMITTED does not exist")
+            loading.read_marker = invisible
+        try:
+            mgr.load_latest(_state(rank))
+        except distckpt.DistCkptError as e:
+            return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+def race_reader(rank: int, world: int, url: str, loads: int) -> dict:
+    """A 2-rank reader job loading in a loop while another process saves with keep_last=1 (a
+    count of loads, not a time: the ranks' clocks would end their loops apart)."""
+    out: dict = {"loads": 0, "none": 0, "errors": [], "steps": []}
+    for _ in range(loads):
+        target = {"w": torch.zeros(4), "big": torch.zeros(200_000)}
+        with distckpt.CheckpointManager(url, timeout=30, world_size_policy="reshard") as mgr:  # written by 1 rank
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", distckpt.CheckpointFallbackWarning)
+                    progress = mgr.load_latest(target)
+            except distckpt.DistCkptError as e:
+                out["errors"].append(f"{type(e).__name__}: {str(e)[:160]}")
+                continue
+        out["loads"] += 1
+        if progress is None:
+            out["none"] += 1
+            continue
+        value = float(target["w"][0])
+        assert value == progress.step and bool((target["big"] == value).all()), (value, progress.step)
+        out["steps"].append(progress.step)
+    return out

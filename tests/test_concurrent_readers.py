@@ -147,3 +147,30 @@ def test_a_reader_process_racing_a_keep_last_1_writer_always_loads_a_step(tmp_pa
         out, _ = writer.communicate(timeout=120)
     assert writer.returncode == 0
     assert loads > 20 and int(out) >= last
+
+
+def test_a_two_rank_reader_racing_a_keep_last_1_writer(tmp_path):
+    """Both ranks read markers at their own moments, so a step committed or removed between
+    their reads looks uncommitted to one rank only: a race, read again (before: 1.6% of the
+    loads failed or returned None). Never None, never a wrong value, the ranks always on one
+    step; against a writer that commits and removes steps faster than a load reads one, a load
+    may still give up, loudly, after its listings (2 of 405 at a save every 7 ms)."""
+    from distckpt.testing import run_world
+
+    url = str(tmp_path / "ckpt")
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, url, "600", "sync"], stdout=subprocess.PIPE, text=True)
+    try:
+        while not (tmp_path / "ckpt").exists() or not distckpt.CheckpointManager(url).committed_steps():
+            time.sleep(0.05)
+        results = run_world("dist_workers:race_reader", 2, timeout=180, url=url, loads=int(_RACE_SECONDS * 15))
+        assert writer.poll() is None, "the writer stopped before the readers did"
+    finally:
+        writer.kill()
+        writer.communicate(timeout=60)
+    assert [r.error for r in results] == [None, None], results
+    zero, one = (r.value for r in results)
+    assert zero == one  # the same steps, the same errors, load for load
+    assert zero["none"] == 0 and zero["loads"] > 10, zero
+    assert zero["steps"] == sorted(zero["steps"]), "a later load returned an older step"
+    assert all("faster than this process reads them" in e for e in zero["errors"]), zero["errors"]
+    assert len(zero["errors"]) <= max(1, zero["loads"] // 20), zero

@@ -317,3 +317,13 @@ def test_a_ctrl_c_inside_an_exchange_on_one_rank_is_a_clear_error_on_every_rank(
 def test_a_metric_given_on_rank_0_only_is_the_checkpoints(ckpt_dir, async_save):
     results = run_world(f"{W}:metric_on_rank_0_only", 2, url=ckpt_dir, async_save=async_save)
     assert [r.value for r in results] == [{"kept": [3, 1], "metric": 1.0}] * 2, results
+
+
+def test_ranks_that_do_not_see_one_storage_are_told_so_not_given_a_fresh_start(ckpt_dir):
+    """A step rank 0 reads and rank 1 finds uncommitted, at every read: not a race with a writer
+    (that changes from one read to the next), so not skipped as uncommitted (that would end in a
+    fresh start): RankDisagreementError on both ranks, naming the shared storage."""
+    results = run_world(f"{W}:split_view_load", 2, url=ckpt_dir)
+    assert [r.error for r in results] == [None, None], results
+    for r in results:
+        assert r.value.startswith("RankDisagreementError") and "must see the same storage" in r.value, r.value

@@ -153,6 +153,41 @@ def test_a_new_incarnation_stopped_before_its_first_commit_leaves_the_old_writer
     old.close()
 
 
+@pytest.mark.parametrize("point", ["save/gathered", "save/replicated-written", "save/manifest-written"])
+def test_a_new_incarnation_killed_while_it_replaces_a_zombies_step_never_leaves_a_silent_fresh_start(where, point):
+    """The new incarnation's first save is the step the old one committed after the takeover (the
+    only step left: the old one's keep_last=1 removed the resume step). The zombie's commit is taken
+    down only once the new save's files are durable, so a death before that leaves it loadable (the
+    last resort); a death inside the few operations after it (its marker gone, the new one not yet
+    written) leaves nothing committed, and the next load says so instead of starting over."""
+    old = manager(where, keep_last=1)
+    old.save(1, {"w": torch.full((4,), 1.0)})
+    old.save(2, {"w": torch.full((4,), 2.0)})
+    new = manager(where, keep_last=1)
+    assert new.load_latest({"w": torch.zeros(4)}).step == 2
+    old.save(3, {"w": torch.full((4,), 3.0)})
+    old._sweeper.drain()
+
+    def killed(name, context):
+        if name == point:
+            raise RuntimeError("killed")
+
+    stop = faults.on_point(killed)
+    try:
+        with pytest.raises(Exception, match="killed"):
+            new.save(3, {"w": torch.full((4,), 33.0)})
+    finally:
+        stop()
+    new.close()
+    if point == "save/manifest-written":
+        with pytest.raises(distckpt.CorruptCheckpointError, match="resumed from a committed step there"):
+            value_of(where)
+    else:
+        with pytest.warns(distckpt.CheckpointFallbackWarning, match="last resort"):
+            assert value_of(where) == (3, 3.0)
+    old.close()
+
+
 def test_a_reader_never_fences_the_writer(where):
     writer = manager(where)
     writer.save(1, {"w": torch.full((4,), 1.0)})
