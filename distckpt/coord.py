@@ -15,6 +15,7 @@ import json
 import logging
 import socket
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -93,15 +94,19 @@ class GlooCoordinator:
 
     def _run(self, phase: str, fn: Any) -> Any:
         self.check_usable()
+        started = time.monotonic()
         try:
             return fn()
         except Exception as e:  # gloo reports peers' deaths and timeouts as RuntimeError
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self.broken = f"collective {phase!r}: {reason}"
+            elapsed = time.monotonic() - started
+            when = (f"after {elapsed:.1f}s (the timeout is {self.timeout_s:g}s)" if elapsed < 0.9 * self.timeout_s
+                    else f"at the {self.timeout_s:g}s timeout")
             raise CoordinationError(
-                f"rank {self.rank}: collective {phase!r} failed within the {self.timeout_s:g}s "
-                f"timeout: {reason}. Another rank has probably died, stopped, is slower than the "
-                "timeout, or is not calling the same distckpt method; see its log") from e
+                f"rank {self.rank}: collective {phase!r} failed {when}: {reason}. Another rank has probably "
+                "died, stopped, is slower than the timeout, or is not calling the same distckpt method; "
+                "see its log") from e
         except BaseException as e:
             # Ctrl-C (or SystemExit) inside the exchange: this rank left it part-way, and its next
             # exchange would pair with the other ranks' rest of this one (an independent check saw

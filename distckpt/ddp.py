@@ -51,7 +51,10 @@ def ddp_wrappers_of(bare: nn.Module) -> list[nn.Module]:
     """
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return []
-    return [obj for obj in gc.get_objects() if isinstance(obj, _DDP) and _wrapper_chain(obj)[-1] is bare]
+    # By type(obj), not isinstance: DDP is an ABC (Joinable), whose isinstance asks each object's
+    # __class__, and some module-level objects warn when touched (torch.distributed.reduce_op's
+    # FutureWarning, an error under -W error).
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), _DDP) and _wrapper_chain(obj)[-1] is bare]
 
 
 def _wrapper_chain(module: nn.Module) -> list[nn.Module]:

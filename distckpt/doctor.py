@@ -182,6 +182,7 @@ class Report:
     per_step: dict[int, list[str]] = field(default_factory=dict)  # step -> entries that differ there
     fingerprint_every: int | None = None       # --every K
     first_fingerprint_step: int | None = None  # the first optimizer step whose parameters differ
+    fingerprints_taken: bool = False  # --every K found an optimizer in `state` to hook in both runs
     # process streams never drawn from at any compared step in either run (a script that never seeds
     # Python's or NumPy's stream and never uses it): their difference is left out, and named here
     unused_streams: list[str] = field(default_factory=list)
@@ -337,7 +338,7 @@ def _describe(x: Any, y: Any) -> str:
     if x is _MISSING or y is _MISSING:
         return "only in the " + ("killed-and-resumed run" if x is _MISSING else "uninterrupted run")
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape and x.is_floating_point():
-        delta = (x.double() - y.double()).abs()
+        delta = (x.detach().double() - y.detach().double()).abs()  # a saved hidden state may require grad
         finite = delta[delta.isfinite()]
         return f"{int((delta != 0).sum())} of {x.numel()} elements differ, max |diff| {float(finite.max()) if finite.numel() else math.inf:.3g}"
     if isinstance(x, torch.Tensor):
@@ -399,6 +400,7 @@ def run_doctor(command: list[str], kill_at: int | None, kill_rank: int | None = 
     if every is not None:
         report.fingerprint_every = every
         report.first_fingerprint_step = compare_fingerprints(reference, killed)
+        report.fingerprints_taken = all(_read_fingerprints(fingerprint_root(r)) for r in (reference, killed))
         if report.first_fingerprint_step is not None:
             report.causes.insert(0, f"the parameters first differ after optimizer step {report.first_fingerprint_step} "
                                     f"(fingerprints every {every} steps): look at what that step and the one "
@@ -426,7 +428,11 @@ def report_text(report: Report) -> str:
         for step, entries in report.per_step.items():
             shown = ", ".join(entries[:6]) + (f", ... ({len(entries)} in all)" if len(entries) > 6 else "")
             lines.append(f"{step:>8}  " + (f"differs: {shown}" if entries else "bitwise identical"))
-    if report.fingerprint_every is not None:
+    if report.fingerprint_every is not None and not report.fingerprints_taken:
+        lines.append(f"parameter fingerprints every {report.fingerprint_every} optimizer steps: none taken — no "
+                     "torch.optim optimizer in `state` to hook (a loop that steps its parameters by hand); "
+                     "only the checkpoints were compared")
+    elif report.fingerprint_every is not None:
         lines.append(f"parameter fingerprints every {report.fingerprint_every} optimizer steps: " + (
             "equal at every common step" if report.first_fingerprint_step is None
             else f"first differ after step {report.first_fingerprint_step}"))

@@ -476,3 +476,18 @@ def race_reader(rank: int, world: int, url: str, loads: int) -> dict:
         assert value == progress.step and bool((target["big"] == value).all()), (value, progress.step)
         out["steps"].append(progress.step)
     return out
+
+
+def load_with_future_warnings_as_errors(rank: int, world: int, url: str) -> str:
+    """A bare module in `state`, its DDP wrapper kept elsewhere (the warm-up finds it among all
+    objects), under -W error::FutureWarning as CI runs often are."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.save(1, {"model": model})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            mgr.load_latest({"model": model})
+    ddp(torch.ones(2, 4)).sum().backward()
+    return "ok"

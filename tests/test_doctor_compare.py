@@ -56,3 +56,41 @@ def test_identical_runs_leave_nothing_out(tmp_path):
     _run(tmp_path / "b", 1, True, None)
     report = compare_roots(str(tmp_path / "a"), str(tmp_path / "b"))
     assert report.unused_streams == [] and report.first_step is None and report.common_steps == [0, 1, 2, 3]
+
+
+def test_every_k_without_an_optimizer_says_no_fingerprints_were_taken(tmp_path):
+    """A loop stepping its parameters by hand gives --every nothing to hook: said so, never
+    'equal at every common step'."""
+    from distckpt.doctor import run_doctor
+
+    script = tmp_path / "manual_sgd.py"
+    script.write_text(
+        "import torch, distckpt\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Linear(3, 1)\n"
+        "with distckpt.CheckpointManager('/unused') as mgr:\n"
+        "    p = mgr.load_latest({'model': m})\n"
+        "    for step in range(p.step + 1 if p else 0, 4):\n"
+        "        m(torch.randn(4, 3)).sum().backward()\n"
+        "        with torch.no_grad():\n"
+        "            for q in m.parameters():\n"
+        "                q -= 0.1 * q.grad\n"
+        "                q.grad = None\n"
+        "        mgr.save(step, {'model': m})\n")
+    import sys
+
+    report = run_doctor([sys.executable, str(script)], kill_at=1, workdir=str(tmp_path / "wd"), every=1)
+    assert report.fingerprint_every == 1 and not report.fingerprints_taken
+    text = report_text(report)
+    assert "none taken" in text and "equal at every common step" not in text
+
+
+def test_a_difference_in_a_tensor_that_requires_grad_is_described_without_a_warning():
+    import warnings
+
+    from distckpt.doctor import _describe
+
+    a, b = torch.zeros(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _describe(a * 1.0, b * 1.0) == "3 of 3 elements differ, max |diff| 1"

@@ -118,3 +118,34 @@ def test_an_async_save_failing_at_exit_is_reported_as_an_error(tmp_path):
     assert "FAILED at exit and is not committed" in result.stderr, result.stderr
     assert "No space left on device" in result.stderr
     assert not (root / "step-000000003" / "COMMITTED").exists()
+
+
+def _epoch_snapshot_run(root, stop_after_epoch=None):
+    """A per-epoch snapshot taken after `for batch in loader` ended, as the README says: epoch + 1."""
+    from torch.utils.data.distributed import DistributedSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = list(range(8))
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    loader = StatefulDataLoader(data, batch_size=4, sampler=sampler)
+    state = {"sampler": sampler, "loader": loader}
+    seen = []
+    with distckpt.CheckpointManager(str(root)) as mgr:
+        progress = mgr.load_latest(state)
+        step = progress.step + 1 if progress else 0
+        for epoch in range(progress.epoch if progress else 0, 3):
+            sampler.set_epoch(epoch)
+            for batch in loader:
+                seen.append((step, epoch, batch.tolist()))
+                step += 1
+            mgr.save(step - 1, state, epoch=epoch + 1)
+            if epoch == stop_after_epoch:
+                break
+    return seen
+
+
+def test_a_snapshot_after_the_epochs_loop_resumes_with_the_next_epoch(tmp_path):
+    reference = _epoch_snapshot_run(tmp_path / "ref")
+    first = _epoch_snapshot_run(tmp_path / "run", stop_after_epoch=0)
+    resumed = _epoch_snapshot_run(tmp_path / "run")
+    assert first + resumed == reference
