@@ -92,6 +92,9 @@ def _attempt_store(agent: dist.Store, addr: str, port: int, rank: int, world: in
             time.sleep(0.2)  # a dead attempt's address: wait for this attempt's rank 0
             continue
         host, store_port, _ = published.rsplit(":", 2)
+        if not _accepts_connections(host, int(store_port)):
+            refused = published  # a dead attempt's store: refused at once (TCPStore would retry for 5 s, loudly)
+            continue
         try:
             store = dist.TCPStore(host, int(store_port), world_size=world, is_master=False,
                                   timeout=timedelta(seconds=5))
@@ -102,6 +105,15 @@ def _attempt_store(agent: dist.Store, addr: str, port: int, rank: int, world: in
         store.set_timeout(timedelta(seconds=timeout))
         return store
     raise ConfigError(f"rank {rank}: rank 0 of this attempt published no reachable store within {timeout:g}s")
+
+
+def _accepts_connections(host: str, port: int) -> bool:
+    """Whether something listens at (host, port): a closed port is refused within milliseconds."""
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            return True
+    except OSError:
+        return False
 
 
 def _reachable_address(peer_host: str, peer_port: int) -> str:
