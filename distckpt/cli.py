@@ -37,7 +37,14 @@ from .errors import ConfigError, DistCkptError
 from .fencing import read_leases
 from .gcpause import collector_paused
 from .inspection import describe_step, diff_steps, list_steps, read_manifest, verify_step
-from .retention import collect_leftovers, delete_checkpoint, kept_references, plan_retention, read_committed
+from .retention import (
+    collect_leftovers,
+    delete_checkpoint,
+    kept_references,
+    plan_retention,
+    read_committed,
+    superseded_to_retire,
+)
 from .storage import Storage, open_storage
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
@@ -201,9 +208,11 @@ def _progress(storage: Storage, steps: list[int]) -> Any:
 def cmd_prune(storage: Storage, args: argparse.Namespace) -> int:
     index = CommitIndex(storage)
     index.scan()
-    zombies = index.superseded(read_leases(storage))  # never loaded: counted toward nothing, removed
-    committed = read_committed(storage, [s for s in index.listing.committed() if s not in zombies], index)
-    doomed = sorted(plan_retention(committed, args.keep_last, args.keep_best, args.best_mode) + sorted(zombies))
+    zombies = index.superseded(read_leases(storage))  # loaded only as the last resort: counted toward nothing
+    steps = [s for s in index.listing.committed() if s not in zombies]
+    committed = read_committed(storage, steps, index)
+    doomed = sorted(plan_retention(committed, args.keep_last, args.keep_best, args.best_mode)
+                    + superseded_to_retire(zombies, steps))
     keep = kept_references(committed, doomed)  # files the remaining checkpoints reference stay
     for step in doomed:
         if not args.dry_run:

@@ -5,6 +5,8 @@
     read      every rank: marker, manifest, replicated file and its own rank file, verified by
               checksum and checked against `state` before anything is changed; a damaged
               candidate makes all ranks move to the previous one together, with a warning
+    again     a candidate committed or removed while it was read (a concurrent writer): every rank
+              lists again together, up to _LISTING_ATTEMPTS listings (see load)
     agree     all ranks hold the same (step, epoch, manifest digest), or all raise
     apply     every rank restores its entries, RNG last; outcomes exchanged once more, and a
               failure anywhere is undone everywhere (undo.py)

@@ -41,6 +41,7 @@ from .retention import (
     plan_retention,
     read_committed,
     retire,
+    superseded_to_retire,
 )
 from .saving import (
     CapturedSave,
@@ -339,7 +340,7 @@ class CheckpointManager:
         committed = (read_committed(index.storage, steps, index) if keep_best is not None
                      else [Committed(step, None) for step in steps])
         doomed = [step for step in plan_retention(committed, keep_last, keep_best, self.config.best_mode)
-                  + sorted(zombies) if step not in spared]
+                  + superseded_to_retire(zombies, steps) if step not in spared]
         if not doomed:
             return [], set()
         if keep_best is None:

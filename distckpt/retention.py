@@ -39,6 +39,15 @@ def kept_references(committed: list[Committed], doomed: list[int]) -> set[str]:
     return {path for c in kept for path in c.shared}
 
 
+def superseded_to_retire(superseded: set[int], others: list[int]) -> list[int]:
+    """The superseded writer's steps (fencing.py) retention removes, counted toward no keep_last:
+    all of them, unless no other committed step is left; then all but the newest, which the
+    loader takes as the last resort (a new incarnation that died before its first commit)."""
+    if others or not superseded:
+        return sorted(superseded)
+    return sorted(superseded)[:-1]
+
+
 def plan_retention(committed: list[Committed], keep_last: int | None, keep_best: int | None,
                    best_mode: str) -> list[int]:
     """Steps to delete: everything outside the newest `keep_last` and the best `keep_best`."""

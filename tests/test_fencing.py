@@ -137,6 +137,9 @@ def test_a_new_incarnation_stopped_before_its_first_commit_leaves_the_old_writer
     new.close()
     with pytest.warns(distckpt.CheckpointFallbackWarning, match="last resort"):
         assert value_of(where) == (30, 30.0)
+    assert cli_main(["prune", where[0], "--keep-last", "1"]) == 0  # keeps the last resort: nothing else is left
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="last resort"):
+        assert value_of(where) == (30, 30.0)
     with pytest.raises(distckpt.SupersededCheckpointError, match="superseded writer"):
         with manager(where) as reader:
             reader.load({"w": torch.zeros(4)}, 30)  # named explicitly: refused, as before
