@@ -283,10 +283,11 @@ def _check_nothing_was_committed(storage: Storage, leases: list[Lease] | None) -
     resumed = [lease for lease in leases or [] if lease.floor is not None and lease.floor >= 0]
     if resumed:
         raise CorruptCheckpointError(
-            f"no committed checkpoint at {storage.url}, but {resumed[-1].describe()} resumed from a committed "
-            f"step there: the run's checkpoints are gone (removed, or lost with a writer killed while it "
-            f"replaced a superseded writer's step). Starting over silently would not resume the run; to start "
-            f"it over on purpose, remove {storage.url} (or its {fencing.FENCE_DIR}/ directory) first")
+            f"no committed checkpoint at {storage.url}, but {resumed[-1].describe()} had resumed from a committed "
+            f"step (of this URL, or of a node's local tier): the run's checkpoints are gone (removed; lost with a "
+            f"node's local disk before any step reached the URL; or with a writer killed while it replaced a "
+            f"superseded writer's step). Starting over silently would not resume the run; to start it over on "
+            f"purpose, remove {storage.url} (or its {fencing.FENCE_DIR}/ directory) first")
 
 
 def _choose_phase(coord: Coordinator, storage: Storage, step: int | None,
