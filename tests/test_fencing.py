@@ -183,7 +183,7 @@ def test_a_new_incarnation_killed_while_it_replaces_a_zombies_step_never_leaves_
         stop()
     new.close()
     if point == "save/manifest-written":
-        with pytest.raises(distckpt.CorruptCheckpointError, match="resumed from a committed step there"):
+        with pytest.raises(distckpt.CorruptCheckpointError, match="had resumed from a committed step"):
             value_of(where)
     else:
         with pytest.warns(distckpt.CheckpointFallbackWarning, match="last resort"):
