@@ -111,6 +111,20 @@ def test_a_zombie_commit_that_slipped_through_is_never_loaded(where, monkeypatch
     old.close()
 
 
+def _save_killed_at(mgr, point: str, step: int) -> None:
+    """`mgr.save(step, ...)` failing at the fault point `point`, as a process killed there would."""
+    def killed(name, context):
+        if name == point:
+            raise RuntimeError(f"killed at {point}")
+
+    stop = faults.on_point(killed)
+    try:
+        with pytest.raises(Exception, match="killed at"):
+            mgr.save(step, {"w": torch.full((4,), float(step) + 0.5)})
+    finally:
+        stop()
+
+
 def test_a_new_incarnation_stopped_before_its_first_commit_leaves_the_old_writers_newest_step(where):
     """The new incarnation loaded step 20; the old one, still running with keep_last=1, commits 30
     and removes 20; the new one takes its lease (30 is now a superseded writer's) and dies before
@@ -124,16 +138,7 @@ def test_a_new_incarnation_stopped_before_its_first_commit_leaves_the_old_writer
     old.save(30, {"w": torch.full((4,), 30.0)})  # the old one has not noticed: 20 is removed
     old._sweeper.drain()
 
-    def killed(name, context):
-        if name == "save/manifest-written":
-            raise RuntimeError("killed after its lease, before its first commit")
-
-    stop = faults.on_point(killed)
-    try:
-        with pytest.raises(Exception, match="killed after its lease"):
-            new.save(21, {"w": torch.full((4,), 21.0)})
-    finally:
-        stop()
+    _save_killed_at(new, "save/manifest-written", 21)  # after its lease, before its first commit
     new.close()
     with pytest.warns(distckpt.CheckpointFallbackWarning, match="last resort"):
         assert value_of(where) == (30, 30.0)
@@ -171,16 +176,7 @@ def test_a_new_incarnation_killed_while_it_replaces_a_zombies_step_never_leaves_
     old.save(3, {"w": torch.full((4,), 3.0)})
     old._sweeper.drain()
 
-    def killed(name, context):
-        if name == point:
-            raise RuntimeError("killed")
-
-    stop = faults.on_point(killed)
-    try:
-        with pytest.raises(Exception, match="killed"):
-            new.save(3, {"w": torch.full((4,), 33.0)})
-    finally:
-        stop()
+    _save_killed_at(new, point, 3)
     new.close()
     if point == "save/manifest-written":
         with pytest.raises(distckpt.CorruptCheckpointError, match="had resumed from a committed step"):
