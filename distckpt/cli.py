@@ -108,6 +108,11 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
         lines.append(f"{r['step']:>10} {_s(r['epoch']):>6} {_s(r['world_size']):>5} {_s(r['bytes']):>12} "
                      + (f"{_s(r['shared_bytes']):>12} " if shared else "")
                      + f"{_s(r['metric']):>12} {created:>20}  {r['status']}" + (f"  {r['tier']}" if "tier" in r else ""))
+    if not any(str(r["status"]).startswith(("committed", "superseded")) for r in rows):
+        resumed = [lease for lease in read_leases(storage) if lease.floor is not None and lease.floor >= 0]
+        if resumed:  # what load_latest raises about: the run's history is gone
+            lines.append(f"no committed step, but {resumed[-1].describe()} had resumed from one: this run's "
+                         "checkpoints are gone, and load_latest refuses to start it over silently")
     _emit(args, rows, "\n".join(lines))
     return EXIT_OK
 

@@ -162,7 +162,8 @@ def test_a_new_incarnation_stopped_before_its_first_commit_leaves_the_old_writer
 
 
 @pytest.mark.parametrize("point", ["save/gathered", "save/replicated-written", "save/manifest-written"])
-def test_a_new_incarnation_killed_while_it_replaces_a_zombies_step_never_leaves_a_silent_fresh_start(where, point):
+def test_a_new_incarnation_killed_while_it_replaces_a_zombies_step_never_leaves_a_silent_fresh_start(where, point,
+                                                                                                    capsys):
     """The new incarnation's first save is the step the old one committed after the takeover (the
     only step left: the old one's keep_last=1 removed the resume step). The zombie's commit is taken
     down only once the new save's files are durable, so a death before that leaves it loadable (the
@@ -181,6 +182,8 @@ def test_a_new_incarnation_killed_while_it_replaces_a_zombies_step_never_leaves_
     if point == "save/manifest-written":
         with pytest.raises(distckpt.CorruptCheckpointError, match="had resumed from a committed step"):
             value_of(where)
+        assert cli_main(["ls", where[0]]) == 0
+        assert "no committed step, but generation 2" in capsys.readouterr().out
     else:
         with pytest.warns(distckpt.CheckpointFallbackWarning, match="last resort"):
             assert value_of(where) == (3, 3.0)
