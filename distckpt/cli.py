@@ -32,9 +32,9 @@ import time
 from typing import Any, NoReturn
 
 from . import manifest as mf
-from .commit import CommitIndex, is_committed, list_committed
+from .commit import CommitIndex, list_committed, removed_meanwhile
 from .errors import ConfigError, DistCkptError
-from .fencing import read_leases
+from .fencing import read_leases, resumed_leases
 from .gcpause import collector_paused
 from .inspection import describe_step, diff_steps, list_steps, read_manifest, verify_step
 from .retention import (
@@ -109,7 +109,7 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
                      + (f"{_s(r['shared_bytes']):>12} " if shared else "")
                      + f"{_s(r['metric']):>12} {created:>20}  {r['status']}" + (f"  {r['tier']}" if "tier" in r else ""))
     if not any(str(r["status"]).startswith(("committed", "superseded")) for r in rows):
-        resumed = [lease for lease in read_leases(storage) if lease.floor is not None and lease.floor >= 0]
+        resumed = resumed_leases(read_leases(storage))
         if resumed:  # what load_latest raises about: the run's history is gone
             lines.append(f"no committed step, but {resumed[-1].describe()} had resumed from one: this run's "
                          "checkpoints are gone, and load_latest refuses to start it over silently")
@@ -173,7 +173,7 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
         for tier, root, step in todo:
             with _progress(root, [step]) as bar:
                 problems = verify_step(root, step, bar.update, leases)
-            if problems and args.step is None and _removed_meanwhile(root, step):
+            if problems and args.step is None and removed_meanwhile(root, step):
                 continue  # a running writer's retention took it while it was read: not damage
             rows.append({"step": step, "ok": not problems, "problems": problems,
                          **({"tier": tier} if len(tiers) > 1 else {})})
@@ -187,13 +187,6 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
              for r in rows]
     _emit(args, rows, "\n".join(lines))
     return EXIT_PROBLEM if any(not r["ok"] for r in rows) else EXIT_OK
-
-
-def _removed_meanwhile(storage: Storage, step: int) -> bool:
-    try:
-        return not is_committed(storage, step)
-    except (OSError, DistCkptError):
-        return False  # cannot tell: the problems stand
 
 
 def _progress(storage: Storage, steps: list[int]) -> Any:

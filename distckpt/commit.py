@@ -221,6 +221,15 @@ def is_committed(storage: Storage, step: int) -> bool:
     return storage.exists(f"{mf.step_dir(step)}/{mf.MARKER}")
 
 
+def removed_meanwhile(storage: Storage, step: int) -> bool:
+    """Whether `step`, found damaged while it was read, is no longer committed: a concurrent
+    writer's retention removed it (marker first), which is not damage. False when it cannot tell."""
+    try:
+        return not is_committed(storage, step)
+    except (OSError, DistCkptError):
+        return False
+
+
 def list_committed(storage: Storage) -> list[int]:
     """Committed steps, newest first, from one listing (on S3: its pages, no request per step)."""
     return scan(storage).committed()

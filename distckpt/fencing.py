@@ -142,6 +142,11 @@ def prune(storage: Storage, lease: Lease, committed_generations: Callable[[], li
     return removed
 
 
+def resumed_leases(leases: list[Lease]) -> list[Lease]:
+    """The leases of incarnations that resumed from a committed step (floor -1: found nothing)."""
+    return [lease for lease in leases if lease.floor is not None and lease.floor >= 0]
+
+
 def superseded_by(generation: int, step: int, leases: list[Lease]) -> Lease | None:
     """The newer lease that makes (generation, step) zombie output, or None if it is history."""
     for lease in leases:

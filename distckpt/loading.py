@@ -45,6 +45,7 @@ from .commit import (
     list_committed,
     read_marker,
     read_verified_manifest,
+    removed_meanwhile,
     step_candidates,
 )
 from .coord import Coordinator, Outcome, agree, attempt_on_root, attempt_phase, raise_if_failed, run_on_root
@@ -280,7 +281,7 @@ def _check_nothing_was_committed(storage: Storage, leases: list[Lease] | None) -
     committed step: then its history is gone (removed by hand, or a writer killed while it
     replaced a superseded writer's step: fencing.py), and starting over would be a silent wrong
     resume: CorruptCheckpointError, the same on every rank (the leases were broadcast)."""
-    resumed = [lease for lease in leases or [] if lease.floor is not None and lease.floor >= 0]
+    resumed = fencing.resumed_leases(leases or [])
     if resumed:
         raise CorruptCheckpointError(
             f"no committed checkpoint at {storage.url}, but {resumed[-1].describe()} had resumed from a committed "
@@ -459,20 +460,13 @@ def _read_and_check(coord: Coordinator, storage: Storage, entries: list[Entry], 
         read.entries = replaced_under_key(_resolve_sharded(storage, entries, read),
                                           {**read.replicated["entries"], **read.own["entries"]})
     except CorruptCheckpointError as e:
-        if not isinstance(e, NotCommittedError) and _removed_meanwhile(storage, step):
+        if not isinstance(e, NotCommittedError) and removed_meanwhile(storage, step):
             raise NotCommittedError(f"{storage.url}/{mf.step_dir(step)} was removed while it was read "
                                     "(retention of a concurrent writer)") from e
         raise
     _validate_against_state(read.entries, read, (coord.rank, coord.world_size), rules)
     faults.point("load/read", step=step, rank=coord.rank)
     return read
-
-
-def _removed_meanwhile(storage: Storage, step: int) -> bool:
-    try:
-        return not is_committed(storage, step)
-    except DistCkptError:
-        return False  # cannot tell: the damage stands as reported
 
 
 def _resolve_sharded(storage: Storage, entries: list[Entry], read: ReadCheckpoint) -> list[Entry]:
