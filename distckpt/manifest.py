@@ -63,7 +63,9 @@ def manifest_bytes(manifest: dict[str, Any]) -> bytes:
     from .errors import UnstorableValueError
 
     try:
-        data = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode()
+        # Compact: the C encoder runs only without indent (20,000 tensors: 0.023 s against 0.082 s
+        # indented, and 0.95 against 1.29 MB); `distckpt inspect` prints it readably.
+        data = json.dumps(manifest, separators=(",", ":"), sort_keys=True, allow_nan=False).encode()
     except (TypeError, ValueError) as e:  # a NaN, a key or a value JSON has no spelling for
         raise UnstorableValueError(f"the manifest is not storable as JSON: {e}") from e
     if len(data) > _MAX_MANIFEST_BYTES:
