@@ -171,11 +171,15 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
         if not todo:
             return _fail(args, f"no committed checkpoint at {storage.url}", EXIT_PROBLEM)
         for tier, root, step in todo:
+            # A superseded writer's step named with --step is refused, as load(state, step) refuses
+            # it; listed (plain, --all) it is the loader's last resort, damaged only if its files are.
+            superseded: list[str] | None = [] if args.step is None else None
             with _progress(root, [step]) as bar:
-                problems = verify_step(root, step, bar.update, leases)
+                problems = verify_step(root, step, bar.update, leases, superseded)
             if problems and args.step is None and removed_meanwhile(root, step):
                 continue  # a running writer's retention took it while it was read: not damage
             rows.append({"step": step, "ok": not problems, "problems": problems,
+                         "superseded": superseded[0] if superseded else None,
                          **({"tier": tier} if len(tiers) > 1 else {})})
         if rows:
             break
@@ -183,7 +187,8 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
         return _fail(args, f"every committed step at {storage.url} was removed while it was verified (a running "
                      "writer's retention); run it again", EXIT_PROBLEM)
     label = (lambda r: f"step {r['step']} ({r['tier']})") if len(tiers) > 1 else (lambda r: f"step {r['step']}")
-    lines = [f"{label(r)}: ok" if r["ok"] else f"{label(r)}: BAD\n" + "\n".join(f"  {x}" for x in r["problems"])
+    lines = [f"{label(r)}: ok" + (f" (superseded, loaded only as the last resort: {r['superseded']})" if r["superseded"] else "")
+             if r["ok"] else f"{label(r)}: BAD\n" + "\n".join(f"  {x}" for x in r["problems"])
              for r in rows]
     _emit(args, rows, "\n".join(lines))
     return EXIT_PROBLEM if any(not r["ok"] for r in rows) else EXIT_OK

@@ -62,12 +62,22 @@ def list_steps(storage: Storage) -> list[StepListing]:
 
 
 def verify_step(storage: Storage, step: int, progress: Callable[[int], None] = lambda n: None,
-                leases: list[Lease] | None = None) -> list[str]:
+                leases: list[Lease] | None = None, superseded: list[str] | None = None) -> list[str]:
     """Problems found in one step (empty when it verifies): each names its file. Pass `leases`
-    (read_leases) when verifying many steps, so they are read once."""
+    (read_leases) when verifying many steps, so they are read once. With `superseded` (a list),
+    a superseded writer's commit is not a problem in itself: why it is superseded is appended
+    there and its files are verified like any other step's (it is the loader's last resort)."""
     base = mf.step_dir(step)
     try:
         manifest = read_manifest(storage, step, read_leases(storage) if leases is None else leases)
+    except SupersededCheckpointError as e:
+        if superseded is None:
+            return [str(e)]
+        superseded.append(str(e))
+        try:
+            manifest = read_manifest(storage, step)
+        except (DistCkptError, OSError) as e2:
+            return [str(e2)]
     except (DistCkptError, OSError) as e:
         return [str(e)]
     problems = []

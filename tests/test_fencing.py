@@ -95,10 +95,21 @@ def test_a_zombie_commit_that_slipped_through_is_never_loaded(where, monkeypatch
     with pytest.warns(distckpt.CheckpointFallbackWarning, match="superseded writer"):
         assert value_of(where) == (2, 2.0)  # ... but the loader never prefers it
     url, options = where
-    assert cli_main(["verify", url, "--step", "5"]) == 1
+    assert cli_main(["verify", url, "--step", "5"]) == 1  # named, it is refused, as load(state, 5) refuses it
     assert "superseded writer" in capsys.readouterr().out
     assert cli_main(["verify", url, "--step", "2"]) == 0
     capsys.readouterr()
+    for listed in (["--all"], []):  # listed, it is the last resort: its files are checked, not held against it
+        assert cli_main(["verify", url, *listed]) == 0
+        out = capsys.readouterr().out
+        assert "step 5: ok (superseded, loaded only as the last resort" in out and "BAD" not in out
+    store = open_storage(url, options) if options else open_storage(url)
+    payload = "step-000000005/" + next(n for n in store.list_files("step-000000005") if n.endswith(".safetensors"))
+    data = bytearray(store.read_bytes(payload))
+    data[-1] ^= 0x01
+    store.write_file(payload, [bytes(data)])
+    assert cli_main(["verify", url, "--all"]) == 1  # damage to it is still damage
+    assert "step 5: BAD" in capsys.readouterr().out
     assert cli_main(["ls", url]) == 0
     listing = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert "superseded: " in listing["5"] and "damaged" not in listing["5"] and listing["2"].rstrip().endswith("committed")
