@@ -207,7 +207,7 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
     split: set[int] | None = None  # the steps split between ranks at every read so far
     for attempt in range(1, _LISTING_ATTEMPTS + 1):
         if not candidates:
-            _check_nothing_was_committed(storage, leases)
+            _check_nothing_was_committed(storage, leases, local)
             return None
         prefault = Prefault(copy_destinations(entries))  # while the files are read and verified
         try:
@@ -228,7 +228,7 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
         if read.error is not None and not changed and not read.split:
             raise read.error  # the damage stands
         if read.found is None and read.error is None and not changed and not read.split and attempt > 1:
-            _check_nothing_was_committed(storage, leases)
+            _check_nothing_was_committed(storage, leases, local)
             return None  # step directories, none committed, twice the same: a fresh start
         # Otherwise read again: a step was committed or removed meanwhile (a None is retried once
         # even on the same listing: a step's marker read before its commit and the previous
@@ -276,11 +276,20 @@ def _apply(coord: Coordinator, entries: list[Entry], state: dict[str, Any], foun
                     f"{storages[tier].url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept), tier)
 
 
-def _check_nothing_was_committed(storage: Storage, leases: list[Lease] | None) -> None:
+def _check_nothing_was_committed(storage: Storage, leases: list[Lease] | None, local: Storage | None) -> None:
     """Nothing committed: a fresh start. Unless a lease says an incarnation of this job resumed from a
     committed step: then its history is gone (removed by hand, or a writer killed while it
     replaced a superseded writer's step: fencing.py), and starting over would be a silent wrong
-    resume: CorruptCheckpointError, the same on every rank (the leases were broadcast)."""
+    resume: CorruptCheckpointError, the same on every rank (the leases were broadcast). With a
+    local tier, an earlier incarnation that never resumed may have committed steps to its node's
+    disk alone (none had reached the URL, every `durable_every`-th save does) that are gone with
+    it: nothing says whether it did, so the fresh start goes on, with a warning naming it."""
+    if local is not None and leases and not fencing.resumed_leases(leases):
+        warnings.warn(
+            f"no committed checkpoint at {storage.url} or in {local.url}, though {leases[-1].describe()} began "
+            f"saving: any steps it committed to a node's local tier alone (none reach the URL before the "
+            f"`durable_every`-th save) are gone with that disk. Starting from scratch", CheckpointFallbackWarning,
+            stacklevel=5)
     resumed = fencing.resumed_leases(leases or [])
     if resumed:
         raise CorruptCheckpointError(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -506,3 +508,29 @@ def test_a_missing_local_dir_on_the_command_line_is_an_error(roots, capsys):
 def test_a_local_dir_that_is_a_url_or_looks_like_one_names_local_dir(tmp_path, value):
     with pytest.raises(distckpt.ConfigError, match="local_dir="):
         distckpt.CheckpointManager(str(tmp_path / "durable"), local_dir=value)
+
+
+def _saves_then_dies(durable: str, local: str, steps: int) -> None:
+    """A first incarnation (it never resumed) that commits `steps` saves locally, none durable yet,
+    and ends without close(): a node lost between uploads."""
+    code = (f"import os, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import step_states, distckpt\n"
+            f"m = distckpt.CheckpointManager({durable!r}, local_dir={local!r}, durable_every=10)\n"
+            "m.load_latest(step_states.blank())\n"
+            f"for s in range({steps}): m.save(s, step_states.state_for(s))\n"
+            "os._exit(0)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_first_incarnation_lost_with_its_local_disk_starts_over_with_a_warning(roots):
+    durable, local = roots
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a new run: nothing to warn about
+        assert load(durable, local)[0] is None
+    _saves_then_dies(durable, local, 3)
+    assert steps_at(local) == [0, 1, 2] and steps_at(durable) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load(durable, local)[0].step == 2  # the node came back: its local tier resumes
+    shutil.rmtree(local)  # a replaced node: the only copies are gone
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match=r"generation 1 .*began saving.*gone with that disk"):
+        assert load(durable, local)[0] is None
