@@ -29,7 +29,7 @@ MATRIX = [
     ("load/read", 0, 2), ("load/read", 1, 2),
     ("load/applied", 0, 2), ("load/applied", 1, 2),
 ]
-SAMPLE = {("local", "save/captured", 1), ("local", "save/manifest-written", 0), ("local", "load/applied", 1),
+SAMPLE = {("local", "save/captured", 1), ("local", "save/rank-files-written", 1), ("local", "save/manifest-written", 0), ("local", "load/applied", 1),
           ("s3", "save/committed", 0), ("s3", "save/awaiting-commit", 1)}
 CASES = [pytest.param(backend, point, victim, expect, id=f"{backend}-{point}-rank{victim}",
                       marks=() if (backend, point, victim) in SAMPLE else pytest.mark.faults)
@@ -51,6 +51,9 @@ def test_sigkill_at_every_point(backend, point, victim, expect, tmp_path, reques
     report = survivor.value
     assert report["error_type"] is not None, f"the survivor reported success after rank {victim} died: {report}"
     assert report["seconds"] < crash_workers.TIMEOUT_S + 5, report  # an error within the timeout, never a hang
+    # On one machine a dead peer is noticed, not waited out: the collectives see its closed
+    # connections, rank 0's wait for the ranks' reports its process gone (was the whole timeout)
+    assert report["seconds"] < crash_workers.TIMEOUT_S / 2, report
     print(f"\n[crash] {backend} {point} rank {victim} killed: survivor raised {report['error_type']} "
           f"after {report['seconds']:.2f}s; resumed from step {expect}")
 
