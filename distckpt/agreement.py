@@ -4,10 +4,12 @@ A replicated entry is written once, from rank 0, and every rank gets rank 0's co
 load. Modules and optimizers are kept equal by DDP (and checked on load against each rank's
 own objects); a plain value or tensor is not — nanoGPT's `best_val_loss` is each rank's own —
 and a resume then silently gives every rank rank 0's. So every rank digests its replicated
-value and tensor entries during the capture, the digests travel in the capture's agreement
+value, tensor and stateful (state_dict) entries during the capture, the digests travel in the capture's agreement
 (no extra exchange), and a difference is refused on every rank by save() itself, naming the
 entry and the ranks. Hashing costs a pass over those tensors' bytes (xxh3: several GB/s per
-core); modules, optimizers and config (compared on load instead) are not hashed.
+core); modules, optimizers and config (compared on load instead) are not hashed. A stateful
+object is digested by its state_dict(), called again on every rank (rank 0 also captures it):
+a ReduceLROnPlateau stepped on each rank's own loss, a user's EMA of each rank's loss, differ.
 
 This module never touches storage or torch.distributed.
 """
@@ -26,17 +28,20 @@ from .errors import UnstorableValueError
 from .serialize import dim_order
 from .staging import region_key
 
-COMPARED_KINDS = ("value", "tensor")
+COMPARED_KINDS = ("value", "tensor", "stateful")
 
 
 def replicated_digests(entries: list[Entry]) -> dict[str, str]:
-    """Each replicated value or tensor entry's digest (the same on every rank iff equal)."""
+    """Each replicated value, tensor or stateful entry's digest (the same on every rank iff equal)."""
     out = {}
     for entry in entries:
         if entry.scope != PER_RANK and entry.kind in COMPARED_KINDS:
+            if isinstance(entry.target, torch.optim.Optimizer):
+                continue  # DDP keeps them equal; its state is as large as the model (checked on load)
             h = xxhash.xxh3_64()
             regions: dict[Any, list[str]] = {}
-            _feed(h, entry.target, 0, "", regions)
+            # a user's object (a loss EMA, a curriculum counter), a scheduler, a scaler: by what it saves
+            _feed(h, entry.target.state_dict() if entry.kind == "stateful" else entry.target, 0, "", regions)
             # which tensors are one object comes back as saved, so it is compared too: as the
             # sets of paths that share bytes, whatever order the tree was walked in
             h.update(repr(sorted(sorted(paths) for paths in regions.values() if len(paths) > 1)).encode())

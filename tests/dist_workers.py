@@ -8,6 +8,7 @@ import random
 import signal
 import time
 import warnings
+from typing import Any
 
 import numpy as np
 import torch
@@ -371,15 +372,40 @@ def replicated_values_by_rank(rank: int, world: int, url: str, case: str, async_
                                    {"w": _T, "u": torch.ones(2), "t": _T, "b": [2], "a": 1}),
         "ordered-dict-order": (collections.OrderedDict(a=1, b=2), collections.OrderedDict(b=2, a=1)),
     }
-    mine = pairs[case][0 if rank == 0 else 1]
+    stateful = {"stateful-ema": lambda r: _LossEma(1.0 + r),  # each rank's own loss: differs
+                "stateful-plateau": lambda r: _plateau(1.0 + r),
+                "equal-stateful": lambda r: _plateau(1.0)}
+    if case in stateful:
+        mine: Any = stateful[case](rank)
+    else:
+        mine = pairs[case][0 if rank == 0 else 1]
     state = {"v": mine, "own": distckpt.per_rank({"rank": rank, "loss": 1.0 + rank})}
     with distckpt.CheckpointManager(url, async_save=async_save) as mgr:
         mgr.load_latest(state)
         mgr.save(1, state)
-    back = {"v": None, "own": distckpt.per_rank({})}
+    back = {"v": stateful[case](0) if case in stateful else None, "own": distckpt.per_rank({})}
     with distckpt.CheckpointManager(url) as mgr:
         mgr.load_latest(back)
     return {"own": back["own"].obj}
+
+
+class _LossEma:
+    """A user's object with state_dict: an EMA of the loss each rank sees (its own)."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+def _plateau(loss: float) -> Any:
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
+    scheduler.step(loss)  # stepped on a loss that is not all-reduced: `best` is each rank's own
+    return scheduler
 
 
 def interrupted_inside_an_exchange(rank: int, world: int, url: str) -> dict:

@@ -278,11 +278,12 @@ def test_run_world_starts_again_when_another_process_took_its_free_port(ckpt_dir
 
 _DIFFERING = ["float", "negative-zero", "nan-payload", "big-int", "str", "list-length", "tuple-vs-list",
               "int-vs-float", "dict-value", "tensor-bits", "tensor-dtype", "nested-tensor", "numpy",
-              "requires-grad", "parameter", "tie", "dim-order", "ordered-dict-order"]
+              "requires-grad", "parameter", "tie", "dim-order", "ordered-dict-order", "stateful-ema", "stateful-plateau"]
 
 
-@pytest.mark.parametrize("case, async_save", [*[(c, False) for c in [*_DIFFERING, "equal", "equal-in-another-order"]],
-                                             ("float", True), ("nested-tensor", True), ("equal", True)])
+@pytest.mark.parametrize("case, async_save", [*[(c, False) for c in [*_DIFFERING, "equal", "equal-in-another-order", "equal-stateful"]],
+                                             ("float", True), ("nested-tensor", True), ("equal", True),
+                                             ("stateful-ema", True)])
 def test_a_replicated_value_that_differs_between_ranks_is_refused_at_save_on_every_rank(ckpt_dir, case, async_save):
     """A replicated entry is written from rank 0 and every rank gets rank 0's copy back, so a
     value each rank holds for itself (nanoGPT's best_val_loss) would come back wrong on the others:
