@@ -256,9 +256,20 @@ def _warn_unwrapped_workers(entry: Entry) -> None:
     dataset wrapped with with_worker_rng carries them in the loader's state. A dataset that draws
     nothing needs no wrapper, which is why this warns rather than refuses."""
     loader = entry.target
-    if getattr(loader, "num_workers", 0) <= 0 or loader in _WARNED_LOADERS:
+    dataset = getattr(loader, "dataset", None)
+    if loader in _WARNED_LOADERS or isinstance(dataset, (WorkerRngDataset, WorkerRngIterableDataset)):
         return
-    if isinstance(loader.dataset, (WorkerRngDataset, WorkerRngIterableDataset)):
+    if getattr(loader, "num_workers", 0) <= 0:
+        if isinstance(dataset, torch.utils.data.IterableDataset) and not _has_state_dict(dataset):
+            _WARNED_LOADERS.add(loader)
+            message = (f"state[{entry.key!r}] iterates an IterableDataset without state_dict() in this process: "
+                       "torchdata resumes it by replaying the items already yielded, and the replay draws from "
+                       "this process's random streams after distckpt restored them, so a dataset that draws random "
+                       "numbers will not resume exactly. Wrap it with distckpt.with_worker_rng(dataset) (its replay "
+                       "leaves the streams as saved), give it state_dict()/load_state_dict(), or ignore this if it "
+                       "draws nothing")
+            log.warning(message)
+            warnings.warn(message, CheckpointWarning, stacklevel=6)
         return
     _WARNED_LOADERS.add(loader)
     message = (f"state[{entry.key!r}] loads with {loader.num_workers} workers and its dataset is not wrapped "

@@ -18,6 +18,7 @@ from .rng import capture_process_rng, restore_process_rng
 
 _INNER = "dataset"
 _RNG = "worker_rng"
+_POSITION = "yielded"  # items the iterator had yielded (an inner dataset without state_dict)
 
 
 class _WorkerRngMixin:
@@ -58,13 +59,52 @@ class WorkerRngDataset(_WorkerRngMixin, Dataset):
 
 
 class WorkerRngIterableDataset(_WorkerRngMixin, IterableDataset):
-    """An iterable dataset whose worker random streams travel in the loader's state."""
+    """An iterable dataset whose worker random streams, and position, travel in the loader's state.
+
+    Being Stateful, the wrapper turns off torchdata's own fast-forward (which replays the items
+    already yielded), so it keeps the position itself: how many items the current iterator has
+    yielded. An inner dataset with state_dict restores its own position; any other is replayed
+    to it by the first iterator after a load, with every random stream of the process saved
+    before the replay and put back after it: the items after the resume are drawn from the
+    streams as they were at the save, as in the uninterrupted run (the replay's own draws are
+    discarded with its items). Without this the resumed iterator started over from the first
+    item (a 2-worker run differed from the first step after the resume)."""
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
+        self._yielded = 0        # by the current iterator
+        self._exhausted = False  # the current iterator ran out: the next one starts a new pass
+        self._replay = 0         # items the next iterator skips (set by load_state_dict)
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.dataset)
+        replay, self._replay = self._replay, 0
+        self._yielded, self._exhausted = 0, False
+        inner = iter(self.dataset)
+        if replay:
+            streams = capture_process_rng()
+            try:
+                for _ in range(replay):
+                    next(inner)
+                    self._yielded += 1
+            except StopIteration:
+                self._exhausted = True
+                return
+            finally:
+                restore_process_rng(streams, "data-loader replay")
+        for item in inner:
+            self._yielded += 1
+            yield item
+        self._exhausted = True
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        if _INNER not in out:
+            out[_POSITION] = 0 if self._exhausted else self._yielded
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._replay = int(state.get(_POSITION, 0))
 
 
 def with_worker_rng(dataset: Any) -> Dataset:

@@ -4,14 +4,17 @@ workers, saved at any position, and an async save left in flight at exit."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import distckpt
@@ -28,8 +31,23 @@ class RandomAugmented(Dataset):
         return torch.tensor([float(i)]) + torch.rand(1)
 
 
-def _loader(workers: int, generator: bool, shuffle: bool) -> tuple[StatefulDataLoader, dict]:
-    dataset = distckpt.with_worker_rng(RandomAugmented()) if workers else RandomAugmented()
+class RandomStream(IterableDataset):
+    """16 items a pass, split between the loader's workers, each drawn from torch's, Python's and
+    NumPy's global streams (of the worker, or of the main process without workers), no state_dict."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        mine = range(16) if info is None else range(info.id, 16, info.num_workers)
+        for i in mine:
+            yield torch.tensor([float(i) + torch.rand(1).item(), random.random(), float(np.random.rand())])
+
+
+def _loader(workers: int, generator: bool, shuffle: bool, iterable: bool = False) -> tuple[StatefulDataLoader, dict]:
+    if iterable:  # wrapped without workers too: the replay to the position must not move the streams
+        dataset: Any = distckpt.with_worker_rng(RandomStream())
+        shuffle = False
+    else:
+        dataset = distckpt.with_worker_rng(RandomAugmented()) if workers else RandomAugmented()
     g = torch.Generator().manual_seed(5) if generator else None
     loader = StatefulDataLoader(dataset, batch_size=2, shuffle=shuffle, num_workers=workers, generator=g)
     state: dict = {"loader": loader}
@@ -55,14 +73,19 @@ def _run(loader: StatefulDataLoader, steps: range, save_at: int | None = None,
     return out
 
 
-def _check_resume(tmp_path, workers: int, generator: bool, shuffle: bool, save_at: int) -> None:
+def _check_resume(tmp_path, workers: int, generator: bool, shuffle: bool, save_at: int, iterable: bool = False) -> None:
     torch.manual_seed(0)
-    loader, state = _loader(workers, generator, shuffle)
-    with distckpt.CheckpointManager(str(tmp_path / f"c{workers}{generator}{shuffle}{save_at}")) as mgr:
+    random.seed(0)
+    np.random.seed(0)
+    loader, state = _loader(workers, generator, shuffle, iterable)
+    root = str(tmp_path / f"c{workers}{generator}{shuffle}{save_at}{iterable}")
+    with distckpt.CheckpointManager(root) as mgr:
         reference = _run(loader, range(STEPS), save_at, mgr, state)
     torch.manual_seed(99)  # the resumed process starts from other streams
-    loader, state = _loader(workers, generator, shuffle)
-    with distckpt.CheckpointManager(str(tmp_path / f"c{workers}{generator}{shuffle}{save_at}")) as mgr:
+    random.seed(99)
+    np.random.seed(99)
+    loader, state = _loader(workers, generator, shuffle, iterable)
+    with distckpt.CheckpointManager(root) as mgr:
         progress = mgr.load_latest(state)
     assert progress is not None and progress.step == save_at
     resumed = _run(loader, range(save_at + 1, STEPS))
@@ -78,12 +101,21 @@ def test_a_loader_resumed_mid_epoch_continues_every_stream(tmp_path, workers, ge
     _check_resume(tmp_path, workers, generator, shuffle, save_at=4)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("save_at", [0, 3, 7, 8])
+def test_an_iterable_dataset_without_state_dict_resumes_at_its_position(tmp_path, workers, save_at):
+    # with_worker_rng keeps the position of an IterableDataset that has no state_dict: it used to
+    # start over from its first item (every step after the resume differed). 7: the last batch of
+    # the first pass, so the resumed loader starts the second pass, not a replay.
+    _check_resume(tmp_path, workers, generator=False, shuffle=False, save_at=save_at, iterable=True)
+
+
 @settings(max_examples=int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "6")), deadline=None, derandomize=True)
 @given(workers=st.sampled_from([0, 2]), generator=st.booleans(), shuffle=st.booleans(),
-       save_at=st.integers(min_value=0, max_value=STEPS - 2))
-def test_a_loader_saved_at_any_position_resumes_exactly(tmp_path_factory, workers, generator, shuffle, save_at):
+       save_at=st.integers(min_value=0, max_value=STEPS - 2), iterable=st.booleans())
+def test_a_loader_saved_at_any_position_resumes_exactly(tmp_path_factory, workers, generator, shuffle, save_at, iterable):
     # Every position: the first batch of an epoch, mid-epoch, the last batch of an epoch.
-    _check_resume(tmp_path_factory.mktemp("pos"), workers, generator, shuffle, save_at)
+    _check_resume(tmp_path_factory.mktemp("pos"), workers, generator, shuffle, save_at, iterable)
 
 
 def test_an_async_save_in_flight_at_exit_without_close_is_finished_and_said(tmp_path):
@@ -149,3 +181,30 @@ def test_a_snapshot_after_the_epochs_loop_resumes_with_the_next_epoch(tmp_path):
     first = _epoch_snapshot_run(tmp_path / "run", stop_after_epoch=0)
     resumed = _epoch_snapshot_run(tmp_path / "run")
     assert first + resumed == reference
+
+
+def test_an_unwrapped_iterable_dataset_in_the_main_process_is_warned_about_and_does_differ(tmp_path):
+    """torchdata's own replay of an IterableDataset without state_dict draws from the streams
+    distckpt restored: the warning is earned (the resume differs), and with_worker_rng removes both."""
+    import warnings
+
+    def run(wrapped: bool, save_at: int | None, root: str) -> tuple[list, list]:
+        torch.manual_seed(0)
+        dataset = distckpt.with_worker_rng(RandomStream()) if wrapped else RandomStream()
+        loader = StatefulDataLoader(dataset, batch_size=2)
+        with distckpt.CheckpointManager(root) as mgr, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = _run(loader, range(STEPS), save_at, mgr, {"loader": loader})
+        return out, [str(w.message) for w in caught if issubclass(w.category, distckpt.CheckpointWarning)]
+
+    for wrapped in (False, True):
+        root = str(tmp_path / f"w{wrapped}")
+        reference, said = run(wrapped, 5, root)
+        assert (len(said) == 1 and "IterableDataset without state_dict()" in said[0]) == (not wrapped), said
+        torch.manual_seed(99)
+        dataset = distckpt.with_worker_rng(RandomStream()) if wrapped else RandomStream()
+        loader = StatefulDataLoader(dataset, batch_size=2)
+        with distckpt.CheckpointManager(root) as mgr:
+            assert mgr.load_latest({"loader": loader}).step == 5
+        resumed = _run(loader, range(6, STEPS))
+        assert (resumed == reference[6:]) == wrapped
