@@ -98,3 +98,33 @@ def test_s3_failing_from_every_nth_request(s3_server, s3_url, proxy, save_reques
     outcomes = {n: run_trial(s3_server, f"{s3_url}/n{n}", proxy, n) for n in range(1, save_requests + 1)}
     print("S3 failing from request N of", save_requests, outcomes)
     assert list(outcomes.values()).count("error") >= save_requests // 2, outcomes
+
+
+@pytest.mark.parametrize("mode", ["standard", "legacy"])
+def test_a_retried_request_never_moves_the_global_random_stream(s3_server, s3_url, proxy, mode):
+    """botocore draws its retry jitter from Python's global `random`: one 503 retried inside a
+    save moved the stream the checkpoint had just recorded, and a failed load moved it too
+    (storage/jitter.py points that jitter at a private generator)."""
+    import random
+
+    options = fast_options(s3_server.storage_options(proxy.endpoint))
+    options["config_kwargs"]["retries"] = {"max_attempts": 3, "mode": mode}
+    url = f"{s3_url}-{mode}"
+    state = {"w": torch.arange(10.0), "n": 1}
+    with distckpt.CheckpointManager(url, storage_options=options) as mgr:
+        mgr.load_latest(state)
+        failing = Rule("PUT", r"/step-\d+/replicated/", "status", times=1, status=503)
+        proxy.add(failing)
+        random.seed(1234)
+        before = random.getstate()
+        mgr.save(1, state)
+        assert failing.hits == 1  # the request was failed, and retried
+        assert random.getstate() == before
+    proxy.add(Rule("*", ".", "status", times=10**6, status=503))
+    random.seed(99)
+    before = random.getstate()
+    target = {"w": torch.zeros(10), "n": 0}
+    with pytest.raises((distckpt.DistCkptError, OSError)):
+        distckpt.CheckpointManager(url, storage_options=options).load_latest(target)
+    assert random.getstate() == before and target["n"] == 0 and not target["w"].any()
+    proxy.rules.clear()

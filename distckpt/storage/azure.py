@@ -31,6 +31,9 @@ class AzureStorage(ConditionalCreateStorage):
     def make_client(options: dict[str, Any]) -> Any:
         from adlfs import AzureBlobFileSystem
 
+        from .jitter import keep_jitter_private
+
+        keep_jitter_private("azure")  # retry / token-refresh jitter drew from the global `random` stream
         return AzureBlobFileSystem(**options)
 
     def _call(self, what: str, target: str, method: str, *args: Any, size: int = 0, **kwargs: Any) -> Any:

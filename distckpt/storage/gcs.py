@@ -34,6 +34,9 @@ class GcsStorage(ConditionalCreateStorage):
         # only after its 60 s timeout. Zonal buckets are not supported through it.
         from gcsfs.core import GCSFileSystem
 
+        from .jitter import keep_jitter_private
+
+        keep_jitter_private("gcs")  # retry / token-refresh jitter drew from the global `random` stream
         return GCSFileSystem(**options)
 
     def _call(self, what: str, target: str, method: str, *args: Any, size: int = 0, **kwargs: Any) -> Any:

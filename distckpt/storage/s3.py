@@ -29,6 +29,7 @@ from typing import Any, Iterable, Iterator
 from ..errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError
 from .conditional import ConditionalCreateStorage
 from .fsspec_fs import _join
+from .jitter import keep_jitter_private
 from .redact import protect_credentials
 from .s3_crt import CrtReader, choose_client
 from .spill import SpillError, check_spill_dir, default_spill_dir, write_at
@@ -93,6 +94,7 @@ class S3Storage(ConditionalCreateStorage):
         # total_max_attempts), which left every later client with its default retries.
         config = copy.deepcopy({**DEFAULT_CONFIG, **options.pop("config_kwargs", {})})
         options.setdefault("skip_instance_cache", True)  # one owned client per manager
+        keep_jitter_private("s3")  # botocore's retry backoff drew from the global `random` stream
         fs = s3fs.S3FileSystem(config_kwargs=config, **options)
         fs.retries = retries  # s3fs's own retries, on top of botocore's: keep the product bounded
         root = url.split("://", 1)[1].rstrip("/")
