@@ -285,7 +285,17 @@ class CheckpointManager:
     def _take_lease(self) -> Lease:
         """Rank 0's write lease, taken once: from here on older incarnations cannot commit."""
         if self._lease is None:
-            self._lease = acquire(self.storage, self.run_id, self._floor)
+            try:
+                self._lease = acquire(self.storage, self.run_id, self._floor)
+            except StorageError as e:
+                if self.local is None:
+                    raise
+                # The local tier's files are named with the lease's generation, and a local step
+                # loads only under a lease at the URL: without one nothing can be committed anywhere.
+                raise StorageError(e.errno, f"{e}. This incarnation's first save takes the write lease at "
+                                   f"{self.storage.url} and could not reach it, so nothing was committed, on the "
+                                   "local tier either; each save tries again. Once the lease is held, an unreachable "
+                                   "URL no longer stops local saves") from e
         return self._lease
 
     def _index(self, storage: Storage) -> CommitIndex:

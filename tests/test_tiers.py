@@ -534,3 +534,23 @@ def test_a_first_incarnation_lost_with_its_local_disk_starts_over_with_a_warning
     shutil.rmtree(local)  # a replaced node: the only copies are gone
     with pytest.warns(distckpt.CheckpointFallbackWarning, match=r"generation 1 .*began saving.*gone with that disk"):
         assert load(durable, local)[0] is None
+
+
+def test_a_first_save_while_the_url_is_unreachable_says_why_nothing_was_committed(tmp_path, s3_server, s3_url, proxy):
+    """The incarnation's first save takes the lease at the URL; the local files are named with its
+    generation, so while the URL cannot be reached nothing can be committed locally either: a clear
+    StorageError (not a bare listing timeout), and the next save after the URL is back commits."""
+    local = str(tmp_path / "local")
+    run_saves(s3_url, local, range(3), durable_every=2, storage_options=fast_options(s3_server.storage_options()))
+    options = fast_options(s3_server.storage_options(proxy.endpoint), retries=1, call_timeout=3)
+    state = step_states.blank()
+    with distckpt.CheckpointManager(s3_url, local_dir=local, storage_options=options) as mgr:
+        proxy.add(Rule("*", ".", "status", times=10**6, status=500))
+        with pytest.warns(distckpt.CheckpointFallbackWarning):
+            assert mgr.load_latest(state).step == 2
+        with pytest.raises(distckpt.StorageError, match="first save takes the write lease at .* nothing was committed"):
+            mgr.save(3, step_states.state_for(3))
+        assert steps_at(local) == [0, 1, 2]
+        proxy.rules.clear()
+        mgr.save(3, step_states.state_for(3))
+        assert 3 in steps_at(local)
