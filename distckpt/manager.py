@@ -240,8 +240,14 @@ class CheckpointManager:
         instead, then raised); on rank 0 the rest and the commit."""
         target = self._target
         self._sweeper.drain()  # rank 0: the retired steps' files are gone before this save's are written
-        if own_write is not None:
-            own_write.run(target, self._coord.reports, failure)
+        try:
+            if own_write is not None:
+                own_write.run(target, self._coord.reports, failure)
+        except StorageError as e:
+            sized = self._sized(e)
+            if sized is e:
+                raise
+            raise sized from e
         if failure is not None:
             raise failure
         if staged is None:
@@ -253,14 +259,10 @@ class CheckpointManager:
             write_and_commit(target, staged, self._versions(), self._take_lease(), self._coord.reports,
                              self._content)
         except StorageError as e:
-            keep, name = (self.tiers.keep_local, "keep_local") if self.local is not None else \
-                (self.config.keep_last, "keep_last")
-            if e.errno != errno.ENOSPC or keep is None:
+            sized = self._sized(e)
+            if sized is e:
                 raise
-            raise StorageError(errno.ENOSPC, f"{e}. Retention removes old checkpoints only after a new one "
-                               f"commits, so the disk must hold {name} + 1 = {keep + 1} "
-                               f"checkpoints; the committed ones are intact. Free space, or lower {name} "
-                               "and prune (distckpt prune URL --keep-last N)") from e
+            raise sized from e
         if self.local is not None:
             self._last_local = staged.step
             self._retain(self.local, staged.step, self.tiers.keep_local, None)
@@ -274,6 +276,19 @@ class CheckpointManager:
                  "commit %.3fs), %d payload bytes", staged.step, self.storage.url,
                  time.perf_counter() - start + t["capture_s"] + t["gather_s"], t["capture_s"],
                  t["gather_s"], t["write_s"], t["commit_s"], staged.replicated.payload_bytes)
+
+    def _sized(self, e: StorageError) -> StorageError:
+        """A full disk's error, with how many checkpoints the disk must hold; others unchanged."""
+        keep, name = (self.tiers.keep_local, "keep_local") if self.local is not None else \
+            (self.config.keep_last, "keep_last")
+        if e.errno != errno.ENOSPC or keep is None:
+            return e
+        # Two tiers: the step being uploaded to the URL is kept on the local tier besides keep_local.
+        extra, why = (2, " + the one being uploaded") if self.local is not None else (1, "")
+        return StorageError(errno.ENOSPC, f"{e}. Retention removes old checkpoints only after a new one "
+                            f"commits, so the disk must hold {name}{why} + 1 = {keep + extra} "
+                            f"checkpoints; the committed ones are intact. Free space, or lower {name} "
+                            "and prune (distckpt prune URL --keep-last N)")
 
     def _versions(self) -> dict[str, Any]:
         """The environment for the manifest, collected at rank 0's first write rather than at

@@ -554,3 +554,20 @@ def test_a_first_save_while_the_url_is_unreachable_says_why_nothing_was_committe
         proxy.rules.clear()
         mgr.save(3, step_states.state_for(3))
         assert 3 in steps_at(local)
+
+
+def test_a_full_local_disk_says_how_many_checkpoints_it_must_hold(roots, monkeypatch):
+    """The step being uploaded is kept on the local tier besides keep_local: the sizing the error
+    gives counts it (it said keep_local + 1, one checkpoint short)."""
+    from test_manager_local import FullDisk
+
+    from distckpt.storage import local as storage_mod
+
+    durable, local = roots
+    with distckpt.CheckpointManager(durable, local_dir=local, keep_local=2, durable_every=2) as mgr:
+        mgr.load_latest(step_states.blank())
+        mgr.save(0, step_states.state_for(0))
+        monkeypatch.setattr(storage_mod, "open", FullDisk(1).open, raising=False)
+        with pytest.raises(distckpt.StorageError, match=r"keep_local \+ the one being uploaded \+ 1 = 4 checkpoints"):
+            mgr.save(1, step_states.state_for(1))
+        monkeypatch.setattr(storage_mod, "open", open, raising=False)
