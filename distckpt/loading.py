@@ -341,10 +341,12 @@ def _choose_tiered(coord: Coordinator, storage: Storage, step: int | None,
         steps = step_candidates(storage) if step is None else [s for s in [step] if is_committed(storage, s)]
         if not steps:
             storage.check_root()
-        return {"steps": steps, "leases": [dataclasses.asdict(x) for x in fencing.read_leases(storage)]}
+        # a named step that is not there: the error lists what is committed
+        listed = list_committed(storage)[:10] if step is not None and not steps else steps[:10]
+        return {"steps": steps, "listed": listed, "leases": [dataclasses.asdict(x) for x in fencing.read_leases(storage)]}
 
     outcome, _ = attempt_on_root(coord, "load/durable", read_durable)
-    durable = outcome.info if outcome.ok else {"steps": [], "leases": None}
+    durable = outcome.info if outcome.ok else {"steps": [], "listed": [], "leases": None}
     leases = None if durable["leases"] is None else [Lease(**d) for d in durable["leases"]]
     local_steps = tiers.common_local_steps(coord, local, leases)
     if not outcome.ok:
@@ -359,7 +361,7 @@ def _choose_tiered(coord: Coordinator, storage: Storage, step: int | None,
     steps = list(durable["steps"])
     if step is not None and step not in steps and step not in local_steps:
         raise IncompatibleCheckpointError(
-            f"step {step} is not committed at {storage.url} (committed: {steps[:10]}) nor on every node's "
+            f"step {step} is not committed at {storage.url} (committed: {durable['listed']}) nor on every node's "
             f"local tier (common: {local_steps[:10]})")
     return tiers.merge_candidates(local_steps, steps, step), leases
 

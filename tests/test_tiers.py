@@ -571,3 +571,12 @@ def test_a_full_local_disk_says_how_many_checkpoints_it_must_hold(roots, monkeyp
         with pytest.raises(distckpt.StorageError, match=r"keep_local \+ the one being uploaded \+ 1 = 4 checkpoints"):
             mgr.save(1, step_states.state_for(1))
         monkeypatch.setattr(storage_mod, "open", open, raising=False)
+
+
+def test_a_named_step_on_neither_tier_lists_what_is_committed(roots):
+    durable, local = roots
+    run_saves(durable, local, range(4), durable_every=2)  # durable: 1, 3; local: 0-3
+    with pytest.raises(distckpt.IncompatibleCheckpointError,
+                       match=r"step 7 is not committed at .* \(committed: \[3, 1\]\) nor on every node's local tier "
+                             r"\(common: \[3, 2, 1, 0\]\)"):
+        load(durable, local, step=7)
