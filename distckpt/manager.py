@@ -239,6 +239,8 @@ class CheckpointManager:
         """This rank's part of the write: its own files and their report (`failure` is reported
         instead, then raised); on rank 0 the rest and the commit."""
         target = self._target
+        if staged is not None:
+            self._trim_local_tier()
         self._sweeper.drain()  # rank 0: the retired steps' files are gone before this save's are written
         try:
             if own_write is not None:
@@ -330,16 +332,7 @@ class CheckpointManager:
             index.scan(expect=just_committed)
             spared = {just_committed} | ({self._uploading} if storage is self.local and self._uploading is not None else set())
             doomed, keep = self._plan_retention(index, keep_last, keep_best, spared)
-            retired: list[int] = []
-            try:
-                for step in doomed:
-                    retire(storage, step)  # no longer committed; its files go on the sweeper's thread
-                    retired.append(step)
-                    index.forget(mf.step_dir(step))
-                    log.info("rank 0: retention removed step %d from %s", step, storage.url)
-            finally:
-                if retired:
-                    self._sweeper.submit(storage, retired, keep)
+            retired = self._retire(storage, index, doomed, keep)
             collect_leftovers(storage, self.config.leftover_grace_s, index=index,
                               skip=frozenset(mf.step_dir(step) for step in retired))
             if self._lease is not None and storage is self.storage:  # local steps need their leases too
@@ -349,6 +342,36 @@ class CheckpointManager:
         except (OSError, DistCkptError) as e:
             log.warning("rank 0: retention after step %d failed (the checkpoint is committed): %s",
                         just_committed, e)
+
+    def _retire(self, storage: Storage, index: CommitIndex, doomed: list[int], keep: set[str]) -> list[int]:
+        """Retire `doomed` (marker first: no longer committed); their files go on the sweeper's thread."""
+        retired: list[int] = []
+        try:
+            for step in doomed:
+                retire(storage, step)
+                retired.append(step)
+                index.forget(mf.step_dir(step))
+                log.info("rank 0: retention removed step %d from %s", step, storage.url)
+        finally:
+            if retired:
+                self._sweeper.submit(storage, retired, keep)
+        return retired
+
+    def _trim_local_tier(self) -> None:
+        """Rank 0, before a local write: the steps keep_local no longer keeps and no upload needs
+        (a step spared while it was uploaded, a previous incarnation's) go now, not after this
+        commit. A local disk sized for keep_local + 1 checkpoints otherwise stayed full for good
+        after a restart that found keep_local + 1 there (ENOSPC at every save)."""
+        if self.local is None or self.tiers.keep_local is None or doctor_hooks.keeps_everything():
+            return
+        try:
+            index = self._index(self.local)
+            index.scan()
+            spared = {self._uploading} if self._uploading is not None else set()
+            doomed, keep = self._plan_retention(index, self.tiers.keep_local, None, spared)
+            self._retire(self.local, index, doomed, keep)
+        except (OSError, DistCkptError) as e:
+            log.warning("rank 0: local retention before the save failed (it runs again after the commit): %s", e)
 
     def _plan_retention(self, index: CommitIndex, keep_last: int | None, keep_best: int | None,
                         spared: set[int]) -> tuple[list[int], set[str]]:

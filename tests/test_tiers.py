@@ -580,3 +580,28 @@ def test_a_named_step_on_neither_tier_lists_what_is_committed(roots):
                        match=r"step 7 is not committed at .* \(committed: \[3, 1\]\) nor on every node's local tier "
                              r"\(common: \[3, 2, 1, 0\]\)"):
         load(durable, local, step=7)
+
+
+def test_a_restart_trims_the_local_tier_to_keep_local_before_it_writes(roots):
+    """A local disk sized for keep_local + 1 checkpoints, found holding keep_local + 1 (the step an
+    upload spared, another incarnation's keep_local): the steps keep_local no longer keeps go before
+    the write, so the save fits (they went only after the commit: ENOSPC at every save, for good)."""
+    durable, local = roots
+    run_saves(durable, local, range(3), durable_every=10)  # keep_local unset: 0, 1, 2 stay
+    seen: list = []
+
+    def during_write(name: str, context: dict) -> None:
+        if name == "save/rank-files-written":
+            seen.append((steps_at(local), sorted(os.listdir(local))))
+
+    undo = faults.on_point(during_write)
+    try:
+        with distckpt.CheckpointManager(durable, local_dir=local, keep_local=2, durable_every=10) as mgr:
+            assert mgr.load_latest(step_states.blank()).step == 2
+            mgr.save(3, step_states.state_for(3))
+    finally:
+        undo()
+    committed, names = seen[0]
+    assert committed == [1, 2] and mf.step_dir(0) not in names, seen
+    assert steps_at(local) == [2, 3]
+    assert load(durable, local)[0].step == 3
