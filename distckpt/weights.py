@@ -31,11 +31,14 @@ from . import incremental
 from . import manifest as mf
 from .capture import unwrap_module
 from .commit import list_committed, read_marker, read_verified_manifest
+from .copying import byte_extent, elements_overlap, same_bits
 from .errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError, MissingFileError
+from .fencing import FENCE_DIR
 from .gcpause import paused_while_running
 from .serialize import _DTYPE_TO_ST, _ST_TO_DTYPE, ShardRef, load_tree_file
 from .sharded import ShardReader
 from .storage import Storage, open_storage, release_pages
+from .validation import check_writable
 
 log = logging.getLogger("distckpt")
 INDEX_NAME = "model.safetensors.index.json"
@@ -177,6 +180,9 @@ def open_hf_model(path: str) -> ModelSource:
     for file in sorted(set(files.values())):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
+                if name in files and files[name] != file:
+                    raise CorruptCheckpointError(f"{file}: holds {name!r}, which the index places in {files[name]}: "
+                                                 "a tensor in two shards (which one is the model's?)")
                 if files.get(name) == file:
                     sl = f.get_slice(name)
                     spec[name] = (_ST_TO_DTYPE.get(sl.get_dtype(), torch.float32), list(sl.get_shape()))
@@ -210,6 +216,13 @@ def open_model_source(source: str, *, step: int | None = None, entry: str = "mod
     local = "://" not in source
     if local and (source.endswith(".safetensors") or os.path.exists(os.path.join(source, INDEX_NAME))
                   or os.path.exists(os.path.join(source, SINGLE_NAME))):
+        if _is_checkpoint_root(source):
+            raise ConfigError(f"source={source!r} holds both distckpt checkpoints and exported safetensors "
+                              f"({SINGLE_NAME} or {INDEX_NAME}): which to load is ambiguous; move the exported "
+                              "files to a directory of their own")
+        if step is not None:
+            raise ConfigError(f"step={step!r}: {source!r} is an exported safetensors file or directory, which holds "
+                              "one set of weights; step= applies to a distckpt checkpoint root")
         return open_hf_model(source)
     return open_checkpoint_model(source, step=step, entry=entry, storage_options=storage_options)
 
@@ -234,9 +247,11 @@ def load_weights(source: str, module: nn.Module, *, step: int | None = None, str
         raise ConfigError(f"module={type(module).__name__}: must be an nn.Module")
     if not isinstance(strict, bool) or not isinstance(allow_cast, bool):
         raise ConfigError("strict and allow_cast must be True or False")
+    _check_patterns(prefix_map, ignore)
     src = open_model_source(source, step=step, entry=entry, storage_options=storage_options)
     target = unwrap_module(module).state_dict(keep_vars=True)
     mapping = _map_keys(src.names, prefix_map or {})
+    _refuse_collisions(mapping, src.where)
     report = WeightsReport(src.where, src.step)
     report.ignored = sorted(k for k in mapping if _ignored(k, ignore) or _ignored(mapping[k], ignore))
     wanted = {mapping[k]: k for k in mapping if k not in report.ignored}
@@ -258,12 +273,59 @@ def load_weights(source: str, module: nn.Module, *, step: int | None = None, str
     if problems:
         raise IncompatibleCheckpointError(f"{src.where} does not fit the module: {'; '.join(problems)}; "
                                           "strict=False loads the common keys, prefix_map renames keys")
+    for key in wanted:
+        if key in target:
+            check_writable(target[key], f"{src.where} into the module's {key!r}")
+    _refuse_differing_ties({key: src_key for key, src_key in wanted.items() if key in target}, target, src)
     with torch.no_grad():
         for key, src_key in wanted.items():
             if key in target:
                 target[key].copy_(src.tensor(src_key))
                 report.loaded.append(key)
     return report
+
+
+def _check_patterns(prefix_map: Any, ignore: Any) -> None:
+    if prefix_map is not None and (not isinstance(prefix_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in prefix_map.items())):
+        raise ConfigError(f"prefix_map={prefix_map!r}: must be a dict of str to str (source prefix -> module prefix)")
+    if isinstance(ignore, (str, bytes)) or not isinstance(ignore, (list, tuple)) or not all(
+            isinstance(p, str) for p in ignore):
+        raise ConfigError(f"ignore={ignore!r}: must be a list or tuple of fnmatch patterns (a single pattern "
+                          "too: ignore=['head.*'])")
+
+
+def _refuse_collisions(mapping: dict[str, str], where: str) -> None:
+    """Two source keys renamed onto one module key: one would silently overwrite the other."""
+    seen: dict[str, str] = {}
+    for name, mapped in mapping.items():
+        if mapped in seen:
+            raise IncompatibleCheckpointError(
+                f"{where}: {seen[mapped]!r} and {name!r} both map to {mapped!r} (prefix_map); one would "
+                "overwrite the other. Map them apart, or ignore one")
+        seen[mapped] = name
+
+
+def _refuse_differing_ties(pairs: dict[str, str], target: dict[str, torch.Tensor], src: "ModelSource") -> None:
+    """Module keys that are one tensor here (tied weights) loaded from source tensors that differ:
+    the second copy would silently replace the first. Equal bits are fine (an export of a tied model)."""
+    by_memory: dict[tuple[Any, int], list[str]] = {}
+    for key in pairs:
+        t = target[key]
+        if t.numel():
+            by_memory.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(key)
+    for keys in by_memory.values():
+        for i, a in enumerate(keys):
+            for b in keys[i + 1:]:
+                (start_a, end_a), (start_b, end_b) = byte_extent(target[a]), byte_extent(target[b])
+                if end_a <= start_b or end_b <= start_a or not elements_overlap(target[a], target[b]):
+                    continue  # views of one buffer that share no byte
+                if target[a].data_ptr() == target[b].data_ptr() and same_bits(src.tensor(pairs[a]), src.tensor(pairs[b])):
+                    continue
+                raise IncompatibleCheckpointError(
+                    f"{src.where}: {a!r} and {b!r} are one tensor in the module (tied) but differ in the source "
+                    f"({pairs[a]!r}, {pairs[b]!r}); loading both would keep only the second. Untie them in the "
+                    "module, or ignore one key")
 
 
 def _map_keys(names: list[str], prefix_map: dict[str, str]) -> dict[str, str]:
@@ -320,6 +382,9 @@ def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: st
     if dtype is not None and cast is None:
         raise ConfigError(f"dtype={dtype!r}: one of {sorted(_DTYPES)}")
     limit = parse_size(max_shard_size)
+    if _is_checkpoint_root(out_dir):
+        raise ConfigError(f"out_dir={out_dir!r} is a distckpt checkpoint root (it holds step directories or "
+                          f"{FENCE_DIR}/): export into a directory of its own")
     src = open_checkpoint_model(url, step=step, entry=entry, storage_options=storage_options, bounded=True)
     out_spec = {name: (_out_dtype(d, cast), shape) for name, (d, shape) in src.spec.items()}
     shards = _plan_shards(src.names, out_spec, limit)
@@ -337,7 +402,30 @@ def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: st
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         _atomic_write(os.path.join(out_dir, INDEX_NAME), json.dumps(index, indent=2).encode())
         files.append(INDEX_NAME)
+    _remove_stale_exports(out_dir, set(files))
     return ExportSummary(out_dir, src.step, files, len(src.names), total, dtype)
+
+
+_EXPORT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+
+
+def _remove_stale_exports(out_dir: str, written: set[str]) -> None:
+    """A previous export's files this one did not write (its shards, its index, or a single file
+    where there are shards now) would be read with or instead of these: removed, as Hugging Face's
+    save_pretrained removes its own stale shards. Only names an export writes are touched."""
+    for name in os.listdir(out_dir):
+        if name not in written and _EXPORT_FILE.fullmatch(name) and os.path.isfile(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
+            log.info("export: removed %s, left by an earlier export", os.path.join(out_dir, name))
+
+
+def _is_checkpoint_root(path: str) -> bool:
+    """A local directory distckpt writes checkpoints into: step directories, or leases."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return FENCE_DIR in names or any(mf.parse_step_dir(n) is not None for n in names)
 
 
 def _out_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:

@@ -219,3 +219,100 @@ def test_export_of_a_1_gib_model_stays_within_one_shard_and_one_tensor(tmp_path)
         with safe_open(str(tmp_path / "out" / file), framework="pt") as f:
             t = f.get_tensor(name)
         assert torch.equal(t, torch.full((tensor_mib << 18,), float(int(name))))
+
+
+def _bytes_of(module: nn.Module) -> dict[str, bytes]:
+    return {k: bytes(v.detach().contiguous().view(torch.uint8).reshape(-1).numpy()) if v.numel() else b""
+            for k, v in module.state_dict().items()}
+
+
+class Untied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.z = nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("kind", ["expanded", "inference", "meta", "tied-differently"])
+def test_load_weights_refuses_before_changing_anything(tmp_path, kind):
+    """Every check passes before any parameter changes: a parameter that cannot take the copy
+    (expanded, an inference tensor, on the meta device) or two different source tensors into one
+    tied parameter used to raise half-way (or report a meta model loaded, or keep one silently)."""
+    torch.manual_seed(1)
+    if kind == "tied-differently":
+        source = Untied()  # a.weight and z.weight differ in the checkpoint; tied here
+        module = Untied()
+        module.z.weight = module.a.weight
+    else:
+        source = Untied()
+        if kind == "meta":
+            with torch.device("meta"):
+                module = Untied()
+        elif kind == "inference":
+            with torch.inference_mode():
+                module = Untied()
+        else:
+            module = Untied()
+            module.z.bias = nn.Parameter(torch.zeros(1).expand(4))  # one value seen four times
+    _save(str(tmp_path / "ckpt"), source)
+    before = None if kind == "meta" else _bytes_of(module)
+    with pytest.raises(distckpt.IncompatibleCheckpointError):
+        distckpt.load_weights(str(tmp_path / "ckpt"), module)
+    if before is not None:
+        assert _bytes_of(module) == before
+
+
+def test_load_weights_checks_its_patterns_and_refuses_renames_onto_one_key(tmp_path):
+    model = _trained()
+    _save(str(tmp_path / "ckpt"), model)
+    before = _bytes_of(model)
+    with pytest.raises(distckpt.ConfigError, match="ignore="):
+        distckpt.load_weights(str(tmp_path / "ckpt"), model, ignore="lm_head.*")  # each character a pattern
+    with pytest.raises(distckpt.ConfigError, match="prefix_map="):
+        distckpt.load_weights(str(tmp_path / "ckpt"), model, prefix_map={1: "x"})
+    with pytest.raises(distckpt.IncompatibleCheckpointError, match="both map to"):
+        distckpt.load_weights(str(tmp_path / "ckpt"), model, prefix_map={"block.0.": "block.2.", "block.2.": "block.2."},
+                              strict=False)
+    assert _bytes_of(model) == before
+
+
+def test_an_export_never_mixes_with_a_checkpoint_root_or_an_earlier_export(tmp_path):
+    root, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    first = _trained(0)
+    _save(root, first)
+    assert cli.main(["export", root, root]) == 2  # into the run directory: refused
+    assert not os.path.exists(os.path.join(root, "model.safetensors"))
+    assert cli.main(["export", root, out, "--max-shard-size", "2KB"]) == 0
+    assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+    second = _trained(1)
+    with distckpt.CheckpointManager(root) as mgr:
+        mgr.load_latest({"model": _trained(5), "config": {}})
+        mgr.save(4, {"model": second, "config": {"lr": 0.1}})
+    assert cli.main(["export", root, out]) == 0  # one file now: the earlier shards and index go
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
+    fresh = TinyLM()
+    distckpt.load_weights(out, fresh)
+    assert _bytes_of(fresh) == _bytes_of(second)
+    with pytest.raises(distckpt.ConfigError, match="step="):
+        distckpt.load_weights(out, TinyLM(), step=3)
+    import shutil
+
+    shutil.copy(os.path.join(out, "model.safetensors"), os.path.join(root, "model.safetensors"))
+    with pytest.raises(distckpt.ConfigError, match="ambiguous"):
+        distckpt.load_weights(root, TinyLM(), step=3)
+
+
+def test_a_tensor_in_two_shards_is_refused(tmp_path):
+    root, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    _save(root, _trained())
+    assert cli.main(["export", root, out, "--max-shard-size", "2KB"]) == 0
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    files = sorted(set(index["weight_map"].values()))
+    from safetensors.torch import save_file
+
+    name = next(k for k, v in index["weight_map"].items() if v == files[0])
+    extra = load_file(os.path.join(out, files[1]))
+    extra[name] = torch.zeros_like(load_file(os.path.join(out, files[0]))[name])
+    save_file(extra, os.path.join(out, files[1]))
+    with pytest.raises(distckpt.CorruptCheckpointError, match="in two shards"):
+        distckpt.load_weights(out, TinyLM())
