@@ -389,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "keep_last", 1) is not None and getattr(args, "keep_last", 1) < 1:
         return _fail(args, "--keep-last must be >= 1", EXIT_USAGE)
+    if getattr(args, "keep_best", None) is not None and args.keep_best < 1:
+        return _fail(args, "--keep-best must be >= 1 (leave it out to keep no best steps beyond --keep-last)", EXIT_USAGE)
     try:
         storage = open_storage(args.url)
         if not args.command.startswith("import") and not _root_exists(storage, args.url):

@@ -19,7 +19,7 @@ from typing import Any
 
 from .capture import IMPORTED
 from .commit import list_committed
-from .errors import CheckpointExistsError, ConfigError, UnstorableValueError
+from .errors import CheckpointExistsError, ConfigError, CorruptCheckpointError, MissingFileError, UnstorableValueError
 from .fencing import acquire
 from .saving import StagedSave, write_and_commit
 from .serialize import encode_tree, safetensors_chunks
@@ -47,11 +47,18 @@ def import_dcp(directory: str, url: str, *, trust_pickle: bool = False, world_si
     """Write a DCP checkpoint directory (any world size that wrote it) as a committed checkpoint."""
     if not trust_pickle:
         raise ConfigError(PICKLE_WARNING.format(source=os.path.join(directory, ".metadata")))
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    if not os.path.isdir(directory) or not os.path.isfile(os.path.join(directory, ".metadata")):
+        raise MissingFileError(2, f"{directory}: not a DCP checkpoint directory (no .metadata file in it)")
     with tempfile.TemporaryDirectory(prefix="distckpt-import-") as tmp:
         whole = os.path.join(tmp, "whole.pt")
-        dcp_to_torch_save(directory, whole)  # one process, no process group
+        try:
+            dcp_to_torch_save(directory, whole)  # one process, no process group
+        except (Exception, CheckpointException) as e:  # assertion, checkpoint, OS errors: a damaged directory
+            raise CorruptCheckpointError(f"{directory}: DCP could not read it ({type(e).__name__}: "
+                                         f"{_first_line(e)}); nothing was imported") from e
         obj = _load_weights_only(whole)
     return _write_import(_optimizer_keys_as_ints(obj), url, f"DCP checkpoint {os.path.basename(os.path.normpath(directory))}",
                          world_size, step, storage_options)
@@ -67,8 +74,12 @@ def _load_weights_only(file: str) -> Any:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError or others for refused globals
         raise UnstorableValueError(
-            f"{file} holds more than tensors and plain values ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            f"{file} is not a torch.save file of tensors and plain values ({type(e).__name__}: {_first_line(e)}); "
             "save a dict of state_dicts and plain values (e.g. vars(args), not args) and import that") from e
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or ["(no message)"])[0][:200]
 
 
 def _write_import(obj: Any, url: str, source: str, world_size: int, step: int | None,
@@ -81,8 +92,10 @@ def _write_import(obj: Any, url: str, source: str, world_size: int, step: int | 
     step = _step_of(obj, step)
     epoch = obj.get("epoch") if type(obj.get("epoch")) is int and obj["epoch"] >= 0 else None
     storage = open_storage(url, storage_options)
-    if step in list_committed(storage):
-        raise CheckpointExistsError(17, f"step {step} is already committed at {storage.url}; import into a new root")
+    committed = list_committed(storage)
+    if committed:  # one run per root: an import starts a run, it never joins another's steps
+        raise CheckpointExistsError(17, f"{storage.url} already holds committed steps {committed[:10]} of a run; "
+                                    "import into a new root")
     entries = {key: {"kind": IMPORTED, "state": value} for key, value in obj.items()}
     replicated = encode_tree({"step": step, "epoch": epoch, "entries": entries}, ("imported",))
     rank_files = {r: b"".join(safetensors_chunks(encode_tree(
@@ -115,7 +128,27 @@ def _step_of(obj: dict[str, Any], step: int | None) -> int:
             raise ConfigError(f"step={step!r}: must be an int >= 0")
         return step
     for key in ("step", "global_step", "iteration"):
-        if type(obj.get(key)) is int and obj[key] >= 0:
-            return int(obj[key])
+        if key not in obj:
+            continue
+        value = _integer(obj[key])
+        if value is None or value < 0:
+            raise ConfigError(f"the source's {key!r} is {obj[key]!r}, not a step number (an int >= 0); pass the "
+                              "step to commit it as (--step N, step=N)")
+        return value
     return 0
+
+
+def _integer(value: Any) -> int | None:
+    """An int, a NumPy integer or a one-element integer tensor (`torch.tensor(1500)`), as an int."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point \
+            and not value.dtype.is_complex and value.dtype != torch.bool:
+        return int(value.item())
+    return None
 

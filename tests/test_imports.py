@@ -9,6 +9,7 @@ from torch import nn
 
 import distckpt
 from distckpt import cli
+from distckpt.importing import import_torch
 
 
 def _trained():
@@ -77,3 +78,42 @@ def test_an_import_for_two_ranks_is_loadable_by_a_two_rank_job(tmp_path):
 
     manifest = json.load(open(tmp_path / "root" / "step-000000000" / "manifest.json"))
     assert manifest["world_size"] == 2 and manifest["imported"].startswith("torch.save")
+
+
+@pytest.mark.parametrize("value, expected", [(torch.tensor(1500), 1500), (7, 7), (-5, None), ("abc", None),
+                                             (3.7, None), (torch.tensor(2.5), None), (True, None)])
+def test_the_sources_step_is_taken_or_refused_never_replaced_by_0(tmp_path, value, expected):
+    file = str(tmp_path / "src.pt")
+    torch.save({"model": nn.Linear(2, 2).state_dict(), "step": value}, file)
+    url = str(tmp_path / "ckpt")
+    if expected is None:
+        with pytest.raises(distckpt.ConfigError, match="'step' is .* not a step number"):
+            import_torch(file, url, trust_pickle=True)
+        assert cli.main(["import-torch", file, url, "--trust-pickle"]) == 2
+        assert cli.main(["import-torch", file, url, "--trust-pickle", "--step", "3"]) == 0  # told which
+    else:
+        assert import_torch(file, url, trust_pickle=True) == expected
+
+
+def test_an_import_never_joins_another_runs_root_and_damaged_sources_are_clean_errors(tmp_path, capsys):
+    import json
+
+    file = str(tmp_path / "src.pt")
+    torch.save({"model": nn.Linear(2, 2).state_dict()}, file)
+    url = str(tmp_path / "ckpt")
+    assert cli.main(["import-torch", file, url, "--trust-pickle", "--step", "3"]) == 0
+    for step in ("4", "3"):  # another step of the same root is refused too: one run per root
+        assert cli.main(["import-torch", file, url, "--trust-pickle", "--step", step]) == 2
+    assert distckpt.CheckpointManager(url).committed_steps() == [3]
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    (tmp_path / "emptydir").mkdir()
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"garbage")
+    capsys.readouterr()
+    for command in (["import-torch", str(empty)], ["import-dcp", str(tmp_path / "emptydir")],
+                    ["import-dcp", str(empty)], ["import-dcp", str(tmp_path / "dcp")]):
+        assert cli.main([*command, str(tmp_path / "new"), "--trust-pickle", "--json"]) == 2, command
+        out = capsys.readouterr().out
+        assert json.loads(out)["exit_code"] == 2  # exactly one JSON document
+        assert not (tmp_path / "new").exists() or not distckpt.CheckpointManager(str(tmp_path / "new")).committed_steps()
