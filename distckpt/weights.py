@@ -32,7 +32,7 @@ from . import manifest as mf
 from .capture import unwrap_module
 from .commit import list_committed, read_marker, read_verified_manifest
 from .copying import byte_extent, elements_overlap, same_bits
-from .errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError, MissingFileError
+from .errors import ConfigError, CorruptCheckpointError, DistCkptError, IncompatibleCheckpointError, MissingFileError
 from .fencing import FENCE_DIR
 from .gcpause import paused_while_running
 from .serialize import _DTYPE_TO_ST, _ST_TO_DTYPE, ShardRef, load_tree_file
@@ -157,7 +157,34 @@ def _releaser(data: Any) -> Callable[[int, int], None]:
 
 
 def open_hf_model(path: str) -> ModelSource:
-    """A Hugging Face safetensors file, or a directory with one or with an index of shards."""
+    """A Hugging Face safetensors file, or a directory with one or with an index of shards; a
+    file the safetensors library cannot read is a CorruptCheckpointError naming it."""
+    try:
+        source = _open_hf_model(path)
+    except DistCkptError:
+        raise
+    except Exception as e:  # OSError, ValueError, KeyError, and safetensors' own SafetensorError
+        raise _unreadable(path, e) from e
+    getter = source._get
+
+    def checked(name: str) -> torch.Tensor:
+        try:
+            return getter(name)
+        except Exception as e:  # noqa: BLE001  (as above)
+            raise _unreadable(path, e) from e
+
+    source._get = checked
+    return source
+
+
+def _unreadable(path: str, e: BaseException) -> DistCkptError:
+    if isinstance(e, FileNotFoundError):
+        return MissingFileError(2, f"{path}: {e.filename or ''} is missing ({e.strerror}); the export is incomplete")
+    return CorruptCheckpointError(f"{path}: not readable as safetensors ({type(e).__name__}: "
+                                  f"{(str(e).splitlines() or [''])[0][:200]}); export it again")
+
+
+def _open_hf_model(path: str) -> ModelSource:
     from safetensors import safe_open
 
     if os.path.isdir(path):
@@ -256,7 +283,10 @@ def load_weights(source: str, module: nn.Module, *, step: int | None = None, str
     report.ignored = sorted(k for k in mapping if _ignored(k, ignore) or _ignored(mapping[k], ignore))
     wanted = {mapping[k]: k for k in mapping if k not in report.ignored}
     report.unexpected = sorted(k for k in wanted if k not in target)
-    report.missing = sorted(k for k in target if k not in wanted and not _ignored(k, ignore))
+    # A key tied to one the source fills (Hugging Face saves a tied lm_head once) is filled with it.
+    filled = {_view_of(target[k]) for k in wanted if k in target}
+    report.missing = sorted(k for k in target if k not in wanted and not _ignored(k, ignore)
+                            and _view_of(target[k]) not in filled)
     problems = []
     for key, src_key in wanted.items():
         if key not in target:
@@ -283,6 +313,11 @@ def load_weights(source: str, module: nn.Module, *, step: int | None = None, str
                 target[key].copy_(src.tensor(src_key))
                 report.loaded.append(key)
     return report
+
+
+def _view_of(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two state_dict entries one tensor: the same memory seen the same way."""
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) if t.numel() else (id(t),)
 
 
 def _check_patterns(prefix_map: Any, ignore: Any) -> None:

@@ -316,3 +316,35 @@ def test_a_tensor_in_two_shards_is_refused(tmp_path):
     save_file(extra, os.path.join(out, files[1]))
     with pytest.raises(distckpt.CorruptCheckpointError, match="in two shards"):
         distckpt.load_weights(out, TinyLM())
+
+
+def test_a_tied_weight_saved_once_as_hugging_face_does_loads_strictly(tmp_path):
+    """save_pretrained writes a tied lm_head once: the key tied to a filled one is not missing."""
+    from safetensors.torch import save_file
+
+    model = _trained()
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    fresh = TinyLM()
+    report = distckpt.load_weights(str(tmp_path), fresh)
+    assert report.missing == [] and "lm_head.weight" not in report.loaded
+    assert torch.equal(fresh.lm_head.weight, model.embed.weight)
+    untied = TinyLM()
+    untied.lm_head.weight = nn.Parameter(untied.lm_head.weight.detach().clone())
+    with pytest.raises(distckpt.IncompatibleCheckpointError, match="missing \\['lm_head.weight'\\]"):
+        distckpt.load_weights(str(tmp_path), untied)
+
+
+def test_an_unreadable_export_is_a_distckpt_error_naming_it(tmp_path):
+    root, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    _save(root, _trained())
+    assert cli.main(["export", root, out, "--max-shard-size", "2KB"]) == 0
+    shard = os.path.join(out, sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))[-1])
+    data = open(shard, "rb").read()
+    for damage in (data[:-5], b"\xff" * 100, b""):
+        open(shard, "wb").write(damage)
+        with pytest.raises(distckpt.CorruptCheckpointError, match="not readable as safetensors"):
+            distckpt.load_weights(out, TinyLM())
+    os.remove(shard)
+    with pytest.raises(distckpt.MissingFileError, match="incomplete"):
+        distckpt.load_weights(out, TinyLM())
