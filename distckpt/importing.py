@@ -26,6 +26,8 @@ from .serialize import encode_tree, safetensors_chunks
 from .storage import open_storage
 from .versions import collect_versions
 
+MAX_IMPORT_WORLD = 1 << 16  # one rank file each, written by this process: 10^6 took a GiB and minutes
+
 PICKLE_WARNING = ("{source} is a pickle: loading it can run code it holds (distckpt reads it with torch's "
                   "restricted weights_only unpickler, and DCP's metadata with torch's own reader). Pass "
                   "--trust-pickle (trust_pickle=True) only for files you or a trusted job wrote; the "
@@ -87,8 +89,9 @@ def _write_import(obj: Any, url: str, source: str, world_size: int, step: int | 
     if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
         raise UnstorableValueError(f"{source} holds a {type(obj).__name__}; an import needs a dict of named "
                                    "entries (e.g. {'model': model.state_dict(), 'optimizer': opt.state_dict()})")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size={world_size!r}: must be an int >= 1 (the ranks of the resuming job)")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_IMPORT_WORLD:
+        raise ConfigError(f"world_size={world_size!r}: must be an int from 1 to {MAX_IMPORT_WORLD} (the ranks of the "
+                          "resuming job; the import writes one file per rank)")
     step = _step_of(obj, step)
     epoch = obj.get("epoch") if type(obj.get("epoch")) is int and obj["epoch"] >= 0 else None
     storage = open_storage(url, storage_options)

@@ -105,6 +105,8 @@ def test_an_import_never_joins_another_runs_root_and_damaged_sources_are_clean_e
     for step in ("4", "3"):  # another step of the same root is refused too: one run per root
         assert cli.main(["import-torch", file, url, "--trust-pickle", "--step", step]) == 2
     assert distckpt.CheckpointManager(url).committed_steps() == [3]
+    for world in ("0", "1000000"):  # one file per rank: a bound, not a GiB and minutes of rank files
+        assert cli.main(["import-torch", file, str(tmp_path / "w"), "--trust-pickle", "--world-size", world]) == 2
     empty = tmp_path / "empty.pt"
     empty.write_bytes(b"")
     (tmp_path / "emptydir").mkdir()
