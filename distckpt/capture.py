@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,10 +132,10 @@ def _plain_to_numpy(value: Any) -> Any:
 
 def _capture_plain(value: Any) -> Any:
     """A shallow copy of a top-level dict (later writes to the live dict do not reach a save in
-    flight) of the same type: an OrderedDict stays one, and a dict subclass (defaultdict,
-    Counter) reaches the encoder as itself and is refused there, naming its key."""
+    flight) of the same type: an OrderedDict or a Counter stays one, and another dict subclass
+    (defaultdict) reaches the encoder as itself and is refused there, naming its key."""
     kind = type(value)
-    if kind is dict or kind is OrderedDict:
+    if kind is dict or kind is OrderedDict or kind is Counter:
         return kind(value)
     return value
 
@@ -262,7 +262,9 @@ def _owned(value: Any, memo: dict[Any, Any] | None = None, release: Release | No
         return copy
     out: Any
     if isinstance(value, dict):
-        out = type(value)((k, _owned(v, memo, release)) for k, v in value.items())
+        out = type(value)()  # filled item by item: Counter(pairs) would count the pairs
+        for k, v in value.items():
+            out[k] = _owned(v, memo, release)
     elif isinstance(value, list):
         out = [_owned(v, memo, release) for v in value]
     elif isinstance(value, tuple) and type(value) is tuple:

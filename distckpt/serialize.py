@@ -20,6 +20,7 @@ tagged so that types survive the round trip exactly::
     {"i": "-0x1f…"}              an int beyond 64 bits, in hex (decimal strings of over 4,300
                                  digits are refused by Python's int/str conversion)
     {"od": [[key, value], ...]}  collections.OrderedDict
+    {"ct": [[key, value], ...]}  collections.Counter (MultiStepLR keeps its milestones in one)
     {"z": [...]}                 torch.Size
     {"n": ["<f8", "hex bytes"]}  a NumPy scalar (np.float32(1.5), np.int64(3), np.bool_(True))
     {"T": name, "p": 1, "rg": 1, "o": [dims]}
@@ -43,7 +44,7 @@ import json
 import math
 import struct
 import warnings
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol
 
@@ -65,6 +66,7 @@ MAX_TENSORS = 1 << 22
 MAX_DEPTH = 200  # containers inside containers; JSON parsers recurse once per level
 _CANONICAL_NAN = struct.pack("<d", float("nan"))
 _INT64 = 1 << 63
+_DICT_TAGS: dict[type, str] = {dict: "d", OrderedDict: "od", Counter: "ct"}  # the dict types kept as themselves
 
 _DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -143,9 +145,9 @@ class _Encoder:
         if len(path) > self.max_path:
             raise UnstorableValueError(f"{key_path(path[:8])}... nests containers more than {MAX_DEPTH} deep: "
                                        "flatten it")
-        if kind is dict or kind is OrderedDict:
+        if kind is dict or kind is OrderedDict or kind is Counter:
             items = [[self._check_key(k, path), self.encode(v, path + (k,))] for k, v in value.items()]
-            return {"d" if kind is dict else "od": items}
+            return {_DICT_TAGS[kind]: items}
         if kind is list:
             return {"l": [self.encode(v, path + (i,)) for i, v in enumerate(value)]}
         if kind is tuple:
@@ -383,12 +385,15 @@ class _Decoder:
         raise CorruptCheckpointError(f"{self.where}: unexpected node {str(node)[:80]!r}")
 
     def _container(self, tag: str, body: Any, depth: int) -> Any:
-        if tag in ("d", "od") and isinstance(body, list):
+        if tag in ("d", "od", "ct") and isinstance(body, list):
             pairs = [_pair(p, self.where) for p in body]
             decode = self.decode
             if tag == "d":
                 return {k: decode(v, depth + 1) for k, v in pairs}
-            return OrderedDict((k, decode(v, depth + 1)) for k, v in pairs)
+            out: OrderedDict[Any, Any] | Counter[Any] = OrderedDict() if tag == "od" else Counter()
+            for k, v in pairs:  # item by item: Counter(pairs) would count the pairs
+                out[k] = decode(v, depth + 1)
+            return out
         if tag == "l" and isinstance(body, list):
             return [self.decode(v, depth + 1) for v in body]
         if tag == "t" and isinstance(body, list):
