@@ -64,6 +64,14 @@ numpy_scalars = st.one_of(st.integers(-2**63, 2**63 - 1).map(np.int64), st.float
 # ints beyond 64 bits, up to past the 4,300 digits Python's int/str conversion refuses
 big_ints = st.tuples(st.sampled_from([1, -1]), st.integers(64, 20_000), st.integers(0, 2**64)).map(
     lambda t: t[0] * (2 ** t[1] + t[2]))
+def _counter(items: dict) -> collections.Counter:
+    """A Counter holding exactly these items (Counter(pairs) would count the pairs)."""
+    out: collections.Counter = collections.Counter()
+    for k, v in items.items():
+        out[k] = v
+    return out
+
+
 leaves = st.one_of(st.none(), st.booleans(), st.integers(), big_ints,
                    floats_with_bits(), st.text(max_size=8), numpy_scalars, tensors(),
                    st.lists(st.integers(0, 5), max_size=3).map(torch.Size))
@@ -71,7 +79,8 @@ keys = st.one_of(st.text(max_size=6), st.integers(-5, 5))
 trees = st.recursive(leaves, lambda children: st.one_of(
     st.lists(children, max_size=4), st.lists(children, max_size=4).map(tuple),
     st.dictionaries(keys, children, max_size=4),
-    st.dictionaries(keys, children, max_size=4).map(collections.OrderedDict)), max_leaves=12)
+    st.dictionaries(keys, children, max_size=4).map(collections.OrderedDict),
+    st.dictionaries(keys, children, max_size=4).map(_counter)), max_leaves=12)
 
 
 def assert_identical(a, b, path="value", seen=None):
@@ -178,6 +187,8 @@ def _sorted_dicts(value):
     dict's order, not an OrderedDict's)."""
     if type(value) is collections.OrderedDict:
         return collections.OrderedDict((k, _sorted_dicts(v)) for k, v in value.items())
+    if type(value) is collections.Counter:  # ordered too, as an OrderedDict
+        return _counter({k: _sorted_dicts(v) for k, v in value.items()})
     if isinstance(value, dict):
         items = sorted(((k, _sorted_dicts(v)) for k, v in value.items()), key=lambda kv: (type(kv[0]).__name__, kv[0]))
         return type(value)(items)
