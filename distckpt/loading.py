@@ -184,6 +184,11 @@ _RELIST_PAUSE_S = 0.002  # before the k-th listing again, a random pause of up t
 # 0.25 s): a reader whose reads keep lining up with the writer's saves falls out of step with them.
 # A private stream: a load never draws from the process's own (what it restores, or leaves alone).
 _JITTER = random.Random()
+# A step found while a newer one was committed meanwhile is read again for the newer one this
+# many times at most: a writer that saves without pause (keep_last=1, every few ms) always has a
+# newer step in progress, and chasing it to the last listing ended in an error once a listing
+# lost the race (2 in 3 runs of the reader race test with the S3 server busy on the same cores).
+_CHASE_ATTEMPTS = 3
 
 
 @dataclass
@@ -192,7 +197,7 @@ class _Attempt:
 
     found: tuple[ReadCheckpoint, str] | None = None  # the checkpoint read, and its tier
     error: CorruptCheckpointError | None = None      # none verifies (for a load of the newest)
-    raced: bool = False  # a candidate newer than `found` was uncommitted or vanished while read
+    raced: bool = False  # a candidate newer than `found` (or any, with none found) was uncommitted or vanished while read
     split: dict[int, str] = field(default_factory=dict)  # steps some ranks read and others found uncommitted
 
 
@@ -221,10 +226,13 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
             break
         time.sleep(_JITTER.uniform(0, min(0.25, _RELIST_PAUSE_S * 2 ** attempt)))
         listed, listed_leases = _choose_phase(coord, storage, step, local)
-        changed = set(listed) != set(candidates) or (read.raced and _committed_since(
-            coord, storage, listed, read.found[0].step if read.found is not None else -1))
-        if read.found is not None and not changed and not read.split:
-            return _apply(coord, entries, state, read.found, storages, rules)  # nothing newer came
+        changed = set(listed) != set(candidates) or (read.raced and (
+            _committed_since(coord, storage, listed, read.found[0].step) if read.found is not None
+            else not _settled_uncommitted(coord, storage, listed)))
+        if read.found is not None and not read.split and (not changed or attempt >= _CHASE_ATTEMPTS):
+            # nothing newer came; or a writer saving all the time keeps a newer step in progress:
+            # `found` was the newest committed step when the newer candidates' markers were read
+            return _apply(coord, entries, state, read.found, storages, rules)
         if read.error is not None and not changed and not read.split:
             raise read.error  # the damage stands
         if read.found is None and read.error is None and not changed and not read.split and attempt > 1:
@@ -257,6 +265,23 @@ def _committed_since(coord: Coordinator, storage: Storage, listed: list[tuple[in
         return {"committed": any(is_committed(storage, s) for s, t in listed if t == tiers.DURABLE and s > above)}
 
     return bool(run_on_root(coord, "load/recheck", "checking for a newer commit", check)["committed"])
+
+
+def _settled_uncommitted(coord: Coordinator, storage: Storage, listed: list[tuple[int, str]]) -> bool:
+    """Rank 0: whether no listed durable step is committed, settled: their markers read oldest
+    first, then a listing of the same names. A writer commits a step before it retires the one
+    before, and makes a step's directory before either: so a step found retired means a newer
+    one was committed, which is found committed when read after it, or retired in turn for a
+    newer one still, whose directory the second listing then shows. Read newest first, or against
+    the listing the read phase started from, the markers could all have looked uncommitted while
+    a step was committed at every instant (a 2-rank reader racing a keep_last=1 writer got None)."""
+    def check() -> dict[str, Any]:
+        durable = sorted(s for s, t in listed if t == tiers.DURABLE)
+        if any(is_committed(storage, s) for s in durable):
+            return {"settled": False}
+        return {"settled": sorted(_durable_candidates(storage, None)) == durable}
+
+    return bool(run_on_root(coord, "load/settle", "checking that no step is committed", check)["settled"])
 
 
 def _raise_split_view(storage: Storage, split: list[str]) -> None:
@@ -403,7 +428,8 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
         if last_resort is not None:
             return _Attempt(last_resort, raced=uncommitted, split=split)
     if not committed and not explicit:
-        return _Attempt(split=split)
+        # raced: a step read as uncommitted may be committed by now (the listing would not show it)
+        return _Attempt(raced=uncommitted, split=split)  # settled before it counts as nothing committed
     where = storages[tiers.DURABLE].url + (f" or {storages[tiers.LOCAL].url}" if tiered else "")
     tried = [f"{s} ({t})" for s, t in candidates[:10]] if tiered else [s for s, _ in candidates[:10]]
     error = CorruptCheckpointError(

@@ -492,7 +492,7 @@ def race_reader(rank: int, world: int, url: str, loads: int) -> dict:
                     warnings.simplefilter("ignore", distckpt.CheckpointFallbackWarning)
                     progress = mgr.load_latest(target)
             except distckpt.DistCkptError as e:
-                out["errors"].append(f"{type(e).__name__}: {str(e)[:160]}")
+                out["errors"].append(f"{type(e).__name__}: {str(e)[:400]}")
                 continue
         out["loads"] += 1
         if progress is None:
