@@ -29,7 +29,7 @@ from torch import nn
 
 from . import incremental
 from . import manifest as mf
-from .capture import unwrap_module
+from .capture import _loads_by_copy_alone, unwrap_module
 from .commit import list_committed, read_marker, read_verified_manifest
 from .copying import byte_extent, elements_overlap, same_bits
 from .errors import ConfigError, CorruptCheckpointError, DistCkptError, IncompatibleCheckpointError, MissingFileError
@@ -276,12 +276,15 @@ def load_weights(source: str, module: nn.Module, *, step: int | None = None, str
         raise ConfigError("strict and allow_cast must be True or False")
     _check_patterns(prefix_map, ignore)
     src = open_model_source(source, step=step, entry=entry, storage_options=storage_options)
-    target = unwrap_module(module).state_dict(keep_vars=True)
+    bare = unwrap_module(module)
+    target = bare.state_dict(keep_vars=True)
     mapping = _map_keys(src.names, prefix_map or {})
     _refuse_collisions(mapping, src.where)
     report = WeightsReport(src.where, src.step)
     report.ignored = sorted(k for k in mapping if _ignored(k, ignore) or _ignored(mapping[k], ignore))
     wanted = {mapping[k]: k for k in mapping if k not in report.ignored}
+    if not _loads_by_copy_alone(bare):
+        return _load_through_module(bare, src, wanted, target, strict, allow_cast, report)
     report.unexpected = sorted(k for k in wanted if k not in target)
     # A key tied to one the source fills (Hugging Face saves a tied lm_head once) is filled with it.
     filled = {_view_of(target[k]) for k in wanted if k in target}
@@ -312,6 +315,40 @@ def load_weights(source: str, module: nn.Module, *, step: int | None = None, str
             if key in target:
                 target[key].copy_(src.tensor(src_key))
                 report.loaded.append(key)
+    return report
+
+
+def _load_through_module(bare: nn.Module, src: ModelSource, wanted: dict[str, str], target: dict[str, Any],
+                         strict: bool, allow_cast: bool, report: WeightsReport) -> WeightsReport:
+    """A module with loading of its own (load_state_dict hooks that rename legacy keys, its own
+    `_load_from_state_dict` that converts what it is given, extra state) gets the source through
+    its own `load_state_dict`, as `model.load_state_dict(source)` would: copying tensor by tensor
+    would skip that code. torch matches the keys and copies as it goes, then raises for what did
+    not fit; so the module's tensors are copied aside first and put back on any failure: still
+    nothing changed by a load that fails."""
+    report.cast = sorted(k for k, s in wanted.items() if k in target and isinstance(target[k], torch.Tensor)
+                         and src.spec[s][0] != target[k].dtype)
+    if report.cast and not allow_cast:
+        raise IncompatibleCheckpointError(f"{src.where} does not fit the module: dtypes differ for "
+                                          f"{report.cast[:8]} (pass allow_cast=True)")
+    for key, value in target.items():
+        if isinstance(value, torch.Tensor):
+            check_writable(value, f"{src.where} into the module's {key!r}")
+    live = {k: v for k, v in target.items() if isinstance(v, torch.Tensor)}
+    saved = {k: v.detach().clone() for k, v in live.items()}
+    given = {key: src.tensor(src_key) for key, src_key in wanted.items()}
+    try:
+        with torch.no_grad():
+            result = bare.load_state_dict(given, strict=strict)
+    except Exception as e:
+        with torch.no_grad():
+            for key, value in live.items():
+                value.copy_(saved[key])
+        raise IncompatibleCheckpointError(
+            f"{src.where} does not fit the module (loaded through its own load_state_dict, which has hooks or "
+            f"loading code of its own; the module was left as it was): {e}") from e
+    report.missing, report.unexpected = sorted(result.missing_keys), sorted(result.unexpected_keys)
+    report.loaded = sorted(k for k in given if k not in set(result.unexpected_keys))
     return report
 
 

@@ -348,3 +348,79 @@ def test_an_unreadable_export_is_a_distckpt_error_naming_it(tmp_path):
     os.remove(shard)
     with pytest.raises(distckpt.MissingFileError, match="incomplete"):
         distckpt.load_weights(out, TinyLM())
+
+
+class LegacyNamed(nn.Module):
+    """Checkpoints of an older version named its weight `w`: a load_state_dict pre-hook renames it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4, 3))
+        self._register_load_state_dict_pre_hook(self._rename)
+
+    @staticmethod
+    def _rename(state_dict, prefix, *args):
+        if prefix + "w" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "w")
+
+
+class Transposing(nn.Module):
+    """Its own _load_from_state_dict converts what it is given (a stored transpose)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(3, 4))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "weight"
+        if key in state_dict and state_dict[key].shape == (4, 3):
+            state_dict[key] = state_dict[key].t().contiguous()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class WithLoaders(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.legacy = LegacyNamed()
+        self.conv = Transposing()
+        self.head = nn.Linear(3, 2)
+
+
+@pytest.mark.parametrize("through", ["export", "checkpoint"])
+def test_modules_with_loading_code_of_their_own_load_as_load_state_dict_would(tmp_path, through):
+    """Copying tensor by tensor skipped a module's hooks and _load_from_state_dict: a legacy key
+    was 'unexpected', a stored transpose refused by shape. Now the module's own load_state_dict
+    runs, and a load it refuses leaves every tensor as it was."""
+    torch.manual_seed(0)
+    source = {"legacy.w": torch.randn(4, 3), "conv.weight": torch.randn(4, 3),
+              "head.weight": torch.randn(2, 3), "head.bias": torch.randn(2)}
+    if through == "export":
+        from safetensors.torch import save_file
+        (tmp_path / "hf").mkdir()
+        save_file(source, str(tmp_path / "hf" / "model.safetensors"))
+        where = str(tmp_path / "hf")
+    else:
+        older = nn.Module()  # the older version's module: the names the source holds
+        older.legacy, older.conv, older.head = nn.Module(), nn.Module(), nn.Linear(3, 2)
+        older.legacy.w, older.conv.weight = nn.Parameter(source["legacy.w"]), nn.Parameter(source["conv.weight"])
+        older.head.load_state_dict({"weight": source["head.weight"], "bias": source["head.bias"]})
+        with distckpt.CheckpointManager(str(tmp_path / "ckpt")) as mgr:
+            mgr.save(1, {"model": older})
+        where = str(tmp_path / "ckpt")
+    expected = WithLoaders()
+    expected.load_state_dict({k: v.clone() for k, v in source.items()})
+    model = WithLoaders()
+    report = distckpt.load_weights(where, model)
+    assert not report.missing and not report.unexpected, report
+    for key, value in expected.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+    before = {k: v.clone() for k, v in WithLoaders().state_dict().items()}
+    fresh = WithLoaders()
+    fresh.load_state_dict(before)
+    with pytest.raises(distckpt.IncompatibleCheckpointError, match="left as it was"):
+        distckpt.load_weights(where, fresh, ignore=["head.bias"])  # strict: head.bias missing
+    for key, value in before.items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    report = distckpt.load_weights(where, fresh, ignore=["head.bias"], strict=False)
+    assert report.missing == ["head.bias"] and torch.equal(fresh.head.weight, source["head.weight"])
