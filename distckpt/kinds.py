@@ -460,6 +460,7 @@ def classify(state: dict[str, Any]) -> list[Entry]:
     if not isinstance(state, dict):
         raise StateArgumentError(f"state={repr(state)[:60]}: must be a dict of entries (str keys: a model, an "
                                  f"optimizer, a loader ...), got {type(state).__name__}")
+    sharded.reshard_fully_sharded(obj.obj if isinstance(obj, PerRank) else obj for obj in state.values())
     entries = []
     for key, obj in state.items():
         if not isinstance(key, str):

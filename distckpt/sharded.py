@@ -53,6 +53,35 @@ def shard_file(rank: int, generation: int) -> str:
 
 # -- detection and capture ----------------------------------------------------------------------
 
+def _fsdp_module_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule  # torch 2.4 / 2.5
+        except ImportError:
+            return None
+    return FSDPModule  # type: ignore[no-any-return]
+
+
+def reshard_fully_sharded(objects: Any) -> None:
+    """Put every FSDP2 module among `objects` (and their submodules) back in its sharded form.
+    fully_shard leaves the root module unsharded after a forward (reshard_after_forward is off
+    for it): after an evaluation pass under no_grad its parameters are plain full tensors while
+    the optimizer holds the DTensor shards, so a save refused the optimizer ('no module holds
+    all of them') and the module was not seen as sharded. FSDP2's own state_dict() reshards the
+    same way; the next forward gathers them again."""
+    fsdp = _fsdp_module_class()
+    if fsdp is None:
+        return
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            for m in obj.modules():
+                if isinstance(m, fsdp):
+                    reshard: Any = m.reshard  # FSDPModule's; typed loosely in torch's stubs
+                    reshard()
+
+
 def has_dtensor_params(params: Any) -> bool:
     return any(is_dtensor(p) for p in params)
 

@@ -517,3 +517,12 @@ def load_with_future_warnings_as_errors(rank: int, world: int, url: str) -> str:
             mgr.load_latest({"model": model})
     ddp(torch.ones(2, 4)).sum().backward()
     return "ok"
+
+
+def load_different_steps(rank: int, world: int, url: str, asks: list) -> None:
+    """Steps 1 and 2 committed; then each rank asks for its own load (None: load_latest)."""
+    state = _state(rank)
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state)
+        mgr.load_latest(state) if asks[rank] is None else mgr.load(state, asks[rank])

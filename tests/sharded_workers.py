@@ -73,10 +73,22 @@ def _whole(t: torch.Tensor) -> list:
     return t.detach().reshape(-1).tolist()
 
 
+def evaluate(state: dict) -> None:
+    """A validation pass as loops run one: eval mode, no_grad forward, back to train. fully_shard
+    leaves the root module's parameters unsharded after it (plain full tensors)."""
+    model = state["model"]
+    model.eval()
+    with torch.no_grad():
+        model(torch.randint(0, 13, (2, 5), generator=torch.Generator().manual_seed(5)))
+    model.train()
+
+
 def save_after_training(rank: int, world: int, url: str, steps: int = 3, async_save: bool = False,
-                        options: dict | None = None) -> dict:
+                        options: dict | None = None, eval_pass: bool = False) -> dict:
     state = build(0)
     losses = train(state, steps)
+    if eval_pass:
+        evaluate(state)
     with distckpt.CheckpointManager(url, timeout=30, async_save=async_save, storage_options=options) as mgr:
         mgr.save(steps, state, epoch=0)
         values = full_values(state)
@@ -91,10 +103,12 @@ def save_after_training(rank: int, world: int, url: str, steps: int = 3, async_s
 
 
 def load_and_report(rank: int, world: int, url: str, policy: str = "refuse", train_after: int = 0,
-                    save_step: int | None = None, options: dict | None = None) -> dict:
+                    save_step: int | None = None, options: dict | None = None, eval_pass: bool = False) -> dict:
     import warnings
 
     state = build(123)  # other values, so a load that changes nothing is caught
+    if eval_pass:
+        evaluate(state)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with distckpt.CheckpointManager(url, timeout=30, world_size_policy=policy, storage_options=options) as mgr:

@@ -35,6 +35,15 @@ def _same_error_everywhere(results, error_type, *needles):
     return messages
 
 
+@pytest.mark.parametrize("asks", [[2, 1], [None, 1], [1, None]])
+def test_ranks_asking_for_different_loads_fail_on_every_rank(ckpt_dir, asks):
+    """Rank 0 alone chooses the step: a rank asking load(state, 1) while rank 0 asked for step 2
+    (or load_latest) was silently given rank 0's step."""
+    results = run_world(f"{W}:load_different_steps", 2, url=ckpt_dir, asks=asks)
+    name = {None: "load_latest", 1: "load(state, 1)", 2: "load(state, 2)"}
+    _same_error_everywhere(results, "RankDisagreementError", f"rank 0: {name[asks[0]]}", f"rank 1: {name[asks[1]]}")
+
+
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_disagreement_on_epoch_fails_on_every_rank(ckpt_dir, async_save):
     results = run_world(f"{W}:save_with_disagreement", 2, url=ckpt_dir, async_save=async_save)

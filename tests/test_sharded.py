@@ -57,6 +57,15 @@ def test_exact_resume_at_the_same_world_size(ckpt_dir):
         assert lo["losses"] == s["more"]            # the next 3 losses, bit for bit
 
 
+def test_a_validation_pass_before_a_save_or_a_load_changes_nothing(ckpt_dir):
+    """After an eval-mode no_grad forward the FSDP2 root's parameters are unsharded: the save
+    refused the optimizer ('no module holds all of them'). Now saved and resumed exactly."""
+    saved = _ok(run_world(f"{W}:save_after_training", 2, url=ckpt_dir, eval_pass=True))
+    loaded = _ok(run_world(f"{W}:load_and_report", 2, url=ckpt_dir, train_after=3, eval_pass=True))
+    for s, lo in zip(saved, loaded):
+        assert lo["step"] == 3 and lo["values"] == s["values"] and lo["losses"] == s["more"]
+
+
 def test_async_save_snapshots_the_shards(ckpt_dir):
     saved = _ok(run_world(f"{W}:save_after_training", 2, url=ckpt_dir, async_save=True))
     loaded = _ok(run_world(f"{W}:load_and_report", 2, url=ckpt_dir))
