@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .interrupts import Helpers, start_thread
+from .staging import flat_bytes
 from .storage import is_mapped, release_pages
 
 COPY_PIECE_BYTES = 8 << 20  # a large tensor is copied (and its source pages let go) in pieces
@@ -299,5 +300,4 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.numel() == 0:
         return True
-    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
-                       b.detach().contiguous().reshape(-1).view(torch.uint8))
+    return torch.equal(flat_bytes(a), flat_bytes(b))

@@ -32,6 +32,7 @@ import torch
 from .commit import list_committed
 from .copying import same_bits
 from .errors import DistCkptError
+from .staging import flat_bytes
 from .storage import open_storage
 
 ROOT_ENV = "DISTCKPT_DOCTOR_ROOT"
@@ -98,7 +99,7 @@ class _Fingerprints:
             for name, p in module.named_parameters():
                 local = p.detach().to_local() if hasattr(p, "to_local") else p.detach()
                 h.update(name.encode())
-                h.update(local.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                h.update(flat_bytes(local.cpu()).numpy().tobytes())
         return h.hexdigest()
 
 

@@ -37,6 +37,7 @@ import xxhash
 from . import manifest as mf
 from .errors import CheckpointExistsError, CorruptCheckpointError, MissingFileError
 from .serialize import tensors_of_file
+from .staging import flat_bytes
 from .storage import Storage
 
 log = logging.getLogger("distckpt")
@@ -55,7 +56,7 @@ class Stored:
 
 
 def content_key(tensor: torch.Tensor) -> Key:
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else b""
+    data = flat_bytes(tensor).numpy().data if tensor.numel() else b""
     return xxhash.xxh3_128_hexdigest(data), str(tensor.dtype), tuple(tensor.shape)
 
 

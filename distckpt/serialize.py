@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from .errors import CorruptCheckpointError, UnstorableValueError
-from .staging import StagingPool, region_key
+from .staging import StagingPool, flat_bytes, region_key
 
 TREE_METADATA_KEY = "distckpt.tree"
 FORMAT_METADATA_KEY = "format"
@@ -521,7 +521,7 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of a detached CPU tensor in memory order, without a copy."""
     if t.dtype in _NUMPY_DTYPES and t.is_contiguous():
         return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    return memoryview(flat_bytes(t).numpy())  # type: ignore[arg-type]
 
 
 # Tensors smaller than SMALL_TENSOR_BYTES travel to storage in shared pieces of about

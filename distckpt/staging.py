@@ -15,9 +15,13 @@ from .errors import SnapshotChangedError
 def region_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     """Tensors with equal keys are the same bytes (tied weights); None: never shared. The first
     element's address already includes the storage offset: with the dtype, shape and strides
-    it names the bytes (untyped_storage() made a Python object per tensor: 1.5 us of 40)."""
+    it names the bytes (untyped_storage() made a Python object per tensor: 1.5 us of 40). An
+    empty tensor has no address (every one is null): its storage names it instead (a module's
+    state_dict() hands out detached views, other objects on the same storage), so one held in two
+    places is still stored once and comes back as one, and two separate empty tensors never are."""
     if tensor.numel() == 0:
-        return None
+        return ("empty", tensor.device, tensor.untyped_storage()._cdata, tensor.storage_offset(),
+                tensor.shape, tensor.stride(), tensor.dtype)
     return (tensor.device, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
 
 
@@ -86,3 +90,14 @@ class StagingPool:
         if self._pending_device_copies and torch.cuda.is_available():
             torch.cuda.synchronize()
         self._pending_device_copies = False
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s elements in memory order as one flat uint8 tensor (a view of a contiguous tensor,
+    else a compact copy). torch calls a tensor whose dimensions of size 1 have any stride
+    contiguous, and reshape(-1) keeps that stride (logits[:, -1] of a batch of one: shape (1,),
+    stride (5,)); view(torch.uint8) refuses it, so a single element is re-viewed with stride 1."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)

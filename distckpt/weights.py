@@ -37,6 +37,7 @@ from .fencing import FENCE_DIR
 from .gcpause import paused_while_running
 from .serialize import _DTYPE_TO_ST, _ST_TO_DTYPE, ShardRef, load_tree_file
 from .sharded import ShardReader
+from .staging import flat_bytes
 from .storage import Storage, open_storage, release_pages
 from .validation import check_writable
 
@@ -547,7 +548,7 @@ def _write_shard(path: str, names: list[str], spec: dict[str, tuple[torch.dtype,
             tensor = src.tensor(name).detach()
             if cast is not None and tensor.is_floating_point():
                 tensor = tensor.to(cast)
-            data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else \
+            data = flat_bytes(tensor).numpy().data if tensor.numel() else \
                 memoryview(b"")
             digests[name] = xxhash.xxh3_64_hexdigest(data)
             f.write(data)
@@ -569,7 +570,7 @@ def _verify_shard(path: str, digests: dict[str, str]) -> None:
             raise CorruptCheckpointError(f"{path}: holds other tensors than written")
         for name, digest in digests.items():
             t = f.get_tensor(name)
-            data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            data = flat_bytes(t).numpy().tobytes() if t.numel() else b""
             if xxhash.xxh3_64_hexdigest(data) != digest:
                 raise CorruptCheckpointError(f"{path}: {name} reads back differently than written")
 
