@@ -58,7 +58,7 @@ from .snapshot import OverlappedSnapshot
 from .staging import StagingPool
 from .storage import Storage, open_storage
 from .tiers import DurableUploadWarning, Nodes, TierSettings, node_name, remove_foreign, ship_to_nodes, upload_step
-from .validation import LoadRules
+from .validation import LoadRules, check_step
 from .versions import collect_versions
 
 log = logging.getLogger("distckpt")
@@ -580,7 +580,7 @@ class CheckpointManager:
 
     def load(self, state: dict[str, Any], step: int) -> Progress:
         """Restore `state` from committed checkpoint `step` (collective); no fallback."""
-        step = _check_step("step", step)
+        step = check_step("step", step)
         progress = self._load(state, step)
         assert progress is not None  # load(step=...) raises rather than returning None
         return progress
@@ -692,16 +692,10 @@ class CheckpointManager:
             raise ConfigError("this CheckpointManager is closed; create a new one")
 
 
-def _check_step(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ConfigError(f"{name}={value!r}: must be an int >= 0")
-    return int(value)
-
-
 def _check_save_args(step: Any, epoch: Any, metric: Any) -> tuple[int, int | None, float | None]:
-    step = _check_step("step", step)
+    step = check_step("step", step)
     if epoch is not None:
-        epoch = _check_step("epoch", epoch)
+        epoch = check_step("epoch", epoch)
     if metric is not None:
         metric = _check_metric(metric)
     return step, epoch, metric

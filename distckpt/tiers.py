@@ -81,9 +81,13 @@ def _local_path(local_dir: Any) -> str:
     if not isinstance(local_dir, str) or not local_dir.strip() or "\0" in local_dir:
         raise ConfigError(f"local_dir={local_dir!r}: must be a directory path on node-local disk")
     if local_dir.startswith("file://"):
-        local_dir = local_dir[len("file://"):]
-        if not local_dir.strip():
-            raise ConfigError("local_dir='file://': names no directory; give a path on node-local disk")
+        host, _, path = local_dir[len("file://"):].partition("/")
+        if host not in ("", "localhost"):  # file://otherhost/x landed in ./otherhost/x
+            raise ConfigError(f"local_dir={local_dir!r}: file:// URLs name a local absolute path (file:///abs/path "
+                              f"or file://localhost/abs/path), not the host {host!r}")
+        if not path.strip():
+            raise ConfigError(f"local_dir={local_dir!r}: names no directory; give a path on node-local disk")
+        local_dir = "/" + path
     if "://" in local_dir or re.match(r"[A-Za-z][A-Za-z0-9+.\-]+:", local_dir):  # s3:/x is no local path either
         raise ConfigError(f"local_dir={local_dir!r}: must be a path on node-local disk, not a URL; the durable "
                           "tier is the first argument")

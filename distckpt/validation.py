@@ -9,6 +9,7 @@ This module never touches storage or torch.distributed.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from .capture import unwrap_module
-from .errors import CorruptCheckpointError, IncompatibleCheckpointError
+from .errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
 
 # Optimizer state keys that hold one value per parameter element (torch.optim's optimizers):
 # their shape must be the parameter's. Others (Adafactor's factored row/column statistics,
@@ -218,3 +219,8 @@ def _py_random(r: Any, saved: Any, where: str, world: tuple[int, int], rules: Lo
         raise IncompatibleCheckpointError(f"{where}: the checkpoint holds no random.Random state")
 
 
+def check_step(name: str, value: Any) -> int:
+    """An argument that counts (a step, an epoch): an int >= 0, not a bool (step=False was step 0)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ConfigError(f"{name}={value!r}: must be an int >= 0")
+    return int(value)

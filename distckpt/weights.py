@@ -39,7 +39,7 @@ from .serialize import _DTYPE_TO_ST, _ST_TO_DTYPE, ShardRef, load_tree_file
 from .sharded import ShardReader
 from .staging import flat_bytes
 from .storage import Storage, open_storage, release_pages
-from .validation import check_writable
+from .validation import check_step, check_writable
 
 log = logging.getLogger("distckpt")
 INDEX_NAME = "model.safetensors.index.json"
@@ -241,6 +241,7 @@ def open_model_source(source: str, *, step: int | None = None, entry: str = "mod
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError(f"source={source!r}: must be a distckpt URL or a safetensors file / directory")
     source = os.fspath(source)
+    _check_source_args(step, entry)
     local = "://" not in source
     if local and (source.endswith(".safetensors") or os.path.exists(os.path.join(source, INDEX_NAME))
                   or os.path.exists(os.path.join(source, SINGLE_NAME))):
@@ -446,11 +447,25 @@ def parse_size(text: str | int) -> int:
 
 
 @paused_while_running
+def _check_source_args(step: Any, entry: Any) -> None:
+    if step is not None:
+        check_step("step", step)
+    if not isinstance(entry, str) or not entry:
+        raise ConfigError(f"entry={entry!r}: must be the key of the model in the saved `state` (a str)")
+
+
 def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: str = "model",
                    dtype: str | None = None, max_shard_size: str | int = "5GB",
                    storage_options: dict[str, Any] | None = None,
                    progress: Callable[[int], None] = lambda n: None) -> ExportSummary:
     """Write the model entry as Hugging Face safetensors under `out_dir` (see the module doc)."""
+    if isinstance(out_dir, os.PathLike):
+        out_dir = os.fspath(out_dir)
+    if not isinstance(out_dir, str) or not out_dir.strip() or "\0" in out_dir:
+        raise ConfigError(f"out_dir={out_dir!r}: must be a directory path")
+    if not callable(progress):
+        raise ConfigError(f"progress={progress!r}: must be a callable taking a byte count")
+    _check_source_args(step, entry)
     cast = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else None
     if dtype is not None and cast is None:
         raise ConfigError(f"dtype={dtype!r}: one of {sorted(_DTYPES)}")

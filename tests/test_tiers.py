@@ -504,7 +504,7 @@ def test_a_missing_local_dir_on_the_command_line_is_an_error(roots, capsys):
         distckpt.CheckpointManager(durable, local_dir=local + "\0x")
 
 
-@pytest.mark.parametrize("value", ["s3://bucket/x", "s3:/bucket/x", "gs:/b", "file://", ""])
+@pytest.mark.parametrize("value", ["s3://bucket/x", "s3:/bucket/x", "gs:/b", "file://", "", "file://otherhost/x"])
 def test_a_local_dir_that_is_a_url_or_looks_like_one_names_local_dir(tmp_path, value):
     with pytest.raises(distckpt.ConfigError, match="local_dir="):
         distckpt.CheckpointManager(str(tmp_path / "durable"), local_dir=value)

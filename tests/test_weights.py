@@ -424,3 +424,24 @@ def test_modules_with_loading_code_of_their_own_load_as_load_state_dict_would(tm
         assert torch.equal(fresh.state_dict()[key], value), key
     report = distckpt.load_weights(where, fresh, ignore=["head.bias"], strict=False)
     assert report.missing == ["head.bias"] and torch.equal(fresh.head.weight, source["head.weight"])
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda root, out, m: distckpt.load_weights(root, m, step=False), "step="),
+    (lambda root, out, m: distckpt.load_weights(root, m, step=1.5), "step="),
+    (lambda root, out, m: distckpt.load_weights(root, m, step=torch.ones(2)), "step="),
+    (lambda root, out, m: distckpt.load_weights(root, m, entry=["model"]), "entry="),
+    (lambda root, out, m: distckpt.export_weights(root, None), "out_dir="),
+    (lambda root, out, m: distckpt.export_weights(root, ""), "out_dir="),
+    (lambda root, out, m: distckpt.export_weights(root, 2**70), "out_dir="),
+    (lambda root, out, m: distckpt.export_weights(root, out, step=True), "step="),
+    (lambda root, out, m: distckpt.export_weights(root, out, entry={}), "entry="),
+    (lambda root, out, m: distckpt.export_weights(root, out, progress=None), "progress="),
+])
+def test_weights_arguments_are_checked_naming_them(tmp_path, call, name):
+    """step=False loaded step 0; others were bare TypeErrors / RuntimeErrors."""
+    model = _trained()
+    _save(str(tmp_path / "ckpt"), model)
+    with pytest.raises(distckpt.ConfigError, match=name):
+        call(str(tmp_path / "ckpt"), str(tmp_path / "out"), TinyLM())
+    assert not (tmp_path / "out").exists()
