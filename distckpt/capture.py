@@ -332,11 +332,12 @@ def _loads_by_copy_alone(module: nn.Module) -> bool:
 
 def has_own_load_logic(module: nn.Module) -> bool:
     """Whether loading `module` runs code beyond torch's own (load_state_dict hooks, its own
-    _load_from_state_dict or load_state_dict): such code may transform what it is given."""
+    _load_from_state_dict, load_state_dict or set_extra_state): such code may transform what it is
+    given, or refuse it."""
     for m in module.modules():
         if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
             return True
-        for method in ("_load_from_state_dict", "load_state_dict"):
+        for method in ("_load_from_state_dict", "load_state_dict", "set_extra_state"):
             defined_in = getattr(type(m), method).__module__ or ""
             if not defined_in.startswith("torch."):
                 return True

@@ -657,6 +657,8 @@ def _restore_all(entries: list[Entry], saved: dict[str, Any], state: dict[str, A
             return e
         except Exception as e:
             return _restore_failed(e, entry.key, rank, step)
+        except BaseException as e:  # KeyboardInterrupt / SystemExit from an owner's load_state_dict:
+            return e  # undone like any failure, then raised as it is (_agree_or_undo)
     try:
         if release is not None:
             release.finish()  # the phase's copies into tensors, checked before: in parallel
@@ -695,10 +697,12 @@ def _agree_or_undo(coord: Coordinator, outcome: Outcome, exc: BaseException | No
     """Agree on the outcome; if any rank failed, put this rank's entries back, then raise."""
     try:
         agree(coord, outcome, phase, what, exc)
-    except DistCkptError:
+    except BaseException:
         failed = run_undos(undos, f"rank {coord.rank}")
         if failed:
             log.error("rank %d: after the failed load, state entries %s could not be put back", coord.rank, failed)
+        if exc is not None and not isinstance(exc, Exception):
+            raise exc from None  # this rank's own KeyboardInterrupt / SystemExit, after the undo
         raise
 
 

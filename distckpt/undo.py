@@ -16,6 +16,7 @@ This module never touches storage or torch.distributed.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import defaultdict
 from typing import Any, Callable
@@ -39,12 +40,18 @@ def module_undo(module: nn.Module) -> Undo:
     live = module.state_dict(keep_vars=True)
     copies = {k: _local(v).detach().to("cpu", copy=True) for k, v in live.items() if isinstance(v, torch.Tensor)}
     flags = {m: m.training for m in module.modules()}
+    # Extra state lives outside the tensors: set_extra_state put the checkpoint's back in and
+    # nothing put the live one back (a counter kept the checkpoint's value after a failed load).
+    extra = {m: copy.deepcopy(m.get_extra_state()) for m in module.modules()
+             if type(m).get_extra_state is not nn.Module.get_extra_state}
 
     def undo() -> None:
         with torch.no_grad():
             for k, v in module.state_dict(keep_vars=True).items():
                 if k in copies:
                     _local(v).copy_(copies[k])
+        for m, value in extra.items():
+            m.set_extra_state(copy.deepcopy(value))
         for m, flag in flags.items():
             m.training = flag
     return undo
@@ -96,7 +103,8 @@ def run_undos(undos: list[tuple[str, Undo]], where: str) -> list[str]:
     for key, undo in reversed(undos):
         try:
             undo()
-        except Exception as e:  # keep undoing the others; the load's own error is raised after
+        except BaseException as e:  # keep undoing the others (a KeyboardInterrupt from an owner's
+            # load_state_dict too); the load's own error is raised after
             log.error("%s: putting state[%r] back after the failed load failed too: %s: %s",
                       where, key, type(e).__name__, e)
             failed.append(key)

@@ -412,3 +412,71 @@ def test_a_checkpoint_loaded_into_a_model_tied_otherwise_is_refused_unless_the_v
             mgr.load_latest({"model": dst})
             assert all(torch.equal(v, src.state_dict()[k]) for k, v in dst.state_dict().items())
             assert (dst.a.weight is dst.b.weight) == live_tied
+
+
+class _Owner:
+    """A user's stateful object whose load_state_dict raises `exc` (every time, its undo too)."""
+
+    def __init__(self, exc=None):
+        self.x, self.exc = 0, exc
+
+    def state_dict(self):
+        return {"x": self.x}
+
+    def load_state_dict(self, sd):
+        if self.exc is not None:
+            raise self.exc
+        self.x = sd["x"]
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), SystemExit(3)], ids=["KeyboardInterrupt", "SystemExit"])
+def test_a_base_exception_from_an_owners_load_state_dict_is_raised_after_everything_is_put_back(tmp_path, exc):
+    """Entries restored before it kept the checkpoint's values (only Exceptions were undone), and
+    the owner's undo raising it again stopped the other undos."""
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(2)
+    opt.step()
+    gen = torch.Generator().manual_seed(1)
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(0, {"opt": opt, "gen": gen, "a": _Owner(), "b": _Owner()})
+    opt.step()
+    torch.randn(3, generator=gen)
+    momentum, stream = opt.state[p]["momentum_buffer"].clone(), gen.get_state().clone()
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(type(exc)):
+            mgr.load_latest({"opt": opt, "gen": gen, "a": _Owner(), "b": _Owner(exc)})
+    assert torch.equal(opt.state[p]["momentum_buffer"], momentum) and torch.equal(gen.get_state(), stream)
+
+
+class _Counting(nn.Module):
+    """Keeps a count in its extra state; `fail` makes set_extra_state refuse once applied."""
+
+    def __init__(self, fail: bool = False):
+        super().__init__()
+        self.lin, self.seen, self.fail = nn.Linear(2, 2), 0, fail
+
+    def get_extra_state(self):
+        return {"seen": self.seen}
+
+    def set_extra_state(self, state):
+        self.seen = state["seen"]
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("refused once")
+
+
+@pytest.mark.parametrize("failing", ["own", "another"])
+def test_a_modules_extra_state_is_put_back_after_a_failed_load(tmp_path, failing):
+    saved = _Counting()
+    saved.seen = 1000
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(0, {"model": saved, "other": _Owner()})
+    live = _Counting(fail=failing == "own")
+    live.seen = 7
+    weights = {k: v.clone() for k, v in live.state_dict().items() if isinstance(v, torch.Tensor)}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(distckpt.IncompatibleCheckpointError):
+            mgr.load_latest({"model": live, "other": _Owner(RuntimeError("no") if failing == "another" else None)})
+    assert live.seen == 7
+    assert all(torch.equal(live.state_dict()[k], v) for k, v in weights.items())
