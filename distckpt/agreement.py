@@ -26,7 +26,7 @@ import xxhash
 from .capture import PER_RANK, Entry
 from .errors import UnstorableValueError
 from .serialize import dim_order
-from .staging import flat_bytes, region_key
+from .staging import memory_of, region_key
 
 COMPARED_KINDS = ("value", "tensor", "stateful")
 
@@ -99,7 +99,7 @@ def _feed_tensor(h: Any, t: torch.Tensor) -> None:
     data = t.detach()
     if data.device.type != "cpu":
         data = data.cpu()
-    h.update(flat_bytes(data).numpy().data)
+    h.update(memory_of(data))
 
 
 def check_replicated_agree(digests: list[dict[str, str]], what: str) -> None:

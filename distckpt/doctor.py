@@ -32,7 +32,7 @@ import torch
 from .commit import list_committed
 from .copying import same_bits
 from .errors import DistCkptError
-from .staging import flat_bytes
+from .staging import memory_of
 from .storage import open_storage
 
 ROOT_ENV = "DISTCKPT_DOCTOR_ROOT"
@@ -99,7 +99,7 @@ class _Fingerprints:
             for name, p in module.named_parameters():
                 local = p.detach().to_local() if hasattr(p, "to_local") else p.detach()
                 h.update(name.encode())
-                h.update(flat_bytes(local.cpu()).numpy().tobytes())
+                h.update(memory_of(local.detach().cpu()))
         return h.hexdigest()
 
 

@@ -37,7 +37,7 @@ import xxhash
 from . import manifest as mf
 from .errors import CheckpointExistsError, CorruptCheckpointError, MissingFileError
 from .serialize import tensors_of_file
-from .staging import flat_bytes
+from .staging import memory_of
 from .storage import Storage
 
 log = logging.getLogger("distckpt")
@@ -56,7 +56,7 @@ class Stored:
 
 
 def content_key(tensor: torch.Tensor) -> Key:
-    data = flat_bytes(tensor).numpy().data if tensor.numel() else b""
+    data = memory_of(tensor.detach())
     return xxhash.xxh3_128_hexdigest(data), str(tensor.dtype), tuple(tensor.shape)
 
 

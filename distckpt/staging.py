@@ -5,6 +5,7 @@ This module never touches storage or torch.distributed.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -101,3 +102,23 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     if flat.numel() <= 1 and flat.stride(0) != 1:
         flat = flat.as_strided((flat.numel(),), (1,))
     return flat.view(torch.uint8)
+
+
+def memory_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor in memory order: a read-only view of its memory when it is
+    contiguous (the caller keeps `t` alive while the view is used), else of a compact copy the
+    view owns. Not through `t.numpy()`: that marks the storage non-resizable for good, so after a
+    save a user's `resize_` (or a framework freeing storage with `resize_(0)`) failed. 2.4 us per
+    tensor against 6.6 us for numpy and 23 us for a ctypes array that holds the tensor."""
+    if not t.is_contiguous():
+        return memoryview(flat_bytes(t).numpy())  # type: ignore[arg-type]  # our own copy: marking it is harmless
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return _MEMORY_VIEW(t.data_ptr(), nbytes, _PYBUF_READ)  # type: ignore[no-any-return]
+
+
+_MEMORY_VIEW = ctypes.pythonapi.PyMemoryView_FromMemory
+_MEMORY_VIEW.restype = ctypes.py_object
+_MEMORY_VIEW.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+_PYBUF_READ = 0x100

@@ -7,6 +7,7 @@ import inspect
 import os
 
 import pytest
+import torch
 
 import distckpt
 
@@ -87,3 +88,19 @@ def test_a_loader_with_workers_over_an_unwrapped_dataset_is_warned_about_once(tm
     assert len(ours) == (1 if warned else 0), ours
     if warned:
         assert "state['loader']" in ours[0] and "with_worker_rng" in ours[0]
+
+
+@pytest.mark.parametrize("options", [{}, {"incremental": True}, {"async_save": True}], ids=["sync", "incremental", "async"])
+def test_a_save_leaves_the_live_tensors_resizable(tmp_path, options):
+    """Reading a tensor's bytes through .numpy() marked its storage non-resizable for good: a
+    later resize_ (or a framework freeing storage with resize_(0)) failed after any save."""
+    model = torch.nn.Linear(3, 2)
+    plain = torch.zeros(8)
+    with distckpt.CheckpointManager(str(tmp_path), **options) as mgr:
+        mgr.save(1, {"model": model, "plain": plain, "vals": {"x": torch.ones(3)}})
+        mgr.save(2, {"model": model, "plain": plain, "vals": {"x": torch.ones(3)}})
+    for t in (plain, model.weight, model.bias):
+        assert t.untyped_storage().resizable()
+    plain.resize_(16)
+    with torch.no_grad():
+        model.weight.untyped_storage().resize_(0)  # as FSDP1 / ZeRO-3 free a parameter's memory
