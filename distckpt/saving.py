@@ -54,7 +54,7 @@ from .incremental import ContentTable
 from .kinds import capture_entry
 from .rng import capture_process_rng
 from .serialize import EncodedTree, encode_tree, safetensors_chunks
-from .staging import StagingPool
+from .staging import StagingPool, region_key
 from .storage import Storage
 
 log = logging.getLogger("distckpt")
@@ -300,6 +300,8 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
     stage: bool | StagingPool = staging if staging is not None else False
     if split or any(e.scope == SHARDED for e in entries):
         out.shards = sharded.LocalShards(stage, coord.rank, coord.world_size)
+        out.shards.rank0_regions = {key for buffers in capture_rank_buffers(entries).values()
+                                    for key in map(region_key, buffers.values()) if key is not None}
     if coord.rank == 0:
         tree: dict[str, Any] = {"step": step, "epoch": epoch,
                 "entries": {e.key: capture_entry(e) for e in entries if e.scope in (REPLICATED, SHARDED)}}

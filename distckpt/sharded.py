@@ -145,6 +145,11 @@ class LocalShards:
         self._by_id: dict[int, str] = {}
         self._by_region: dict[tuple[Any, ...], str] = {}
         self._assigned = [0] * world_size               # bytes of whole tensors given to each rank
+        # Regions rank 0 writes whatever the balance: module buffers, which every rank updates
+        # on its own (FSDP2, DDP without broadcast_buffers). Spread over the ranks, the stored
+        # model mixed them (rank 0's running_mean beside rank 1's running_var), and a reshard
+        # load, load_weights and export got a pair no rank ever held.
+        self.rank0_regions: set[tuple[Any, ...]] = set()
 
     def add_whole(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> str:
         """A replicated tensor: stored whole, in the file of the rank it is assigned to."""
@@ -157,7 +162,8 @@ class LocalShards:
             self._by_region[region] = name
         self.meta[name] = {"dtype": _DTYPE_TO_ST[tensor.dtype], "shape": list(tensor.shape)}
         if tensor.numel():
-            owner = min(range(self.world_size), key=lambda r: (self._assigned[r], r))
+            owner = 0 if region in self.rank0_regions else \
+                min(range(self.world_size), key=lambda r: (self._assigned[r], r))
             self._assigned[owner] += tensor.numel() * tensor.element_size()
             if owner == self.rank:
                 self.offsets[name] = [0] * tensor.dim()

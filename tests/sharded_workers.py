@@ -147,3 +147,24 @@ def save_stray_dtensor(rank: int, world: int, url: str) -> None:
     state["extra"] = next(state["model"].parameters()).detach()  # a DTensor on its own
     with distckpt.CheckpointManager(url, timeout=30) as mgr:
         mgr.save(1, state)
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+
+
+def split_writes_with_own_buffers(rank: int, world: int, url: str) -> dict:
+    """FSDP2 + BatchNorm, each rank its own batch (its own statistics), saved with split writes."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _bn_model()
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(100 + rank)
+    loss = model(torch.randn(8, 4) * (1 + rank)).square().mean()
+    loss.backward()
+    opt.step()
+    with distckpt.CheckpointManager(url, timeout=30, split_writes=True) as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt})
+    return {k: model[1].get_buffer(k).tolist() for k in ("running_mean", "running_var")}

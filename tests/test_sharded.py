@@ -170,3 +170,16 @@ def _objects(s3_server, url):
 
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options())
     return fs.find(url)
+
+
+def test_split_writes_store_one_ranks_buffers_together(ckpt_dir):
+    """Split writes spread the replicated tensors over the ranks, module buffers too: the stored
+    model held rank 0's running_mean beside rank 1's running_var, a pair no rank ever had, which a
+    reshard load, load_weights and export then gave back. Now rank 0 writes every buffer."""
+    from sharded_workers import _bn_model
+
+    ranks = _ok(run_world(f"{W}:split_writes_with_own_buffers", 2, url=ckpt_dir))
+    assert ranks[0] != ranks[1]  # each rank's own statistics
+    whole = _bn_model()
+    distckpt.load_weights(ckpt_dir, whole)
+    assert {k: whole[1].get_buffer(k).tolist() for k in ("running_mean", "running_var")} == ranks[0]
