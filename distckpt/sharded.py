@@ -21,6 +21,7 @@ information and the shard files stay readable by any safetensors reader.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,14 +55,14 @@ def shard_file(rank: int, generation: int) -> str:
 # -- detection and capture ----------------------------------------------------------------------
 
 def _fsdp_module_class() -> type | None:
-    try:
-        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
-    except ImportError:
-        try:
-            from torch.distributed._composable.fsdp import FSDPModule  # torch 2.4 / 2.5
-        except ImportError:
-            return None
-    return FSDPModule  # type: ignore[no-any-return]
+    """FSDP2's module class if FSDP2 is in use: a module is fully_shard-ed only once torch's fsdp
+    package was imported, so it is looked up, never imported (the capture never pulls in
+    torch.distributed: tests/test_gates.py)."""
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):  # torch >= 2.6, 2.4/2.5
+        cls = getattr(sys.modules.get(name), "FSDPModule", None)
+        if isinstance(cls, type):
+            return cls
+    return None
 
 
 def reshard_fully_sharded(objects: Any) -> None:

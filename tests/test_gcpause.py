@@ -170,6 +170,7 @@ def test_the_decorated_weights_functions_run_paused_and_keep_their_signature():
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
+@pytest.mark.timeout(300, method="thread")  # SIGALRM is this test's: pytest-timeout's own alarm would be clobbered
 def test_ctrl_c_at_any_instant_of_a_pause_leaves_the_collector_on_by_the_next_pause_at_the_latest():
     """A KeyboardInterrupt can land between any two bytecodes of the pause's entry and exit.
     Whatever it hits, the collector is on again once the next uninterrupted pause ends (a pause
@@ -212,6 +213,7 @@ def test_ctrl_c_at_any_instant_of_a_pause_leaves_the_collector_on_by_the_next_pa
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
+@pytest.mark.timeout(300, method="thread")  # SIGALRM is this test's: pytest-timeout's own alarm would be clobbered
 def test_ctrl_c_during_the_wait_for_a_background_save_never_hangs_the_next_wait():
     """An interrupt inside wait() leaves the job pending; the next wait() collects it. (With a
     threading.Event, an interrupt inside Event.wait() could leave its lock held: both hung.)"""
