@@ -293,15 +293,17 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
     own = {"step": step, "epoch": epoch, "rank": coord.rank, "world_size": coord.world_size,
            "rng": rng,
            "entries": {e.key: capture_entry(e) for e in entries if e.scope == PER_RANK}}
+    rank_buffers = capture_rank_buffers(entries) if coord.world_size > 1 else {}
     if coord.world_size > 1:
-        own["buffers"] = capture_rank_buffers(entries)
+        own["buffers"] = rank_buffers
     rank_tree = _encode_checked(own, ("per-rank state",), stage=True)
     out.rank_file = b"".join(safetensors_chunks(rank_tree))
     stage: bool | StagingPool = staging if staging is not None else False
     if split or any(e.scope == SHARDED for e in entries):
         out.shards = sharded.LocalShards(stage, coord.rank, coord.world_size)
-        out.shards.rank0_regions = {key for buffers in capture_rank_buffers(entries).values()
-                                    for key in map(region_key, buffers.values()) if key is not None}
+        if split:  # the buffers captured for the rank file just above
+            out.shards.rank0_regions = {key for buffers in rank_buffers.values()
+                                        for key in map(region_key, buffers.values()) if key is not None}
     if coord.rank == 0:
         tree: dict[str, Any] = {"step": step, "epoch": epoch,
                 "entries": {e.key: capture_entry(e) for e in entries if e.scope in (REPLICATED, SHARDED)}}
