@@ -281,7 +281,7 @@ def _restore_module(module: nn.Module, saved: dict[str, Any], release: Release |
 
     sd = OrderedDict(saved["state_dict"])
     copied_all = release is not None and not has_own_load_logic(module) and _copy_into_live(module, sd, release, where)
-    if not (copied_all and _loads_by_copy_alone(module)):
+    if not (copied_all and loads_by_copy_alone(module)):
         sd._metadata = OrderedDict((k, dict(v)) for k, v in saved["metadata"].items())  # type: ignore[attr-defined]
         module.load_state_dict(sd, strict=True)
     flags = saved["training"]
@@ -313,7 +313,7 @@ def _copy_into_live(module: nn.Module, sd: dict[str, Any], release: Release, whe
 _COPYING_LOADERS = (nn.Module._load_from_state_dict, nn.modules.batchnorm._NormBase._load_from_state_dict)
 
 
-def _loads_by_copy_alone(module: nn.Module) -> bool:
+def loads_by_copy_alone(module: nn.Module) -> bool:
     """Whether module.load_state_dict, given every live tensor itself (_copy_into_live), would do
     nothing at all: no module saves or loads anything but its parameters and buffers, no hooks.
     Then it is skipped: torch filters the state dict by prefix once per child, so its cost grows

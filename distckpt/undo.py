@@ -37,6 +37,12 @@ def module_undo(module: nn.Module) -> Undo:
     memory first and copied back if the load fails."""
     if not has_own_load_logic(module):
         return lambda: None
+    return module_copy_aside(module)
+
+
+def module_copy_aside(module: nn.Module) -> Undo:
+    """Copy the module's tensors (to host memory), extra state and training flags aside; the
+    undo puts them back."""
     live = module.state_dict(keep_vars=True)
     copies = {k: _local(v).detach().to("cpu", copy=True) for k, v in live.items() if isinstance(v, torch.Tensor)}
     flags = {m: m.training for m in module.modules()}

@@ -29,7 +29,7 @@ from torch import nn
 
 from . import incremental
 from . import manifest as mf
-from .capture import _loads_by_copy_alone, unwrap_module
+from .capture import loads_by_copy_alone, unwrap_module
 from .commit import list_committed, read_marker, read_verified_manifest
 from .copying import byte_extent, elements_overlap, same_bits
 from .errors import ConfigError, CorruptCheckpointError, DistCkptError, IncompatibleCheckpointError, MissingFileError
@@ -39,6 +39,7 @@ from .serialize import _DTYPE_TO_ST, _ST_TO_DTYPE, ShardRef, load_tree_file
 from .sharded import ShardReader
 from .staging import flat_bytes
 from .storage import Storage, open_storage, release_pages
+from .undo import module_copy_aside
 from .validation import check_step, check_writable
 
 log = logging.getLogger("distckpt")
@@ -285,7 +286,7 @@ def load_weights(source: str, module: nn.Module, *, step: int | None = None, str
     report = WeightsReport(src.where, src.step)
     report.ignored = sorted(k for k in mapping if _ignored(k, ignore) or _ignored(mapping[k], ignore))
     wanted = {mapping[k]: k for k in mapping if k not in report.ignored}
-    if not _loads_by_copy_alone(bare):
+    if not loads_by_copy_alone(bare):
         return _load_through_module(bare, src, wanted, target, strict, allow_cast, report)
     report.unexpected = sorted(k for k in wanted if k not in target)
     # A key tied to one the source fills (Hugging Face saves a tied lm_head once) is filled with it.
@@ -336,16 +337,13 @@ def _load_through_module(bare: nn.Module, src: ModelSource, wanted: dict[str, st
     for key, value in target.items():
         if isinstance(value, torch.Tensor):
             check_writable(value, f"{src.where} into the module's {key!r}")
-    live = {k: v for k, v in target.items() if isinstance(v, torch.Tensor)}
-    saved = {k: v.detach().clone() for k, v in live.items()}
+    put_back = module_copy_aside(bare)
     given = {key: src.tensor(src_key) for key, src_key in wanted.items()}
     try:
         with torch.no_grad():
             result = bare.load_state_dict(given, strict=strict)
     except Exception as e:
-        with torch.no_grad():
-            for key, value in live.items():
-                value.copy_(saved[key])
+        put_back()
         raise IncompatibleCheckpointError(
             f"{src.where} does not fit the module (loaded through its own load_state_dict, which has hooks or "
             f"loading code of its own; the module was left as it was): {e}") from e
