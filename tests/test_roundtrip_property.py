@@ -122,6 +122,18 @@ def _dense(t):
         [t.shape[d] for d in sorted(range(t.dim()), key=lambda d: -t.stride(d))]).stride())
 
 
+def _tensors_in(value, out):
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors_in(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors_in(v, out)
+    return out
+
+
 def _ids_of_tensors(value, out):
     if isinstance(value, torch.Tensor):
         out.append(id(value))
@@ -147,9 +159,13 @@ def _through_the_manager(tmp_path, value, **options):
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
 @given(value=trees, options=st.sampled_from([{}, {"async_save": True}, {"incremental": True}]))
 def test_every_stored_tree_comes_back_identical(tmp_path_factory, value, options):
+    tensors = [t for t in _tensors_in(value, []) if t.numel()]
+    resizable = [t.untyped_storage().resizable() for t in tensors]
     back_rank, back_replicated = _through_the_manager(tmp_path_factory.mktemp("rt"), value, **options)
     assert_identical(value, back_rank)
     assert_identical(value, back_replicated)
+    # a save reads the live tensors, never changes them (.numpy() left storages non-resizable)
+    assert [t.untyped_storage().resizable() for t in tensors] == resizable
 
 
 @settings(max_examples=max(10, EXAMPLES // 3), deadline=None, derandomize=True)
