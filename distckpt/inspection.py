@@ -105,17 +105,18 @@ def _header_tree(data: bytes, where: str,
              for name, begin, stop, dtype, shape in sorted(ranges)]
     table += [{"name": name, "dtype": dtype, "shape": shape, "bytes": n, "shared_from": file}
               for name, (dtype, shape, n, file) in sorted((reused or {}).items())]
-    placeholders = {t["name"]: _TensorRef(t["dtype"], tuple(t["shape"])) for t in table}
-    return decode_tree(tree, placeholders, where), table  # type: ignore[arg-type]
+    # meta tensors, not stand-in objects: the decoder re-strides, wraps as Parameter and sets
+    # requires_grad exactly as a load does, and a meta tensor supports all of it with no bytes
+    placeholders = {t["name"]: torch.empty(t["shape"], dtype=getattr(torch, t["dtype"]), device="meta")
+                    for t in table}
+    return decode_tree(tree, placeholders, where), table
 
 
-@dataclass(frozen=True)
-class _TensorRef:
-    dtype: str
-    shape: tuple[int, ...]
-
-    def __repr__(self) -> str:
-        return f"<tensor {self.dtype} {list(self.shape)}>"
+def _describe_tensor(tensor: torch.Tensor) -> str:
+    dtype = str(tensor.dtype).replace("torch.", "")
+    kind = "parameter" if isinstance(tensor, torch.nn.Parameter) else "tensor"
+    grad = " requires_grad" if tensor.requires_grad and kind == "tensor" else ""
+    return f"<{kind} {dtype} {list(tensor.shape)}{grad}>"
 
 
 def describe_step(storage: Storage, step: int) -> dict[str, Any]:
@@ -160,8 +161,8 @@ def _summarise(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, _TensorRef):
-        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return _describe_tensor(value)
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

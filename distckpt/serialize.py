@@ -259,7 +259,7 @@ def dim_order(tensor: torch.Tensor) -> list[int] | None:
 def _restride(tensor: torch.Tensor, order: list[int]) -> torch.Tensor:
     """`tensor` (row-major) copied into a compact tensor of the same shape laid out in `order`."""
     permuted_shape = [tensor.shape[d] for d in order]
-    out = torch.empty(permuted_shape, dtype=tensor.dtype).permute(*_inverse(order))
+    out = torch.empty(permuted_shape, dtype=tensor.dtype, device=tensor.device).permute(*_inverse(order))
     out.copy_(tensor)
     return out
 
