@@ -22,7 +22,7 @@ import random
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import faults, fencing, incremental, sharded, tiers
 from . import manifest as mf
@@ -64,10 +64,13 @@ from .fencing import Lease
 from .interrupts import sigint_deferred
 from .kinds import check_destinations_apart, copy_destinations, is_late, live_ties, restore_entry, snapshot, validate_entry
 from .rng import capture_process_rng, check_process_rng, restore_process_rng
-from .serialize import load_tree_file
+from .serialize import ShardRef, load_tree_file
 from .storage import Storage, release_pages
 from .undo import Undo, run_undos
 from .validation import LoadRules
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("distckpt")
 
@@ -522,9 +525,10 @@ def _resolve_sharded(storage: Storage, entries: list[Entry], read: ReadCheckpoin
         if entry.scope == SHARDED and isinstance(saved, dict) and saved.get("kind") == entry.kind:
             saved["state"] = resolve_sharded_entry(entry, saved["state"], reader)
         out.append(entry)
+    made: dict[ShardRef, torch.Tensor] = {}  # one object per stored tensor across entries: ties survive
     for saved in saved_entries.values():  # replicated tensors stored by split writes
         if isinstance(saved, dict) and saved.get("kind") not in ("sharded_module", "sharded_optimizer"):
-            saved["state"] = sharded.resolve_whole(saved.get("state"), reader)
+            saved["state"] = sharded.resolve_whole(saved.get("state"), reader, made)
     return out
 
 

@@ -107,9 +107,32 @@ class EncodedTree:
 
 @dataclass(frozen=True)
 class ShardRef:
-    """A sharded tensor in a decoded tree: resolved against the live DTensor on load."""
+    """A sharded tensor in a decoded tree: resolved against the live DTensor on load. A
+    replicated tensor stored by split writes keeps what its node says of it (Parameter,
+    requires_grad, dimension order), applied by `as_saved` when it is resolved whole."""
 
     name: str
+    parameter: bool = False
+    requires_grad: bool = False
+    order: tuple[int, ...] | None = None
+
+    def as_saved(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (the row-major whole) laid out and typed as the saved tensor was."""
+        return with_tensor_flags(tensor, self.parameter, self.requires_grad,
+                                 list(self.order) if self.order is not None else None)
+
+
+def with_tensor_flags(tensor: torch.Tensor, parameter: bool, requires_grad: bool,
+                      order: list[int] | None) -> torch.Tensor:
+    """What a tensor node's flags say: the dimension order restored (a copy), Parameter-ness,
+    requires_grad. The caller checked `order` is a permutation of the dimensions."""
+    if order is not None:
+        tensor = _restride(tensor, order)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    if requires_grad:
+        return tensor.requires_grad_(True) if order is not None else tensor.view_as(tensor).requires_grad_(True)
+    return tensor
 
 
 class ShardSink(Protocol):
@@ -161,10 +184,12 @@ class _Encoder:
         plain = kind is torch.Tensor or kind is torch.nn.Parameter  # a DTensor is neither
         if not plain and is_dtensor(value) and self.shards is not None:
             return {"S": self.shards.add(value, path)}
+        node: dict[str, Any]
         if self.split and self.shards is not None:
             self._check_dense(value, path)
-            return {"S": self.shards.add_whole(value, path)}
-        node: dict[str, Any] = {"T": self._add_tensor(value, path, plain)}
+            node = {"S": self.shards.add_whole(value, path)}
+        else:
+            node = {"T": self._add_tensor(value, path, plain)}
         if kind is torch.nn.Parameter:
             node["p"] = 1
         if value.requires_grad:
@@ -377,6 +402,8 @@ class _Decoder:
             raise CorruptCheckpointError(f"{self.where}: the tree nests deeper than any we write")
         if isinstance(node, dict) and "T" in node:
             return self._tensor(node)
+        if isinstance(node, dict) and "S" in node and len(node) > 1:
+            return self._split_tensor(node)
         if isinstance(node, dict) and len(node) == 1:
             (tag, body), = node.items()
             value = self._container(tag, body, depth)
@@ -423,16 +450,20 @@ class _Decoder:
             return self._made[key]
         tensor = self.tensors[name]
         order = node.get("o")
-        if order is not None:
-            if not isinstance(order, list) or sorted(order) != list(range(tensor.dim())):
-                raise CorruptCheckpointError(f"{self.where}: tensor {name!r} has a bad dimension order {order!r}")
-            tensor = _restride(tensor, order)
-        if node.get("p"):
-            tensor = torch.nn.Parameter(tensor, requires_grad=bool(node.get("rg")))
-        elif node.get("rg"):
-            tensor = tensor.requires_grad_(True) if order is not None else tensor.view_as(tensor).requires_grad_(True)
+        if order is not None and (not isinstance(order, list) or sorted(order) != list(range(tensor.dim()))):
+            raise CorruptCheckpointError(f"{self.where}: tensor {name!r} has a bad dimension order {order!r}")
+        tensor = with_tensor_flags(tensor, bool(node.get("p")), bool(node.get("rg")), order)
         self._made[key] = tensor
         return tensor
+
+    def _split_tensor(self, node: dict[str, Any]) -> ShardRef:
+        """A replicated tensor stored by split writes, with its flags (its shape is checked
+        against the order when the shard reader resolves it)."""
+        name, order = node["S"], node.get("o")
+        if not isinstance(name, str) or set(node) - {"S", "p", "rg", "o"} or not (
+                order is None or (isinstance(order, list) and sorted(order) == list(range(len(order))))):
+            raise CorruptCheckpointError(f"{self.where}: unexpected tensor node {str(node)[:80]!r}")
+        return ShardRef(name, bool(node.get("p")), bool(node.get("rg")), tuple(order) if order is not None else None)
 
 
 _NOT_A_NODE = object()

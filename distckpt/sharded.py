@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -329,19 +329,34 @@ class ShardReader:
             release_pages(data)
 
 
-def resolve_whole(saved: Any, reader: ShardReader) -> Any:
+def resolve_whole(saved: Any, reader: ShardReader, made: dict[ShardRef, torch.Tensor] | None = None) -> Any:
     """`saved` with every ShardRef replaced by the whole tensor (replicated entries written with
-    split writes). The result may view the files' buffers: restore copies or clones it."""
+    split writes), a Parameter, requires_grad and laid out as saved; one object per reference
+    (`made`), so ties survive. The result may view the files' buffers: restore copies or clones it."""
+    made = {} if made is None else made
     if isinstance(saved, ShardRef):
-        _, shape, _ = reader.spec(saved.name)
-        return reader.assemble(saved.name, [0] * len(shape), shape, may_alias=True)
+        if saved not in made:
+            _, shape, _ = reader.spec(saved.name)
+            if saved.order is not None and len(saved.order) != len(shape):
+                raise CorruptCheckpointError(f"{reader.where}: {saved.name!r} has a dimension order "
+                                             f"{list(saved.order)} for a {shape} tensor")
+            made[saved] = saved.as_saved(reader.assemble(saved.name, [0] * len(shape), shape, may_alias=True))
+        return made[saved]
+    return _rebuilt(saved, lambda v: resolve_whole(v, reader, made))
+
+
+def _rebuilt(saved: Any, resolve_item: Callable[[Any], Any]) -> Any:
+    """A container of the same type (OrderedDict, Counter, torch.Size kept) with its items resolved."""
     if isinstance(saved, dict):
-        return {k: resolve_whole(v, reader) for k, v in saved.items()}
-    if isinstance(saved, list):
-        return [resolve_whole(v, reader) for v in saved]
-    if isinstance(saved, tuple):
-        return tuple(resolve_whole(v, reader) for v in saved)
-    return saved
+        out = type(saved)()
+        for k, v in saved.items():  # item by item: Counter(pairs) would count the pairs
+            out[k] = resolve_item(v)
+        return out
+    if type(saved) is list:
+        return [resolve_item(v) for v in saved]
+    if type(saved) is tuple:
+        return tuple(resolve_item(v) for v in saved)
+    return saved  # a leaf, or a torch.Size (ints only)
 
 
 def resolve(saved: Any, target: Any, reader: ShardReader, path: tuple[Any, ...], may_alias: bool = False) -> Any:

@@ -213,6 +213,17 @@ def test_split_writes_spread_the_replicated_payload_across_ranks(ckpt_dir, async
     assert all(len(e["chunks"]) == 1 for e in manifest["sharded"].values())  # each tensor whole, once
 
 
+def test_split_writes_bring_back_every_generated_tree_identical(ckpt_dir):
+    """Split writes kept values but lost Parameter-ness, requires_grad and layout
+    (transposed, channels_last) of replicated tensors."""
+    examples = max(8, int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "40")) // 4)
+    results = run_world(f"{W}:split_writes_round_trip_generated_trees", 2, timeout=300, url=ckpt_dir,
+                        examples=examples)
+    for r in results:
+        assert r.error is None, r.error
+        assert r.value["examples"] >= examples // 2
+
+
 def test_objects_larger_than_a_slot_take_one_more_message():
     results = run_world(f"{W}:exchange_objects_larger_than_a_slot", 3)
     assert all(r.error is None for r in results), [r.error for r in results]
