@@ -118,6 +118,12 @@ class CheckpointManager:
         if incremental and self.local is not None:
             raise ConfigError("incremental=True with local_dir= is not supported yet: an upload would have to "
                               "carry the files each step references; use one of the two")
+        if incremental and split_writes:
+            # refused, not accepted: split writes put the replicated tensors in the ranks' shard
+            # files, which are written whole, so every save would silently write everything again
+            raise ConfigError("incremental=True with split_writes=True is not supported: incremental saves "
+                              "leave out the unchanged tensors of rank 0's file, and split writes move them to "
+                              "every rank's shard file, written whole at each save; use one of the two")
         # rank 0: what the last committed save holds, for incremental saves (incremental.py)
         self._content = ContentTable() if incremental else None
 

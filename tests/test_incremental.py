@@ -224,11 +224,14 @@ def test_incremental_on_s3(s3_server, s3_url):
     assert same(snapshot(fresh), saved[3])
 
 
-def test_incremental_is_checked_and_refused_with_two_tiers(tmp_path):
+def test_incremental_is_checked_and_refused_with_two_tiers_and_split_writes(tmp_path):
     with pytest.raises(distckpt.ConfigError, match="incremental"):
         distckpt.CheckpointManager(str(tmp_path / "a"), incremental="yes")
     with pytest.raises(distckpt.ConfigError, match="incremental"):
         distckpt.CheckpointManager(str(tmp_path / "a"), incremental=True, local_dir=str(tmp_path / "l"))
+    # split writes move the replicated tensors to shard files written whole: refused, not silently full
+    with pytest.raises(distckpt.ConfigError, match="incremental=True with split_writes=True"):
+        distckpt.CheckpointManager(str(tmp_path / "a"), incremental=True, split_writes=True)
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
