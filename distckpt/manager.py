@@ -18,7 +18,7 @@ from . import doctor as doctor_hooks
 from . import faults
 from . import manifest as mf
 from .async_writer import AsyncWriter
-from .capture import SHARDED
+from .capture import SHARDED, CheckpointWarning
 from .commit import CommitIndex, ReplacePolicy, committed_generations, list_committed
 from .config import ManagerConfig
 from .coord import Coordinator, make_coordinator
@@ -112,6 +112,7 @@ class CheckpointManager:
         self._floor: int | None = None   # the step this job resumed from (-1: found nothing)
         self._lease: Lease | None = None  # rank 0, taken at the first save (fencing.py)
         self._closed = False
+        self._warned_below_newest = False
         self._preemption = PreemptionFlag(self.config.preemption_signals)
         self._preempting = False  # agreed by preemption_requested(): the next save is made durable
         self._init_tiers(local_dir, durable_every, keep_local)
@@ -336,6 +337,7 @@ class CheckpointManager:
         try:
             index = self._index(storage)
             index.scan(expect=just_committed)
+            self._warn_if_below_newest(index, just_committed)
             spared = {just_committed} | ({self._uploading} if storage is self.local and self._uploading is not None else set())
             doomed, keep = self._plan_retention(index, keep_last, keep_best, spared)
             retired = self._retire(storage, index, doomed, keep)
@@ -348,6 +350,21 @@ class CheckpointManager:
         except (OSError, DistCkptError) as e:
             log.warning("rank 0: retention after step %d failed (the checkpoint is committed): %s",
                         just_committed, e)
+
+    def _warn_if_below_newest(self, index: CommitIndex, just_committed: int) -> None:
+        """Once per manager: a step saved below the newest committed one (a branch after
+        load(state, step=older)) is not what load_latest resumes from, and retention keeps it
+        beside the newest keep_last (a step just committed is never removed)."""
+        newer = [step for step in index.listing.committed() if step > just_committed]
+        if newer and not self._warned_below_newest:
+            self._warned_below_newest = True
+            message = (f"step {just_committed} was committed below the newest committed step {max(newer)} of "
+                       f"{index.storage.url}: load_latest resumes from step {max(newer)}, not from this branch, "
+                       "and keep_last counts the highest steps (this one is kept as the step just saved). To "
+                       f"continue this branch after a restart, number its saves above {max(newer)} or resume it "
+                       "with load(state, step=...)")
+            log.warning("rank 0: %s", message)
+            warnings.warn(message, CheckpointWarning, stacklevel=2)
 
     def _retire(self, storage: Storage, index: CommitIndex, doomed: list[int], keep: set[str]) -> list[int]:
         """Retire `doomed` (marker first: no longer committed); their files go on the sweeper's thread."""

@@ -8,6 +8,7 @@ import os
 import random
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -175,6 +176,28 @@ def test_keep_last_and_keep_best(ckpt_dir):
         mgr.load_latest({"x": 0})  # continue the run (a manager that never loaded may not)
         mgr.save(6, {"x": 6}, metric=0.95)
         assert mgr.committed_steps() == [6]
+
+
+def test_a_step_saved_below_the_newest_is_kept_and_said_once(ckpt_dir):
+    """A branch after load(step=older): load_latest still resumes from the highest step, so the
+    first such save warns; retention keeps the just-saved step beside keep_last and keep_best."""
+    with distckpt.CheckpointManager(ckpt_dir, keep_last=1, keep_best=1, best_mode="min") as mgr:
+        for step in (100, 200, 300):
+            mgr.save(step, {"x": step}, metric=float(step))
+        state = {"x": 0}
+        mgr.load(state, step=100)  # kept: the best
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mgr.save(201, state, metric=1.0)
+            mgr.save(202, state, metric=2.0)
+        said = [str(w.message) for w in caught if issubclass(w.category, distckpt.CheckpointWarning)]
+        assert len(said) == 1 and "step 201 was committed below the newest committed step 300" in said[0]
+        assert mgr.committed_steps() == [300, 202, 201]  # newest, just saved, best
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mgr.save(301, state, metric=3.0)  # above the newest: no warning
+        assert not [w for w in caught if issubclass(w.category, distckpt.CheckpointWarning)]
+        assert mgr.committed_steps() == [301, 201]
 
 
 def test_retention_deletes_the_marker_first(ckpt_dir, monkeypatch):
