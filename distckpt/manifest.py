@@ -175,9 +175,9 @@ class Marker:
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex)  # tells our write from another's
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": FORMAT_VERSION, "step": self.step, "manifest_xxh3_64":
-                           self.manifest_digest, "run_id": self.run_id, "generation": self.generation,
-                           "nonce": self.nonce}).encode()
+        fields = {"format": FORMAT_VERSION, "step": self.step, "manifest_xxh3_64": self.manifest_digest,
+                  "run_id": self.run_id, "generation": self.generation, "nonce": self.nonce}
+        return json.dumps({**fields, _MARKER_SUM: _marker_sum(fields)}).encode()
 
     @classmethod
     def parse(cls, data: bytes, where: str) -> "Marker":
@@ -185,6 +185,7 @@ class Marker:
             raise CorruptCheckpointError(f"{where}: commit marker of {len(data)} bytes is larger than any we write")
         try:
             d = json.loads(data)
+            _check_marker_sum(d, where)
             step, generation = d["step"], d.get("generation", 0)
             if not (_is_count(step) and _is_count(generation) and isinstance(d["manifest_xxh3_64"], str)
                     and isinstance(d["run_id"], str) and isinstance(d.get("nonce", ""), str)):
@@ -192,6 +193,30 @@ class Marker:
             return cls(step, d["manifest_xxh3_64"], d["run_id"], generation, d.get("nonce", ""))
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise CorruptCheckpointError(f"{where}: unreadable commit marker: {e}") from e
+
+
+# The marker's own fields are covered by a checksum of their own (the manifest's digest covers
+# only the manifest): a flipped bit in run_id, generation or nonce would otherwise load, or make
+# fencing judge the step a superseded writer's. Markers written before it carry no sum and are
+# read as before; any key we never write is refused, so a flip in the sum's own name is caught.
+_MARKER_SUM = "marker_xxh3_64"
+_MARKER_KEYS = frozenset({"format", "step", "manifest_xxh3_64", "run_id", "generation", "nonce", _MARKER_SUM})
+
+
+def _marker_sum(fields: dict[str, Any]) -> str:
+    return checksum_of(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _check_marker_sum(d: Any, where: str) -> None:
+    if not isinstance(d, dict):
+        raise TypeError("not a JSON object")
+    unknown = set(d) - _MARKER_KEYS
+    if unknown:
+        raise CorruptCheckpointError(f"{where}: commit marker has fields we never write: {sorted(unknown)[:4]}")
+    if _MARKER_SUM in d:
+        fields = {k: v for k, v in d.items() if k != _MARKER_SUM}
+        if d[_MARKER_SUM] != _marker_sum(fields):
+            raise CorruptCheckpointError(f"{where}: commit marker does not match its own checksum (damaged)")
 
 
 def check_manifest_schema(manifest: dict[str, Any], where: str) -> None:
