@@ -51,6 +51,7 @@ from .commit import (
 from .coord import Coordinator, Outcome, agree, attempt_on_root, attempt_phase, raise_if_failed, run_on_root
 from .copying import CopyFailed, PageRelease, Prefault
 from .errors import (
+    ConfigError,
     CorruptCheckpointError,
     DistCkptError,
     IncompatibleCheckpointError,
@@ -595,11 +596,24 @@ def _agree_on_the_request(coord: Coordinator, step: int | None, world_size_polic
     if coord.world_size == 1:
         return
     asked = coord.all_gather({"step": step, "policy": world_size_policy}, "load/request")
+    _raise_refusals(asked)
     if any(a != asked[0] for a in asked):
         table = ", ".join(f"rank {r}: " + ("load_latest" if a["step"] is None else f"load(state, {a['step']})")
                           + f" with world_size_policy={a['policy']!r}" for r, a in enumerate(asked))
         raise RankDisagreementError(f"the ranks asked for different loads — {table}; every rank must load the "
                                     "same step (or every rank load_latest) with the same manager settings")
+
+
+def refuse_load_request(coord: Coordinator, error: ConfigError) -> None:
+    """This rank's load arguments were refused: its peers, in _agree_on_the_request, raise the
+    same ConfigError naming it (and so does this rank)."""
+    _raise_refusals(coord.all_gather({"refused": str(error)}, "load/request"))
+
+
+def _raise_refusals(asked: list[dict[str, Any]]) -> None:
+    refused = [(rank, a["refused"]) for rank, a in enumerate(asked) if "refused" in a]
+    if refused:
+        raise ConfigError("the load was refused on rank(s) " + "; ".join(f"rank {r}: {m}" for r, m in refused))
 
 
 def _check_agreement(outcomes: list[Outcome], step: int) -> None:

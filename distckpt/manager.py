@@ -12,7 +12,7 @@ import signal
 import time
 import uuid
 import warnings
-from typing import Any
+from typing import Any, Callable, NoReturn
 
 from . import doctor as doctor_hooks
 from . import faults
@@ -21,7 +21,7 @@ from .async_writer import AsyncWriter
 from .capture import SHARDED, CheckpointWarning
 from .commit import CommitIndex, ReplacePolicy, committed_generations, list_committed
 from .config import ManagerConfig
-from .coord import Coordinator, make_coordinator
+from .coord import Coordinator, Outcome, agree, make_coordinator
 from .ddp import install_bucket_warmup
 from .errors import AsyncSaveError, ConfigError, DistCkptError, FencedError, RunConflictError, StorageError
 from .fencing import Lease, acquire, read_leases
@@ -31,7 +31,7 @@ from .gcpause import collector_paused
 from .incremental import ContentTable
 from .interrupts import sigint_deferred
 from .kinds import classify
-from .loading import Progress, load
+from .loading import Progress, load, refuse_load_request
 from .preemption import PreemptionFlag
 from .retention import (
     Committed,
@@ -165,9 +165,29 @@ class CheckpointManager:
         error on every rank when any rank fails.
         """
         self._check_open()
-        step, epoch, metric = _check_save_args(step, epoch, metric)
+        try:
+            # the metric is rank 0's: elsewhere it may be anything (README) and is not used
+            step, epoch, metric = _check_save_args(step, epoch, metric if self.rank == 0 else None)
+        except ConfigError as e:
+            self._refuse_on_every_rank(e, lambda error=e: agree(  # type: ignore[misc]
+                self._coord, Outcome.failure(self.rank, error), "save/capture", f"save of step {step!r}", error))
         with collector_paused():
             self._save(step, state, epoch, metric)
+
+    def _refuse_on_every_rank(self, error: ConfigError, fail_first_agreement: Callable[[], Any],
+                              saving: bool = True) -> NoReturn:
+        """An argument refused on this rank only (epoch=-1 on rank 1) is the same ConfigError on
+        every rank, at once: this rank makes the exchanges the call would up to its first
+        agreement and fails that (the peers raised CoordinationError when this rank went on or
+        died, or waited out the timeout when it stayed). A world of one raises the error as is."""
+        if self.world_size > 1:
+            self._finish_pending()
+            if saving:  # what _save counts before its first agreement, counted alike on every rank
+                self._report_uploads(block=False)
+                self._next_save_is_durable([])
+                self._save_seq += 1
+            fail_first_agreement()
+        raise error
 
     def _save(self, step: int, state: dict[str, Any], epoch: int | None, metric: float | None) -> None:
         self._finish_pending()
@@ -603,7 +623,12 @@ class CheckpointManager:
 
     def load(self, state: dict[str, Any], step: int) -> Progress:
         """Restore `state` from committed checkpoint `step` (collective); no fallback."""
-        step = check_step("step", step)
+        self._check_open()
+        try:
+            step = check_step("step", step)
+        except ConfigError as e:
+            self._refuse_on_every_rank(e, lambda error=e: refuse_load_request(self._coord, error),  # type: ignore[misc]
+                                       saving=False)
         progress = self._load(state, step)
         assert progress is not None  # load(step=...) raises rather than returning None
         return progress

@@ -566,3 +566,29 @@ def _tensors(value: Any) -> list:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
+
+
+def an_argument_refused_on_one_rank(rank: int, world: int, url: str, how: str, async_save: bool) -> dict:
+    """Rank 1 alone passes a bad argument, twice (it stays alive and tries again), then every rank
+    saves normally: the same ConfigError on every rank at once, never a hang, and nothing
+    left out of step for the next save. `metric` is rank 0's: anything elsewhere is accepted."""
+    out: list = []
+    with distckpt.CheckpointManager(url, timeout=20, async_save=async_save) as mgr:
+        mgr.load_latest({"x": {}})
+        mgr.save(1, {"x": {"a": torch.ones(2)}})
+        for attempt in range(2):
+            started = time.monotonic()
+            try:
+                if how == "epoch":
+                    mgr.save(2, {"x": {"a": torch.ones(2)}}, epoch=-1 if rank == 1 else 0)
+                elif how == "metric":
+                    mgr.save(2 + attempt, {"x": {"a": torch.ones(2)}}, metric=0.5 if rank == 0 else "n/a")
+                else:
+                    mgr.load({"x": {}}, step=-3 if rank == 1 else 1)
+                out.append(("ok", 0.0, ""))
+            except distckpt.DistCkptError as e:
+                out.append((type(e).__name__, time.monotonic() - started, str(e)))
+        mgr.save(5, {"x": {"a": torch.full((2,), 5.0)}})
+        mgr.wait()
+        steps = mgr.committed_steps()
+    return {"outcomes": out, "steps": steps}

@@ -224,6 +224,24 @@ def test_split_writes_bring_back_every_generated_tree_identical(ckpt_dir):
         assert r.value["examples"] >= examples // 2
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("how", ["epoch", "load", "metric"])
+def test_an_argument_refused_on_one_rank_is_the_same_config_error_on_every_rank(ckpt_dir, how, async_save):
+    """epoch=-1 (or load step=-3) on rank 1 only: was ConfigError there and CoordinationError
+    on rank 0 (or the timeout, when rank 1 stayed alive)."""
+    results = run_world(f"{W}:an_argument_refused_on_one_rank", 2, url=ckpt_dir, how=how, async_save=async_save)
+    for r in results:
+        assert r.error is None, r.error
+        if how == "metric":  # rank 0's metric is the one used; anything elsewhere
+            assert [o[0] for o in r.value["outcomes"]] == ["ok", "ok"]
+            assert r.value["steps"] == [5, 3, 2, 1]
+            continue
+        for kind, seconds, message in r.value["outcomes"]:
+            assert kind == "ConfigError" and "rank 1" in message and "must be an int >= 0" in message, message
+            assert seconds < 10  # at once, not at the 20 s timeout
+        assert r.value["steps"] == [5, 1]
+
+
 def test_objects_larger_than_a_slot_take_one_more_message():
     results = run_world(f"{W}:exchange_objects_larger_than_a_slot", 3)
     assert all(r.error is None for r in results), [r.error for r in results]
