@@ -12,7 +12,7 @@ import signal
 import time
 import uuid
 import warnings
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 from . import doctor as doctor_hooks
 from . import faults
@@ -165,35 +165,40 @@ class CheckpointManager:
         error on every rank when any rank fails.
         """
         self._check_open()
+        refusal = None
         try:
             # the metric is rank 0's: elsewhere it may be anything (README) and is not used
             step, epoch, metric = _check_save_args(step, epoch, metric if self.rank == 0 else None)
         except ConfigError as e:
-            self._refuse_on_every_rank(e, lambda error=e: agree(  # type: ignore[misc]
-                self._coord, Outcome.failure(self.rank, error), "save/capture", f"save of step {step!r}", error))
+            if self.world_size == 1:
+                raise
+            refusal = e
         with collector_paused():
-            self._save(step, state, epoch, metric)
+            self._save(step, state, epoch, metric, refusal)
 
-    def _refuse_on_every_rank(self, error: ConfigError, fail_first_agreement: Callable[[], Any],
-                              saving: bool = True) -> NoReturn:
-        """An argument refused on this rank only (epoch=-1 on rank 1) is the same ConfigError on
-        every rank, at once: this rank makes the exchanges the call would up to its first
-        agreement and fails that (the peers raised CoordinationError when this rank went on or
-        died, or waited out the timeout when it stayed). A world of one raises the error as is."""
-        if self.world_size > 1:
-            self._finish_pending()
-            if saving:  # what _save counts before its first agreement, counted alike on every rank
-                self._report_uploads(block=False)
-                self._next_save_is_durable([])
-                self._save_seq += 1
-            fail_first_agreement()
-        raise error
+    def _refuse_save(self, step: Any, refusal: ConfigError) -> NoReturn:
+        """An argument or `state` refused on this rank only (epoch=-1 on rank 1) is the same
+        ConfigError on every rank, at once: this rank counts the save as the others do and
+        fails their first agreement (the peers raised CoordinationError when this rank went on
+        or died, or waited out the timeout when it stayed)."""
+        self._next_save_is_durable([])
+        self._save_seq += 1
+        agree(self._coord, Outcome.failure(self.rank, refusal), "save/capture", f"save of step {step!r}", refusal)
+        raise refusal  # not reached: agree raised, the failure being in the outcomes
 
-    def _save(self, step: int, state: dict[str, Any], epoch: int | None, metric: float | None) -> None:
+    def _save(self, step: int, state: dict[str, Any], epoch: int | None, metric: float | None,
+              refusal: ConfigError | None = None) -> None:
         self._finish_pending()
         self._report_uploads(block=False)
         self._list_ahead()  # retention's first listing runs while this save writes
-        entries = classify(state)
+        try:
+            entries = classify(state) if refusal is None else []
+        except ConfigError as e:  # StateArgumentError: `state` refused before any exchange
+            if self.world_size == 1:
+                raise
+            refusal, entries = e, []
+        if refusal is not None:
+            self._refuse_save(step, refusal)
         doctor_hooks.rebase_fingerprints(step)
         durable = self._next_save_is_durable(entries)
         replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)
@@ -624,20 +629,30 @@ class CheckpointManager:
     def load(self, state: dict[str, Any], step: int) -> Progress:
         """Restore `state` from committed checkpoint `step` (collective); no fallback."""
         self._check_open()
+        refusal = None
         try:
             step = check_step("step", step)
         except ConfigError as e:
-            self._refuse_on_every_rank(e, lambda error=e: refuse_load_request(self._coord, error),  # type: ignore[misc]
-                                       saving=False)
-        progress = self._load(state, step)
+            if self.world_size == 1:
+                raise
+            refusal = e
+        progress = self._load(state, step, refusal)
         assert progress is not None  # load(step=...) raises rather than returning None
         return progress
 
-    def _load(self, state: dict[str, Any], step: int | None) -> Progress | None:
+    def _load(self, state: dict[str, Any], step: int | None, refusal: ConfigError | None = None) -> Progress | None:
         self._check_open()
         self._finish_pending()
         with collector_paused():
-            entries = classify(state)
+            try:
+                entries = classify(state) if refusal is None else []
+            except ConfigError as e:  # refused on this rank: the same error on every rank, at once
+                if self.world_size == 1:
+                    raise
+                refusal = e
+            if refusal is not None:
+                refuse_load_request(self._coord, refusal)
+                raise refusal  # not reached: refuse_load_request raised
             progress = load(self._coord, self.storage, entries, state, step, self.config.world_size_policy,
                             self._rules, self.local)
         if self._lease is None:

@@ -583,8 +583,12 @@ def an_argument_refused_on_one_rank(rank: int, world: int, url: str, how: str, a
                     mgr.save(2, {"x": {"a": torch.ones(2)}}, epoch=-1 if rank == 1 else 0)
                 elif how == "metric":
                     mgr.save(2 + attempt, {"x": {"a": torch.ones(2)}}, metric=0.5 if rank == 0 else "n/a")
-                else:
+                elif how == "load":
                     mgr.load({"x": {}}, step=-3 if rank == 1 else 1)
+                elif how == "state_save":  # a state with a non-str key, on rank 1 only
+                    mgr.save(2, {"x": {"a": torch.ones(2)}, **({3: 1} if rank == 1 else {})})
+                else:
+                    mgr.load_latest({"x": {}, **({3: 1} if rank == 1 else {})})
                 out.append(("ok", 0.0, ""))
             except distckpt.DistCkptError as e:
                 out.append((type(e).__name__, time.monotonic() - started, str(e)))

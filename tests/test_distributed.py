@@ -225,10 +225,10 @@ def test_split_writes_bring_back_every_generated_tree_identical(ckpt_dir):
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-@pytest.mark.parametrize("how", ["epoch", "load", "metric"])
+@pytest.mark.parametrize("how", ["epoch", "load", "metric", "state_save", "state_load"])
 def test_an_argument_refused_on_one_rank_is_the_same_config_error_on_every_rank(ckpt_dir, how, async_save):
-    """epoch=-1 (or load step=-3) on rank 1 only: was ConfigError there and CoordinationError
-    on rank 0 (or the timeout, when rank 1 stayed alive)."""
+    """epoch=-1 (or load step=-3, or a state with a non-str key) on rank 1 only: was ConfigError
+    there and CoordinationError on rank 0 (or the timeout, when rank 1 stayed alive)."""
     results = run_world(f"{W}:an_argument_refused_on_one_rank", 2, url=ckpt_dir, how=how, async_save=async_save)
     for r in results:
         assert r.error is None, r.error
@@ -237,7 +237,8 @@ def test_an_argument_refused_on_one_rank_is_the_same_config_error_on_every_rank(
             assert r.value["steps"] == [5, 3, 2, 1]
             continue
         for kind, seconds, message in r.value["outcomes"]:
-            assert kind == "ConfigError" and "rank 1" in message and "must be an int >= 0" in message, message
+            expected = "its key 3 is a int" if how.startswith("state") else "must be an int >= 0"
+            assert kind in ("ConfigError", "StateArgumentError") and "rank 1" in message and expected in message, message
             assert seconds < 10  # at once, not at the 20 s timeout
         assert r.value["steps"] == [5, 1]
 
