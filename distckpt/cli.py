@@ -211,19 +211,46 @@ def _progress(storage: Storage, steps: list[int]) -> Any:
 def cmd_prune(storage: Storage, args: argparse.Namespace) -> int:
     index = CommitIndex(storage)
     index.scan()
-    zombies = index.superseded(read_leases(storage))  # loaded only as the last resort: counted toward nothing
+    leases = read_leases(storage)
+    zombies = index.superseded(leases)  # loaded only as the last resort: counted toward nothing
     steps = [s for s in index.listing.committed() if s not in zombies]
     committed = read_committed(storage, steps, index)
-    doomed = sorted(plan_retention(committed, args.keep_last, args.keep_best, args.best_mode)
-                    + superseded_to_retire(zombies, steps))
+    damaged = _damaged_among_kept(storage, committed, args, leases)
+    counted = [c for c in committed if c.step not in damaged]
+    doomed = sorted(plan_retention(counted, args.keep_last, args.keep_best, args.best_mode)
+                    + superseded_to_retire(zombies, [c.step for c in counted]))
     keep = kept_references(committed, doomed)  # files the remaining checkpoints reference stay
     for step in doomed:
         if not args.dry_run:
             delete_checkpoint(storage, step, keep)
     verb = "would remove" if args.dry_run else "removed"
-    _emit(args, {"dry_run": args.dry_run, "removed": doomed},
-          "\n".join(f"{verb} step {s}" for s in doomed) or "nothing to remove")
+    lines = [f"{verb} step {s}" for s in doomed] or ["nothing to remove"]
+    lines += [f"left damaged step {s} in place, counted toward nothing: {problems[0]}" for s, problems in damaged.items()]
+    _emit(args, {"dry_run": args.dry_run, "removed": doomed, "damaged": {str(s): p for s, p in damaged.items()}},
+          "\n".join(lines))
     return EXIT_OK
+
+
+def _damaged_among_kept(storage: Storage, committed: list[Any], args: argparse.Namespace,
+                        leases: list[Any]) -> dict[int, list[str]]:
+    """The committed steps that do not verify, found among those the policy would keep: a step
+    that cannot load must not count toward keep_last (a damaged newest step kept and every
+    loadable one removed left nothing to resume from). Each kept step is verified once (read
+    whole); a damaged one is left in place, and the next step down takes its place."""
+    damaged: dict[int, list[str]] = {}
+    verified: set[int] = set()
+    while True:
+        counted = [c for c in committed if c.step not in damaged]
+        doomed = set(plan_retention(counted, args.keep_last, args.keep_best, args.best_mode))
+        unverified = [c.step for c in counted if c.step not in doomed and c.step not in verified]
+        if not unverified:
+            return damaged
+        for step in unverified:
+            problems = verify_step(storage, step, leases=leases)
+            if problems:
+                damaged[step] = problems
+            else:
+                verified.add(step)
 
 
 def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:

@@ -111,6 +111,45 @@ def test_prune_and_gc_with_dry_run(url, capsys):
     assert [r["step"] for r in json.loads(run(capsys, "ls", url, "--json")[1])] == [1, 4]
 
 
+def _break(path: str, how: str) -> None:
+    import os
+
+    if how == "missing":
+        os.remove(path)
+    elif how == "garbage":
+        open(path, "wb").write(b"garbage{")
+    else:
+        data = bytearray(open(path, "rb").read())
+        if how == "truncated":
+            data = data[: len(data) // 2]
+        else:
+            data[len(data) // 2] ^= 0x10
+        open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("which, how", [("COMMITTED", "garbage"), ("manifest.json", "missing"),
+                                        ("replicated", "flipped"), ("rank", "truncated")])
+@pytest.mark.parametrize("policy", [["--keep-last", "1"], ["--keep-last", "1", "--keep-best", "1", "--best-mode", "min"]])
+def test_prune_never_counts_a_damaged_step_toward_what_it_keeps(tmp_path, capsys, which, how, policy):
+    """A damaged newest step was counted as the kept one and every loadable step removed."""
+    import glob
+
+    url = str(tmp_path / "ckpt")
+    make_run(url, steps=(1, 2, 3))
+    pattern = {"replicated": "replicated/*", "rank": "ranks/rank-*"}.get(which, which)
+    _break(glob.glob(f"{url}/step-000000003/{pattern}")[0], how)
+    code, out = run(capsys, "prune", url, *policy, "--dry-run", "--json")
+    planned = json.loads(out)
+    assert code == 0 and planned["removed"] == [1] and list(planned["damaged"]) == ["3"]
+    code, out = run(capsys, "prune", url, *policy, "--json")
+    assert json.loads(out)["removed"] == planned["removed"]
+    fresh = {"model": nn.Linear(3, 2), "sampler": torch.utils.data.DistributedSampler(list(range(10)), num_replicas=1, rank=0),
+             "config": {}}
+    with pytest.warns(distckpt.CheckpointFallbackWarning):
+        assert distckpt.CheckpointManager(url).load_latest(fresh).step == 2
+    assert run(capsys, "verify", url, "--step", "2")[0] == 0
+
+
 def test_diff_reports_what_changed(url, capsys):
     make_run(url)
     code, out = run(capsys, "diff", url, "1", "3", "--json")
