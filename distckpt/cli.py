@@ -32,9 +32,9 @@ import time
 from typing import Any, NoReturn
 
 from . import manifest as mf
-from .commit import CommitIndex, list_committed, removed_meanwhile
-from .errors import ConfigError, DistCkptError
-from .fencing import read_leases, resumed_leases
+from .commit import CommitIndex, check_not_superseded, list_committed, read_marker, removed_meanwhile
+from .errors import ConfigError, DistCkptError, SupersededCheckpointError
+from .fencing import Lease, read_leases, resumed_leases
 from .gcpause import collector_paused
 from .inspection import describe_step, diff_steps, list_steps, read_manifest, verify_step
 from .retention import (
@@ -129,10 +129,30 @@ def _steps(storage: Storage, args: argparse.Namespace) -> list[int]:
     return list_committed(storage)[:1]
 
 
+def _newest_not_superseded(storage: Storage, leases: list[Lease]) -> list[int]:
+    """The newest committed step that is not a superseded writer's output (the one load_latest
+    prefers); the newest committed one when every step is."""
+    committed = list_committed(storage)
+    for step in committed:
+        try:
+            check_not_superseded(read_marker(storage, step), leases, f"{storage.url}/{mf.step_dir(step)}")
+            return [step]
+        except SupersededCheckpointError:
+            continue
+        except (DistCkptError, OSError):
+            return [step]  # damaged: shown (and refused) as it is
+    return committed[:1]
+
+
 def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
-    found = [(step, tier, root) for tier, root in _tiers(storage, args) for step in _steps(root, args)
+    leases = read_leases(storage) if args.step is None else []
+
+    def steps_of(root: Storage) -> list[int]:
+        return _steps(root, args) if args.step is not None else _newest_not_superseded(root, leases)
+
+    found = [(step, tier, root) for tier, root in _tiers(storage, args) for step in steps_of(root)
              if args.step is None or step in list_committed(root)] or \
-        [(step, "durable", storage) for step in _steps(storage, args)]
+        [(step, "durable", storage) for step in steps_of(storage)]
     if not found:
         return _fail(args, f"no committed checkpoint at {storage.url}", EXIT_PROBLEM)
     step, tier, storage = max(found, key=lambda f: (f[0], f[1] == "local"))  # newest; the local copy first

@@ -30,10 +30,17 @@ from torch import nn
 from . import incremental
 from . import manifest as mf
 from .capture import loads_by_copy_alone, unwrap_module
-from .commit import list_committed, read_marker, read_verified_manifest
+from .commit import check_not_superseded, list_committed, read_marker, read_verified_manifest
 from .copying import byte_extent, elements_overlap, same_bits
-from .errors import ConfigError, CorruptCheckpointError, DistCkptError, IncompatibleCheckpointError, MissingFileError
-from .fencing import FENCE_DIR
+from .errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    DistCkptError,
+    IncompatibleCheckpointError,
+    MissingFileError,
+    SupersededCheckpointError,
+)
+from .fencing import FENCE_DIR, read_leases
 from .gcpause import paused_while_running
 from .serialize import _DTYPE_TO_ST, _ST_TO_DTYPE, ShardRef, load_tree_file
 from .sharded import ShardReader
@@ -92,18 +99,31 @@ def open_checkpoint_model(url: str, *, step: int | None = None, entry: str = "mo
     if step is not None:
         if step not in steps:
             raise IncompatibleCheckpointError(f"step {step} is not committed at {storage.url} (committed: {steps[:10]})")
-        steps = [step]
+        return _model_of_step(storage, step, entry, bounded)
     if not steps:
         raise MissingFileError(2, f"no committed checkpoint at {storage.url}")
-    errors = []
+    # the loader's choice: the newest step that verifies, a superseded writer's output only as
+    # the last resort (export and load_weights took the newest listed, a zombie's step included)
+    leases = read_leases(storage)
+    errors, superseded = [], []
     for candidate in steps:
         try:
+            check_not_superseded(read_marker(storage, candidate), leases, f"{storage.url}/{mf.step_dir(candidate)}")
             return _model_of_step(storage, candidate, entry, bounded)
-        except CorruptCheckpointError as e:
-            if step is not None:
-                raise
+        except SupersededCheckpointError as e:
+            superseded.append(candidate)
+            log.warning("%s; trying the previous step", e)
+        except (CorruptCheckpointError, MissingFileError) as e:  # a listed step missing its manifest: damaged
             errors.append(str(e))
             log.warning("step %d at %s is damaged, trying the previous one: %s", candidate, storage.url, e)
+    for candidate in superseded:
+        try:
+            source = _model_of_step(storage, candidate, entry, bounded)
+            log.warning("no step of the newest incarnation at %s verifies; using step %d, written by a superseded "
+                        "writer, as the last resort (as load_latest does)", storage.url, candidate)
+            return source
+        except (CorruptCheckpointError, MissingFileError) as e:
+            errors.append(str(e))
     raise CorruptCheckpointError(f"no committed checkpoint at {storage.url} verifies: {'; '.join(errors)[:600]}")
 
 
@@ -112,6 +132,7 @@ def _model_of_step(storage: Storage, step: int, entry: str, bounded: bool = Fals
     manifest = read_verified_manifest(storage, step, marker)
     base = mf.step_dir(step)
     where = f"{storage.url}/{base}"
+    _verify_rank_files(storage, manifest, where)
     name, _ = manifest.payload_names()
     record = manifest.files.get(name)
     if record is None:
@@ -152,6 +173,14 @@ def _model_of_step(storage: Storage, step: int, entry: str, bounded: bool = Fals
         reader.release()
 
     return ModelSource(list(spec), spec, getter, where, step, release if bounded else lambda: None)
+
+
+def _verify_rank_files(storage: Storage, manifest: mf.Manifest, where: str) -> None:
+    """The ranks' own files verify too (small: RNG streams, loader positions): a step load_latest
+    would skip as damaged is not exported or loaded as weights either."""
+    for name, record in manifest.files.items():
+        if name.startswith("ranks/"):
+            mf.verify_file(storage.read_bytes(f"{mf.step_dir(manifest.step)}/{name}"), record, f"{where}/{name}")
 
 
 def _releaser(data: Any) -> Callable[[int, int], None]:
@@ -471,6 +500,10 @@ def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: st
     if _is_checkpoint_root(out_dir):
         raise ConfigError(f"out_dir={out_dir!r} is a distckpt checkpoint root (it holds step directories or "
                           f"{FENCE_DIR}/): export into a directory of its own")
+    inside = _inside_a_step_directory(out_dir)
+    if inside is not None:
+        raise ConfigError(f"out_dir={out_dir!r} lies in {inside}, a step directory (or the leases) of a distckpt "
+                          "checkpoint root, which ls, gc and the loader own: export into a directory of its own")
     src = open_checkpoint_model(url, step=step, entry=entry, storage_options=storage_options, bounded=True)
     out_spec = {name: (_out_dtype(d, cast), shape) for name, (d, shape) in src.spec.items()}
     shards = _plan_shards(src.names, out_spec, limit)
@@ -503,6 +536,21 @@ def _remove_stale_exports(out_dir: str, written: set[str]) -> None:
         if name not in written and _EXPORT_FILE.fullmatch(name) and os.path.isfile(os.path.join(out_dir, name)):
             os.remove(os.path.join(out_dir, name))
             log.info("export: removed %s, left by an earlier export", os.path.join(out_dir, name))
+
+
+def _inside_a_step_directory(path: str) -> str | None:
+    """The step directory (or fence/) of a checkpoint root that `path` is or lies in, else None:
+    an export there would be written into a committed step, or listed as an uncommitted one and
+    collected by gc. A directory of another name beside the steps is left to the user."""
+    current = os.path.abspath(path)
+    while True:
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        name = os.path.basename(current)
+        if (mf.parse_step_dir(name) is not None or name == FENCE_DIR) and _is_checkpoint_root(parent):
+            return current
+        current = parent
 
 
 def _is_checkpoint_root(path: str) -> bool:

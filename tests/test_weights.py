@@ -276,6 +276,84 @@ def test_load_weights_checks_its_patterns_and_refuses_renames_onto_one_key(tmp_p
     assert _bytes_of(model) == before
 
 
+def _weight_of(path: str) -> float:
+    return float(load_file(path)["weight"].flatten()[0])
+
+
+def test_export_and_load_weights_skip_a_superseded_writers_steps_as_load_latest_does(tmp_path, capsys):
+    """Incarnation 1 committed steps 0-3; incarnation 2 resumed from step 0 and committed step 1:
+    steps 2 and 3 are a superseded writer's. export and load_weights took step 3."""
+    root = str(tmp_path / "ckpt")
+    model = nn.Linear(2, 1, bias=False)
+    with distckpt.CheckpointManager(root) as first:
+        first.load_latest({"model": model})
+        for step in range(4):
+            with torch.no_grad():
+                model.weight.fill_(step)
+            first.save(step, {"model": model})
+    with distckpt.CheckpointManager(root) as second:
+        second.load({"model": model}, step=0)
+        with torch.no_grad():
+            model.weight.fill_(100)
+        with pytest.warns(distckpt.CheckpointWarning):  # step 1 lies below the superseded 3
+            second.save(1, {"model": model})
+    assert distckpt.CheckpointManager(root).load_latest({"model": nn.Linear(2, 1, bias=False)}).step == 1
+    fresh = nn.Linear(2, 1, bias=False)
+    assert distckpt.load_weights(root, fresh).step == 1 and float(fresh.weight[0, 0]) == 100.0
+    assert cli.main(["export", root, str(tmp_path / "hf")]) == 0
+    assert _weight_of(str(tmp_path / "hf" / "model.safetensors")) == 100.0
+    capsys.readouterr()
+    assert cli.main(["inspect", root, "--json"]) == 0  # inspect without --step shows that step too
+    assert json.loads(capsys.readouterr().out)["manifest"]["step"] == 1
+
+
+@pytest.mark.parametrize("damage", ["flip_replicated", "truncate_rank_file", "remove_manifest", "directory_for_payload"])
+def test_export_and_load_weights_choose_the_step_load_latest_chooses(tmp_path, damage):
+    """A damaged newest step: export exported it (a truncated rank file) or stopped (a missing
+    manifest) while load_latest took the previous step."""
+    import shutil
+
+    root = str(tmp_path / "ckpt")
+    model = nn.Linear(2, 1, bias=False)
+    with distckpt.CheckpointManager(root) as mgr:
+        for step in (1, 2):
+            with torch.no_grad():
+                model.weight.fill_(step)
+            mgr.save(step, {"model": model})
+    step_dir = os.path.join(root, "step-000000002")
+    replicated = os.path.join(step_dir, "replicated", os.listdir(os.path.join(step_dir, "replicated"))[0])
+    rank_file = os.path.join(step_dir, "ranks", os.listdir(os.path.join(step_dir, "ranks"))[0])
+    if damage == "flip_replicated":
+        data = bytearray(open(replicated, "rb").read())
+        data[-5] ^= 0xFF
+        open(replicated, "wb").write(bytes(data))
+    elif damage == "truncate_rank_file":
+        open(rank_file, "r+b").truncate(100)
+    elif damage == "remove_manifest":
+        os.remove(os.path.join(step_dir, "manifest.json"))
+    else:
+        os.remove(replicated)
+        os.makedirs(replicated)
+    with pytest.warns(distckpt.CheckpointFallbackWarning):
+        assert distckpt.CheckpointManager(root).load_latest({"model": nn.Linear(2, 1, bias=False)}).step == 1
+    fresh = nn.Linear(2, 1, bias=False)
+    assert distckpt.load_weights(root, fresh).step == 1 and float(fresh.weight[0, 0]) == 1.0
+    assert cli.main(["export", root, str(tmp_path / "hf")]) == 0
+    assert _weight_of(str(tmp_path / "hf" / "model.safetensors")) == 1.0
+    shutil.rmtree(tmp_path / "hf")
+    assert cli.main(["export", root, str(tmp_path / "hf"), "--step", "2"]) == 2  # asked for: refused
+
+
+def test_an_export_into_a_step_directory_of_a_root_is_refused(tmp_path):
+    root = str(tmp_path / "ckpt")
+    _save(root, _trained())
+    for inside in ("step-000000003", "step-000000009", "step-000000003/deeper", "fence"):
+        assert cli.main(["export", root, os.path.join(root, inside)]) == 2, inside
+    assert sorted(os.listdir(root)) == ["fence", "step-000000003"]
+    assert not os.path.exists(os.path.join(root, "step-000000003", "model.safetensors"))
+    assert cli.main(["export", root, os.path.join(root, "hf")]) == 0  # beside the steps: the user's own
+
+
 def test_an_export_never_mixes_with_a_checkpoint_root_or_an_earlier_export(tmp_path):
     root, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     first = _trained(0)
