@@ -293,6 +293,8 @@ def cmd_diff(storage: Storage, args: argparse.Namespace) -> int:
             lines.append(f"{r['key']}: {r['changed_elements']} elements changed, max |diff| {r['max_abs_diff']:.6g}")
         elif r["change"] == "value":
             lines.append(f"{r['key']}: {r['old']!r} -> {r['new']!r}")
+        elif "old" in r:  # a change of type or of bits alone: the values too
+            lines.append(f"{r['key']}: {r['change']} ({r['old']!r} -> {r['new']!r})")
         else:
             lines.append(f"{r['key']}: {r['change']}")
     _emit(args, rows, "\n".join(lines) or f"steps {args.a} and {args.b} hold the same state")

@@ -7,6 +7,9 @@ against the manifest's sizes and checksums. Nothing here is collective or restor
 from __future__ import annotations
 
 import math
+import re
+import struct
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -187,10 +190,15 @@ def load_trees(storage: Storage, step: int) -> dict[str, Any]:
 
 
 def flatten(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(value, dict):
+    kind = type(value)
+    if kind not in (dict, list) and isinstance(value, (dict, list, tuple)):
+        yield f"{path}<type>", kind.__name__  # an OrderedDict, Counter or tuple comes back as such
+    if isinstance(value, OrderedDict):
+        yield f"{path}<order>", [str(k) for k in value]  # its order is part of what is restored
+    if isinstance(value, dict) and value:
         for k, v in value.items():
             yield from flatten(v, f"{path}/{k}" if path else str(k))
-    elif isinstance(value, (list, tuple)) and not all(isinstance(v, (int, float, str, bool, type(None))) for v in value):
+    elif isinstance(value, (list, tuple)) and value and not all(type(v) in (int, float, str, bool, type(None)) for v in value):
         for i, v in enumerate(value):
             yield from flatten(v, f"{path}/{i}")
     else:
@@ -209,20 +217,66 @@ def _tensor_change(key: str, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]
 
 
 def diff_steps(storage: Storage, a: int, b: int) -> list[dict[str, Any]]:
-    """What changed between two steps: per tensor the max absolute difference, per value old/new."""
-    left = dict(kv for name, tree in load_trees(storage, a).items() for kv in flatten(tree, name))
-    right = dict(kv for name, tree in load_trees(storage, b).items() for kv in flatten(tree, name))
+    """What changed between two steps: per tensor the max absolute difference (or its dtype,
+    shape, kind, requires_grad, layout), per value old/new, compared as a load restores them:
+    by type and bits (-0.0 against 0.0, 1 against 1.0), an OrderedDict's order included. Files
+    are paired by their role (replicated, each rank), not by the writer's generation in the name."""
+    left = dict(kv for name, tree in load_trees(storage, a).items() for kv in flatten(tree, _role(name)))
+    right = dict(kv for name, tree in load_trees(storage, b).items() for kv in flatten(tree, _role(name)))
     rows = []
     for key in sorted(set(left) | set(right)):
         if key not in left or key not in right:
             rows.append({"key": key, "change": "added" if key not in left else "removed"})
             continue
-        x, y = left[key], right[key]
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            if x.shape != y.shape or x.dtype != y.dtype:
-                rows.append({"key": key, "change": f"{x.dtype}{list(x.shape)} -> {y.dtype}{list(y.shape)}"})
-            elif not same_bits(x, y):  # an unchanged NaN is unchanged
-                rows.append(_tensor_change(key, x, y))
-        elif x != y and not (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)):
-            rows.append({"key": key, "change": "value", "old": _plain(x), "new": _plain(y)})
+        row = _value_change(key, left[key], right[key])
+        if row is not None:
+            rows.append(row)
     return rows
+
+
+_GENERATION_SUFFIX = re.compile(r"(\.g\d+)?\.safetensors$")
+
+
+def _role(file_name: str) -> str:
+    """'replicated/state.g000002.safetensors' -> 'replicated/state': the same role in every incarnation."""
+    return _GENERATION_SUFFIX.sub("", file_name)
+
+
+def _value_change(key: str, x: Any, y: Any) -> dict[str, Any] | None:
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return _tensor_pair_change(key, x, y)
+    if type(x) is not type(y):  # 1 against 1.0, a tensor against a number, a list against a tuple
+        return {"key": key, "change": f"{_kind(x)} -> {_kind(y)}", "old": _plain(x), "new": _plain(y)}
+    if isinstance(x, float):
+        if struct.pack("<d", x) == struct.pack("<d", y):
+            return None
+        if x == y or (math.isnan(x) and math.isnan(y)):  # -0.0 against 0.0, another NaN payload
+            return {"key": key, "change": "bits", "old": _float_bits(x), "new": _float_bits(y)}
+        return {"key": key, "change": "value", "old": _plain(x), "new": _plain(y)}
+    if isinstance(x, (list, tuple)):  # a list of plain values, compared item by item as above
+        if len(x) != len(y) or any(_value_change(key, a, b) is not None for a, b in zip(x, y)):
+            return {"key": key, "change": "value", "old": _plain(x), "new": _plain(y)}
+        return None
+    if x != y:
+        return {"key": key, "change": "value", "old": _plain(x), "new": _plain(y)}
+    return None
+
+
+def _tensor_pair_change(key: str, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any] | None:
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return {"key": key, "change": f"{x.dtype}{list(x.shape)} -> {y.dtype}{list(y.shape)}"}
+    if not same_bits(x, y):  # an unchanged NaN is unchanged
+        return _tensor_change(key, x, y)
+    if type(x) is not type(y) or x.requires_grad != y.requires_grad:
+        return {"key": key, "change": f"{_describe_tensor(x)} -> {_describe_tensor(y)}"}
+    if x.stride() != y.stride():
+        return {"key": key, "change": f"layout: strides {list(x.stride())} -> {list(y.stride())}"}
+    return None
+
+
+def _kind(value: Any) -> str:
+    return _describe_tensor(value) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _float_bits(value: float) -> str:
+    return f"{value!r} (0x{struct.pack('>d', value).hex()})"

@@ -154,10 +154,27 @@ def test_diff_reports_what_changed(url, capsys):
     make_run(url)
     code, out = run(capsys, "diff", url, "1", "3", "--json")
     rows = {r["key"]: r for r in json.loads(out)}
-    weight = rows["replicated/state.g000001.safetensors/entries/model/state/state_dict/weight"]
+    weight = rows["replicated/state/entries/model/state/state_dict/weight"]
     assert code == 0 and weight["change"] == "values" and weight["max_abs_diff"] == pytest.approx(5.0)
-    assert rows["replicated/state.g000001.safetensors/entries/config/state/lr"]["new"] == pytest.approx(0.3)
-    assert rows["ranks/rank-00000.g000001.safetensors/epoch"] == {"key": "ranks/rank-00000.g000001.safetensors/epoch", "change": "value", "old": 1, "new": 3}
+    assert rows["replicated/state/entries/config/state/lr"]["new"] == pytest.approx(0.3)
+    assert rows["ranks/rank-00000/epoch"] == {"key": "ranks/rank-00000/epoch", "change": "value", "old": 1, "new": 3}
+
+
+def test_diff_across_a_restart_pairs_the_files_by_their_role(tmp_path, capsys):
+    """Steps of two incarnations: the file names differ by the writer's generation; every key
+    came out as removed and added, and the one change was never shown."""
+    url = str(tmp_path / "ckpt")
+    make_run(url, steps=(1,))
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    sampler = torch.utils.data.DistributedSampler(list(range(10)), num_replicas=1, rank=0)
+    with distckpt.CheckpointManager(url) as mgr:
+        mgr.load_latest({"model": model, "sampler": sampler, "config": {"lr": 0.1}})
+        mgr.save(2, {"model": model, "sampler": sampler, "config": {"lr": 0.1}}, epoch=1, metric=1.0)
+    code, out = run(capsys, "diff", url, "1", "2", "--json")
+    changed = {r["key"]: r["change"] for r in json.loads(out)}
+    assert code == 0 and "added" not in changed.values() and "removed" not in changed.values(), changed
+    assert set(changed) == {"replicated/state/step", "ranks/rank-00000/step"}, changed
 
 
 def test_errors_and_exit_codes(tmp_path, capsys):
