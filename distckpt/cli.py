@@ -305,8 +305,11 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors as one JSON document too when --json was asked for."""
 
     def error(self, message: str) -> NoReturn:
-        if "--json" in (_ARGV or sys.argv[1:]):
-            print(json.dumps({"command": None, "error": f"usage: {message}", "exit_code": EXIT_USAGE}))
+        argv = _ARGV or sys.argv[1:]
+        own = argv[:argv.index("--")] if "--" in argv else argv  # doctor: what follows -- is the user's
+        if "--json" in own:
+            named = next((a for a in own if a in COMMANDS or a == "doctor"), None)
+            print(json.dumps({"command": named, "error": f"usage: {message}", "exit_code": EXIT_USAGE}))
             raise SystemExit(EXIT_USAGE)
         super().error(message)
 
@@ -421,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     diff = command("diff", "what changed between two steps")
     diff.add_argument("a", type=_step)
     diff.add_argument("b", type=_step)
+    # listed for --help only: main() hands `doctor` to doctor_main before this parser runs
+    sub.add_parser("doctor", help="does the job resume bit for bit? runs it twice, kills one, compares "
+                   "(distckpt doctor --help)", add_help=False)
     return p
 
 
@@ -459,7 +465,8 @@ def doctor_main(argv: list[str]) -> int:
     """`distckpt doctor`: its own parser, since everything after -- is the user's command."""
     from .doctor import report_json, report_text, run_doctor
 
-    p = argparse.ArgumentParser(prog="distckpt doctor", description="does the job resume bit for bit? names what breaks it")
+    _ARGV[:] = ["doctor", *argv]
+    p = _Parser(prog="distckpt doctor", description="does the job resume bit for bit? names what breaks it")
     p.add_argument("--kill-at", type=int, help="SIGKILL a rank right after the commit of this step (default: the first)")
     p.add_argument("--steps", type=int, help="end both runs after the commit of this step (the manager exits the job)")
     p.add_argument("--kill-rank", type=int, help="which rank (default: the last)")
@@ -472,15 +479,15 @@ def doctor_main(argv: list[str]) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("give the launch command after --")
+    for name, lowest in (("every", 1), ("steps", 1), ("kill_at", 0), ("kill_rank", 0)):
+        if getattr(args, name) is not None and getattr(args, name) < lowest:
+            p.error(f"--{name.replace('_', '-')} must be >= {lowest}")
     start = time.monotonic()
     try:
-        if args.every is not None and args.every < 1:
-            p.error("--every must be >= 1")
         report = run_doctor(command, args.kill_at, args.kill_rank, args.workdir, steps=args.steps, every=args.every)
     except (DistCkptError, OSError, subprocess.TimeoutExpired) as e:
-        print(json.dumps({"error": str(e)[-3000:]}) if args.json else f"distckpt doctor: {e}",
-              file=sys.stdout if args.json else sys.stderr)
-        return 2
+        args.command = "doctor"  # _fail names the command (args.command held the user's)
+        return _fail(args, str(e)[-3000:], EXIT_USAGE)
     print(report_json(report) if args.json else report_text(report) + f"\n({time.monotonic() - start:.0f} s)")
     return 0 if report.identical else 1
 

@@ -193,6 +193,29 @@ def test_entry_point_runs(tmp_path):
     assert out.returncode == 0 and "committed" in out.stdout
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--json"], "give the launch command"),
+    (["--steps", "abc", "--json", "--", sys.executable, "-c", "pass"], "--steps"),
+    (["--every", "0", "--json", "--", sys.executable, "-c", "pass"], "--every must be >= 1"),
+    (["--kill-at", "-1", "--json", "--", sys.executable, "-c", "pass"], "--kill-at must be >= 0"),
+    (["--json", "--", "/nonexistent/launcher"], "No such file"),
+])
+def test_doctor_with_json_answers_every_error_as_one_json_document(capsys, argv, needle):
+    with pytest.raises(SystemExit) if "/nonexistent/launcher" not in argv else contextlib.nullcontext() as raised:
+        code = cli.main(["doctor", *argv])
+    code = raised.value.code if raised is not None else code
+    out = json.loads(capsys.readouterr().out)
+    assert code == 2 and out["command"] == "doctor" and out["exit_code"] == 2 and needle in out["error"], out
+
+
+def test_the_top_level_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    listed = capsys.readouterr().out
+    for name in [*cli.COMMANDS, "doctor"]:
+        assert name in listed, name
+
+
 @pytest.mark.parametrize("command", [["ls"], ["inspect"], ["verify"], ["prune", "--keep-last", "1"], ["gc"],
                                      ["diff", "--", "1", "2"]])
 def test_a_root_that_does_not_exist_is_an_error_with_the_documented_code(tmp_path, capsys, command):
