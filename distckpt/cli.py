@@ -167,8 +167,11 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
         lines.append(f"  rank {r['rank']} on {info['host']}: epoch {r['epoch']}, RNG streams {r['rng_streams']}")
         lines += [f"    {k}: {json.dumps(v, default=str)}" for k, v in r["entries"].items()]
     lines.append("entries: " + ", ".join(f"{k} ({v['kind']}, {v['scope']})" for k, v in m["entries"].items()))
+    lines.append(f"bytes: {d['bytes_owned']:,} in this step's files, {d['bytes_shared']:,} in files of older "
+                 "steps it references (incremental)")
     lines.append(f"tensors ({len(d['tensors'])}, {sum(t['bytes'] for t in d['tensors']):,} bytes):")
-    lines += [f"  {t['name']:<56} {t['dtype']:>5} {str(t['shape']):>18} {t['bytes']:>12,}" for t in d["tensors"]]
+    lines += [f"  {t['name']:<56} {t['dtype']:>5} {str(t['shape']):>18} {t['bytes']:>12,}"
+              + (f"  from {t['shared_from']}" if "shared_from" in t else "") for t in d["tensors"]]
     table = m.get("sharded") or {}
     if table:
         lines.append(f"sharded tensors ({len(table)}; pieces in {len({c['file'] for e in table.values() for c in e['chunks']})} shard files):")

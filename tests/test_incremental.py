@@ -97,6 +97,25 @@ def test_a_frozen_base_is_written_once_and_every_step_loads_whole(tmp_path):
     assert cli.main(["verify", root, "--all"]) == 0
 
 
+def test_inspect_shows_reused_tensors_and_shared_bytes_as_text_and_json(tmp_path, capsys):
+    root = str(tmp_path / "ckpt")
+    state = lora_state(base_width=256)
+    with distckpt.CheckpointManager(root, incremental=True) as mgr:
+        mgr.load_latest(state)
+        for step in range(2):
+            train_step(state)
+            mgr.save(step, state)
+    capsys.readouterr()
+    assert cli.main(["inspect", root, "--step", "1", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    reused = [t for t in d["tensors"] if "shared_from" in t]
+    assert reused and d["bytes_shared"] == sum(t["bytes"] for t in reused) and d["bytes_owned"] > 0
+    assert cli.main(["inspect", root, "--step", "1"]) == 0
+    text = capsys.readouterr().out
+    assert f"{d['bytes_shared']:,} in files of older steps" in text
+    assert all(f"from {t['shared_from']}" in text for t in reused)
+
+
 def test_retention_keeps_what_newer_checkpoints_reference_and_collects_it_after(tmp_path, capsys):
     root = str(tmp_path / "ckpt")
     state = lora_state()
