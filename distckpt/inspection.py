@@ -195,6 +195,8 @@ def flatten(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
         yield f"{path}<type>", kind.__name__  # an OrderedDict, Counter or tuple comes back as such
     if isinstance(value, OrderedDict):
         yield f"{path}<order>", [str(k) for k in value]  # its order is part of what is restored
+    if isinstance(value, dict) and any(type(k) is int for k in value):
+        yield f"{path}<int keys>", [k for k in value if type(k) is int]  # 1 and "1" share a path below
     if isinstance(value, dict) and value:
         for k, v in value.items():
             yield from flatten(v, f"{path}/{k}" if path else str(k))

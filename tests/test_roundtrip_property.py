@@ -464,3 +464,16 @@ def test_diff_reports_a_change_exactly_when_a_load_would_differ(tmp_path_factory
         mgr.save(1, {"v": {"x": b}})
     rows = [r for r in diff_steps(open_storage(str(root)), 0, 1) if "/entries/v/" in r["key"]]
     assert (rows == []) == identical, (rows, identical)
+
+
+@pytest.mark.parametrize("a, b", [({1: 2.0}, {"1": 2.0}), ([1, 2], (1, 2)), ({"k": 0.0}, {"k": -0.0}),
+                                  ([1.0], [1]), (collections.OrderedDict(a=1, b=2), collections.OrderedDict(b=2, a=1)),
+                                  ({"t": torch.ones(1)}, {"t": 1.0}), ({}, [])])
+def test_diff_sees_each_change_a_load_would_show(tmp_path, a, b):
+    from distckpt.inspection import diff_steps
+    from distckpt.storage import open_storage
+
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(0, {"v": {"x": a}})
+        mgr.save(1, {"v": {"x": b}})
+    assert [r for r in diff_steps(open_storage(str(tmp_path)), 0, 1) if "/entries/v/" in r["key"]]
