@@ -164,15 +164,29 @@ def _manifest_generation(storage: Storage, path: str) -> int:
         return 0
 
 
+# Errors after which a request may still reach the store: its outcome is unknown.
+_OUTCOME_UNKNOWN = frozenset({errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE, errno.EIO})
+
+
 def create_marker(storage: Storage, marker: mf.Marker, policy: ReplacePolicy) -> None:
     path = f"{mf.step_dir(marker.step)}/{mf.MARKER}"
     try:
-        storage.create_exclusive(path, marker.to_bytes())
-    except CheckpointExistsError:
-        if check_step_is_free(storage, marker.step, policy) is None:  # raises unless a zombie's
+        try:
+            storage.create_exclusive(path, marker.to_bytes())
+        except CheckpointExistsError:
+            if check_step_is_free(storage, marker.step, policy) is None:  # raises unless a zombie's
+                raise
+            storage.remove_file(path)
+            storage.create_exclusive(path, marker.to_bytes())
+    except StorageError as e:
+        if isinstance(e, CheckpointExistsError) or e.errno not in _OUTCOME_UNKNOWN:
             raise
-        storage.remove_file(path)
-        storage.create_exclusive(path, marker.to_bytes())
+        # The marker's PUT timed out or lost its connection: the store may still apply it (one
+        # held 6 s past a 3 s call_timeout committed the step after save() had raised).
+        raise StorageError(e.errno, f"{e.strerror or e}. The commit marker's request may still reach {storage.url}: step "
+                           f"{marker.step} may or may not be committed; committed_steps() or a restart's "
+                           f"load_latest tell (saving step {marker.step} again raises CheckpointExistsError "
+                           "if it was)") from e
 
 
 @dataclass(frozen=True)

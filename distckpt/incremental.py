@@ -36,6 +36,7 @@ import xxhash
 
 from . import manifest as mf
 from .errors import CheckpointExistsError, CorruptCheckpointError, MissingFileError
+from .reading import read_verified
 from .serialize import tensors_of_file
 from .staging import memory_of
 from .storage import Storage
@@ -184,12 +185,11 @@ def _open_shared(storage: Storage, file: str, record: dict[str, Any], where: str
                  release: Callable[[Any], Callable[[int, int], None]] | None,
                  buffers: list[Any] | None) -> dict[str, torch.Tensor]:
     try:
-        data = storage.read_buffer(file)
+        data = read_verified(storage, file, record, f"{storage.url}/{file} (shared)", release)
     except MissingFileError as e:
         raise CorruptCheckpointError(f"{where}: shared file {storage.url}/{file} is missing") from e
     if buffers is not None:
         buffers.append(data)
-    mf.verify_file(data, record, f"{storage.url}/{file} (shared)", release(data) if release else None)
     _, tensors = tensors_of_file(data, f"{storage.url}/{file}")
     return tensors
 

@@ -64,6 +64,7 @@ from .errors import (
 from .fencing import Lease
 from .interrupts import sigint_deferred
 from .kinds import check_destinations_apart, copy_destinations, is_late, live_ties, restore_entry, snapshot, validate_entry
+from .reading import read_verified
 from .rng import capture_process_rng, check_process_rng, restore_process_rng
 from .serialize import ShardRef, load_tree_file
 from .storage import Storage, release_pages
@@ -164,14 +165,14 @@ def _read_tree(storage: Storage, base: str, name: str, manifest: mf.Manifest, wh
     if record is None:
         raise CorruptCheckpointError(f"{where}: the manifest lists no {name}")
     try:
-        data = storage.read_buffer(f"{base}/{name}")
+        data = read_verified(storage, f"{base}/{name}", record, f"{where}/{name}",
+                             lambda buffer: lambda start, n: release_pages(buffer, start, n))
     except MissingFileError as e:
         raise CorruptCheckpointError(f"{where}/{name} is missing") from e
     except StorageError as e:
         if e.errno == errno.ELOOP:
             raise CorruptCheckpointError(str(e)) from e
         raise
-    mf.verify_file(data, record, f"{where}/{name}", lambda start, n: release_pages(data, start, n))
     if buffers is not None:
         buffers.append(data)
     extra = incremental.resolve(storage, manifest, where) if name == manifest.payload_names()[0] else None

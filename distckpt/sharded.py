@@ -30,6 +30,7 @@ from torch import nn
 
 from . import manifest as mf
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, UnstorableValueError
+from .reading import read_verified
 from .serialize import (
     _DTYPE_TO_ST,
     _ST_TO_DTYPE,
@@ -309,9 +310,8 @@ class ShardReader:
     def _piece(self, file: str, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
         if file not in self._opened:
             mf.check_relative_path(file, self.where)
-            data = self.storage.read_buffer(f"{self.base}/{file}")
-            release = (lambda start, n: release_pages(data, start, n)) if self.bounded else None
-            mf.verify_file(data, self.files[file], f"{self.where}/{file}", release)
+            release = (lambda buffer: lambda start, n: release_pages(buffer, start, n)) if self.bounded else None
+            data = read_verified(self.storage, f"{self.base}/{file}", self.files[file], f"{self.where}/{file}", release)
             self._buffers.append(data)
             tree = load_tree_file(data, f"{self.where}/{file}")
             if not isinstance(tree, dict) or not isinstance(tree.get("shards"), dict):

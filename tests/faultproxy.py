@@ -7,6 +7,10 @@ first `skip` matches through, and act on up to `times` of the rest:
     reset       read half the request body, then reset the connection (mid-upload)
     drop        forward the request, let the server apply it, then reset the connection
                 instead of returning the response (a lost response)
+    flip        forward the request, return the response with one byte of its body flipped
+                (a transfer corrupted on its way; the object itself is intact)
+    late        hold the request `delay` seconds, then forward it (the client may have given up
+                by then; the server still applies it)
 
 Every request is logged as (method, path, status or action) for assertions.
 """
@@ -17,6 +21,7 @@ import re
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 
 
@@ -29,6 +34,7 @@ class Rule:
     status: int = 503
     hits: int = 0
     skip: int = 0  # let this many matching requests through first ("fail from the Nth on")
+    delay: float = 0.0  # "late": seconds the request is held before it is forwarded
     seen: int = 0
 
     def matches(self, method: str, path: str) -> bool:
@@ -116,6 +122,9 @@ class FaultProxy:
                     self.log.append((method, path, str(rule.status)))
                     client.sendall(_error_response(rule.status))
                     continue
+                if rule and rule.action == "late":
+                    self.log.append((method, path, "late"))
+                    time.sleep(rule.delay)
                 if upstream is None:
                     upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
                     up_reader = upstream.makefile("rb")
@@ -127,7 +136,13 @@ class FaultProxy:
                     self.log.append((method, path, "drop"))
                     _reset(client)
                     return
-                self.log.append((method, path, status_line.split()[1]))
+                if rule and rule.action == "flip" and resp_body:
+                    self.log.append((method, path, "flip"))
+                    flipped = bytearray(resp_body)
+                    flipped[len(flipped) // 2] ^= 0x01
+                    resp_body = bytes(flipped)
+                else:
+                    self.log.append((method, path, status_line.split()[1]))
                 client.sendall(resp_raw + resp_body)
         except (OSError, ValueError):
             return

@@ -18,7 +18,8 @@ LOCAL_ONLY = ("torch.distributed.tensor", "torch.distributed.checkpoint.state_di
 LEAVES = ["capture", "rng", "serialize", "manifest", "storage/__init__", "storage/local", "storage/fsspec_fs",
           "storage/s3", "errors", "async_writer", "workers", "config", "faults", "versions", "validation",
           "undo", "commit", "fencing", "retention", "inspection", "sharded", "incremental", "snapshot", "kinds",
-          "storage/capabilities", "storage/conditional", "staging", "checksums", "copying", "gcpause", "interrupts"]
+          "storage/capabilities", "storage/conditional", "staging", "checksums", "copying", "gcpause", "interrupts",
+          "reading"]
 ABOVE = {"manager", "protocol", "saving", "loading", "coord", "cli", "dist", "preemption"}
 
 

@@ -128,3 +128,55 @@ def test_a_retried_request_never_moves_the_global_random_stream(s3_server, s3_ur
         distckpt.CheckpointManager(url, storage_options=options).load_latest(target)
     assert random.getstate() == before and target["n"] == 0 and not target["w"].any()
     proxy.rules.clear()
+
+
+@pytest.mark.parametrize("which", ["replicated", "ranks"])
+@pytest.mark.parametrize("size", ["small", "multipart"])
+def test_one_corrupted_transfer_is_read_again_not_taken_for_a_damaged_step(s3_server, s3_url, proxy, which, size):
+    """One byte flipped in one GET response (the object intact): the newest step was taken for
+    damaged and the load fell back (a multipart object: checksum mismatch), or raised outright
+    (a single-PUT object: botocore's FlexibleChecksumError). It is read again and loads."""
+    import warnings
+
+    direct = fast_options(s3_server.storage_options())
+    url = f"{s3_url}-{which}-{size}"
+    big = {"w": torch.arange(4 * 1024 * 1024, dtype=torch.float32)} if size == "multipart" else {}
+    with distckpt.CheckpointManager(url, storage_options=direct) as mgr:
+        mgr.save(1, {**state_for(1), "big": {k: v + 1 for k, v in big.items()}})
+        mgr.save(2, {**state_for(2), "big": big})
+    flip = Rule("GET", rf"/step-000000002/{which}/", "flip", times=1)
+    proxy.add(flip)
+    state = {**blank(), "big": {}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", distckpt.CheckpointFallbackWarning)
+        progress = distckpt.CheckpointManager(url, storage_options=fast_options(
+            s3_server.storage_options(proxy.endpoint))).load_latest(state)
+    proxy.rules.clear()
+    assert flip.hits == 1  # the transfer was corrupted once
+    assert progress.step == 2 and torch.equal(state["model"].weight, state_for(2)["model"].weight)
+    assert all(torch.equal(state["big"][k], v) for k, v in big.items())
+
+
+def test_a_commit_marker_that_may_still_land_is_said_to_be_unknown(s3_server, s3_url, proxy):
+    """The marker's PUT held past call_timeout: save() raised a plain timeout, and the step was
+    committed seconds later when the held request reached the server."""
+    import time
+
+    url = f"{s3_url}-late-marker"
+    options = fast_options(s3_server.storage_options(proxy.endpoint), call_timeout=3)
+    options["config_kwargs"]["retries"] = {"max_attempts": 1, "mode": "standard"}
+    late = Rule("PUT", r"/step-000000002/COMMITTED", "late", times=1, delay=6)
+    with distckpt.CheckpointManager(url, storage_options=options) as mgr:
+        mgr.load_latest(blank())
+        mgr.save(1, state_for(1))
+        proxy.add(late)
+        with pytest.raises(distckpt.StorageError, match="may or may not be committed") as raised:
+            mgr.save(2, state_for(2))
+        assert "committed_steps()" in str(raised.value)
+        deadline = time.monotonic() + 30
+        while mgr.committed_steps()[0] != 2 and time.monotonic() < deadline:  # the held request lands
+            time.sleep(0.5)
+        proxy.rules.clear()
+        assert late.hits == 1 and mgr.committed_steps()[0] == 2
+        with pytest.raises(distckpt.CheckpointExistsError):
+            mgr.save(2, state_for(2))
