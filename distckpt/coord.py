@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Protocol, TypeVar
 
 from . import errors
-from .errors import CoordinationError, DistCkptError
+from .errors import CoordinationError, DistCkptError, RankDisagreementError
 from .liveness import ProcessIdentity
 
 log = logging.getLogger("distckpt")
@@ -120,13 +120,18 @@ class GlooCoordinator:
         # A gather to rank 0 and a broadcast back: 3-4 ms at 8 ranks on 2 CPUs, against 28 ms
         # for all_gather_object (two all-gathers: the sizes, then the padded bytes)
         # (bench/profile_coordination.py).
-        return self._run(phase, lambda: self._broadcast_object(self._gather_objects(obj)))
+        # Each object travels with its phase: ranks in different calls (one saving while another
+        # loads) got raw TypeErrors from each other's objects; now a RankDisagreementError on each.
+        tagged = self._run(phase, lambda: self._broadcast_object(self._gather_objects([phase, obj])))
+        return _untagged(tagged, phase)
 
     def gather(self, obj: Any, phase: str) -> list[Any] | None:
-        return self._run(phase, lambda: self._gather_objects(obj))
+        tagged = self._run(phase, lambda: self._gather_objects([phase, obj]))
+        return None if tagged is None else _untagged(tagged, phase)
 
     def broadcast(self, obj: Any, phase: str) -> Any:
-        return self._run(phase, lambda: self._broadcast_object(obj if self.rank == 0 else None))
+        tagged = self._run(phase, lambda: self._broadcast_object([phase, obj] if self.rank == 0 else None))
+        return _untagged([tagged], phase, root_only=True)[0]
 
     def _gather_objects(self, obj: Any) -> list[Any] | None:
         """One fixed-size gather; an object larger than a slot follows as one message to rank 0."""
@@ -176,6 +181,17 @@ class GlooCoordinator:
             self._dist.destroy_process_group(self._group)
         except Exception as e:  # the default group may already be gone at interpreter exit
             log.debug("destroying the distckpt gloo group failed: %s", e)
+
+
+def _untagged(tagged: list[Any], phase: str, root_only: bool = False) -> list[Any]:
+    """The objects of [phase, object] pairs, once every rank's phase is this rank's."""
+    phases = [t[0] if isinstance(t, list) and len(t) == 2 else None for t in tagged]
+    if any(p != phase for p in phases):
+        who = f"rank 0 is in {phases[0]!r}" if root_only else ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(phases))
+        raise RankDisagreementError(
+            f"the ranks are in different distckpt calls ({who}; this rank: {phase!r}): every manager method is "
+            "collective; call save, load_latest, load, wait and close on every rank in the same order")
+    return [t[1] for t in tagged]
 
 
 SLOT_BYTES = 64 * 2**10  # messages up to this size travel in the collective itself (outcomes are ~1 KiB)

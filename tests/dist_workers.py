@@ -596,3 +596,26 @@ def an_argument_refused_on_one_rank(rank: int, world: int, url: str, how: str, a
         mgr.wait()
         steps = mgr.committed_steps()
     return {"outcomes": out, "steps": steps}
+
+
+def ranks_in_different_calls(rank: int, world: int, url: str, saver: int) -> dict:
+    """Rank `saver` calls save while the others call load_latest (a collective-order mistake),
+    then every rank loads: the same RankDisagreementError on every rank, then a normal load."""
+    state = {"w": torch.zeros(3)}
+    out: dict = {}
+    with distckpt.CheckpointManager(url, timeout=20) as mgr:
+        mgr.load_latest(state)
+        mgr.save(1, state)
+        started = time.monotonic()
+        try:
+            if rank == saver:
+                mgr.save(2, {"w": torch.ones(3)})
+            else:
+                mgr.load_latest(state)
+            out["first"] = "ok"
+        except distckpt.DistCkptError as e:
+            out["first"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - started
+        out["then"] = mgr.load_latest(state).step
+        out["steps"] = mgr.committed_steps()
+    return out

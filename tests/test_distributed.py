@@ -243,6 +243,18 @@ def test_an_argument_refused_on_one_rank_is_the_same_config_error_on_every_rank(
         assert r.value["steps"] == [5, 1]
 
 
+@pytest.mark.parametrize("saver", [0, 1])
+def test_ranks_in_different_manager_calls_get_the_same_clear_error(ckpt_dir, saver):
+    """One rank in save while the other is in load_latest: raw TypeError / AttributeError from
+    each other's objects, a different one on each rank."""
+    results = run_world(f"{W}:ranks_in_different_calls", 2, url=ckpt_dir, saver=saver)
+    for r in results:
+        assert r.error is None, r.error
+        first = r.value["first"]
+        assert first.startswith("RankDisagreementError") and "'save/capture'" in first and "'load/request'" in first
+        assert r.value["seconds"] < 10 and r.value["then"] == 1 and r.value["steps"] == [1]
+
+
 def test_objects_larger_than_a_slot_take_one_more_message():
     results = run_world(f"{W}:exchange_objects_larger_than_a_slot", 3)
     assert all(r.error is None for r in results), [r.error for r in results]
