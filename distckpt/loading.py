@@ -153,7 +153,23 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
             "this run's per-rank state")
     replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers)
     own = _read_tree(storage, base, rank_names[rank], manifest, where, buffers, per_rank=True)
+    _check_rank_file_belongs(own, manifest, rank, f"{where}/{rank_names[rank]}")
     return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, buffers=buffers)
+
+
+def _check_rank_file_belongs(own: dict[str, Any], manifest: mf.Manifest, rank: int, where: str) -> None:
+    """The rank file, and the manifest's line for the rank, record the step and epoch the manifest
+    does: another step's rank file re-sealed into this one loaded silently (its RNG streams and
+    loader position from step 1 under a step-3 resume) when the epochs matched, and was a
+    RankDisagreementError instead of a fallback when they did not."""
+    recorded = manifest.ranks[rank] if rank < len(manifest.ranks) else None
+    views = [("the rank file", own.get("step", manifest.step), own.get("epoch"))]
+    if recorded is not None:
+        views.append(("the manifest's line for the rank", recorded.get("step"), recorded.get("epoch")))
+    for what, step, epoch in views:
+        if (step, epoch) != (manifest.step, manifest.epoch):
+            raise CorruptCheckpointError(f"{where}: {what} records step {step} epoch {epoch}, the manifest step "
+                                         f"{manifest.step} epoch {manifest.epoch}: the files do not belong together")
 
 
 def _read_tree(storage: Storage, base: str, name: str, manifest: mf.Manifest, where: str,

@@ -619,3 +619,21 @@ def ranks_in_different_calls(rank: int, world: int, url: str, saver: int) -> dic
         out["then"] = mgr.load_latest(state).step
         out["steps"] = mgr.committed_steps()
     return out
+
+
+def save_steps_1_and_5(rank: int, world: int, url: str) -> None:
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.load_latest(_state(rank))
+        state = _state(rank)
+        mgr.save(1, {**state, "mine": distckpt.per_rank({"n": 1})}, epoch=0)
+        mgr.save(5, {**state, "mine": distckpt.per_rank({"n": 5})}, epoch=0)
+
+
+def load_mine_with_warnings(rank: int, world: int, url: str) -> dict:
+    state = {**_state(rank), "mine": distckpt.per_rank({})}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with distckpt.CheckpointManager(url, timeout=30) as mgr:
+            p = mgr.load_latest(state)
+    return {"step": p.step, "mine": state["mine"].obj,
+            "warned": [str(w.message) for w in caught if issubclass(w.category, distckpt.CheckpointFallbackWarning)]}
