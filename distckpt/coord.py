@@ -80,7 +80,15 @@ class GlooCoordinator:
         self.timeout_s = timeout_s
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        try:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        except Exception as e:  # the store's wait timeout, or gloo's connect refused by a peer that gave up
+            reason = str(e).splitlines()[0] if str(e) else ""
+            raise CoordinationError(
+                f"rank {self.rank}: creating distckpt's gloo group failed ({type(e).__name__}: {reason[:300]}). "
+                f"Every rank must create its CheckpointManager, in the same order, within the timeout "
+                f"({timeout_s:g}s); another rank has probably not reached it yet, died, or gave up first. "
+                "Raise timeout= if ranks reach it far apart") from e
         self.reports = StoreReports(dist.distributed_c10d._get_default_store(), timeout_s, self.rank)
         self.broken: str | None = None  # the first failed collective: gloo closes its pairs after one
 

@@ -637,3 +637,13 @@ def load_mine_with_warnings(rank: int, world: int, url: str) -> dict:
             p = mgr.load_latest(state)
     return {"step": p.step, "mine": state["mine"].obj,
             "warned": [str(w.message) for w in caught if issubclass(w.category, distckpt.CheckpointFallbackWarning)]}
+
+
+def a_rank_reaching_the_manager_late(rank: int, world: int, url: str, manager_timeout: float) -> str:
+    if rank == 0:
+        time.sleep(2 * manager_timeout)
+    try:
+        distckpt.CheckpointManager(url, timeout=manager_timeout).close()
+        return "constructed"
+    except distckpt.DistCkptError as e:
+        return f"{type(e).__name__}: {e}"

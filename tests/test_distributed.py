@@ -276,6 +276,13 @@ def test_ranks_in_different_manager_calls_get_the_same_clear_error(ckpt_dir, sav
         assert r.value["seconds"] < 10 and r.value["then"] == 1 and r.value["steps"] == [1]
 
 
+def test_a_rank_reaching_the_manager_after_the_timeout_is_a_coordination_error_on_every_rank(ckpt_dir):
+    """Raw DistStoreError / gloo RuntimeError before (the group's creation was not wrapped)."""
+    for r in run_world(f"{W}:a_rank_reaching_the_manager_late", 2, url=ckpt_dir, manager_timeout=4.0):
+        assert r.error is None, r.error
+        assert r.value.startswith("CoordinationError") and "creating distckpt's gloo group failed" in r.value, r.value
+
+
 def test_objects_larger_than_a_slot_take_one_more_message():
     results = run_world(f"{W}:exchange_objects_larger_than_a_slot", 3)
     assert all(r.error is None for r in results), [r.error for r in results]
