@@ -199,6 +199,12 @@ class CheckpointManager:
             refusal, entries = e, []
         if refusal is not None:
             self._refuse_save(step, refusal)
+        if self.rank == 0:
+            # Here, on the training thread, never on the writer's: collecting runs subprocesses
+            # (git; platform's `uname -p`), and a DataLoader forking its workers on the training
+            # thread while the writer thread was inside Popen left a worker holding the child's
+            # pipe: the writer waited on it with no deadline (1 in 5 two-rank async runs).
+            self._versions()
         doctor_hooks.rebase_fingerprints(step)
         durable = self._next_save_is_durable(entries)
         replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)
@@ -325,8 +331,9 @@ class CheckpointManager:
                             "and prune (distckpt prune URL --keep-last N)")
 
     def _versions(self) -> dict[str, Any]:
-        """The environment for the manifest, collected at rank 0's first write rather than at
-        construction: its `git` calls (~5 ms) are no part of a resume that only loads."""
+        """The environment for the manifest, collected at rank 0's first save (on the training
+        thread) rather than at construction: its `git` calls (~5 ms) are no part of a resume
+        that only loads."""
         if self._versions_seen is None:
             self._versions_seen = collect_versions()
         return self._versions_seen

@@ -97,3 +97,31 @@ def test_a_second_ctrl_c_at_exit_says_the_save_in_flight_is_abandoned(caplog):
         writer.wait()
         async_writer._IN_FLIGHT.discard(writer)
         writer.close()
+
+
+@pytest.mark.parametrize("options", [{"async_save": True}, {"async_save": True, "overlap_snapshot": True},
+                                     {"async_save": True, "incremental": True}])
+def test_no_subprocess_is_started_off_the_training_thread(tmp_path, monkeypatch, options):
+    """A process started from the writer thread while a DataLoader forks its workers on the
+    training thread can leave a worker holding the child's pipe: the writer then waits forever
+    (platform's `uname -p` and git, collected for the manifest at the first write, did)."""
+    import subprocess
+
+    import torch
+
+    import distckpt
+
+    started_on = []
+    real_init = subprocess.Popen.__init__
+
+    def recording_init(self, *args, **kwargs):
+        started_on.append(threading.current_thread().name)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording_init)
+    with distckpt.CheckpointManager(str(tmp_path), **options) as mgr:
+        mgr.load_latest({"w": torch.zeros(4)})
+        for step in range(3):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+        mgr.wait()
+    assert started_on and set(started_on) == {threading.main_thread().name}, started_on
