@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any
 
+from .workers import note_preemption_signals
+
 log = logging.getLogger("distckpt")
 
 EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM: 143
@@ -29,13 +31,19 @@ class PreemptionFlag:
         self.received_at: float | None = None
         self.signal: int | None = None
         self._installed: dict[int, Any] = {}
+        self._pid = os.getpid()  # a forked child (a DataLoader worker) inherits the handler
         if threading.current_thread() is not threading.main_thread():
             return  # handlers can only be set from the main thread
         for sig in signals:
             if signal.getsignal(sig) in (signal.SIG_DFL, None):
                 self._installed[sig] = signal.signal(sig, self._record)
+        note_preemption_signals(tuple(self._installed))  # loader workers forked from here outlive them
 
     def _record(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:  # a forked child: the signal's default effect, not the rank's flag
+            self.uninstall()
+            os.kill(os.getpid(), signum)
+            return
         if not self.armed:
             # Nobody will ask at a step boundary: behave as if no handler had been installed.
             self.uninstall()
@@ -55,3 +63,4 @@ class PreemptionFlag:
             if signal.getsignal(sig) == self._record:
                 signal.signal(sig, previous)
         self._installed.clear()
+

@@ -10,6 +10,8 @@ the state back to `load_state_dict()` in the worker of the resumed run.
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any, Iterator
 
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
@@ -33,6 +35,7 @@ class _WorkerRngMixin:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        shield_from_preemption()
         info = get_worker_info()
         if info is not None and _RNG in state:
             restore_process_rng(state[_RNG], f"data-loader worker {info.id}")
@@ -47,6 +50,7 @@ class WorkerRngDataset(_WorkerRngMixin, Dataset):
         self.dataset = dataset
 
     def __getitem__(self, index: Any) -> Any:
+        shield_from_preemption()
         return self.dataset[index]
 
     def __len__(self) -> int:
@@ -77,6 +81,7 @@ class WorkerRngIterableDataset(_WorkerRngMixin, IterableDataset):
         self._replay = 0         # items the next iterator skips (set by load_state_dict)
 
     def __iter__(self) -> Iterator[Any]:
+        shield_from_preemption()
         replay, self._replay = self._replay, 0
         self._yielded, self._exhausted = 0, False
         inner = iter(self.dataset)
@@ -112,3 +117,32 @@ def with_worker_rng(dataset: Any) -> Dataset:
     if isinstance(dataset, IterableDataset):
         return WorkerRngIterableDataset(dataset)
     return WorkerRngDataset(dataset)
+
+
+# Pre-emption signals a manager of this process records (preemption.py), with the recording
+# process: a DataLoader worker forked from it inherits this table.
+_PREEMPTION_SIGNALS: dict[int, int] = {}
+_SHIELDED_IN: list[int] = []  # the worker process that already ignores them
+
+
+def note_preemption_signals(signals: tuple[int, ...]) -> None:
+    for sig in signals:
+        _PREEMPTION_SIGNALS[sig] = os.getpid()
+
+
+def shield_from_preemption() -> None:
+    """In a loader worker of a rank that records pre-emption signals: ignore them. torchrun and
+    Kubernetes signal the rank's whole process group, and torch's worker handler ends a worker
+    at SIGTERM: the rank's next batch raised "DataLoader worker is killed by signal: Terminated"
+    before the step boundary where the pre-emption save runs (3 of 4 two-worker runs). A worker
+    that outlives the notice ends with the rank (the loader's watchdog sees its parent gone)."""
+    pid = os.getpid()
+    if _SHIELDED_IN == [pid] or not _PREEMPTION_SIGNALS or get_worker_info() is None:
+        return
+    _SHIELDED_IN[:] = [pid]
+    for sig, recorder in _PREEMPTION_SIGNALS.items():
+        if recorder != pid:
+            try:
+                signal.signal(sig, signal.SIG_IGN)
+            except ValueError:  # not the worker's main thread: nothing to do from here
+                pass
