@@ -157,9 +157,24 @@ def _summarise(entry: dict[str, Any]) -> dict[str, Any]:
         if "state_dict" in state:
             out["state_dict"] = _plain(state["state_dict"])
     elif kind == "loader" and isinstance(state, dict):
-        out["position"] = {k: _plain(v) for k, v in state.items() if k in ("_num_yielded", "_sampler_iter_yielded", "_iterator_finished")}
+        out["position"] = _loader_position(state)
     elif kind == "generator":
         out["device"] = state.get("device")
+    return out
+
+
+def _loader_position(state: dict[str, Any]) -> dict[str, Any]:
+    """A StatefulDataLoader's position: its own fields without workers; with workers, those of its
+    main-process snapshot plus the snapshot's step and the batches yielded since."""
+    keys = ("_num_yielded", "_sampler_iter_yielded", "_iterator_finished", "_num_workers", "_snapshot_step",
+            "_steps_since_snapshot", "_last_yielded_worker_id")
+    out = {k: _plain(v) for k, v in state.items() if k in keys}
+    snapshot = state.get("_snapshot")
+    if isinstance(snapshot, dict):
+        out.update({k: _plain(v) for k, v in snapshot.items() if k in keys})
+        main = snapshot.get("_main_snapshot")
+        if isinstance(main, dict):
+            out.update({k: _plain(v) for k, v in main.items() if k in keys})
     return out
 
 

@@ -347,3 +347,26 @@ def test_verify_racing_a_writers_retention_reports_no_damage(tmp_path, monkeypat
     assert cli.main(["verify", url, *which]) == 0
     assert capsys.readouterr().out.strip() == "step 2: ok"
     writer.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_inspect_shows_a_loaders_position_with_and_without_workers(tmp_path, capsys, workers):
+    """With workers a StatefulDataLoader keeps its position inside a snapshot: inspect showed only
+    `_iterator_finished`."""
+    import warnings
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(distckpt.with_worker_rng(list(range(20))), batch_size=2, num_workers=workers)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+            mgr.save(0, {"loader": loader})
+    del batches
+    capsys.readouterr()
+    assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
+    position = json.loads(capsys.readouterr().out)["ranks"][0]["entries"]["loader"]["position"]
+    assert position["_sampler_iter_yielded"] == 3 and position["_iterator_finished"] is False, position
