@@ -229,7 +229,7 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
     `local` tier (tiers.py), a step committed on every node's local tier is tried before the
     durable copy of the same step, and a damaged copy falls back to the next candidate."""
     storages = {tiers.DURABLE: storage, tiers.LOCAL: local or storage}
-    _agree_on_the_request(coord, step, world_size_policy)
+    _agree_on_the_request(coord, step, world_size_policy, sorted(e.key for e in entries))
     candidates, leases = _choose_phase(coord, storage, step, local)  # the same on every rank
     split: set[int] | None = None  # the steps split between ranks at every read so far
     for attempt in range(1, _LISTING_ATTEMPTS + 1):
@@ -607,18 +607,25 @@ def _warn_fallback(step: int, tier: str, following: tuple[int, str] | None, dama
     warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
 
 
-def _agree_on_the_request(coord: Coordinator, step: int | None, world_size_policy: str) -> None:
+def _agree_on_the_request(coord: Coordinator, step: int | None, world_size_policy: str,
+                          keys: list[str] | None = None) -> None:
     """Every rank asked for the same load: rank 0 alone chooses the step, so a rank calling
-    load(state, 1) while rank 0 calls load(state, 2) or load_latest was silently given step 2."""
+    load(state, 1) while rank 0 calls load(state, 2) or load_latest was silently given step 2.
+    And into states of the same entries, as a save requires: a rank whose `state` lacked an entry
+    the others restore (its scheduler) went on with its own, with a warning on that rank only."""
     if coord.world_size == 1:
         return
-    asked = coord.all_gather({"step": step, "policy": world_size_policy}, "load/request")
+    asked = coord.all_gather({"step": step, "policy": world_size_policy, "keys": keys}, "load/request")
     _raise_refusals(asked)
-    if any(a != asked[0] for a in asked):
+    if any((a["step"], a["policy"]) != (asked[0]["step"], asked[0]["policy"]) for a in asked):
         table = ", ".join(f"rank {r}: " + ("load_latest" if a["step"] is None else f"load(state, {a['step']})")
                           + f" with world_size_policy={a['policy']!r}" for r, a in enumerate(asked))
         raise RankDisagreementError(f"the ranks asked for different loads — {table}; every rank must load the "
                                     "same step (or every rank load_latest) with the same manager settings")
+    if any(a.get("keys") != asked[0].get("keys") for a in asked):
+        table = "; ".join(f"rank {r}: {a.get('keys')}" for r, a in enumerate(asked))
+        raise RankDisagreementError(f"the ranks load into states of different entries — {table}; every rank "
+                                    "must pass a `state` with the same keys (wrap what differs in per_rank(...))")
 
 
 def refuse_load_request(coord: Coordinator, error: ConfigError) -> None:

@@ -647,3 +647,31 @@ def a_rank_reaching_the_manager_late(rank: int, world: int, url: str, manager_ti
         return "constructed"
     except distckpt.DistCkptError as e:
         return f"{type(e).__name__}: {e}"
+
+
+def a_rank_loading_into_a_state_without_an_entry(rank: int, world: int, url: str) -> dict:
+    """Rank 1's state lacks the scheduler the checkpoint holds: it went on with its own, warned on
+    rank 1 only. Now every rank refuses, nothing changed, and a load with equal states works."""
+    def fresh() -> dict:
+        state = _state(rank)
+        state["sched"] = torch.optim.lr_scheduler.StepLR(state["optimizer"], step_size=1)
+        return state
+
+    with distckpt.CheckpointManager(url, timeout=20) as mgr:
+        mgr.load_latest(fresh())
+        saved = fresh()
+        saved["sched"].step()
+        mgr.save(1, saved)
+    state = fresh()
+    if rank == 1:
+        del state["sched"]
+    before = state["model"].weight.detach().clone()
+    with distckpt.CheckpointManager(url, timeout=20) as mgr:
+        try:
+            mgr.load_latest(state)
+            first = "loaded"
+        except distckpt.DistCkptError as e:
+            first = f"{type(e).__name__}: {e}"
+        unchanged = torch.equal(state["model"].weight, before)
+        again = mgr.load_latest(fresh()).step
+    return {"first": first, "unchanged": unchanged, "again": again}

@@ -283,6 +283,14 @@ def test_a_rank_reaching_the_manager_after_the_timeout_is_a_coordination_error_o
         assert r.value.startswith("CoordinationError") and "creating distckpt's gloo group failed" in r.value, r.value
 
 
+def test_ranks_loading_into_states_of_different_entries_all_refuse(ckpt_dir):
+    for r in run_world(f"{W}:a_rank_loading_into_a_state_without_an_entry", 2, url=ckpt_dir):
+        assert r.error is None, r.error
+        assert r.value["first"].startswith("RankDisagreementError") and "different entries" in r.value["first"], r.value
+        assert "rank 1: ['gen', 'model', 'optimizer']" in r.value["first"], r.value
+        assert r.value["unchanged"] and r.value["again"] == 1
+
+
 def test_objects_larger_than_a_slot_take_one_more_message():
     results = run_world(f"{W}:exchange_objects_larger_than_a_slot", 3)
     assert all(r.error is None for r in results), [r.error for r in results]
