@@ -17,11 +17,12 @@ then ships to every node; that layout refuses sharded entries and split writes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from . import faults, fencing, incremental, sharded
 from . import manifest as mf
@@ -53,7 +54,7 @@ from .fencing import Lease
 from .incremental import ContentTable
 from .kinds import capture_entry
 from .rng import capture_process_rng
-from .serialize import EncodedTree, encode_tree, safetensors_chunks
+from .serialize import EncodedTree, encode_tree, key_path, safetensors_chunks
 from .staging import StagingPool, region_key
 from .storage import Storage
 
@@ -314,7 +315,8 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
         tree = {"entries": {e.key: capture_entry(e) for e in entries if e.scope in scopes}}
         if split:
             _check_storable(tree["entries"], entries)
-        encode_tree(tree, ("replicated",), shards=out.shards, split=split)  # the same names as rank 0's
+        with _named_by_the_users_path(("replicated",), entries):
+            encode_tree(tree, ("replicated",), shards=out.shards, split=split)  # the same names as rank 0's
     if out.shards is not None:
         out.shards.sync()
     return out
@@ -341,12 +343,29 @@ def _encode_checked(tree: dict[str, Any], path: tuple[Any, ...], entries: Sequen
     options["depth_base"] = len(path) + 2  # (file, "entries", key, "state"): the limit counts from state[key]
     if options.get("shards") is not None:
         _check_storable(tree["entries"], entries)
-        return encode_tree(tree, path, **options)
+        with _named_by_the_users_path(path, entries):  # the shard sink's own refusals (placements)
+            return encode_tree(tree, path, **options)
     try:
         return encode_tree(tree, path, **options)
     except UnstorableValueError:
         _check_storable(tree["entries"], entries)  # raises the same refusal, by the user's key path
         raise
+
+
+@contextlib.contextmanager
+def _named_by_the_users_path(path: tuple[Any, ...], entries: Sequence[Entry]) -> Iterator[None]:
+    """An UnstorableValueError raised inside the encoder names our tree's path
+    (state['replicated']['entries']['model']['state'][...]): re-raised naming the user's
+    (state['model'][...])."""
+    try:
+        yield
+    except UnstorableValueError as e:
+        message = str(e)
+        for entry in entries:
+            message = message.replace(key_path((*path, "entries", entry.key, "state")), key_path((entry.key,)))
+        if message == str(e):
+            raise
+        raise UnstorableValueError(message) from e
 
 
 def _check_storable(captured: dict[str, Any], entries: Sequence[Entry] = ()) -> None:

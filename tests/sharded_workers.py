@@ -168,3 +168,18 @@ def split_writes_with_own_buffers(rank: int, world: int, url: str) -> dict:
     with distckpt.CheckpointManager(url, timeout=30, split_writes=True) as mgr:
         mgr.save(1, {"model": model, "optimizer": opt})
     return {k: model[1].get_buffer(k).tolist() for k in ("running_mean", "running_var")}
+
+
+def a_partial_placement_is_refused_by_the_users_key_path(rank: int, world: int, url: str) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (world,))
+    module = nn.Module()
+    module.w = nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [Partial()]))
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        try:
+            mgr.save(0, {"model": module})
+            return "saved"
+        except distckpt.UnstorableValueError as e:
+            return str(e)

@@ -183,3 +183,9 @@ def test_split_writes_store_one_ranks_buffers_together(ckpt_dir):
     whole = _bn_model()
     distckpt.load_weights(ckpt_dir, whole)
     assert {k: whole[1].get_buffer(k).tolist() for k in ("running_mean", "running_var")} == ranks[0]
+
+
+def test_a_partial_placement_is_refused_at_save_naming_the_users_key_path(ckpt_dir):
+    """It named our tree's path, state['replicated']['entries']['model']['state']['state_dict']['w']."""
+    for message in _ok(run_world(f"{W}:a_partial_placement_is_refused_by_the_users_key_path", 2, url=ckpt_dir)):
+        assert "state['model']" in message and "['replicated']" not in message and "Partial" in message, message
