@@ -160,15 +160,17 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
     if getattr(args, "local_dir", None):
         d["tier"] = tier
     m = d["manifest"]
-    lines = [f"step {m['step']}  epoch {m['epoch']}  metric {m['metric']}  world size {m['world_size']}  run {m['run_id']}",
+    lines = [f"step {m['step']}  epoch {m['epoch']}  metric {m['metric']}  world size {m['world_size']}  run {m['run_id']}"
+             + (f"  ({tier} tier)" if getattr(args, "local_dir", None) else ""),
              "versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
              f"config: {json.dumps(d['config'])}", "ranks:"]
     for r, info in zip(d["ranks"], m["ranks"]):
         lines.append(f"  rank {r['rank']} on {info['host']}: epoch {r['epoch']}, RNG streams {r['rng_streams']}")
         lines += [f"    {k}: {json.dumps(v, default=str)}" for k, v in r["entries"].items()]
     lines.append("entries: " + ", ".join(f"{k} ({v['kind']}, {v['scope']})" for k, v in m["entries"].items()))
-    lines.append(f"bytes: {d['bytes_owned']:,} in this step's files, {d['bytes_shared']:,} in files of older "
-                 "steps it references (incremental)")
+    lines.append(f"bytes: {d['bytes_owned']:,} in this step's files"
+                 + (f", {d['bytes_shared']:,} in files of older steps it references (incremental)"
+                    if d["bytes_shared"] else ""))
     lines.append(f"tensors ({len(d['tensors'])}, {sum(t['bytes'] for t in d['tensors']):,} bytes):")
     lines += [f"  {t['name']:<56} {t['dtype']:>5} {str(t['shape']):>18} {t['bytes']:>12,}"
               + (f"  from {t['shared_from']}" if "shared_from" in t else "") for t in d["tensors"]]

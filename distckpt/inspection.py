@@ -143,7 +143,7 @@ def _describe_step(storage: Storage, step: int) -> dict[str, Any]:
         ranks.append({"rank": rank, "epoch": own.get("epoch"), "rng_streams": sorted(own["rng"]),
                       "entries": {k: _summarise(v) for k, v in own["entries"].items()}})
     config = replicated["entries"].get("config", {}).get("state")
-    shared = sum(t["bytes"] for t in table if "shared_from" in t)
+    shared = manifest.shared_bytes  # the referenced files' sizes, as `ls` counts them
     owned = manifest.owned_bytes
     return {"manifest": manifest.to_json(), "ranks": ranks, "config": _plain(config), "tensors": table,
             "bytes_owned": owned, "bytes_shared": shared}

@@ -109,7 +109,12 @@ def test_inspect_shows_reused_tensors_and_shared_bytes_as_text_and_json(tmp_path
     assert cli.main(["inspect", root, "--step", "1", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     reused = [t for t in d["tensors"] if "shared_from" in t]
-    assert reused and d["bytes_shared"] == sum(t["bytes"] for t in reused) and d["bytes_owned"] > 0
+    shared_files = d["manifest"]["shared_files"]
+    assert reused and d["bytes_shared"] == sum(r["size"] for r in shared_files.values()) and d["bytes_owned"] > 0
+    assert {t["shared_from"] for t in reused} <= set(shared_files)
+    capsys.readouterr()
+    assert cli.main(["ls", root, "--json"]) == 0  # ls and inspect count the same shared bytes
+    assert {r["step"]: r["shared_bytes"] for r in json.loads(capsys.readouterr().out)}[1] == d["bytes_shared"]
     assert cli.main(["inspect", root, "--step", "1"]) == 0
     text = capsys.readouterr().out
     assert f"{d['bytes_shared']:,} in files of older steps" in text

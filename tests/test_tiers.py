@@ -364,6 +364,8 @@ def test_the_command_line_shows_and_verifies_both_tiers(roots, capsys):
     assert main(["inspect", durable, "--local-dir", local, "--json"]) == 0
     described = json.loads(capsys.readouterr().out)
     assert (described["manifest"]["step"], described["tier"]) == (2, "local")
+    assert main(["inspect", durable, "--local-dir", local, "--step", "0"]) == 0  # the text says which tier too
+    assert "(local tier)" in capsys.readouterr().out.splitlines()[0]
     assert main(["ls", durable, "--json"]) == 0  # without --local-dir: the URL alone, as before
     assert [r["step"] for r in json.loads(capsys.readouterr().out)] == [1, 2]
 
