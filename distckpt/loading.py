@@ -607,8 +607,7 @@ def _warn_fallback(step: int, tier: str, following: tuple[int, str] | None, dama
     warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
 
 
-def _agree_on_the_request(coord: Coordinator, step: int | None, world_size_policy: str,
-                          keys: list[str] | None = None) -> None:
+def _agree_on_the_request(coord: Coordinator, step: int | None, world_size_policy: str, keys: list[str]) -> None:
     """Every rank asked for the same load: rank 0 alone chooses the step, so a rank calling
     load(state, 1) while rank 0 calls load(state, 2) or load_latest was silently given step 2.
     And into states of the same entries, as a save requires: a rank whose `state` lacked an entry
@@ -622,8 +621,8 @@ def _agree_on_the_request(coord: Coordinator, step: int | None, world_size_polic
                           + f" with world_size_policy={a['policy']!r}" for r, a in enumerate(asked))
         raise RankDisagreementError(f"the ranks asked for different loads — {table}; every rank must load the "
                                     "same step (or every rank load_latest) with the same manager settings")
-    if any(a.get("keys") != asked[0].get("keys") for a in asked):
-        table = "; ".join(f"rank {r}: {a.get('keys')}" for r, a in enumerate(asked))
+    if any(a["keys"] != asked[0]["keys"] for a in asked):
+        table = "; ".join(f"rank {r}: {a['keys']}" for r, a in enumerate(asked))
         raise RankDisagreementError(f"the ranks load into states of different entries — {table}; every rank "
                                     "must pass a `state` with the same keys (wrap what differs in per_rank(...))")
 

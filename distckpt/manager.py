@@ -113,6 +113,7 @@ class CheckpointManager:
         self._lease: Lease | None = None  # rank 0, taken at the first save (fencing.py)
         self._closed = False
         self._warned_below_newest = False
+        self._newest_committed: int | None = None  # rank 0: the highest step committed, for that warning
         self._preemption = PreemptionFlag(self.config.preemption_signals)
         self._preempting = False  # agreed by preemption_requested(): the next save is made durable
         self._init_tiers(local_dir, durable_every, keep_local)
@@ -170,11 +171,16 @@ class CheckpointManager:
             # the metric is rank 0's: elsewhere it may be anything (README) and is not used
             step, epoch, metric = _check_save_args(step, epoch, metric if self.rank == 0 else None)
         except ConfigError as e:
-            if self.world_size == 1:
-                raise
-            refusal = e
+            refusal = self._refused(e)
         with collector_paused():
             self._save(step, state, epoch, metric, refusal)
+
+    def _refused(self, error: ConfigError) -> ConfigError:
+        """A refusal of this rank's arguments or state, kept for the call's first agreement, where
+        every rank raises it; a world of one raises it as it is, at once."""
+        if self.world_size == 1:
+            raise error
+        return error
 
     def _refuse_save(self, step: Any, refusal: ConfigError) -> NoReturn:
         """An argument or `state` refused on this rank only (epoch=-1 on rank 1) is the same
@@ -194,9 +200,7 @@ class CheckpointManager:
         try:
             entries = classify(state) if refusal is None else []
         except ConfigError as e:  # StateArgumentError: `state` refused before any exchange
-            if self.world_size == 1:
-                raise
-            refusal, entries = e, []
+            refusal, entries = self._refused(e), []
         if refusal is not None:
             self._refuse_save(step, refusal)
         if self.rank == 0:
@@ -387,13 +391,16 @@ class CheckpointManager:
         """Once per manager: a step saved below the newest committed one (a branch after
         load(state, step=older)) is not what load_latest resumes from, and retention keeps it
         beside the newest keep_last (a step just committed is never removed)."""
-        newer = [step for step in index.listing.committed() if step > just_committed]
-        if newer and not self._warned_below_newest:
+        if self._newest_committed is None:  # listed once: a save's cost must not grow with history
+            committed = index.listing.committed()
+            self._newest_committed = committed[0] if committed else just_committed
+        newest, self._newest_committed = self._newest_committed, max(self._newest_committed, just_committed)
+        if just_committed < newest and not self._warned_below_newest:
             self._warned_below_newest = True
-            message = (f"step {just_committed} was committed below the newest committed step {max(newer)} of "
-                       f"{index.storage.url}: load_latest resumes from step {max(newer)}, not from this branch, "
+            message = (f"step {just_committed} was committed below the newest committed step {newest} of "
+                       f"{index.storage.url}: load_latest resumes from step {newest}, not from this branch, "
                        "and keep_last counts the highest steps (this one is kept as the step just saved). To "
-                       f"continue this branch after a restart, number its saves above {max(newer)} or resume it "
+                       f"continue this branch after a restart, number its saves above {newest} or resume it "
                        "with load(state, step=...)")
             log.warning("rank 0: %s", message)
             warnings.warn(message, CheckpointWarning, stacklevel=2)
@@ -640,9 +647,7 @@ class CheckpointManager:
         try:
             step = check_step("step", step)
         except ConfigError as e:
-            if self.world_size == 1:
-                raise
-            refusal = e
+            refusal = self._refused(e)
         progress = self._load(state, step, refusal)
         assert progress is not None  # load(step=...) raises rather than returning None
         return progress
@@ -654,9 +659,7 @@ class CheckpointManager:
             try:
                 entries = classify(state) if refusal is None else []
             except ConfigError as e:  # refused on this rank: the same error on every rank, at once
-                if self.world_size == 1:
-                    raise
-                refusal = e
+                refusal = self._refused(e)
             if refusal is not None:
                 refuse_load_request(self._coord, refusal)
                 raise refusal  # not reached: refuse_load_request raised

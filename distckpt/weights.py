@@ -42,6 +42,7 @@ from .errors import (
 )
 from .fencing import FENCE_DIR, read_leases
 from .gcpause import paused_while_running
+from .reading import read_verified
 from .serialize import _DTYPE_TO_ST, _ST_TO_DTYPE, ShardRef, load_tree_file
 from .sharded import ShardReader
 from .staging import flat_bytes
@@ -180,7 +181,7 @@ def _verify_rank_files(storage: Storage, manifest: mf.Manifest, where: str) -> N
     would skip as damaged is not exported or loaded as weights either."""
     for name, record in manifest.files.items():
         if name.startswith("ranks/"):
-            mf.verify_file(storage.read_bytes(f"{mf.step_dir(manifest.step)}/{name}"), record, f"{where}/{name}")
+            read_verified(storage, f"{mf.step_dir(manifest.step)}/{name}", record, f"{where}/{name}")
 
 
 def _releaser(data: Any) -> Callable[[int, int], None]:

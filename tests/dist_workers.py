@@ -534,7 +534,7 @@ def split_writes_round_trip_generated_trees(rank: int, world: int, url: str, exa
     (derandomized), as a replicated value must be."""
     from hypothesis import HealthCheck, given, settings
 
-    from tests.test_roundtrip_property import assert_identical, trees
+    from tests.test_roundtrip_property import _tensors_in, assert_identical, trees
 
     count = [0]
 
@@ -551,21 +551,11 @@ def split_writes_round_trip_generated_trees(rank: int, world: int, url: str, exa
             mgr.load(back, 0)
         assert_identical(value, back["r"]["x"])
         assert_identical(value, back["tied"]["again"])
-        held = {id(t) for t in _tensors(back["r"]["x"])}
-        assert all(id(t) in held for t in _tensors(back["tied"]["again"]))  # one object per stored tensor
+        held = {id(t) for t in _tensors_in(back["r"]["x"], [])}
+        assert all(id(t) in held for t in _tensors_in(back["tied"]["again"], []))  # one object per stored tensor
 
     check()
     return {"examples": count[0]}
-
-
-def _tensors(value: Any) -> list:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def an_argument_refused_on_one_rank(rank: int, world: int, url: str, how: str, async_save: bool) -> dict:

@@ -134,18 +134,6 @@ def _tensors_in(value, out):
     return out
 
 
-def _ids_of_tensors(value, out):
-    if isinstance(value, torch.Tensor):
-        out.append(id(value))
-    elif isinstance(value, dict):
-        for v in value.values():
-            _ids_of_tensors(v, out)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _ids_of_tensors(v, out)
-    return out
-
-
 def _through_the_manager(tmp_path, value, **options):
     with distckpt.CheckpointManager(str(tmp_path), **options) as mgr:
         step = (max(mgr.committed_steps()) + 1) if mgr.committed_steps() else 0
