@@ -13,6 +13,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -31,6 +32,7 @@ class _Job:
         self.fn = fn
         self.result: Any = None
         self.error: BaseException | None = None
+        self.submitted = time.monotonic()
         self._ended = Gate(is_open=False)
 
     @property
@@ -77,20 +79,40 @@ class AsyncWriter:
         self._jobs.put(self._job)
         _register_exit_wait(self)
 
-    def wait(self) -> tuple[Any, BaseException | None]:
-        """Join the save in flight (if any); returns (result, error)."""
+    def wait(self, within_s_of_submit: float | None = None) -> tuple[Any, BaseException | None]:
+        """Join the save in flight (if any); returns (result, error). With `within_s_of_submit`,
+        a job still running that many seconds after it was submitted raises WriterStuckError
+        and stays in flight."""
         job = self._job
         if job is None:
             return None, None
-        job.join()
+        if within_s_of_submit is None:
+            job.join()
+        elif not job.join(max(0.0, job.submitted + within_s_of_submit - time.monotonic())):
+            raise WriterStuckError(time.monotonic() - job.submitted)
         self._job = None
         return job.result, job.error
+
+    def abandon(self) -> None:
+        """Give up on the job in flight: nothing waits for it again, at exit neither (its thread
+        is a daemon; the commit protocol makes whatever it leaves half-written invisible)."""
+        self._job = None
+        _IN_FLIGHT.discard(self)
+        self.close()
 
     def close(self) -> None:
         """End the thread once the job in flight (if any) is done; a later submit starts another."""
         if self._thread is not None:
             self._jobs.put(None)
             self._thread = None
+
+
+class WriterStuckError(Exception):
+    """The job in flight did not end within the wait's bound."""
+
+    def __init__(self, elapsed_s: float) -> None:
+        super().__init__(f"still running {elapsed_s:.1f}s after it was submitted")
+        self.elapsed_s = elapsed_s
 
 
 def _serve(jobs: "queue.SimpleQueue[_Job | None]") -> None:

@@ -42,6 +42,8 @@ class Coordinator(Protocol):
 
     def check_usable(self) -> None: ...
 
+    def distrust(self, reason: str) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -64,6 +66,9 @@ class SingleProcess:
         return obj
 
     def check_usable(self) -> None:
+        pass
+
+    def distrust(self, reason: str) -> None:
         pass
 
     def close(self) -> None:
@@ -101,6 +106,12 @@ class GlooCoordinator:
                 f"rank {self.rank}: this CheckpointManager's process group failed earlier ({self.broken}) "
                 "and cannot be trusted for another exchange; the job should restart (torchrun does) or "
                 "create a new CheckpointManager; committed checkpoints are unaffected")
+
+    def distrust(self, reason: str) -> None:
+        """No exchange goes through this group again (`reason` is said by every later call):
+        the peers gave up on an exchange this rank has not finished."""
+        if self.broken is None:
+            self.broken = reason
 
     def _run(self, phase: str, fn: Any) -> Any:
         self.check_usable()

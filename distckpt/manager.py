@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 from . import doctor as doctor_hooks
 from . import faults
 from . import manifest as mf
-from .async_writer import AsyncWriter
+from .async_writer import AsyncWriter, WriterStuckError
 from .capture import SHARDED, CheckpointWarning
 from .commit import CommitIndex, ReplacePolicy, committed_generations, list_committed
 from .config import ManagerConfig
@@ -613,12 +613,40 @@ class CheckpointManager:
             return
         step = self._pending_step
         self._snapshot.check()
-        _, err = self._writer.wait()
+        try:
+            _, err = self._writer.wait(self._writer_bound_s())
+        except WriterStuckError as stuck:
+            self._give_up_on_writer(step, stuck)
         self._pending_step = None
         if err is not None:
             raise AsyncSaveError(f"background save of step {step} failed: {type(err).__name__}: {err}") from err
         self._ship_to_nodes(step)
         doctor_hooks.after_commit(step, self.rank, self.world_size)
+
+    def _writer_bound_s(self) -> float | None:
+        """How long after submitting a save rank 0 waits for its writer: the other ranks stop
+        waiting for its outcome `timeout` after their part (README: timeout must exceed rank 0's
+        writes), so a write still running well past that (a storage call hung below Python) can
+        only be reported, never shared. None (no bound) in a world of one: nobody else waits."""
+        if self.world_size == 1:
+            return None
+        return self.config.timeout + min(self.config.timeout, 60.0)
+
+    def _give_up_on_writer(self, step: int, stuck: WriterStuckError) -> NoReturn:
+        reason = (f"rank 0's background write of step {step} did not finish within {stuck.elapsed_s:.0f}s "
+                  f"(the timeout is {self.config.timeout:g}s)")
+        for coord in (self._coord, self._writer_coord):
+            if coord is not None:
+                coord.distrust(reason)
+        self._writer.abandon()
+        self._writer = AsyncWriter()
+        self._writer.before_exit = self._snapshot.check
+        self._pending_step = None
+        raise AsyncSaveError(
+            f"background save of step {step} failed: {reason}; the other ranks have stopped waiting for "
+            "its outcome. It is abandoned (a write stuck in storage, or slower than timeout= allows): step "
+            f"{step} may or may not be committed later (committed_steps() or a restart's load_latest tell). "
+            "This manager's group is not trusted again: restart the job or create a new CheckpointManager")
 
     # -- load -----------------------------------------------------------------------------
 

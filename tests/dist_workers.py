@@ -351,6 +351,49 @@ def rank_0_slower_than_the_timeout(rank: int, world: int, url: str, async_save: 
     return out
 
 
+def rank_0_writer_stuck(rank: int, world: int, url: str) -> dict:
+    """Rank 0's background write of step 1 hangs in storage (until the end of this function):
+    rank 0's wait for it is bounded (timeout + min(timeout, 60 s) after the save), not forever."""
+    import threading
+    import time
+
+    from distckpt import faults
+
+    release = threading.Event()
+
+    def hang(name: str, context: dict) -> None:
+        if name == "save/replicated-written" and context["step"] == 1 and rank == 0:
+            release.wait(120)
+
+    faults.on_point(hang)
+    state = _state(rank)
+    out: dict = {}
+    mgr = distckpt.CheckpointManager(url, timeout=2, async_save=True)
+    mgr.save(0, state)
+    mgr.wait()
+    mgr.save(1, state)
+    started = time.monotonic()
+    try:
+        mgr.wait()
+        out["wait"] = None
+    except distckpt.DistCkptError as e:
+        out["wait"] = f"{type(e).__name__}: {e}"
+    out["waited_s"] = time.monotonic() - started
+    time.sleep(1)  # every rank past its error
+    try:
+        mgr.save(2, state)
+        out["save 2"] = None
+    except distckpt.DistCkptError as e:
+        out["save 2"] = f"{type(e).__name__}: {e}"
+    try:
+        mgr.close()
+        out["close"] = None
+    except distckpt.DistCkptError as e:
+        out["close"] = f"{type(e).__name__}: {e}"
+    release.set()
+    return out
+
+
 _T = torch.zeros(2)
 
 

@@ -341,6 +341,24 @@ def test_rank_0_slower_than_the_timeout_is_said_as_it_is_and_the_manager_then_re
         assert r.value["committed"][0] == 3 and 2 not in r.value["committed"], r.value
 
 
+def test_rank_0_waits_for_a_stuck_background_write_a_bounded_time(ckpt_dir):
+    """A write hung below Python (a stuck NFS call) held rank 0 in its next save's wait forever
+    while the other ranks raised at the timeout. Rank 0 now gives up timeout + min(timeout, 60 s)
+    after the save, says the step may or may not be committed, and every later call of that
+    manager fails at once, on every rank."""
+    results = run_world(f"{W}:rank_0_writer_stuck", 2, timeout=120, url=ckpt_dir)
+    for r in results:
+        assert r.error is None, r.error
+    zero, one = results[0].value, results[1].value
+    assert zero["wait"] is not None and "AsyncSaveError" in zero["wait"], zero
+    assert "did not finish within" in zero["wait"] and "may or may not be committed" in zero["wait"], zero
+    assert zero["waited_s"] < 10, zero  # bound: 2 + 2 s after the save
+    assert one["wait"] is not None and "may or may not be committed" in one["wait"], one
+    for r in (zero, one):
+        assert r["save 2"] is not None and "CoordinationError" in r["save 2"], r
+        assert r["close"] is None, r
+
+
 def test_run_world_starts_again_when_another_process_took_its_free_port(ckpt_dir, monkeypatch):
     """distckpt.testing.run_world picks a free port, then the world's store binds it; another
     process may take it in between (EADDRINUSE): the world is started again on another port."""
