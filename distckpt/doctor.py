@@ -40,6 +40,7 @@ KILL_AFTER_ENV = "DISTCKPT_DOCTOR_KILL_AFTER"
 KILL_RANK_ENV = "DISTCKPT_DOCTOR_KILL_RANK"
 KILLED_MARK_ENV = "DISTCKPT_DOCTOR_KILLED_MARK"
 STOP_AFTER_ENV = "DISTCKPT_DOCTOR_STOP_AFTER"
+WORLD_MARK_ENV = "DISTCKPT_DOCTOR_WORLD_MARK"  # rank 0 writes the job's world size there once
 EVERY_ENV = "DISTCKPT_DOCTOR_EVERY"  # --every K: fingerprint the parameters every K optimizer steps
 FIRST = "first"  # --kill-at not given: kill after the first commit of the run
 
@@ -137,6 +138,7 @@ def after_commit(step: int, rank: int, world_size: int) -> None:
     chosen rank SIGKILLs itself after the chosen commit (once per doctor run), and with --steps
     every rank ends the job after the commit of that step (all ranks decide alike)."""
     stop = os.environ.get(STOP_AFTER_ENV)
+    _note_world_size(rank, world_size)
     _maybe_kill(step, rank, world_size)
     if stop is not None and step >= int(stop):
         sys.stdout.flush()
@@ -144,12 +146,21 @@ def after_commit(step: int, rank: int, world_size: int) -> None:
         os._exit(0)
 
 
+def _note_world_size(rank: int, world_size: int) -> None:
+    """Rank 0 tells the doctor the job's world size (once): --kill-rank is checked against it."""
+    mark = os.environ.get(WORLD_MARK_ENV)
+    if mark is None or rank != 0 or os.path.exists(mark):
+        return
+    with open(mark, "w") as f:
+        f.write(str(world_size))
+
+
 def _maybe_kill(step: int, rank: int, world_size: int) -> None:
     target = os.environ.get(KILL_AFTER_ENV)
     mark = os.environ.get(KILLED_MARK_ENV)
     if target is None or mark is None or (target != FIRST and int(target) != step):
         return
-    if rank != int(os.environ.get(KILL_RANK_ENV, world_size - 1)) % max(world_size, 1):
+    if rank != int(os.environ.get(KILL_RANK_ENV, world_size - 1)):
         return
     try:
         fd = os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # the relaunch must not kill again
@@ -377,6 +388,18 @@ def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
     return causes
 
 
+def _check_kill_rank(kill_rank: int | None, world_mark: str) -> None:
+    """--kill-rank must name a rank of the job (it was taken modulo the world size: 5 in a world
+    of 1 killed rank 0)."""
+    if kill_rank is None or not os.path.exists(world_mark):
+        return
+    with open(world_mark) as f:
+        world_size = int(f.read())
+    if kill_rank >= world_size:
+        raise DistCkptError(f"--kill-rank {kill_rank}: the job has {world_size} rank(s), 0 to {world_size - 1}; "
+                            "name one of them (default: the last)")
+
+
 # -- running the two jobs ----------------------------------------------------------------------------
 
 def run_doctor(command: list[str], kill_at: int | None, kill_rank: int | None = None, workdir: str | None = None,
@@ -387,7 +410,9 @@ def run_doctor(command: list[str], kill_at: int | None, kill_rank: int | None = 
     stop = {STOP_AFTER_ENV: str(steps)} if steps is not None else {}
     if every is not None:
         stop[EVERY_ENV] = str(every)
-    _run(command, {ROOT_ENV: reference, **stop}, timeout, "the uninterrupted run")
+    world_mark = os.path.join(workdir, "world-size")
+    _run(command, {ROOT_ENV: reference, WORLD_MARK_ENV: world_mark, **stop}, timeout, "the uninterrupted run")
+    _check_kill_rank(kill_rank, world_mark)
     env = {ROOT_ENV: killed, KILL_AFTER_ENV: FIRST if kill_at is None else str(kill_at), KILLED_MARK_ENV: mark, **stop}
     if kill_rank is not None:
         env[KILL_RANK_ENV] = str(kill_rank)

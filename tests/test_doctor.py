@@ -135,3 +135,16 @@ def test_a_two_tier_job_is_compared_on_its_local_tier_too(tmp_path, capsys, monk
     code, report = _doctor(tmp_path, capsys, "--local-tier")
     assert code == 0 and report["identical"] and report["common_steps"] == [4, 9, 14, 19], report
     assert os.path.isdir(tmp_path / "doctor" / "killed-local")
+
+
+def test_a_kill_rank_outside_the_job_is_refused_after_the_first_run(tmp_path, capsys, monkeypatch):
+    """--kill-rank was taken modulo the world size (5 in a world of 1 killed rank 0): a rank the
+    job does not have is refused, naming the job's ranks, and nothing is killed."""
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    command = [a.replace("LOG", str(tmp_path / "log")) for a in _command()]
+    code = cli.main(["doctor", "--steps", "4", "--kill-rank", "2", "--json", "--workdir", str(tmp_path / "doctor"),
+                     "--", *command])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 2, report
+    assert "--kill-rank 2: the job has 2 rank(s), 0 to 1" in report["error"], report
+    assert not (tmp_path / "doctor" / "killed").exists()
