@@ -30,7 +30,7 @@ from .preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from .rng import RngRestoreWarning
 from .tiers import DurableUploadWarning
 from .weights import WeightsReport, export_weights, load_weights
-from .workers import with_worker_rng
+from .workers import preemption_safe_worker_init, with_worker_rng
 
 __all__ = [
     "AsyncSaveError", "CheckpointExistsError", "CheckpointFallbackWarning", "CheckpointManager",
@@ -39,5 +39,5 @@ __all__ = [
     "RankDisagreementError", "RngRestoreWarning", "RunConflictError", "SnapshotChangedError", "StateArgumentError", "StorageError",
     "SupersededCheckpointError", "UnstorableValueError",
     "WeightsReport", "__version__", "export_weights", "init_distributed", "load_weights", "per_rank",
-    "shutdown_distributed", "with_worker_rng",
+    "preemption_safe_worker_init", "shutdown_distributed", "with_worker_rng",
 ]

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from .workers import note_preemption_signals
+from .workers import note_preempted, note_preemption_signals
 
 log = logging.getLogger("distckpt")
 
@@ -50,6 +50,7 @@ class PreemptionFlag:
             os.kill(os.getpid(), signum)
             return
         if self.received_at is None:
+            note_preempted()  # before anything else: the loader workers got it too, and wait for this
             self.received_at, self.signal = time.monotonic(), signum
             log.warning("received %s: a checkpoint will be saved at the next step boundary",
                         signal.Signals(signum).name)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
+
+import pytest
 
 
 def run(code: str) -> subprocess.CompletedProcess:
@@ -34,3 +37,85 @@ def test_a_loop_that_never_asks_is_terminated_as_usual(tmp_path):
         print("ignored the signal")
     """)
     assert out.returncode == -15 and "ignored" not in out.stdout
+
+
+_LOADER = """
+    import os, signal, sys, time, torch, distckpt
+    from torch.utils.data import IterableDataset, TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            info = torch.utils.data.get_worker_info()
+            return iter(range(info.id, 400, info.num_workers))
+
+    data = TensorDataset(torch.arange(400.0)) if {kind!r} != "iterable" else Stream()
+    if {kind!r} == "worker_init_fn":  # not wrapped: distckpt's worker_init_fn instead
+        loader = StatefulDataLoader(data, batch_size=4, num_workers=2,
+                                    worker_init_fn=distckpt.preemption_safe_worker_init)
+    else:
+        loader = StatefulDataLoader(distckpt.with_worker_rng(data), batch_size=4, num_workers=2)
+    mgr = distckpt.CheckpointManager({root!r}, timeout=10)
+    it = iter(loader)
+    next(it)
+"""
+
+
+@pytest.mark.parametrize("kind", ["map", "iterable", "worker_init_fn"])
+@pytest.mark.parametrize("ending", ["end", "close", "exit", "raise"])
+def test_a_rank_that_exits_with_loader_workers_mid_epoch_ends(tmp_path, kind, ending):
+    """Workers of a with_worker_rng dataset outlive a pre-emption notice; they ignored SIGTERM
+    outright, and multiprocessing's exit hook (SIGTERM to each worker, then a join with no
+    deadline) hung the exit of every script that left a loader's iterator mid-epoch."""
+    tail = {"end": "", "close": "mgr.close()", "exit": "sys.exit(3)", "raise": "raise RuntimeError('in the step')"}[ending]
+    code = _LOADER.format(kind=kind, root=str(tmp_path)) + f"    {tail}\n    print('end of script', flush=True)\n"
+    started = time.monotonic()
+    out = run(code)
+    assert out.returncode == {"exit": 3, "raise": 1}.get(ending, 0), out.stderr[-2000:]
+    assert time.monotonic() - started < 60
+
+
+def test_a_loader_worker_signalled_alone_ends(tmp_path):
+    """A SIGTERM the rank did not get (a kill of one worker) keeps its default effect, after a
+    bounded wait for the rank's notice (the loader then reports the worker killed, as usual)."""
+    code = _LOADER.format(kind="map", root=str(tmp_path)) + """
+    assert mgr.preemption_requested() is False  # armed: the loop asks
+    os.kill(it._workers[0].pid, signal.SIGTERM)
+    started, said = time.monotonic(), ""
+    try:
+        while time.monotonic() - started < 30 and it._workers[0].exitcode is None:
+            time.sleep(0.05)
+    except RuntimeError as e:  # torch's SIGCHLD handler: "DataLoader worker ... is killed by signal"
+        said = str(e)
+    while time.monotonic() - started < 30 and it._workers[0].exitcode is None:
+        time.sleep(0.05)
+    print("alone:", it._workers[0].exitcode, round(time.monotonic() - started, 1), "killed by signal" in said, flush=True)
+    os._exit(0)
+    """
+    out = run(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    alone = next(line for line in out.stdout.splitlines() if line.startswith("alone:")).split()
+    assert alone[1] == "-15" and float(alone[2]) < 15 and alone[3] == "True", out.stdout
+
+
+@pytest.mark.parametrize("kind", ["map", "worker_init_fn"])
+@pytest.mark.parametrize("order", ["workers first", "rank first"])
+def test_loader_workers_signalled_with_their_rank_serve_on_until_it_saves(tmp_path, order, kind):
+    """A pre-emption signal to the process group reaches the workers and the rank in either
+    order: the workers wait for the rank's notice and keep serving batches."""
+    signal_rank = "os.kill(os.getpid(), signal.SIGTERM)"
+    signal_workers = "for w in it._workers: os.kill(w.pid, signal.SIGTERM)"
+    first, second = (signal_workers, signal_rank) if order == "workers first" else (signal_rank, signal_workers)
+    code = _LOADER.format(kind=kind, root=str(tmp_path)) + f"""
+    assert mgr.preemption_requested() is False  # armed: the loop asks
+    {first}
+    time.sleep(0.2)
+    {second}
+    time.sleep(0.5)
+    batches = sum(1 for _ in zip(range(20), it))
+    print("with the rank:", mgr.preemption_requested(), batches, [w.exitcode for w in it._workers], flush=True)
+    mgr.close()
+    """
+    out = run(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "with the rank: True 20 [None, None]" in out.stdout, out.stdout
