@@ -454,6 +454,13 @@ def attempt_phase(coord: Coordinator, phase: str, fn: Callable[[], T],
         result = fn()
     except Exception as e:  # every rank hears it: none may be left waiting in the exchange
         return None, e, coord.all_gather(Outcome.failure(coord.rank, e), phase)
+    except (KeyboardInterrupt, SystemExit) as e:
+        # Raised out of user code on this rank (a state_dict(), a Ctrl-C handler): the peers hear
+        # it too, then it goes on as it is. Left out of the exchange, they waited in it for the
+        # timeout, or paired it with this rank's next call (two steps "disagreeing"; a retried save
+        # waited the whole timeout for a report filed under another save's key).
+        coord.all_gather(Outcome.failure(coord.rank, e), phase)
+        raise
     return result, None, coord.all_gather(Outcome(coord.rank, info=info(result) if info else {}), phase)
 
 

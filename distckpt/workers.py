@@ -190,8 +190,10 @@ def preemption_safe_worker_init(worker_id: int) -> None:
 
 def _on_signal(signum: int, frame: Any) -> None:
     """A worker's pre-emption signal: go on if the rank recorded a notice (now, or within
-    WORKER_NOTICE_WAIT_S: both got it from one kill of the process group); end as the signal's
-    default would if the rank is exiting, is gone, or never got one."""
+    WORKER_NOTICE_WAIT_S: both got it from one kill of the process group); end quietly if the
+    rank is exiting (its exit terminates its workers: torch's own handler ends a worker its
+    parent signalled with status 0, or the rank's exit printed "DataLoader worker ... is killed
+    by signal"); end as the signal's default would if the rank is gone or never got a notice."""
     import time
 
     news, deadline = _RANK_NEWS[0], time.monotonic() + WORKER_NOTICE_WAIT_S
@@ -199,5 +201,7 @@ def _on_signal(signum: int, frame: Any) -> None:
         if news[_PREEMPTED]:
             return
         time.sleep(0.005)
+    if news[_EXITING] and os.getppid() == _recorder():
+        os._exit(0)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)

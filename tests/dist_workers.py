@@ -394,6 +394,49 @@ def rank_0_writer_stuck(rank: int, world: int, url: str) -> dict:
     return out
 
 
+class _InterruptOnce:
+    """A state_dict owner whose state_dict() raises `exc` once, on `rank`, at the second save."""
+
+    def __init__(self, rank: int, on_rank: int, exc: type[BaseException]) -> None:
+        self.calls, self.rank, self.on_rank, self.exc = 0, rank, on_rank, exc
+
+    def state_dict(self) -> dict:
+        self.calls += 1
+        if self.calls == 2 and self.rank == self.on_rank:
+            raise self.exc()
+        return {"n": 1}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def interrupted_in_capture_on_one_rank(rank: int, world: int, url: str, exc_name: str, async_save: bool) -> dict:
+    """Rank 1's state_dict() raises KeyboardInterrupt / SystemExit at save(1); every rank catches
+    what its save raised and saves step 1 again."""
+    import time
+
+    exc = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[exc_name]
+    state = {**_state(rank), "owner": _InterruptOnce(rank, 1, exc)}
+    out: dict = {}
+    mgr = distckpt.CheckpointManager(url, timeout=20, async_save=async_save)
+    mgr.save(0, state)
+    started = time.monotonic()
+    try:
+        mgr.save(1, state)
+        mgr.wait()
+        out["first"] = None
+    except BaseException as e:  # noqa: B036 - what each rank got is the point
+        out["first"] = f"{type(e).__name__}: {e}"
+    out["first_s"] = time.monotonic() - started
+    started = time.monotonic()
+    mgr.save(1, state)
+    mgr.wait()
+    out["retry_s"] = time.monotonic() - started
+    out["committed"] = mgr.committed_steps()
+    mgr.close()
+    return out
+
+
 _T = torch.zeros(2)
 
 

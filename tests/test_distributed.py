@@ -359,6 +359,26 @@ def test_rank_0_waits_for_a_stuck_background_write_a_bounded_time(ckpt_dir):
         assert r["close"] is None, r
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("exc_name", ["KeyboardInterrupt", "SystemExit"])
+def test_an_interrupt_raised_in_one_ranks_capture_fails_that_save_everywhere_at_once(ckpt_dir, exc_name, async_save):
+    """A KeyboardInterrupt or SystemExit out of rank 1's state_dict() left rank 1 out of the
+    capture's exchange: rank 0 waited in it, and rank 1's retry of the save paired with it under
+    another save's key (both ranks at the whole timeout, step 1 lost, the manager untrusted).
+    Rank 1 now tells the others before it raises: rank 0's save fails at once naming rank 1,
+    rank 1 gets its own exception back, and the retried save commits."""
+    results = run_world(f"{W}:interrupted_in_capture_on_one_rank", 2, timeout=120, url=ckpt_dir, exc_name=exc_name,
+                        async_save=async_save)
+    for r in results:
+        assert r.error is None, r.error
+    zero, one = results[0].value, results[1].value
+    assert zero["first"].startswith("CoordinationError") and f"rank 1: {exc_name}" in zero["first"], zero
+    assert one["first"].startswith(exc_name), one
+    for r in (zero, one):
+        assert r["first_s"] < 10 and r["retry_s"] < 10, r  # the timeout is 20 s
+        assert r["committed"] == [1, 0], r
+
+
 def test_run_world_starts_again_when_another_process_took_its_free_port(ckpt_dir, monkeypatch):
     """distckpt.testing.run_world picks a free port, then the world's store binds it; another
     process may take it in between (EADDRINUSE): the world is started again on another port."""
