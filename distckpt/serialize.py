@@ -322,6 +322,9 @@ def _advice(value: Any) -> str:
                 "store the plain value (e.g. .value of an Enum, int(x), str(x))")
     if isinstance(value, np.ndarray):
         return "store NumPy arrays as tensors (torch.from_numpy(a))"
+    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+        return ("objects with state_dict()/load_state_dict() are restored into only as an entry of `state` "
+                "itself or alone inside per_rank(...), not inside a dict or list: give each its own key")
     return ("store tensors and plain values only (None, bool, int, float, str, list, tuple, dict); "
             "convert it, or give its owner state_dict()/load_state_dict()")
 

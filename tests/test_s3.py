@@ -230,6 +230,19 @@ def test_a_session_token_never_appears_in_any_log_record(caplog):
     assert caplog.text.count("***") == 3
 
 
+def test_a_short_access_key_is_redacted_from_signed_request_dumps(caplog):
+    """Keys shorter than the length a registered secret needs (a test server's "AKTEST") still
+    appeared in botocore's Authorization header dumps."""
+    from distckpt.storage.redact import protect_credentials
+
+    protect_credentials({"key": "AKTEST", "secret": "SECRETtest123"})
+    caplog.set_level(logging.DEBUG)
+    logging.getLogger("botocore.endpoint").debug("Sending http request: %s", {
+        "Authorization": "AWS4-HMAC-SHA256 Credential=AKTEST/20261203/us-east-1/s3/aws4_request, "
+                         "SignedHeaders=host, Signature=abc"})
+    assert "AKTEST" not in caplog.text and "Credential=***/20261203" in caplog.text, caplog.text
+
+
 def test_a_write_failure_on_s3_fails_every_rank(s3_server, s3_url, proxy):
     proxy.add(Rule("PUT", r"replicated/", "status", times=1000, status=500))
     results = run_world("s3_workers:save_once", 2, url=s3_url, options=via(proxy, s3_server))

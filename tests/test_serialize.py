@@ -44,6 +44,24 @@ def test_unstorable_values_are_refused_with_their_key_path(bad, path):
         encode_tree(bad)
 
 
+class _Meter:
+    def state_dict(self) -> dict:
+        return {"sum": 0.0}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_a_state_dict_owner_inside_a_container_is_refused_saying_where_owners_go(tmp_path):
+    """The advice was "give its owner state_dict()/load_state_dict()" to an object that has both."""
+    mgr = distckpt.CheckpointManager(str(tmp_path))
+    for state in ({"meters": {"loss": _Meter()}}, {"meters": distckpt.per_rank({"loss": _Meter()})}):
+        with pytest.raises(distckpt.UnstorableValueError, match=r"state\['meters'\]\['loss'\].*give each its own key"):
+            mgr.save(0, state)
+    mgr.save(0, {"loss": _Meter(), "mine": distckpt.per_rank(_Meter())})  # where owners go
+    mgr.close()
+
+
 def test_view_costs_its_own_bytes_not_its_storage():
     flat = torch.zeros(1_000_000)
     head = flat[:10]
