@@ -329,7 +329,7 @@ class CheckpointManager:
             return e
         # Two tiers: the step being uploaded to the URL is kept on the local tier besides keep_local.
         extra, why = (2, " + the one being uploaded") if self.local is not None else (1, "")
-        return StorageError(errno.ENOSPC, f"{e}. Retention removes old checkpoints only after a new one "
+        return StorageError(errno.ENOSPC, f"{e.strerror or e}. Retention removes old checkpoints only after a new one "
                             f"commits, so the disk must hold {name}{why} + 1 = {keep + extra} "
                             f"checkpoints; the committed ones are intact. Free space, or lower {name} "
                             "and prune (distckpt prune URL --keep-last N)")
@@ -352,7 +352,7 @@ class CheckpointManager:
                     raise
                 # The local tier's files are named with the lease's generation, and a local step
                 # loads only under a lease at the URL: without one nothing can be committed anywhere.
-                raise StorageError(e.errno, f"{e}. This incarnation's first save takes the write lease at "
+                raise StorageError(e.errno, f"{e.strerror or e}. This incarnation's first save takes the write lease at "
                                    f"{self.storage.url} and could not reach it, so nothing was committed, on the "
                                    "local tier either; each save tries again. Once the lease is held, an unreachable "
                                    "URL no longer stops local saves") from e

@@ -337,20 +337,24 @@ def test_a_full_disk_at_every_write_never_damages_the_previous_checkpoint(ckpt_d
         mgr.save(20, state)
     total = counter.writes
     assert total >= 4  # replicated, rank file, manifest, marker
+    sized: list[bool] = []
     for n in range(1, total + 1):
         disk = FullDisk(n)
         monkeypatch.setattr(storage_mod, "open", disk.open, raising=False)
-        with distckpt.CheckpointManager(ckpt_dir) as mgr:  # a restarted job: load, then save
+        with distckpt.CheckpointManager(ckpt_dir, keep_last=2) as mgr:  # a restarted job: load, then save
             mgr.load_latest(fresh_state())
             with pytest.raises(distckpt.StorageError) as info:
                 mgr.save(20, state, epoch=1)
             assert info.value.errno == errno.ENOSPC
+            sized.append("keep_last + 1 = 3 checkpoints" in str(info.value))
+            assert str(info.value).count("[Errno") == 1, str(info.value)  # said once, not per wrapper
         monkeypatch.setattr(storage_mod, "open", open, raising=False)
         assert tree_bytes(os.path.join(ckpt_dir, "step-000000010")) == before
         other = fresh_state()
         with distckpt.CheckpointManager(ckpt_dir) as mgr:
             assert mgr.load_latest(other).step == 10
         assert same_params(other["model"], state["model"])
+    assert any(sized)  # a data file's ENOSPC says how many checkpoints the disk must hold
     with distckpt.CheckpointManager(ckpt_dir) as mgr:  # the disk has room again: a restarted job
         assert mgr.load_latest(fresh_state()).step == 10
         mgr.save(20, state, epoch=1)
