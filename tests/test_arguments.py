@@ -80,6 +80,8 @@ def test_pre_emption_signals_as_names_or_one_signal(tmp_path):
     ("s4://bucket/x", "unknown scheme"), ("S3://bucket/x", "lower case"), ("s3:/bucket/x", "without '//'"),
     ("s3://", "names no bucket"), ("s3:///x", "names no bucket"), ("runs/\x00x", "NUL"), ("", "url"),
     ("file://otherhost/x", "not the host"), (b"runs", "url"), (None, "url"), ("oci://bucket/x", "not installed"),
+    ("s3://bkt//dbl//x", "empty path segment"), ("s3://bkt/dbl3//x", "use s3://bkt/dbl3/x"),
+    ("memory://a//b", "empty path segment"),
 ])
 def test_urls_that_would_land_somewhere_else_are_refused(url, match):
     with pytest.raises(distckpt.ConfigError, match=match):

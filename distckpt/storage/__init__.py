@@ -133,6 +133,12 @@ def normalize_url(url: Any) -> str:
         return "file:///" + path
     if scheme in ("s3", "s3a") and not rest.split("/", 1)[0]:
         raise ConfigError(f"url={url!r}: names no bucket; use s3://bucket/prefix")
+    if "//" in rest.rstrip("/"):
+        # An empty path segment: some stores fold "a//b" into "a/b" when writing and not when
+        # listing (SeaweedFS: a save committed, and every load after it found nothing and started over).
+        cleaned = "/".join(part for part in rest.split("/") if part)
+        raise ConfigError(f"url={url!r}: has an empty path segment ('//'), which object stores treat "
+                          f"differently when writing and when listing; use {scheme}://{cleaned}")
     try:
         fsspec.get_filesystem_class(scheme)
     except ValueError as e:
