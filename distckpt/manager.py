@@ -445,7 +445,7 @@ class CheckpointManager:
             return [], set()
         # A superseded writer's commit is never loaded: counted, it could push the live job's
         # steps out of keep_last (and a zombie's own retention delete them all); it goes instead.
-        zombies = index.superseded(self._known_leases())
+        zombies = index.superseded(self._known_leases(local=index.storage is not self.storage))
         steps = [step for step in index.listing.committed() if step not in zombies]
         committed = (read_committed(index.storage, steps, index) if keep_best is not None
                      else [Committed(step, None) for step in steps])
@@ -457,16 +457,23 @@ class CheckpointManager:
             committed = read_committed(index.storage, steps, index)
         return sorted(doomed), kept_references(committed, doomed)
 
-    def _known_leases(self) -> list[Lease]:
+    def _known_leases(self, local: bool = False) -> list[Lease]:
         """The durable root's leases; those read before if it cannot be listed now (the local
         tier's retention goes on while the durable root is unreachable; fewer leases only make
-        fewer steps count as a superseded writer's)."""
+        fewer steps count as a superseded writer's). For the local tier's retention the URL is
+        not asked while it is known unreachable (until an upload succeeds): a hung store held
+        every local save for its call timeout, twice (the fence, then this listing)."""
+        seen = sorted(self._leases_seen.values(), key=lambda lease: lease.generation)
+        if local and self._fence_unreachable:
+            return seen
         try:
             return read_leases(self.storage, self._leases_seen)
         except (OSError, DistCkptError) as e:
             log.info("rank 0: the leases at %s cannot be listed (%s); retention judges by those seen before",
                      self.storage.url, e)
-            return sorted(self._leases_seen.values(), key=lambda lease: lease.generation)
+            if local:
+                self._fence_unreachable = True  # the local saves' fence check skips it too
+            return seen
 
     # -- the durable tier (two tiers only) -------------------------------------------------
 

@@ -237,6 +237,30 @@ def test_s3_down_during_uploads_local_saves_continue_and_the_next_durable_save_c
     assert (progress.step, progress.tier) == (6, "durable")
 
 
+def test_local_saves_do_not_ask_an_unreachable_url_again_until_an_upload_succeeds(tmp_path, s3_server, s3_url, proxy):
+    """Once the URL failed, local saves (local retention included) send it nothing: local
+    retention listed the URL's leases at every save, and a hung store held each local save for
+    its call timeout (270 s at the default, in an independent check)."""
+    local = str(tmp_path / "local")
+    options = fast_options(s3_server.storage_options(proxy.endpoint), retries=1)
+    with distckpt.CheckpointManager(s3_url, local_dir=local, durable_every=100, keep_local=2, keep_last=2,
+                                    storage_options=options) as mgr:
+        mgr.load_latest(step_states.blank())
+        mgr.save(0, step_states.state_for(0))  # durable: takes the lease
+        mgr.wait()
+        down = Rule("*", ".", "status", times=10**6, status=500)
+        proxy.add(down)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mgr.save(1, step_states.state_for(1))  # finds the URL down
+            asked = down.hits
+            for step in range(2, 6):
+                mgr.save(step, step_states.state_for(step))
+        assert asked > 0 and down.hits == asked, (asked, down.hits)
+        assert steps_at(local) == [4, 5]  # local retention went on
+        proxy.rules.clear()
+
+
 def test_a_resume_from_the_local_tier_works_while_the_durable_root_is_unreachable(tmp_path, s3_server, s3_url, proxy):
     local = str(tmp_path / "local")
     direct = fast_options(s3_server.storage_options())
