@@ -113,7 +113,7 @@ class CheckpointManager:
         self._lease: Lease | None = None  # rank 0, taken at the first save (fencing.py)
         self._closed = False
         self._warned_below_newest = False
-        self._newest_committed: int | None = None  # rank 0: the highest step committed, for that warning
+        self._newest_committed: dict[str, int] = {}  # rank 0, per tier: the highest live step committed, for that warning
         self._preemption = PreemptionFlag(self.config.preemption_signals)
         self._preempting = False  # agreed by preemption_requested(): the next save is made durable
         self._init_tiers(local_dir, durable_every, keep_local)
@@ -391,10 +391,16 @@ class CheckpointManager:
         """Once per manager: a step saved below the newest committed one (a branch after
         load(state, step=older)) is not what load_latest resumes from, and retention keeps it
         beside the newest keep_last (a step just committed is never removed)."""
-        if self._newest_committed is None:  # listed once: a save's cost must not grow with history
-            committed = index.listing.committed()
-            self._newest_committed = committed[0] if committed else just_committed
-        newest, self._newest_committed = self._newest_committed, max(self._newest_committed, just_committed)
+        tier = index.storage.url  # each tier's own: an upload finishing after the next local commit is no branch
+        newest = self._newest_committed.get(tier)
+        if newest is None:  # listed once: a save's cost must not grow with history
+            # A superseded writer's steps do not count: load_latest never resumes from them, and
+            # this job's retention removes them (a live job replacing a zombie's step 3 below the
+            # zombie's step 4 was warned about a branch).
+            zombies = index.superseded(self._known_leases(local=index.storage is not self.storage))
+            committed = [step for step in index.listing.committed() if step not in zombies]
+            newest = committed[0] if committed else just_committed
+        self._newest_committed[tier] = max(newest, just_committed)
         if just_committed < newest and not self._warned_below_newest:
             self._warned_below_newest = True
             message = (f"step {just_committed} was committed below the newest committed step {newest} of "

@@ -122,6 +122,26 @@ def test_a_zombie_commit_that_slipped_through_is_never_loaded(where, monkeypatch
     old.close()
 
 
+def test_replacing_a_zombies_higher_steps_is_no_branch(where):
+    """A zombie committed steps 3 and 4 after the new incarnation loaded step 2; the new one's
+    save of step 3 was warned to be "below the newest committed step 4", a superseded writer's
+    step that load_latest never resumes from and retention removes."""
+    old = manager(where)
+    for step in range(3):
+        old.save(step, {"w": torch.full((4,), float(step))})
+    new = manager(where)
+    assert new.load_latest({"w": torch.zeros(4)}).step == 2
+    old.save(3, {"w": torch.full((4,), 99.0)})  # before the new incarnation's first save takes the lease
+    old.save(4, {"w": torch.full((4,), 99.0)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        new.save(3, {"w": torch.full((4,), 3.0)})
+    assert not [str(w.message) for w in caught if issubclass(w.category, distckpt.CheckpointWarning)]
+    assert value_of(where) == (3, 3.0)
+    new.close()
+    old.close()
+
+
 def _save_killed_at(mgr, point: str, step: int) -> None:
     """`mgr.save(step, ...)` failing at the fault point `point`, as a process killed there would."""
     def killed(name, context):

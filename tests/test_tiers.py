@@ -74,6 +74,38 @@ def test_every_nth_save_and_the_last_before_close_are_durable(roots, async_save)
     assert_holds(state, 6)
 
 
+def test_an_upload_that_ends_after_the_next_local_commit_is_no_branch(roots, monkeypatch):
+    """The branch warning compared an upload's step with the newest step of either tier: an
+    upload of step 2 ending after the local commit of step 3 was "committed below the newest
+    committed step 3" of the URL, which never held step 3 (every two-tier run of a checker)."""
+    import threading
+    import time
+
+    local_committed = threading.Event()
+
+    def slow_upload(name: str, context: dict) -> None:
+        if name == "upload/files-written" and context.get("step", 0) > 0:
+            local_committed.wait(10)  # the next local save commits first
+            time.sleep(0.2)
+
+    def next_local(name: str, context: dict) -> None:
+        if name == "save/committed":
+            local_committed.set()
+
+    durable, local = roots
+    remove = [faults.on_point(slow_upload), faults.on_point(next_local)]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run_saves(durable, local, range(6), durable_every=2, keep_local=2, keep_last=2)
+    finally:
+        for undo in remove:
+            undo()
+    said = [str(w.message) for w in caught if issubclass(w.category, distckpt.CheckpointWarning)]
+    assert said == [], said
+    assert steps_at(durable)[-1] == 5
+
+
 def test_a_local_tier_each_node_lost_resumes_from_the_durable_tier(roots):
     durable, local = roots
     run_saves(durable, local, range(5), durable_every=2)
