@@ -23,7 +23,7 @@ from .commit import CommitIndex, ReplacePolicy, committed_generations, list_comm
 from .config import ManagerConfig
 from .coord import Coordinator, Outcome, agree, make_coordinator
 from .ddp import install_bucket_warmup
-from .errors import AsyncSaveError, ConfigError, DistCkptError, FencedError, RunConflictError, StorageError
+from .errors import AsyncSaveError, ConfigError, DistCkptError, FencedError, MissingFileError, RunConflictError, StorageError
 from .fencing import Lease, acquire, read_leases
 from .fencing import check_current as check_fence
 from .fencing import prune as prune_leases
@@ -346,7 +346,11 @@ class CheckpointManager:
         """Rank 0's write lease, taken once: from here on older incarnations cannot commit."""
         if self._lease is None:
             try:
-                self._lease = acquire(self.storage, self.run_id, self._floor)
+                try:
+                    self._lease = acquire(self.storage, self.run_id, self._floor)
+                except MissingFileError:
+                    self.storage.check_root()  # a missing bucket is said as such ("fence/... does not exist" was all)
+                    raise
             except StorageError as e:
                 if self.local is None:
                     raise

@@ -162,6 +162,13 @@ def test_a_missing_gcs_bucket_is_a_storage_error_that_says_so(gcs_server):
             mgr.save(1, state_with(0))
 
 
+def test_a_first_save_into_an_s3_bucket_that_does_not_exist_names_the_bucket(s3_server):
+    """It said only "s3://no-such-bucket/x/fence does not exist"."""
+    with pytest.raises(distckpt.StorageError, match="the bucket 'no-such-bucket' does not exist"):
+        with distckpt.CheckpointManager("s3://no-such-bucket/x", storage_options=s3_server.storage_options()) as mgr:
+            mgr.save(1, state_with(0))
+
+
 @pytest.mark.parametrize("backend", ["s3", "gcs", "azure"])
 def test_a_load_from_a_bucket_that_does_not_exist_is_an_error_not_a_fresh_start(backend, request):
     """A typo in the bucket name must not make a resuming job start from scratch."""
