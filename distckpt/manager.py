@@ -317,7 +317,7 @@ class CheckpointManager:
         faults.point("save/retained", step=staged.step, rank=0)
         t = staged.timings
         log.info("rank 0: committed step %d at %s in %.3fs (capture %.3fs, gather %.3fs, write %.3fs, "
-                 "commit %.3fs), %d payload bytes", staged.step, self.storage.url,
+                 "commit %.3fs), %d payload bytes", staged.step, target.url,
                  time.perf_counter() - start + t["capture_s"] + t["gather_s"], t["capture_s"],
                  t["gather_s"], t["write_s"], t["commit_s"], staged.replicated.payload_bytes)
 

@@ -106,6 +106,17 @@ def test_an_upload_that_ends_after_the_next_local_commit_is_no_branch(roots, mon
     assert steps_at(durable)[-1] == 5
 
 
+def test_the_commit_log_line_names_the_tier_written(roots, caplog):
+    """A local-only commit was logged as "committed step N at <the URL>"."""
+    import logging
+
+    durable, local = roots
+    caplog.set_level(logging.INFO, logger="distckpt")
+    run_saves(durable, local, range(2), durable_every=5)
+    lines = [r.getMessage() for r in caplog.records if "committed step 1 at" in r.getMessage()]
+    assert lines and all(f"committed step 1 at {local} " in line for line in lines), lines
+
+
 def test_a_local_tier_each_node_lost_resumes_from_the_durable_tier(roots):
     durable, local = roots
     run_saves(durable, local, range(5), durable_every=2)
