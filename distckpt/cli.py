@@ -7,7 +7,7 @@
     distckpt prune URL --keep-last N [--keep-best K] [--best-mode min|max] [--dry-run]
     distckpt gc URL [--grace-s S] [--dry-run]         uncommitted leftovers, abandoned uploads
     distckpt diff URL A B [--json]                    what changed between steps A and B
-    distckpt doctor [--kill-at N] [--steps M] [--every K] [--kill-rank R] [--json] -- <launch command>
+    distckpt doctor [--kill-at N] [--steps M] [--every K] [--kill-rank R] [--timeout S] [--json] -- <launch command>
                                                       does the job resume bit for bit? names what breaks it
     distckpt import-torch FILE URL --trust-pickle [--world-size N] [--step S]   a torch.save file in
     distckpt import-dcp DCP_DIR URL --trust-pickle [--world-size N] [--step S]  a DCP checkpoint in
@@ -478,6 +478,8 @@ def doctor_main(argv: list[str]) -> int:
     p.add_argument("--every", type=int, help="also fingerprint the parameters every K optimizer steps, to find "
                    "the first differing step between checkpoints")
     p.add_argument("--workdir", help="where the two runs' roots go (default: a temporary directory)")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds each run may take before it counts as hung and is killed (default 3600)")
     p.add_argument("--json", action="store_true")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the launch command, as you run it")
     args = p.parse_args(argv)
@@ -487,9 +489,12 @@ def doctor_main(argv: list[str]) -> int:
     for name, lowest in (("every", 1), ("steps", 1), ("kill_at", 0), ("kill_rank", 0)):
         if getattr(args, name) is not None and getattr(args, name) < lowest:
             p.error(f"--{name.replace('_', '-')} must be >= {lowest}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        p.error("--timeout must be a positive number of seconds")
     start = time.monotonic()
     try:
-        report = run_doctor(command, args.kill_at, args.kill_rank, args.workdir, steps=args.steps, every=args.every)
+        report = run_doctor(command, args.kill_at, args.kill_rank, args.workdir, timeout=args.timeout,
+                            steps=args.steps, every=args.every)
     except (DistCkptError, OSError, subprocess.TimeoutExpired) as e:
         args.command = "doctor"  # _fail names the command (args.command held the user's)
         return _fail(args, str(e)[-3000:], EXIT_USAGE)

@@ -1,6 +1,6 @@
 """`distckpt doctor`: prove that a training script resumes bit for bit, and name what breaks it.
 
-    distckpt doctor [--kill-at N] [--steps M] [--every K] [--kill-rank R] [--json] [--workdir DIR] -- <launch command ...>
+    distckpt doctor [--kill-at N] [--steps M] [--every K] [--kill-rank R] [--timeout S] [--json] [--workdir DIR] -- <launch command ...>
 
 Runs the user's command unchanged, twice, each into a checkpoint root of its own: every
 CheckpointManager of the job uses the root in DISTCKPT_DOCTOR_ROOT instead of its URL (the
@@ -435,12 +435,38 @@ def run_doctor(command: list[str], kill_at: int | None, kill_rank: int | None = 
 
 
 def _run(command: list[str], extra: dict[str, str], timeout: float, what: str,
-         check: bool = True) -> subprocess.CompletedProcess:
+         check: bool = True) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+    """Run the launch command in a session of its own: at the deadline the whole session goes
+    (torchrun, its ranks and their loader workers), and the error says which run hung and how
+    far it got (a job hung at exit waited silently for the caller's whole timeout)."""
     env = {**os.environ, **extra}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    print(f"distckpt doctor: {what}: {' '.join(command)}", file=sys.stderr, flush=True)
+    hung = False
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            hung = True
+            _kill_session(child)
+            stdout, stderr = child.communicate()
+        except BaseException:  # Ctrl-C: the job's own session does not get the terminal's signal
+            _kill_session(child)
+            raise
+    if hung:
+        raise DistCkptError(f"{what} did not end within {timeout:g}s (--timeout): it hung (at exit, or in a step), "
+                            f"so it was killed with its ranks. Its last output:\n{stdout[-1500:]}\n{stderr[-3000:]}")
+    result = subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise DistCkptError(f"{what} exited {result.returncode}:\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}")
     return result
+
+
+def _kill_session(child: subprocess.Popen) -> None:  # type: ignore[type-arg]
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def report_text(report: Report) -> str:

@@ -198,6 +198,8 @@ def test_entry_point_runs(tmp_path):
     (["--steps", "abc", "--json", "--", sys.executable, "-c", "pass"], "--steps"),
     (["--every", "0", "--json", "--", sys.executable, "-c", "pass"], "--every must be >= 1"),
     (["--kill-at", "-1", "--json", "--", sys.executable, "-c", "pass"], "--kill-at must be >= 0"),
+    *[(["--timeout", v, "--json", "--", sys.executable, "-c", "pass"], "--timeout must be a positive number")
+      for v in ("0", "-1", "nan", "inf")],
     (["--json", "--", "/nonexistent/launcher"], "No such file"),
 ])
 def test_doctor_with_json_answers_every_error_as_one_json_document(capsys, argv, needle):

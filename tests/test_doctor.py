@@ -148,3 +148,23 @@ def test_a_kill_rank_outside_the_job_is_refused_after_the_first_run(tmp_path, ca
     assert code == 2, report
     assert "--kill-rank 2: the job has 2 rank(s), 0 to 1" in report["error"], report
     assert not (tmp_path / "doctor" / "killed").exists()
+
+
+def test_a_run_that_hangs_is_killed_with_its_children_at_the_timeout(tmp_path, capsys):
+    """A job hung at its exit (its loader workers never ending) held the doctor silently for its
+    whole hour; each run is now bounded by --timeout, killed with every process of its session,
+    and the error names the run."""
+    import subprocess
+    import time
+
+    marker = f"{time.time_ns() % 10**6 + 600}"  # a sleep only this test starts
+    command = ["bash", "-c", f"sleep {marker} & wait"]
+    started = time.monotonic()
+    code = cli.main(["doctor", "--timeout", "3", "--json", "--workdir", str(tmp_path / "doctor"), "--", *command])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 2 and "the uninterrupted run did not end within 3s" in report["error"], report
+    assert time.monotonic() - started < 30
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True).stdout.split()
+    assert left == [], left
+
