@@ -29,6 +29,7 @@ from .errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
     DistCkptError,
+    FencedError,
     MissingFileError,
     RunConflictError,
     StorageError,
@@ -107,6 +108,12 @@ def check_step_is_free(storage: Storage, step: int, policy: ReplacePolicy) -> mf
         marker = mf.Marker(step, "", "?", 0)  # unreadable: treat as the oldest generation
     if policy.allows(marker):
         return marker
+    if policy.generation is not None and marker.generation > policy.generation:
+        # Committed by a newer incarnation: this writer is the superseded one, and "resume with
+        # load_latest()" was the wrong advice for it.
+        raise FencedError(f"step {step} is already committed at {storage.url}/{base} by generation "
+                          f"{marker.generation}, newer than this writer's {policy.generation}: a newer "
+                          "incarnation of the job took over, and this one must stop (it commits nothing more)")
     raise CheckpointExistsError(
         errno.EEXIST, f"step {step} is already committed at {storage.url}/{base}; "
         "resume with load_latest() so steps continue after it, or use another directory")

@@ -65,6 +65,21 @@ def test_a_superseded_writer_cannot_commit(where):
     old.close()
 
 
+def test_a_superseded_writer_saving_a_step_the_new_one_committed_is_fenced(where):
+    """It was told "step 3 is already committed ... resume with load_latest()", advice for a
+    fresh job, not for a zombie that must stop."""
+    old = manager(where)
+    old.save(1, {"w": torch.full((4,), 1.0)})
+    new = manager(where)
+    new.load_latest({"w": torch.zeros(4)})
+    new.save(3, {"w": torch.full((4,), 3.0)})
+    with pytest.raises(distckpt.FencedError, match="by generation 2, newer than this writer's 1"):
+        old.save(3, {"w": torch.full((4,), 99.0)})
+    assert value_of(where) == (3, 3.0)
+    new.close()
+    old.close()
+
+
 def test_an_async_zombie_save_fails_at_the_next_call(where):
     old = manager(where, async_save=True)
     old.save(1, {"w": torch.full((4,), 1.0)})
