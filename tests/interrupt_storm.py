@@ -76,17 +76,27 @@ class _Storm:
         self.rng = rng
         self.interrupted = 0
         self.signals = (signal.SIGINT,)  # raised in turn
-        signal.signal(signal.SIGALRM, lambda signum, frame: signal.raise_signal(self.signals[self.interrupted % len(self.signals)]))
+        self.armed = False  # only inside call(): a SIGALRM whose handler runs after it is dropped
+        signal.signal(signal.SIGALRM, self._alarm)
+
+    def _alarm(self, signum: int, frame: Any) -> None:
+        # The timer can fire just before call() cancels it, and Python runs the handler at the
+        # main thread's next bytecode, which may be the harness's own code after call() (it once
+        # interrupted the creation of the next round's threading.Timer): only call() is stormed.
+        if self.armed:
+            signal.raise_signal(self.signals[self.interrupted % len(self.signals)])
 
     def call(self, fn: Callable[[], Any], within: tuple[float, ...] | None = (0.003,)) -> bool:
         """True if fn returned, False if a KeyboardInterrupt ended it (or landed just after);
         the interrupt comes up to one of `within` seconds in (None: no interrupt)."""
         try:
             try:
+                self.armed = True
                 if within is not None:
                     signal.setitimer(signal.ITIMER_REAL, self.rng.uniform(1e-5, self.rng.choice(within)))
                 fn()
             finally:
+                self.armed = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
             return True
         except KeyboardInterrupt:
