@@ -42,7 +42,7 @@ FAULT_TESTS = tests/test_load_memory.py tests/test_loop_zoo.py tests/test_doctor
 	tests/test_roundtrip_property.py tests/test_hostile_corpus.py tests/test_overlap.py tests/test_s3_reads.py tests/test_object_stores.py tests/test_storage_contract.py \
 	tests/test_no_half_restore.py tests/test_loop_patterns.py tests/test_crash_matrix.py tests/test_powercut.py tests/test_s3_faults.py tests/test_damage.py \
 	tests/test_fencing.py tests/test_hostile.py tests/test_distributed.py tests/test_preemption.py tests/test_sharded.py \
-	tests/test_exact_resume.py tests/test_s3.py tests/test_cluster.py tests/test_interrupts.py \
+	tests/test_exact_resume.py tests/test_s3.py tests/test_cluster.py tests/test_interrupts.py tests/test_preemption_unit.py \
 	tests/test_manager_local.py::test_a_full_disk_at_every_write_never_damages_the_previous_checkpoint \
 	tests/test_manager_local.py::test_an_io_error_at_every_fsync_rename_and_link_keeps_the_previous_checkpoint
 test-faults: $(STAMP)
