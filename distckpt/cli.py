@@ -494,7 +494,8 @@ def doctor_main(argv: list[str]) -> int:
     start = time.monotonic()
     try:
         report = run_doctor(command, args.kill_at, args.kill_rank, args.workdir, timeout=args.timeout,
-                            steps=args.steps, every=args.every)
+                            steps=args.steps, every=args.every,
+                            announce=lambda line: print(f"distckpt doctor: {line}", file=sys.stderr, flush=True))
     except (DistCkptError, OSError, subprocess.TimeoutExpired) as e:
         args.command = "doctor"  # _fail names the command (args.command held the user's)
         return _fail(args, str(e)[-3000:], EXIT_USAGE)

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -403,7 +403,8 @@ def _check_kill_rank(kill_rank: int | None, world_mark: str) -> None:
 # -- running the two jobs ----------------------------------------------------------------------------
 
 def run_doctor(command: list[str], kill_at: int | None, kill_rank: int | None = None, workdir: str | None = None,
-               timeout: float = 3600.0, steps: int | None = None, every: int | None = None) -> Report:
+               timeout: float = 3600.0, steps: int | None = None, every: int | None = None,
+               announce: Callable[[str], None] | None = None) -> Report:
     workdir = workdir or tempfile.mkdtemp(prefix="distckpt-doctor-")
     reference, killed = os.path.join(workdir, "uninterrupted"), os.path.join(workdir, "killed")
     mark = os.path.join(workdir, "killed.mark")
@@ -411,14 +412,15 @@ def run_doctor(command: list[str], kill_at: int | None, kill_rank: int | None = 
     if every is not None:
         stop[EVERY_ENV] = str(every)
     world_mark = os.path.join(workdir, "world-size")
-    _run(command, {ROOT_ENV: reference, WORLD_MARK_ENV: world_mark, **stop}, timeout, "the uninterrupted run")
+    _run(command, {ROOT_ENV: reference, WORLD_MARK_ENV: world_mark, **stop}, timeout, "the uninterrupted run",
+         announce=announce)
     _check_kill_rank(kill_rank, world_mark)
     env = {ROOT_ENV: killed, KILL_AFTER_ENV: FIRST if kill_at is None else str(kill_at), KILLED_MARK_ENV: mark, **stop}
     if kill_rank is not None:
         env[KILL_RANK_ENV] = str(kill_rank)
-    first = _run(command, env, timeout, "the killed run", check=False)
+    first = _run(command, env, timeout, "the killed run", check=False, announce=announce)
     if first.returncode != 0 and os.path.exists(mark):
-        _run(command, env, timeout, "the relaunch after the kill")  # torchrun did not restart it
+        _run(command, env, timeout, "the relaunch after the kill", announce=announce)  # torchrun did not restart it
     elif first.returncode != 0:
         raise DistCkptError(f"the killed run failed before step {kill_at} was committed:\n{first.stderr[-2000:]}")
     report = compare_roots(reference, killed)
@@ -434,13 +436,14 @@ def run_doctor(command: list[str], kill_at: int | None, kill_rank: int | None = 
     return report
 
 
-def _run(command: list[str], extra: dict[str, str], timeout: float, what: str,
-         check: bool = True) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+def _run(command: list[str], extra: dict[str, str], timeout: float, what: str, check: bool = True,
+         announce: Callable[[str], None] | None = None) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
     """Run the launch command in a session of its own: at the deadline the whole session goes
     (torchrun, its ranks and their loader workers), and the error says which run hung and how
     far it got (a job hung at exit waited silently for the caller's whole timeout)."""
     env = {**os.environ, **extra}
-    print(f"distckpt doctor: {what}: {' '.join(command)}", file=sys.stderr, flush=True)
+    if announce is not None:
+        announce(f"{what}: {' '.join(command)}")
     hung = False
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as child:
