@@ -3,7 +3,8 @@ health check's credentials, its build arguments against docker/Dockerfile, and w
 compose-demo` relies on), the S3 service's commands run for real, and launch/cluster.sh (the
 same topology as plain processes) run end to end: a node SIGKILLed mid-run, the job restarted,
 every rank's loss bitwise equal. The images themselves are built and run by `make compose-demo`
-(launch/compose_demo.py), not here: the test machines have no container engine."""
+(launch/compose_demo.py), not here: building them takes minutes, so .ci/run runs it after `make
+test`, under the machine's container engine."""
 
 from __future__ import annotations
 
