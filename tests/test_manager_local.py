@@ -413,6 +413,23 @@ def test_plain_and_per_rank_entries_are_restored_in_place(ckpt_dir):
     assert torch.equal(ema, torch.arange(3.0))
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_gradients_are_not_state_neither_saved_nor_touched_by_a_load(ckpt_dir, async_save):
+    # As in state_dict(): a checkpoint holds values, not .grad. The README says so ("Round trip or
+    # refusal"); a load into a live tensor leaves its gradient as it was, a fresh one has none.
+    weight, other = nn.Parameter(torch.arange(3.0)), nn.Parameter(torch.arange(3.0))
+    weight.grad, other.grad = torch.full((3,), 7.0), torch.full((3,), 7.0)
+    with distckpt.CheckpointManager(ckpt_dir, async_save=async_save) as mgr:
+        mgr.save(1, {"w": weight, "extra": {"w": other}})
+    live = nn.Parameter(torch.zeros(3))
+    live.grad = torch.full((3,), -1.0)
+    state = {"w": live, "extra": {}}
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.load_latest(state)
+    assert torch.equal(live.detach(), torch.arange(3.0)) and torch.equal(live.grad, torch.full((3,), -1.0))
+    assert torch.equal(state["extra"]["w"].detach(), torch.arange(3.0)) and state["extra"]["w"].grad is None
+
+
 def test_async_save_is_a_consistent_snapshot(ckpt_dir):
     state = trained_state()
     expected = {k: v.clone() for k, v in state["model"].state_dict().items()}
