@@ -751,3 +751,44 @@ def a_rank_loading_into_a_state_without_an_entry(rank: int, world: int, url: str
         unchanged = torch.equal(state["model"].weight, before)
         again = mgr.load_latest(fresh()).step
     return {"first": first, "unchanged": unchanged, "again": again}
+
+
+class _NoisyNet(nn.Module):
+    """A forward that draws from every stream (a diffusion model's noise, dropout) and moves
+    batch-norm statistics, called with a keyword argument as Hugging Face-style models are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.drop = nn.Dropout(0.5)
+        self.gen = torch.Generator().manual_seed(5)
+
+    def forward(self, *, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(4, generator=self.gen) + torch.rand(()) + random.random() + float(np.random.rand())
+        return self.drop(self.bn(self.fc(x + noise)))
+
+
+def one_step_with_and_without_the_warmup(rank: int, world: int, url: str, wrap_after_load: bool) -> str:
+    """The first training step of a DDP model with distckpt's warm-up installed (by a load on a
+    fresh root) draws the same numbers, leaves the same statistics and gradients as without."""
+    def step(with_manager: bool) -> dict:
+        torch.manual_seed(0), random.seed(rank), np.random.seed(rank)
+        bare = _NoisyNet()
+        ddp = None if wrap_after_load else nn.parallel.DistributedDataParallel(bare)
+        if with_manager:
+            with distckpt.CheckpointManager(os.path.join(url, f"wrap-{wrap_after_load}"), timeout=30) as mgr:
+                assert mgr.load_latest({"model": bare if wrap_after_load else ddp}) is None
+        ddp = ddp or nn.parallel.DistributedDataParallel(bare)
+        ddp(x=torch.ones(3, 4) * (rank + 1)).sum().backward()
+        return {"after": (torch.rand(()).item(), random.random(), float(np.random.rand()),
+                          torch.randn((), generator=bare.gen).item()),
+                "buffers": [b.clone() for b in bare.buffers()], "grads": [p.grad.clone() for p in bare.parameters()],
+                "warmed": getattr(ddp, "_distckpt_bucket_warmup", None) == "done"}
+
+    plain, warmed = step(False), step(True)
+    assert warmed["warmed"] and not plain["warmed"]
+    assert plain["after"] == warmed["after"], (plain["after"], warmed["after"])
+    assert all(torch.equal(a, b) for a, b in zip(plain["buffers"], warmed["buffers"]))
+    assert all(torch.equal(a, b) for a, b in zip(plain["grads"], warmed["grads"]))
+    return "ok"

@@ -461,3 +461,12 @@ def test_a_load_warns_nothing_that_fails_a_run_under_warnings_as_errors(ckpt_dir
     raised its FutureWarning, so load_latest failed under -W error::FutureWarning."""
     results = run_world(f"{W}:load_with_future_warnings_as_errors", 2, url=ckpt_dir)
     assert [(r.value, r.error) for r in results] == [("ok", None)] * 2, results
+
+
+@pytest.mark.parametrize("wrap_after_load", [False, True])
+def test_the_ddp_warmup_leaves_no_trace_in_streams_statistics_or_gradients(ckpt_dir, wrap_after_load):
+    """The warm-up runs the loop's own training forward (keyword arguments included) once more
+    and puts back every stream it drew from, the modules' generators, buffers and gradients."""
+    for r in run_world(f"{W}:one_step_with_and_without_the_warmup", 2, url=ckpt_dir, wrap_after_load=wrap_after_load):
+        assert r.error is None, r.error
+        assert r.value == "ok"

@@ -33,6 +33,15 @@ ZOO = [
     pytest.param(4, ["--wrap", "bare"], "23", id="bare-module-4ranks", marks=faults),
     pytest.param(2, ["--accum", "3", "--optim", "adam", "--sched", "onecycle"], "23",
                  id="ddp-no-sync-adam-onecycle", marks=faults),
+    # The DDP warm-up runs the loop's own (training) forward and puts back what it changed: a head
+    # used in training only (plain DDP), a forward drawing its own noise; and a wrapper built
+    # after load_latest (the "load, then wrap" order), found at its first forward.
+    pytest.param(2, ["--aux-head", "--noise-forward", "--bn-eval-at", "7", "--workers", "2"], "23",
+                 id="ddp-aux-head-noisy-forward"),
+    pytest.param(4, ["--wrap", "bare", "--wrap-after-load", "--accum", "2", "--noise-forward"], "23",
+                 id="bare-module-wrapped-after-load-4ranks"),
+    pytest.param(2, ["--wrap", "bare", "--wrap-after-load", "--compile", "--aux-head"], "23",
+                 id="bare-module-wrapped-after-load-compiled", marks=faults),
     # torch.compile, GradScaler, EMA (AveragedModel), SGD with nesterov, SequentialLR.
     pytest.param(2, ["--compile", "--scaler", "--ema", "--optim", "sgd", "--sched", "seq", "--bn-eval-at", "7"],
                  "23", id="compiled-scaler-ema-sgd-seq", marks=faults),

@@ -4,6 +4,7 @@
         [--compile] [--accum M] [--bn-eval-at S] [--loader-gen | --no-loader-gen] [--workers W]
         [--sampler dist|random] [--prefetch] [--scaler] [--ema] [--optim adamw|sgd|adam]
         [--sched cosine|seq|onecycle] [--async [--overlap]] [--every K] [--steps N] [--kill-at S1,S2,...]
+        [--aux-head] [--noise-forward] [--wrap-after-load]
 
 Each rank appends `step loss-as-float.hex param-sum-as-float.hex` to `LOSS_LOG/rank-R.txt` after every
 optimizer step; a step logged twice (before a kill and after the resume) keeps its last line.
@@ -47,15 +48,21 @@ class NoisyDataset(Dataset):
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, aux_head: bool = False, noise: bool = False) -> None:
         super().__init__()
         self.fc1 = nn.Linear(8, 16)
         self.bn = nn.BatchNorm1d(16)
         self.drop = nn.Dropout(0.2)
         self.fc2 = nn.Linear(16, 1)
+        self.aux = nn.Linear(16, 1) if aux_head else None  # used in training only (Inception's aux logits)
+        self.noise = noise  # the forward draws its own noise, in both modes (a diffusion model's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
+        h = self.drop(torch.relu(self.bn(self.fc1(x))))
+        if self.noise:
+            h = h + torch.randn_like(h) * 0.01
+        out = self.fc2(h)
+        return out + 0.1 * self.aux(h) if self.aux is not None and self.training else out
 
 
 def parse() -> argparse.Namespace:
@@ -78,6 +85,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--overlap", action="store_true", help="overlap_snapshot=True (with --async)")
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--aux-head", action="store_true", help="a head used in training mode only, plain DDP")
+    p.add_argument("--noise-forward", action="store_true", help="the model's forward draws torch noise")
+    p.add_argument("--wrap-after-load", action="store_true", help="with --wrap bare: DDP built after load_latest")
     p.add_argument("--kill-at", default="")
     p.add_argument("--kill-rank", type=int, default=0)
     # Deliberately broken loops, for `distckpt doctor` to find (tests/test_doctor.py):
@@ -125,7 +135,7 @@ def main() -> int:
     np.random.seed(rank)
     torch.use_deterministic_algorithms(True)
 
-    net = Net()
+    net = Net(aux_head=args.aux_head, noise=args.noise_forward)
     if args.freeze_fc1:  # before wrapping: DDP and FSDP2 take the parameters that need gradients
         net.fc1.requires_grad_(False)
     if args.wrap == "fsdp2":
@@ -135,9 +145,11 @@ def main() -> int:
         fully_shard(net.fc2)
         fully_shard(net)
         trained: nn.Module = net
+    elif args.wrap_after_load:
+        trained = net  # wrapped below, once load_latest has returned
     else:
         trained = nn.parallel.DistributedDataParallel(net)
-    if args.compile:
+    if args.compile and not args.wrap_after_load:
         trained = torch.compile(trained, backend="eager")
     stored = net if args.wrap == "bare" else trained
 
@@ -178,6 +190,10 @@ def main() -> int:
     if args.prefetch:
         state["next_batch"] = distckpt.per_rank({"x": torch.zeros(4, 8), "y": torch.zeros(4, 1)})
     progress = mgr.load_latest(state)
+    if args.wrap_after_load:  # the "load, then wrap" order
+        trained = nn.parallel.DistributedDataParallel(net)
+        if args.compile:
+            trained = torch.compile(trained, backend="eager")
     start = progress.step + 1 if progress else 0
     if progress is not None:
         epoch = 0 if args.forget_epoch else (progress.epoch or 0)
