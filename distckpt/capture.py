@@ -20,7 +20,7 @@ import logging
 import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -75,10 +75,18 @@ def unwrap_module(module: nn.Module) -> nn.Module:
     while True:
         if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             module = module.module
-        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
-            module = module._orig_mod
+        elif is_compiled_wrapper(module):
+            module = cast(nn.Module, module._orig_mod)
         else:
             return module
+
+
+def is_compiled_wrapper(module: nn.Module) -> bool:
+    """torch.compile's wrapper (OptimizedModule), by its class: a model with a child of its own
+    named `_orig_mod` is no wrapper (taken for one, only that child was saved, silently).
+    By name, since importing torch._dynamo to compare classes costs seconds."""
+    return any(c.__name__ == "OptimizedModule" and c.__module__.startswith("torch._dynamo")
+               for c in type(module).__mro__) and isinstance(getattr(module, "_orig_mod", None), nn.Module)
 
 
 # -- capture ----------------------------------------------------------------------------------

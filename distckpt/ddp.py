@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .capture import is_compiled_wrapper
 from .rng import capture_process_rng, restore_process_rng
 
 _HOOK_ATTR = "_distckpt_bucket_warmup"
@@ -133,7 +134,7 @@ def _wrapper_chain(module: nn.Module) -> list[nn.Module]:
     chain = [module]
     while True:
         inner = getattr(chain[-1], "module", None) if isinstance(chain[-1], (_DDP, nn.DataParallel)) \
-            else getattr(chain[-1], "_orig_mod", None)
+            else getattr(chain[-1], "_orig_mod", None) if is_compiled_wrapper(chain[-1]) else None
         if not isinstance(inner, nn.Module) or len(chain) > 8:
             return chain
         chain.append(inner)

@@ -323,6 +323,17 @@ class ShardReader:
         return piece
 
 
+    def open_all(self) -> None:
+        """Read and verify every shard file the chunk table names, now: a damaged shard is found
+        while the step is being chosen (the caller falls back to an older one), never half-way
+        through copying tensors out of it."""
+        for name, entry in self.table.items():
+            for chunk in entry.get("chunks", []) if isinstance(entry, dict) else []:
+                file = chunk.get("file") if isinstance(chunk, dict) else None
+                if isinstance(file, str) and file not in self._opened:
+                    dtype, _, _ = self.spec(name)
+                    self._piece(file, name, list(chunk.get("shape", [])), dtype)
+
     def release(self) -> None:
         """Drop the shard files' mapped pages from this process (they stay readable)."""
         for data in self._buffers:

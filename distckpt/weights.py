@@ -14,6 +14,7 @@ unpickles. This module never touches torch.distributed.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import logging
@@ -38,6 +39,7 @@ from .errors import (
     DistCkptError,
     IncompatibleCheckpointError,
     MissingFileError,
+    StorageError,
     SupersededCheckpointError,
 )
 from .fencing import FENCE_DIR, read_leases
@@ -152,6 +154,7 @@ def _model_of_step(storage: Storage, step: int, entry: str, bounded: bool = Fals
                                           "pass entry=<the key of the model in `state`>")
     state_dict = saved["state"]["state_dict"]
     reader = ShardReader(storage, base, manifest, where, bounded)
+    reader.open_all()
     spec: dict[str, tuple[torch.dtype, list[int]]] = {}
     for key, value in state_dict.items():
         if isinstance(value, ShardRef):
@@ -244,7 +247,15 @@ def _open_hf_model(path: str) -> ModelSource:
                                                  "a tensor in two shards (which one is the model's?)")
                 if files.get(name) == file:
                     sl = f.get_slice(name)
-                    spec[name] = (_ST_TO_DTYPE.get(sl.get_dtype(), torch.float32), list(sl.get_shape()))
+                    if sl.get_dtype() not in _ST_TO_DTYPE:
+                        raise IncompatibleCheckpointError(
+                            f"{file}: {name!r} is stored as {sl.get_dtype()}, a dtype distckpt does not load "
+                            f"(it loads {sorted(_ST_TO_DTYPE)}): convert it, or leave it out with ignore=")
+                    spec[name] = (_ST_TO_DTYPE[sl.get_dtype()], list(sl.get_shape()))
+    absent = sorted(name for name in files if name not in spec)
+    if absent:
+        raise CorruptCheckpointError(f"{path}: the index places {absent[:8]} in files that do not hold them "
+                                     f"({sorted({os.path.basename(files[n]) for n in absent})[:4]}); export it again")
 
     def getter(name: str) -> torch.Tensor:
         with safe_open(files[name], framework="pt") as f:
@@ -346,7 +357,14 @@ def load_weights(source: str, module: nn.Module, *, step: int | None = None, str
     with torch.no_grad():
         for key, src_key in wanted.items():
             if key in target:
-                target[key].copy_(src.tensor(src_key))
+                try:
+                    target[key].copy_(src.tensor(src_key))
+                except Exception as e:
+                    # Every check above passed and every file of a checkpoint verified: only the
+                    # source changing or failing under the read is left. Say what was loaded.
+                    raise StorageError(f"{src.where}: reading {src_key!r} failed after {len(report.loaded)} of "
+                                       f"{len(wanted)} tensors were copied into the module, which is now partly "
+                                       f"loaded: load again ({type(e).__name__}: {e})") from e
                 report.loaded.append(key)
     return report
 
@@ -509,19 +527,30 @@ def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: st
     out_spec = {name: (_out_dtype(d, cast), shape) for name, (d, shape) in src.spec.items()}
     shards = _plan_shards(src.names, out_spec, limit)
     os.makedirs(out_dir, exist_ok=True)
-    files = []
-    weight_map: dict[str, str] = {}
-    for i, names in enumerate(shards):
-        file = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        digests = _write_shard(os.path.join(out_dir, file), names, out_spec, src, cast, progress)
-        _verify_shard(os.path.join(out_dir, file), digests)
-        files.append(file)
-        weight_map.update({name: file for name in names})
+    files = [SINGLE_NAME] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {name: file for file, names in zip(files, shards) for name in names}
     total = sum(_nbytes(*out_spec[n]) for n in src.names)
     if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        _atomic_write(os.path.join(out_dir, INDEX_NAME), json.dumps(index, indent=2).encode())
         files.append(INDEX_NAME)
+    # Every file is written and read back under a temporary name first and only then moved into
+    # place: a failure half-way (a source read, a full disk) leaves the earlier export whole
+    # (writing each shard into place as it went mixed two steps' shards under one index).
+    staged = [os.path.join(out_dir, file + ".tmp") for file in files]
+    try:
+        for tmp, names in zip(staged, shards):
+            digests = _write_shard(tmp, names, out_spec, src, cast, progress)
+            _verify_shard(tmp, digests)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            _write_synced(staged[-1], json.dumps(index, indent=2).encode())
+        for tmp, file in zip(staged, files):
+            os.replace(tmp, os.path.join(out_dir, file))
+    except BaseException:
+        for tmp in staged:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        raise
     _remove_stale_exports(out_dir, set(files))
     return ExportSummary(out_dir, src.step, files, len(src.names), total, dtype)
 
@@ -603,8 +632,7 @@ def _write_shard(path: str, names: list[str], spec: dict[str, tuple[torch.dtype,
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     digests = {}
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for name in names:
             tensor = src.tensor(name).detach()
@@ -619,7 +647,6 @@ def _write_shard(path: str, names: list[str], spec: dict[str, tuple[torch.dtype,
             src.release()  # the source's pages of that tensor leave this process (bounded memory)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
     return digests
 
 
@@ -637,10 +664,8 @@ def _verify_shard(path: str, digests: dict[str, str]) -> None:
                 raise CorruptCheckpointError(f"{path}: {name} reads back differently than written")
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+def _write_synced(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -159,7 +159,7 @@ def test_export_of_a_trained_multi_rank_checkpoint_equals_the_trained_weights(tm
 
     dump = str(tmp_path / "trained.pt")
     result = torchrun(ranks, ["--ckpt", str(tmp_path / "ckpt"), "--loss-log", str(tmp_path / "log"), "--wrap", wrap,
-                              "--steps", "5", "--every", "5", "--dump-weights", dump], 0)
+                              "--steps", "10", "--every", "5", "--dump-weights", dump], 0)
     assert result.returncode == 0, result.stderr[-3000:]
     trained = torch.load(dump, weights_only=True)  # what training ended with, gathered whole
     assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
@@ -171,8 +171,24 @@ def test_export_of_a_trained_multi_rank_checkpoint_equals_the_trained_weights(tm
 
     fresh = Net()
     report = distckpt.load_weights(str(tmp_path / "ckpt"), fresh)
-    assert not report.missing and not report.unexpected
+    assert not report.missing and not report.unexpected and report.step == 9
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in trained.items())
+    if wrap != "fsdp2":
+        return
+    # The last rank's shard file of step 9 damaged: found while the step is chosen, so export and
+    # load_weights take step 4 whole (they failed, and load_weights had copied rank 0's tensors).
+    shards = os.path.join(str(tmp_path / "ckpt"), "step-000000009", "shards")
+    damaged = os.path.join(shards, sorted(os.listdir(shards))[-1])
+    data = bytearray(open(damaged, "rb").read())
+    data[-3] ^= 0xFF
+    open(damaged, "wb").write(bytes(data))
+    older = Net()
+    assert distckpt.load_weights(str(tmp_path / "ckpt"), older).step == 4
+    assert cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    assert sorted(os.listdir(tmp_path / "hf")) == ["model.safetensors"]
+    back = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert all(torch.equal(back[k], v) for k, v in older.state_dict().items())
+    assert not all(torch.equal(back[k], v) for k, v in trained.items())
 
 
 EXPORT_IN_A_CHILD = r"""
@@ -382,6 +398,73 @@ def test_an_export_never_mixes_with_a_checkpoint_root_or_an_earlier_export(tmp_p
         distckpt.load_weights(root, TinyLM(), step=3)
 
 
+@pytest.mark.parametrize("fail_at", [1, 2, "index", "move"])
+def test_an_export_failing_half_way_leaves_the_earlier_export_whole(tmp_path, monkeypatch, fail_at):
+    """A sharded export of another step into the same directory fails at its Nth shard, its index
+    or while moving files into place: the earlier export is still there byte for byte, no temporary
+    file is left (each shard used to replace the old one as it was written: two steps, one index)."""
+    from distckpt import weights
+
+    root, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    with distckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": _trained(0)})
+        mgr.save(2, {"model": _trained(1)})
+    assert cli.main(["export", root, out, "--step", "1", "--max-shard-size", "2KB"]) == 0
+    before = {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)}
+    assert len(before) > 3
+    real_write, real_synced, real_replace = weights._write_shard, weights._write_synced, os.replace
+    calls = {"shard": 0, "move": 0}
+
+    def write_shard(*args, **kwargs):
+        calls["shard"] += 1
+        if calls["shard"] == fail_at:
+            raise OSError(28, "No space left on device")
+        return real_write(*args, **kwargs)
+
+    def write_synced(*args, **kwargs):
+        if fail_at == "index":
+            raise OSError(28, "No space left on device")
+        return real_synced(*args, **kwargs)
+
+    def replace(src, dst):
+        calls["move"] += 1
+        if fail_at == "move" and calls["move"] == 1:
+            raise OSError(5, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(weights, "_write_shard", write_shard)
+    monkeypatch.setattr(weights, "_write_synced", write_synced)
+    monkeypatch.setattr(weights.os, "replace", replace)
+    assert cli.main(["export", root, out, "--step", "2", "--max-shard-size", "2KB"]) == 2
+    monkeypatch.undo()
+    after = {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)}
+    assert after == before
+    fresh = TinyLM()
+    distckpt.load_weights(out, fresh)
+    assert _bytes_of(fresh) == _bytes_of(_trained(0))
+
+
+def test_a_hugging_face_file_with_a_dtype_distckpt_does_not_load_or_a_wrong_index_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    model = nn.Linear(2, 1, bias=False)
+    os.makedirs(tmp_path / "c64")
+    save_file({"weight": torch.tensor([[1 + 2j, 3 + 4j]], dtype=torch.complex64)},
+              str(tmp_path / "c64" / "model.safetensors"))
+    before = model.weight.detach().clone()
+    for allow_cast in (True, False):  # complex into float32 used to be read as float32, dropping the imaginary part
+        with pytest.raises(distckpt.IncompatibleCheckpointError, match="C64"):
+            distckpt.load_weights(str(tmp_path / "c64"), model, allow_cast=allow_cast)
+    assert torch.equal(model.weight.detach(), before)
+    os.makedirs(tmp_path / "idx")
+    save_file({"weight": torch.ones(1, 2)}, str(tmp_path / "idx" / "model-00001-of-00001.safetensors"))
+    index = {"metadata": {"total_size": 8}, "weight_map": {"weight": "model-00001-of-00001.safetensors",
+                                                           "bias": "model-00001-of-00001.safetensors"}}
+    open(tmp_path / "idx" / "model.safetensors.index.json", "w").write(json.dumps(index))
+    with pytest.raises(distckpt.CorruptCheckpointError, match="bias"):  # was a bare KeyError
+        distckpt.load_weights(str(tmp_path / "idx"), nn.Linear(2, 1))
+
+
 def test_a_tensor_in_two_shards_is_refused(tmp_path):
     root, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     _save(root, _trained())
@@ -525,3 +608,28 @@ def test_weights_arguments_are_checked_naming_them(tmp_path, call, name):
     with pytest.raises(distckpt.ConfigError, match=name):
         call(str(tmp_path / "ckpt"), str(tmp_path / "out"), TinyLM())
     assert not (tmp_path / "out").exists()
+
+
+class WithAChildNamedOrigMod(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self._orig_mod = nn.Linear(2, 2)  # torch.compile's attribute name, on a module that is no wrapper
+        self.body = nn.Linear(2, 3)
+
+
+def test_a_child_named_like_the_compile_wrappers_attribute_is_no_wrapper(tmp_path):
+    """Taken for torch.compile's wrapper, only that child was saved, exported and loaded, silently."""
+    root = str(tmp_path / "ckpt")
+    torch.manual_seed(0)
+    model = WithAChildNamedOrigMod()
+    with distckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": model})
+    resumed = WithAChildNamedOrigMod()
+    with distckpt.CheckpointManager(root) as mgr:
+        mgr.load_latest({"model": resumed})
+    assert _bytes_of(resumed) == _bytes_of(model)
+    fresh = WithAChildNamedOrigMod()
+    report = distckpt.load_weights(root, fresh)
+    assert _bytes_of(fresh) == _bytes_of(model) and "body.weight" in report.loaded
+    assert cli.main(["export", root, str(tmp_path / "hf")]) == 0
+    assert sorted(load_file(str(tmp_path / "hf" / "model.safetensors"))) == sorted(model.state_dict())
