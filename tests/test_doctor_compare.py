@@ -58,6 +58,7 @@ def test_identical_runs_leave_nothing_out(tmp_path):
     assert report.unused_streams == [] and report.first_step is None and report.common_steps == [0, 1, 2, 3]
 
 
+@pytest.mark.faults  # a doctor run of its own (make test-faults)
 def test_every_k_without_an_optimizer_says_no_fingerprints_were_taken(tmp_path):
     """A loop stepping its parameters by hand gives --every nothing to hook: said so, never
     'equal at every common step'."""

@@ -29,7 +29,7 @@ ZOO = [
                  marks=faults),
     # Gradient accumulation under no_sync(), wrapped and bare modules, at 4 ranks.
     pytest.param(4, ["--accum", "2"], "23", id="ddp-no-sync-4ranks", marks=faults),
-    pytest.param(4, ["--wrap", "bare", "--accum", "2"], "23", id="bare-module-no-sync-4ranks"),
+    pytest.param(4, ["--wrap", "bare", "--accum", "2"], "23", id="bare-module-no-sync-4ranks", marks=faults),
     pytest.param(4, ["--wrap", "bare"], "23", id="bare-module-4ranks", marks=faults),
     pytest.param(2, ["--accum", "3", "--optim", "adam", "--sched", "onecycle"], "23",
                  id="ddp-no-sync-adam-onecycle", marks=faults),
