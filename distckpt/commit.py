@@ -114,6 +114,11 @@ def check_step_is_free(storage: Storage, step: int, policy: ReplacePolicy) -> mf
         raise FencedError(f"step {step} is already committed at {storage.url}/{base} by generation "
                           f"{marker.generation}, newer than this writer's {policy.generation}: a newer "
                           "incarnation of the job took over, and this one must stop (it commits nothing more)")
+    if policy.generation is not None and marker.generation == policy.generation:
+        raise CheckpointExistsError(
+            errno.EEXIST, f"step {step} is already committed at {storage.url}/{base} by this job itself "
+            "(this incarnation saved it earlier): save each step once; a pre-emption save at a step whose "
+            "periodic save already ran has nothing left to save (skip it, then close() and exit)")
     raise CheckpointExistsError(
         errno.EEXIST, f"step {step} is already committed at {storage.url}/{base}; "
         "resume with load_latest() so steps continue after it, or use another directory")

@@ -236,16 +236,79 @@ class Loader(Kind):
 
     def capture(self, entry: Entry) -> Any:
         _warn_unwrapped_workers(entry)
-        return entry.target.state_dict()
+        saved = entry.target.state_dict()
+        generator = _own_generator(entry.target)
+        if generator is not None and isinstance(saved, dict):
+            # The loader's generator= shuffles and seeds every later epoch; the loader's state
+            # does not hold it, so a generator not also put in `state` came back untouched and the
+            # next epoch's order differed from the uninterrupted run's. It travels with the loader.
+            saved = {**saved, _LOADER_GENERATOR: generator.get_state()}
+        return saved
+
+    def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
+        if not isinstance(saved, dict):
+            return
+        workers = _saved_worker_count(saved)
+        live = getattr(entry.target, "num_workers", 0)
+        if workers is not None and workers != live:
+            raise IncompatibleCheckpointError(
+                f"{where}: the loader was saved with num_workers={workers} and this one has num_workers={live}: "
+                "torchdata resumes a position only with the same number of workers (a different number "
+                f"failed at the next iter()); build the loader with num_workers={workers}")
+        if _LOADER_GENERATOR in saved:
+            generator = _own_generator(entry.target)
+            if generator is None:
+                raise IncompatibleCheckpointError(
+                    f"{where}: the loader was saved with a generator= of its own and this one has none, so its "
+                    "later epochs would shuffle differently: build it with generator=torch.Generator()")
+            try:
+                torch.Generator(device=generator.device).set_state(saved[_LOADER_GENERATOR])
+            except (TypeError, RuntimeError) as e:
+                raise IncompatibleCheckpointError(f"{where}: the loader's generator state does not fit its "
+                                                  f"generator: {e}") from e
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        if isinstance(value, dict) and _LOADER_GENERATOR in value:
+            value = dict(value)
+            generator_state = value.pop(_LOADER_GENERATOR)
+            generator = _own_generator(entry.target)
+            if generator is not None:  # validated
+                generator.set_state(generator_state)
         entry.target.load_state_dict(value)
         _undo_generator_draws_of_next_iter(entry.target)
         return []
 
     def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
         attributes = dict(vars(entry.target))  # StatefulDataLoader.load_state_dict only sets attributes
-        return lambda: undo.replace_dict(vars(entry.target), attributes.items())
+        generator = _own_generator(entry.target)
+        before = generator.get_state() if generator is not None else None
+
+        def put_back() -> None:
+            undo.replace_dict(vars(entry.target), attributes.items())
+            if generator is not None and before is not None:
+                generator.set_state(before)
+
+        return put_back
+
+
+_LOADER_GENERATOR = "_distckpt_loader_generator"  # beside torchdata's keys in the loader's saved state
+
+
+def _own_generator(loader: Any) -> torch.Generator | None:
+    generator = getattr(loader, "generator", None)
+    if isinstance(generator, torch.Generator) and generator is not torch.default_generator:
+        return generator
+    return None  # torch's default generator travels with the process's streams
+
+
+def _saved_worker_count(saved: dict[str, Any]) -> int | None:
+    """The num_workers a StatefulDataLoader state was saved with (None: not torchdata's layout)."""
+    snapshot = saved.get("_snapshot")
+    if isinstance(snapshot, dict):
+        main = snapshot.get("_main_snapshot")
+        count = main.get("_num_workers") if isinstance(main, dict) else None
+        return count if isinstance(count, int) else None
+    return 0 if "_num_yielded" in saved else None
 
 
 _WARNED_LOADERS: "weakref.WeakSet[Any]" = weakref.WeakSet()

@@ -42,7 +42,8 @@ class RandomStream(IterableDataset):
             yield torch.tensor([float(i) + torch.rand(1).item(), random.random(), float(np.random.rand())])
 
 
-def _loader(workers: int, generator: bool, shuffle: bool, iterable: bool = False) -> tuple[StatefulDataLoader, dict]:
+def _loader(workers: int, generator: bool, shuffle: bool, iterable: bool = False,
+            generator_in_state: bool = True) -> tuple[StatefulDataLoader, dict]:
     if iterable:  # wrapped without workers too: the replay to the position must not move the streams
         dataset: Any = distckpt.with_worker_rng(RandomStream())
         shuffle = False
@@ -51,7 +52,7 @@ def _loader(workers: int, generator: bool, shuffle: bool, iterable: bool = False
     g = torch.Generator().manual_seed(5) if generator else None
     loader = StatefulDataLoader(dataset, batch_size=2, shuffle=shuffle, num_workers=workers, generator=g)
     state: dict = {"loader": loader}
-    if g is not None:
+    if g is not None and generator_in_state:
         state["loader_generator"] = g
     return loader, state
 
@@ -73,18 +74,21 @@ def _run(loader: StatefulDataLoader, steps: range, save_at: int | None = None,
     return out
 
 
-def _check_resume(tmp_path, workers: int, generator: bool, shuffle: bool, save_at: int, iterable: bool = False) -> None:
+def _check_resume(tmp_path, workers: int, generator: bool, shuffle: bool, save_at: int, iterable: bool = False,
+                  generator_in_state: bool = True) -> None:
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
-    loader, state = _loader(workers, generator, shuffle, iterable)
+    loader, state = _loader(workers, generator, shuffle, iterable, generator_in_state)
     root = str(tmp_path / f"c{workers}{generator}{shuffle}{save_at}{iterable}")
     with distckpt.CheckpointManager(root) as mgr:
         reference = _run(loader, range(STEPS), save_at, mgr, state)
     torch.manual_seed(99)  # the resumed process starts from other streams
     random.seed(99)
     np.random.seed(99)
-    loader, state = _loader(workers, generator, shuffle, iterable)
+    loader, state = _loader(workers, generator, shuffle, iterable, generator_in_state)
+    if loader.generator is not None:
+        loader.generator.manual_seed(77)  # built otherwise than the run's: only the checkpoint can put it back
     with distckpt.CheckpointManager(root) as mgr:
         progress = mgr.load_latest(state)
     assert progress is not None and progress.step == save_at
@@ -99,6 +103,30 @@ def test_a_loader_resumed_mid_epoch_continues_every_stream(tmp_path, workers, ge
     # Without generator= (the default) the base seed comes from torch's global stream: the
     # resumed iterator used to draw it a second time (12 of 16 steps differed with 2 workers).
     _check_resume(tmp_path, workers, generator, shuffle, save_at=4)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("save_at", [4, 7])
+def test_a_loaders_own_generator_travels_with_the_loader(tmp_path, workers, save_at):
+    # generator= given to the loader and not put in `state` too: the next epoch's shuffle used to
+    # differ from the uninterrupted run's (the loader's state does not hold its generator).
+    _check_resume(tmp_path, workers, generator=True, shuffle=True, save_at=save_at, generator_in_state=False)
+
+
+@pytest.mark.parametrize("saved, resumed", [(0, 2), (2, 0), (2, 1)])
+def test_a_loader_with_another_number_of_workers_is_refused_with_nothing_changed(tmp_path, saved, resumed):
+    # torchdata cannot resume a position across worker counts: accepted, the next iter() failed
+    # with a bare AssertionError after everything else had been restored.
+    loader, state = _loader(saved, generator=True, shuffle=True)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        _run(loader, range(3), 2, mgr, {**state, "weights": torch.arange(3.0)})
+    loader, state = _loader(resumed, generator=True, shuffle=True)
+    weights = torch.zeros(3)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        with pytest.raises(distckpt.IncompatibleCheckpointError, match=f"num_workers={saved}.*num_workers={resumed}"):
+            mgr.load_latest({**state, "weights": weights})
+    assert torch.equal(weights, torch.zeros(3))
+    assert len(_run(loader, range(8))) == 8  # the loader is as built: a fresh pass works
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -160,9 +160,12 @@ def test_an_uncommitted_step_is_invisible(ckpt_dir):
 def test_saving_a_committed_step_again_is_refused(ckpt_dir):
     with distckpt.CheckpointManager(ckpt_dir) as mgr:
         mgr.save(1, {"x": 1})
-        with pytest.raises(distckpt.CheckpointExistsError, match="already committed"):
-            mgr.save(1, {"x": 2})
+        with pytest.raises(distckpt.CheckpointExistsError, match="already committed.*by this job itself"):
+            mgr.save(1, {"x": 2})  # e.g. a pre-emption save after the step's periodic one: said so
         assert mgr.committed_steps() == [1]
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:  # another run into the same root, never loaded
+        with pytest.raises(distckpt.DistCkptError, match="already"):
+            mgr.save(1, {"x": 2})
 
 
 def test_keep_last_and_keep_best(ckpt_dir):
