@@ -23,17 +23,19 @@ as the strings "nan", "inf", "-inf"). S3 credentials and endpoint come from the 
 from __future__ import annotations
 
 import argparse
+import errno
+import itertools
 import json
 import math
 import os
 import subprocess
 import sys
 import time
-from typing import Any, NoReturn
+from typing import Any, Iterator, NoReturn
 
 from . import manifest as mf
 from .commit import CommitIndex, check_not_superseded, list_committed, read_marker, removed_meanwhile
-from .errors import ConfigError, DistCkptError, SupersededCheckpointError
+from .errors import ConfigError, CorruptCheckpointError, DistCkptError, StorageError, SupersededCheckpointError
 from .fencing import Lease, read_leases, resumed_leases
 from .gcpause import collector_paused
 from .inspection import describe_step, diff_steps, list_steps, read_manifest, verify_step
@@ -129,34 +131,54 @@ def _steps(storage: Storage, args: argparse.Namespace) -> list[int]:
     return list_committed(storage)[:1]
 
 
-def _newest_not_superseded(storage: Storage, leases: list[Lease]) -> list[int]:
-    """The newest committed step that is not a superseded writer's output (the one load_latest
-    prefers); the newest committed one when every step is."""
-    committed = list_committed(storage)
-    for step in committed:
+def _in_load_order(storage: Storage, leases: list[Lease]) -> Iterator[tuple[bool, int]]:
+    """(superseded, step) of the committed steps in the order load_latest tries them: newest
+    first, a superseded writer's output after every other step (its last resort). Lazy: the
+    markers are read only as far as the caller goes."""
+    superseded = []
+    for step in list_committed(storage):
         try:
             check_not_superseded(read_marker(storage, step), leases, f"{storage.url}/{mf.step_dir(step)}")
-            return [step]
         except SupersededCheckpointError:
+            superseded.append(step)
             continue
         except (DistCkptError, OSError):
-            return [step]  # damaged: shown (and refused) as it is
-    return committed[:1]
+            pass  # damaged: tried in its place (and passed over if unreadable)
+        yield False, step
+    for step in superseded:
+        yield True, step
+
+
+_INSPECT_TRIES = 8  # steps per tier inspect tries before it gives up (each unreadable one is said)
 
 
 def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
     leases = read_leases(storage) if args.step is None else []
 
-    def steps_of(root: Storage) -> list[int]:
-        return _steps(root, args) if args.step is not None else _newest_not_superseded(root, leases)
+    def steps_of(root: Storage) -> list[tuple[bool, int]]:
+        if args.step is not None:
+            return [(False, step) for step in _steps(root, args)]
+        return list(itertools.islice(_in_load_order(root, leases), _INSPECT_TRIES))
 
-    found = [(step, tier, root) for tier, root in _tiers(storage, args) for step in steps_of(root)
-             if args.step is None or step in list_committed(root)] or \
-        [(step, "durable", storage) for step in steps_of(storage)]
+    found = [(superseded, step, tier, root) for tier, root in _tiers(storage, args)
+             for superseded, step in steps_of(root) if args.step is None or step in list_committed(root)] or \
+        [(superseded, step, "durable", storage) for superseded, step in steps_of(storage)]
     if not found:
         return _fail(args, f"no committed checkpoint at {storage.url}", EXIT_PROBLEM)
-    step, tier, storage = max(found, key=lambda f: (f[0], f[1] == "local"))  # newest; the local copy first
-    d = describe_step(storage, step)
+    found.sort(key=lambda f: (not f[0], f[1], f[2] == "local"), reverse=True)  # newest; the local copy first
+    for index, (_, step, _, storage) in enumerate(found):
+        try:
+            d = describe_step(storage, step)
+            break
+        except (CorruptCheckpointError, StorageError) as e:
+            # Without --step, the newest step it can read, as export and load_weights fall back
+            # (describing reads headers and manifests, not every byte: `verify` checks those).
+            if args.step is not None or index == len(found) - 1 or \
+                    (type(e) is StorageError and e.errno != errno.ELOOP):
+                raise
+            print(f"distckpt inspect: step {step} at {storage.url} cannot be read ({e}); "
+                  "describing the previous one", file=sys.stderr)
+    tier = found[index][2]
     if getattr(args, "local_dir", None):
         d["tier"] = tier
     m = d["manifest"]

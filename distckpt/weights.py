@@ -15,6 +15,7 @@ unpickles. This module never touches torch.distributed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import json
 import logging
@@ -116,7 +117,9 @@ def open_checkpoint_model(url: str, *, step: int | None = None, entry: str = "mo
         except SupersededCheckpointError as e:
             superseded.append(candidate)
             log.warning("%s; trying the previous step", e)
-        except (CorruptCheckpointError, MissingFileError) as e:  # a listed step missing its manifest: damaged
+        except (CorruptCheckpointError, MissingFileError, StorageError) as e:  # a listed step missing its manifest: damaged
+            if isinstance(e, StorageError) and not isinstance(e, MissingFileError) and e.errno != errno.ELOOP:
+                raise  # the storage failing, not the step: no older step is chosen behind its back
             errors.append(str(e))
             log.warning("step %d at %s is damaged, trying the previous one: %s", candidate, storage.url, e)
     for candidate in superseded:
