@@ -12,7 +12,10 @@ optimizer's into the optimizer, a plain value as a value. The source holds no pe
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
+import re
 import tempfile
 import uuid
 from typing import Any
@@ -73,15 +76,41 @@ def _load_weights_only(file: str) -> Any:
     import torch
 
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        with _numpy_scalars_allowed():
+            return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError or others for refused globals
         raise UnstorableValueError(
             f"{file} is not a torch.save file of tensors and plain values ({type(e).__name__}: {_first_line(e)}); "
             "save a dict of state_dicts and plain values (e.g. vars(args), not args) and import that") from e
 
 
+def _numpy_scalars_allowed() -> Any:
+    """NumPy scalars (a `step` saved as np.int64, a metric as np.float32) let through torch's
+    restricted unpickler: the scalar is rebuilt from its dtype and raw bytes, and the dtype from
+    its code; arrays and every other class stay refused."""
+    import numpy as np
+    import torch
+
+    try:
+        multiarray = importlib.import_module("numpy._core.multiarray")  # NumPy 2
+    except ImportError:
+        multiarray = importlib.import_module("numpy.core.multiarray")
+    allowed = [multiarray.scalar, np.dtype]
+    dtypes = getattr(np, "dtypes", None)  # NumPy >= 1.25 pickles some dtypes by their class
+    if dtypes is not None:
+        allowed += [getattr(dtypes, name) for name in dir(dtypes) if name.endswith("DType")]
+    safe_globals = getattr(torch.serialization, "safe_globals", None)
+    if safe_globals is None:  # torch 2.4: no context manager, only the process-wide list
+        torch.serialization.add_safe_globals(allowed)
+        return contextlib.nullcontext()
+    return safe_globals(allowed)
+
+
+_TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*m")  # torch's messages embolden words for a terminal
+
+
 def _first_line(e: BaseException) -> str:
-    return (str(e).splitlines() or ["(no message)"])[0][:200]
+    return _TERMINAL_CODES.sub("", (str(e).splitlines() or ["(no message)"])[0])[:200]
 
 
 def _write_import(obj: Any, url: str, source: str, world_size: int, step: int | None,

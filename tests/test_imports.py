@@ -3,6 +3,9 @@ a job resumes from with load_latest; both are pickles, so the flag is required."
 
 from __future__ import annotations
 
+import warnings
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -81,7 +84,8 @@ def test_an_import_for_two_ranks_is_loadable_by_a_two_rank_job(tmp_path):
 
 
 @pytest.mark.parametrize("value, expected", [(torch.tensor(1500), 1500), (7, 7), (-5, None), ("abc", None),
-                                             (3.7, None), (torch.tensor(2.5), None), (True, None)])
+                                             (3.7, None), (torch.tensor(2.5), None), (True, None),
+                                             (np.int64(42), 42), (np.int32(9), 9), (np.float64(2.0), None)])
 def test_the_sources_step_is_taken_or_refused_never_replaced_by_0(tmp_path, value, expected):
     file = str(tmp_path / "src.pt")
     torch.save({"model": nn.Linear(2, 2).state_dict(), "step": value}, file)
@@ -119,3 +123,18 @@ def test_an_import_never_joins_another_runs_root_and_damaged_sources_are_clean_e
         out = capsys.readouterr().out
         assert json.loads(out)["exit_code"] == 2  # exactly one JSON document
         assert not (tmp_path / "new").exists() or not distckpt.CheckpointManager(str(tmp_path / "new")).committed_steps()
+
+
+def test_numpy_scalars_come_through_the_restricted_unpickler_and_arrays_stay_refused(tmp_path):
+    file, url = str(tmp_path / "src.pt"), str(tmp_path / "ckpt")
+    torch.save({"model": nn.Linear(2, 2).state_dict(), "step": np.int64(7), "best": {"loss": np.float32(0.25)}}, file)
+    assert import_torch(file, url, trust_pickle=True) == 7
+    state = {"model": nn.Linear(2, 2), "best": {}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", distckpt.CheckpointFallbackWarning)
+        assert distckpt.CheckpointManager(url).load_latest(state).step == 7
+    assert type(state["best"]["loss"]) is np.float32 and state["best"]["loss"] == np.float32(0.25)
+    torch.save({"model": nn.Linear(2, 2).state_dict(), "array": np.zeros(3)}, file)
+    with pytest.raises(distckpt.UnstorableValueError, match="not a torch.save file of tensors") as raised:
+        import_torch(file, str(tmp_path / "other"), trust_pickle=True)
+    assert "\x1b[" not in str(raised.value)  # torch's terminal emphasis left out of the message
