@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .capture import is_compiled_wrapper
 from .rng import capture_process_rng, restore_process_rng
@@ -60,7 +61,9 @@ def _install_on(ddp: nn.Module) -> None:
 # Bare modules loaded while no DDP wrapped them. A global forward pre-hook (torch calls it before
 # every module's forward, and before the module's own hooks) sees the first DDP forward that runs
 # one of them and warms that DDP up; each bare module's own pre-hook ends the watch at its first
-# forward (by then a wrapper, if any, has been seen), so the global hook costs nothing afterwards.
+# forward (by then a wrapper, if any, has been seen), and the first optimizer step ends every
+# watch (a module in `state` that is never run, an EMA copy, would otherwise keep the global hook,
+# and torch's slower call path for every module, for the whole run).
 _watched: dict[int, tuple[weakref.ref[nn.Module], Any]] = {}
 _global_hook: list[Any] = []
 
@@ -77,6 +80,12 @@ def _watch_for_a_wrapper(bare: nn.Module) -> None:
     _watched[key] = (weakref.ref(bare, collected), own)
     if not _global_hook:
         _global_hook.append(nn.modules.module.register_module_forward_pre_hook(_first_ddp_forward))
+        _global_hook.append(register_optimizer_step_pre_hook(_end_every_watch))
+
+
+def _end_every_watch(*_: Any) -> None:
+    for key in list(_watched):
+        _forget(key)
 
 
 def _first_ddp_forward(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -110,8 +119,9 @@ def _forget(key: int) -> None:
     entry = _watched.pop(key, None)
     if entry is not None:
         entry[1].remove()
-    if not _watched and _global_hook:
-        _global_hook.pop().remove()
+    if not _watched:
+        while _global_hook:
+            _global_hook.pop().remove()
 
 
 def ddp_wrappers_of(bare: nn.Module) -> list[nn.Module]:

@@ -792,3 +792,22 @@ def one_step_with_and_without_the_warmup(rank: int, world: int, url: str, wrap_a
     assert all(torch.equal(a, b) for a, b in zip(plain["buffers"], warmed["buffers"]))
     assert all(torch.equal(a, b) for a, b in zip(plain["grads"], warmed["grads"]))
     return "ok"
+
+
+def the_wrapper_watch_ends_at_the_first_optimizer_step(rank: int, world: int, url: str) -> dict:
+    """A module in `state` that no DDP runs (an EMA copy): the global hook watching for a wrapper
+    goes at the first optimizer step, not at the end of the run."""
+    from torch.nn.modules import module as torch_module
+    from torch.optim import optimizer as torch_optimizer
+
+    net, ema = nn.Linear(2, 2), nn.Linear(2, 2)
+    ddp = nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    hooks = (len(torch_module._global_forward_pre_hooks), len(torch_optimizer._global_optimizer_pre_hooks))
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.load_latest({"model": ddp, "ema": ema, "optimizer": opt})
+    watching = (len(torch_module._global_forward_pre_hooks), len(torch_optimizer._global_optimizer_pre_hooks))
+    ddp(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    after = (len(torch_module._global_forward_pre_hooks), len(torch_optimizer._global_optimizer_pre_hooks))
+    return {"before": hooks, "watching": watching, "after": after, "ema_hooks": len(ema._forward_pre_hooks)}

@@ -472,3 +472,10 @@ def test_the_ddp_warmup_leaves_no_trace_in_streams_statistics_or_gradients(ckpt_
     for r in run_world(f"{W}:one_step_with_and_without_the_warmup", 2, url=ckpt_dir, wrap_after_load=wrap_after_load):
         assert r.error is None, r.error
         assert r.value == "ok"
+
+
+def test_the_watch_for_a_wrapper_built_later_ends_at_the_first_optimizer_step(ckpt_dir):
+    (r,) = run_world(f"{W}:the_wrapper_watch_ends_at_the_first_optimizer_step", 1, url=ckpt_dir)
+    assert r.error is None, r.error
+    assert r.value["watching"] == (r.value["before"][0] + 1, r.value["before"][1] + 1), r.value
+    assert r.value["after"] == r.value["before"] and r.value["ema_hooks"] == 0, r.value
