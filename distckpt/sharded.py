@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -100,9 +101,14 @@ def capture_module(module: nn.Module) -> dict[str, Any]:
 
 
 def capture_optimizer(module: nn.Module, opt: torch.optim.Optimizer) -> Any:
+    """The optimizer's state as it is. DCP's get_optimizer_state_dict first "initialises" an
+    optimizer without state by taking a step with zero gradients and lr 0: a save before the
+    first step then left AdamW at step 1 with zero moments (the run diverged from one without
+    saves) and fired every step hook (an EMA update). Here that initialisation is skipped."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(module, opt)
+    with _dcp_optimizer_init(_no_init):
+        return get_optimizer_state_dict(module, opt)
 
 
 def _allowed_placement(placement: Any) -> bool:
@@ -413,8 +419,79 @@ def target_module_state(module: nn.Module) -> dict[str, Any]:
 
 
 def target_optimizer_state(module: nn.Module, opt: torch.optim.Optimizer) -> Any:
-    """The optimizer's state laid out for this job (DCP initialises empty state with a zero step)."""
-    return capture_optimizer(module, opt)
+    """The optimizer's state laid out for this job: where it has none yet, the layout of the
+    state its first step would make (DCP's zero step), taken without hooks and then undone, so a
+    load that fails afterwards leaves the optimizer without state, as it was."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if opt.state:
+        return capture_optimizer(module, opt)
+    with _dcp_optimizer_init(_init_without_side_effects):
+        target = get_optimizer_state_dict(module, opt)
+    opt.state = type(opt.state)(dict) if isinstance(opt.state, defaultdict) else defaultdict(dict)
+    return target
+
+
+def _dcp_optimizer_init(init: Callable[[torch.optim.Optimizer], None]) -> Any:
+    """DCP's state_dict functions with their optimizer initialisation replaced by `init`."""
+    import contextlib
+
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+    @contextlib.contextmanager
+    def replaced() -> Any:
+        original = dcp_state_dict._init_optim_state
+        dcp_state_dict._init_optim_state = init  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            dcp_state_dict._init_optim_state = original
+    return replaced()
+
+
+def _no_init(opt: torch.optim.Optimizer) -> None:
+    return None
+
+
+def _init_without_side_effects(opt: torch.optim.Optimizer) -> None:
+    """DCP's zero step (zero gradients, lr 0) with no step hook run, no gradient left behind and
+    the scheduler's step tracking untouched: only the state it creates remains (for its layout)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if opt.state or any(p.grad is not None for p in params):
+        return  # as DCP: nothing to initialise, or gradients it would not replace
+    hooks: list[dict[Any, Any]] = [opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks,
+                                   torch_optimizer._global_optimizer_pre_hooks,
+                                   torch_optimizer._global_optimizer_post_hooks]
+    parked = [dict(h) for h in hooks]
+    lrs = [group.get("lr") for group in opt.param_groups]
+    tracked = vars(opt).get("_opt_called", _UNSET)
+    try:
+        for h in hooks:
+            h.clear()
+        for group in opt.param_groups:
+            if "lr" in group:
+                group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+        for p in params:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+    finally:
+        for h, kept in zip(hooks, parked):
+            h.update(kept)
+        for group, lr in zip(opt.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+        for p in params:
+            p.grad = None
+        if tracked is _UNSET:
+            vars(opt).pop("_opt_called", None)
+        else:
+            opt._opt_called = tracked  # type: ignore[attr-defined]
+
+
+_UNSET = object()
 
 
 def check_module_keys(saved: dict[str, Any], target: dict[str, Any], module: nn.Module, where: str) -> None:
@@ -439,4 +516,5 @@ def restore_module(module: nn.Module, saved: dict[str, Any]) -> None:
 def restore_optimizer(module: nn.Module, opt: torch.optim.Optimizer, saved: Any) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    set_optimizer_state_dict(module, opt, saved)
+    with _dcp_optimizer_init(_init_without_side_effects):  # the loaded state then replaces what it made
+        set_optimizer_state_dict(module, opt, saved)

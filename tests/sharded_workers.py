@@ -183,3 +183,39 @@ def a_partial_placement_is_refused_by_the_users_key_path(rank: int, world: int, 
             return "saved"
         except distckpt.UnstorableValueError as e:
             return str(e)
+
+
+def saves_before_the_first_step_change_nothing(rank: int, world: int, url: str) -> dict:
+    """A save at the top of every step from step 0 (the optimizer has no state yet at the first)
+    trains exactly as without saves, fires no optimizer step hook, and its step-0 checkpoint loads
+    back into a fresh optimizer as no state; a load that fails later leaves a fresh optimizer
+    without state. DCP's own initialisation took a zero step on the live optimizer each time."""
+    import os
+
+    fired: list[int] = []
+    with_saves = build(0)
+    with_saves["optimizer"].register_step_post_hook(lambda *_: fired.append(1))
+    with distckpt.CheckpointManager(os.path.join(url, "a"), timeout=60, keep_last=10) as mgr:
+        losses = []
+        for step in range(3):
+            mgr.save(step, with_saves)
+            losses += train(with_saves, 1, step)
+    plain = build(0)
+    reference = train(plain, 3)
+    fresh = build(0)
+    with distckpt.CheckpointManager(os.path.join(url, "a"), timeout=60) as mgr:
+        mgr.load(fresh, 0)
+    state_after_load = len(fresh["optimizer"].state)
+    resumed = train(fresh, 3)
+    broken = build(0)
+    broken["extra"] = torch.zeros(5)  # not in the checkpoint's shape: refused after the optimizer was resolved
+    with distckpt.CheckpointManager(os.path.join(url, "b"), timeout=60) as mgr:
+        mgr.save(0, {**build(0), "extra": torch.zeros(4)})
+        try:
+            mgr.load(broken, 0)
+            refused = False
+        except distckpt.IncompatibleCheckpointError:
+            refused = True
+    return {"same": losses == reference, "hooks_fired": len(fired), "state_after_load": state_after_load,
+            "resumed_same": resumed == reference, "refused": refused,
+            "state_after_failed_load": len(broken["optimizer"].state), "after_failed_same": train(broken, 3) == reference}

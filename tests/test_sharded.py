@@ -189,3 +189,9 @@ def test_a_partial_placement_is_refused_at_save_naming_the_users_key_path(ckpt_d
     """It named our tree's path, state['replicated']['entries']['model']['state']['state_dict']['w']."""
     for message in _ok(run_world(f"{W}:a_partial_placement_is_refused_by_the_users_key_path", 2, url=ckpt_dir)):
         assert "state['model']" in message and "['replicated']" not in message and "Partial" in message, message
+
+
+def test_saves_and_loads_of_an_optimizer_without_state_leave_it_without_state(ckpt_dir):
+    for r in _ok(run_world(f"{W}:saves_before_the_first_step_change_nothing", 2, url=ckpt_dir)):
+        assert r == {"same": True, "hooks_fired": 3, "state_after_load": 0, "resumed_same": True, "refused": True,
+                     "state_after_failed_load": 0, "after_failed_same": True}, r
