@@ -97,7 +97,24 @@ def _capture_module(module: nn.Module) -> dict[str, Any]:
     metadata = getattr(sd, "_metadata", None) or {}
     return {"state_dict": dict(sd),
             "metadata": {k: dict(v) for k, v in metadata.items()},
-            "training": {name: m.training for name, m in bare.named_modules()}}
+            "training": {name: m.training for name, m in bare.named_modules()},
+            "requires_grad": parameter_flags(bare)}
+
+
+def parameter_flags(module: nn.Module) -> dict[str, bool]:
+    """Each parameter's requires_grad: a layer frozen mid-run (requires_grad_(False)) is part of
+    the run's state, and a resumed job builds every parameter trainable again (the resumed run
+    trained the frozen layer from the first step after the resume)."""
+    return {name: p.requires_grad for name, p in module.named_parameters()}
+
+
+def restore_parameter_flags(module: nn.Module, saved: dict[str, Any]) -> None:
+    flags = saved.get("requires_grad")
+    if not isinstance(flags, dict):
+        return  # written before the flags were recorded, or imported: the module keeps its own
+    for name, p in module.named_parameters():
+        if name in flags and p.requires_grad != flags[name]:
+            p.requires_grad_(bool(flags[name]))
 
 
 def _capture_sampler(sampler: Any) -> dict[str, Any]:
@@ -236,7 +253,7 @@ def resolve_sharded_entry(entry: Entry, saved_state: Any, reader: "sharded.Shard
         sharded.check_module_keys(saved_state, target, module, f"state[{entry.key!r}]")
         # load_state_dict copies into the parameters: the pieces may view the files' buffers
         return {"state_dict": sharded.resolve(saved_state["state_dict"], target, reader, path, may_alias=True),
-                "training": saved_state["training"]}
+                "training": saved_state["training"], "requires_grad": saved_state.get("requires_grad")}
     target = sharded.target_optimizer_state(entry.owner, entry.target)
     return sharded.resolve(saved_state, target, reader, path)
 
@@ -292,6 +309,7 @@ def _restore_module(module: nn.Module, saved: dict[str, Any], release: Release |
     if not (copied_all and loads_by_copy_alone(module)):
         sd._metadata = OrderedDict((k, dict(v)) for k, v in saved["metadata"].items())  # type: ignore[attr-defined]
         module.load_state_dict(sd, strict=True)
+    restore_parameter_flags(module, saved)
     flags = saved["training"]
     if flags is None:
         return  # imported from a file that never recorded them: the module keeps its own

@@ -26,7 +26,9 @@ Two loops would skip the rebuild without more care, both measured at 4 ranks:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import logging
 import weakref
 from typing import Any
 
@@ -36,6 +38,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .capture import is_compiled_wrapper
 from .rng import capture_process_rng, restore_process_rng
+
+log = logging.getLogger("distckpt")
 
 _HOOK_ATTR = "_distckpt_bucket_warmup"
 _DDP = nn.parallel.DistributedDataParallel
@@ -168,6 +172,11 @@ def _warmup_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         zero = sum((t.sum() * 0.0 for t in _tensors(output) if t.requires_grad), torch.zeros(()))
         if isinstance(zero, torch.Tensor) and zero.requires_grad:
             zero.backward()
+        else:
+            log.warning("the DDP warm-up found no tensor that needs gradients in the model's output (a %s): "
+                        "DDP's gradient buckets are not rebuilt before the first step, so at 3 or more ranks "
+                        "a resumed run may differ in the last bits; return tensors in a tuple, list, dict or "
+                        "dataclass", type(output).__name__)
     finally:
         module.require_backward_grad_sync = syncing
         for p, grad in zip(params, saved_grads):
@@ -196,10 +205,14 @@ def _module_generators(module: nn.Module) -> list[torch.Generator]:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a model's output, where DDP looks for them too (a dataclass output was
+    missed: no warm-up backward ran and a 4-rank resume drifted from its first step)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, dict):
         return [t for v in value.values() for t in _tensors(v)]
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in _tensors(getattr(value, f.name))]
     return []

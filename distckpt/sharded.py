@@ -97,7 +97,8 @@ def capture_module(module: nn.Module) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return {"state_dict": dict(get_model_state_dict(module)),
-            "training": {name: m.training for name, m in module.named_modules()}}
+            "training": {name: m.training for name, m in module.named_modules()},
+            "requires_grad": {name: p.requires_grad for name, p in module.named_parameters()}}
 
 
 def capture_optimizer(module: nn.Module, opt: torch.optim.Optimizer) -> Any:
@@ -511,6 +512,11 @@ def restore_module(module: nn.Module, saved: dict[str, Any]) -> None:
     set_model_state_dict(module, saved["state_dict"], options=StateDictOptions(strict=True))
     for name, sub in module.named_modules():
         sub.training = bool(saved["training"][name])
+    flags = saved.get("requires_grad")
+    if isinstance(flags, dict):  # each parameter's requires_grad (capture.parameter_flags)
+        for name, p in module.named_parameters():
+            if name in flags and p.requires_grad != flags[name]:
+                p.requires_grad_(bool(flags[name]))
 
 
 def restore_optimizer(module: nn.Module, opt: torch.optim.Optimizer, saved: Any) -> None:

@@ -46,6 +46,7 @@ def module_copy_aside(module: nn.Module) -> Undo:
     live = module.state_dict(keep_vars=True)
     copies = {k: _local(v).detach().to("cpu", copy=True) for k, v in live.items() if isinstance(v, torch.Tensor)}
     flags = {m: m.training for m in module.modules()}
+    trainable = {p: p.requires_grad for p in module.parameters()}
     # Extra state lives outside the tensors: set_extra_state put the checkpoint's back in and
     # nothing put the live one back (a counter kept the checkpoint's value after a failed load).
     extra = {m: copy.deepcopy(m.get_extra_state()) for m in module.modules()
@@ -60,6 +61,8 @@ def module_copy_aside(module: nn.Module) -> Undo:
             m.set_extra_state(copy.deepcopy(value))
         for m, flag in flags.items():
             m.training = flag
+        for p, wanted in trainable.items():
+            p.requires_grad_(wanted)
     return undo
 
 

@@ -66,9 +66,11 @@ def _check_module_structure(saved: Any, where: str) -> None:
     if not isinstance(saved, dict):
         saved = {}
     metadata, flags = saved.get("metadata"), saved.get("training")
+    grads = saved.get("requires_grad", {})
     if not (isinstance(saved.get("state_dict"), dict)
             and isinstance(metadata, dict) and all(isinstance(v, dict) for v in metadata.values())
-            and (flags is None or (isinstance(flags, dict) and all(isinstance(f, bool) for f in flags.values())))):
+            and (flags is None or (isinstance(flags, dict) and all(isinstance(f, bool) for f in flags.values())))
+            and isinstance(grads, dict) and all(isinstance(f, bool) for f in grads.values())):
         raise CorruptCheckpointError(f"{where}: the saved module state does not have the structure distckpt writes "
                                      "(state_dict, metadata, training flags)")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import random
 import signal
@@ -811,3 +812,34 @@ def the_wrapper_watch_ends_at_the_first_optimizer_step(rank: int, world: int, ur
     opt.step()
     after = (len(torch_module._global_forward_pre_hooks), len(torch_optimizer._global_optimizer_pre_hooks))
     return {"before": hooks, "watching": watching, "after": after, "ema_hooks": len(ema._forward_pre_hooks)}
+
+
+@dataclasses.dataclass
+class _Output:
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+class _DataclassNet(nn.Module):
+    """A forward returning a dataclass (not a dict, tuple or ModelOutput)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> _Output:
+        logits = self.fc(x)
+        return _Output(loss=logits.pow(2).mean(), logits=logits)
+
+
+def the_warmup_backward_reaches_a_dataclass_output(rank: int, world: int, url: str) -> dict:
+    """The warm-up back-propagates through the tensors of a dataclass output (it found none, so
+    DDP's buckets were not rebuilt: a 4-rank resume drifted from its first step)."""
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(_DataclassNet())
+    passes: list[int] = []
+    model.module.fc.weight.register_hook(lambda g: passes.append(1))
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.load_latest({"model": model})
+    model(torch.ones(3, 4)).loss.backward()
+    return {"backward_passes": len(passes)}

@@ -219,3 +219,15 @@ def saves_before_the_first_step_change_nothing(rank: int, world: int, url: str) 
     return {"same": losses == reference, "hooks_fired": len(fired), "state_after_load": state_after_load,
             "resumed_same": resumed == reference, "refused": refused,
             "state_after_failed_load": len(broken["optimizer"].state), "after_failed_same": train(broken, 3) == reference}
+
+
+def a_layer_frozen_mid_run_stays_frozen(rank: int, world: int, url: str) -> list:
+    state = build(0)
+    train(state, 1)
+    state["model"].head.requires_grad_(False)
+    with distckpt.CheckpointManager(url, timeout=60) as mgr:
+        mgr.save(1, state)
+    fresh = build(0)
+    with distckpt.CheckpointManager(url, timeout=60) as mgr:
+        mgr.load_latest(fresh)
+    return [name for name, p in fresh["model"].named_parameters() if not p.requires_grad]

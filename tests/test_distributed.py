@@ -479,3 +479,9 @@ def test_the_watch_for_a_wrapper_built_later_ends_at_the_first_optimizer_step(ck
     assert r.error is None, r.error
     assert r.value["watching"] == (r.value["before"][0] + 1, r.value["before"][1] + 1), r.value
     assert r.value["after"] == r.value["before"] and r.value["ema_hooks"] == 0, r.value
+
+
+def test_the_ddp_warmup_back_propagates_through_a_dataclass_output(ckpt_dir):
+    for r in run_world(f"{W}:the_warmup_backward_reaches_a_dataclass_output", 2, url=ckpt_dir):
+        assert r.error is None, r.error
+        assert r.value == {"backward_passes": 2}, r.value  # the warm-up's and the step's

@@ -417,6 +417,34 @@ def test_plain_and_per_rank_entries_are_restored_in_place(ckpt_dir):
 
 
 @pytest.mark.parametrize("async_save", [False, True])
+def test_a_layer_frozen_mid_run_stays_frozen_after_a_resume_and_a_failed_load_changes_no_flag(ckpt_dir, async_save):
+    """requires_grad_(False) mid-run is the run's state: a resumed job builds every parameter
+    trainable, and trained the frozen layer from the first step after the resume."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    model[0].requires_grad_(False)
+    with distckpt.CheckpointManager(ckpt_dir, async_save=async_save) as mgr:
+        mgr.save(1, {"model": model, "extra": torch.zeros(2)})
+    fresh = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.load_latest({"model": fresh, "extra": torch.zeros(2)})
+    assert [p.requires_grad for p in fresh.parameters()] == [False, False, True, True]
+    class Refusing:  # restored after the model, and its own load fails: the model is undone
+        def state_dict(self):
+            return {"x": 1}
+
+        def load_state_dict(self, sd):
+            raise ValueError("no")
+
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.load_latest({"model": nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)), "extra": torch.zeros(2)})
+        mgr.save(2, {"model": model, "z_owner": Refusing()})
+    other = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    with distckpt.CheckpointManager(ckpt_dir) as mgr, pytest.raises(distckpt.DistCkptError, match="no"):
+        mgr.load_latest({"model": other, "z_owner": Refusing()})
+    assert all(p.requires_grad for p in other.parameters())
+
+
+@pytest.mark.parametrize("async_save", [False, True])
 def test_gradients_are_not_state_neither_saved_nor_touched_by_a_load(ckpt_dir, async_save):
     # As in state_dict(): a checkpoint holds values, not .grad. The README says so ("Round trip or
     # refusal"); a load into a live tensor leaves its gradient as it was, a fresh one has none.

@@ -195,3 +195,8 @@ def test_saves_and_loads_of_an_optimizer_without_state_leave_it_without_state(ck
     for r in _ok(run_world(f"{W}:saves_before_the_first_step_change_nothing", 2, url=ckpt_dir)):
         assert r == {"same": True, "hooks_fired": 3, "state_after_load": 0, "resumed_same": True, "refused": True,
                      "state_after_failed_load": 0, "after_failed_same": True}, r
+
+
+def test_a_layer_frozen_mid_run_stays_frozen_after_a_resume(ckpt_dir):
+    for frozen in _ok(run_world(f"{W}:a_layer_frozen_mid_run_stays_frozen", 2, url=ckpt_dir)):
+        assert frozen == ["head.weight", "head.bias"], frozen
