@@ -452,9 +452,13 @@ def config_differences(saved: Any, current: Any, path: tuple[Any, ...] = ("confi
 
 
 def same_value(a: Any, b: Any) -> bool:
-    """Equal as stored values: NaN equals NaN, tensors by dtype, shape and values."""
-    if isinstance(a, float) and isinstance(b, float):
-        return a == b or (a != a and b != b)
+    """Equal as a load gives them back: by type and bits (1 and True and 1.0 differ, as do 0.0
+    and -0.0, a list and a tuple; an unchanged NaN, NumPy's included, is the same), tensors by
+    dtype, shape and values."""
+    if type(a) is not type(b) and not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    if isinstance(a, (float, np.floating, np.complexfloating)):
+        return bool(np.asarray(a).tobytes() == np.asarray(b).tobytes())
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
                 and a.shape == b.shape and bool(torch.equal(a, b) or (

@@ -40,8 +40,10 @@ class ManagerConfig:
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_best"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
                 raise ConfigError(f"{name}={value!r}: must be a positive int or None (keep all)")
+            if value is not None:
+                object.__setattr__(self, name, int(value))  # a NumPy integer, as keep_local and step take
         _choice("best_mode", self.best_mode, ("min", "max"))
         for name in ("async_save", "split_writes", "allow_dtype_cast", "incremental", "overlap_snapshot"):
             if not isinstance(getattr(self, name), bool):
@@ -52,8 +54,9 @@ class ManagerConfig:
                               "'reshard' (restore replicated and sharded state at another world size, keep "
                               "this run's per-rank state; 'replicated_only' is its older name)")
         grace = self.leftover_grace_s
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (0 <= grace < math.inf):
+        if isinstance(grace, bool) or not isinstance(grace, numbers.Real) or not (0 <= grace < math.inf):
             raise ConfigError(f"leftover_grace_s={grace!r}: must be a finite number of seconds >= 0")
+        object.__setattr__(self, "leftover_grace_s", float(grace))
         _choice("missing_entries", self.missing_entries, ("refuse", "keep"))
         object.__setattr__(self, "preemption_signals", signals("preemption_signals", self.preemption_signals))
         if self.overlap_snapshot and not self.async_save:
@@ -87,6 +90,8 @@ def seconds(name: str, value: Any, default: float | None = None) -> float:
 
 def signals(name: str, value: Any) -> tuple[int, ...]:
     """Signals as numbers, from a signal, a name ("SIGTERM" or "TERM"), or a sequence of them."""
+    if isinstance(value, (bytes, bytearray, dict)):  # bytes iterate as numbers: b"\x0f" read as SIGTERM
+        raise ConfigError(f"{name}={value!r}: must be a signal, a signal name, or a tuple of them")
     items = [value] if isinstance(value, (int, str, signal.Signals)) and not isinstance(value, bool) else value
     try:
         items = list(items)

@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .config import seconds
 from .errors import ConfigError
 
 log = logging.getLogger("distckpt")
@@ -39,16 +40,27 @@ class DistInfo:
     restart_count: int
 
 
-def init_distributed(backend: str | None = None, timeout: float = 600.0) -> DistInfo:
+_BACKENDS = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+
+
+def init_distributed(backend: str | None = None, timeout: float | timedelta = 600.0) -> DistInfo:
     """Start the default process group from torchrun's environment (every rank calls it).
 
     The backend is NCCL when CUDA is available (each rank on cuda:LOCAL_RANK), else gloo.
     Without torchrun's variables it starts nothing and describes a world of one.
     """
+    timeout = seconds("timeout", timeout)
+    if backend is not None and (not isinstance(backend, str) or backend.lower() not in _BACKENDS):
+        raise ConfigError(f"backend={backend!r}: must be None (NCCL on GPUs, else gloo) or one of "
+                          f"{sorted(_BACKENDS)}")
     env = os.environ
-    local_rank = int(env.get("LOCAL_RANK", "0"))
+    try:
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError as e:
+        raise ConfigError(f"torchrun environment is malformed (LOCAL_RANK / TORCHELASTIC_RESTART_COUNT: {e}); "
+                          "launch with torchrun") from e
     device = _device_for(local_rank)
-    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device,
                         dist.get_backend(), restarts)

@@ -92,6 +92,11 @@ class CheckpointManager:
         self.config = ManagerConfig(keep_last, keep_best, best_mode, async_save, timeout,  # type: ignore[arg-type]
                                     leftover_grace_s, world_size_policy, split_writes, allow_dtype_cast,
                                     missing_entries, preemption_signals, incremental, overlap_snapshot)
+        if self.config.keep_best is not None and self.config.keep_last is None:
+            warnings.warn(f"keep_best={self.config.keep_best} without keep_last keeps every step: retention keeps "
+                          "the newest keep_last steps and the keep_best best ones, and keep_last=None keeps all; "
+                          "set keep_last too (keep_last=1 keeps the newest, to resume from)", CheckpointWarning,
+                          stacklevel=2)
         self.split_writes = split_writes  # replicated tensors written by all ranks in parallel
         # `distckpt doctor` runs the job into roots of its own (DISTCKPT_DOCTOR_ROOT; README)
         self.storage = open_storage(doctor_hooks.root_override(url), storage_options)  # type: ignore[arg-type]
@@ -823,7 +828,10 @@ def _check_metric(metric: Any) -> float:
     """A finite number: int, float, NumPy number or a one-element tensor (a validation loss)."""
     if hasattr(metric, "numel") and callable(metric.numel) and metric.numel() == 1 \
             and not getattr(metric, "is_complex", lambda: False)():
-        metric = metric.item()
+        try:
+            metric = metric.item()
+        except (RuntimeError, ValueError) as e:  # a meta tensor has no value to read
+            raise ConfigError(f"metric: a tensor whose value cannot be read ({e}); pass a number") from None
     if isinstance(metric, bool) or not isinstance(metric, numbers.Real):
         raise ConfigError(f"metric={metric!r}: must be a number (e.g. the validation loss), not "
                           f"{type(metric).__name__}")

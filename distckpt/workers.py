@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from .errors import ConfigError
 from .rng import capture_process_rng, restore_process_rng
 
 _INNER = "dataset"
@@ -114,6 +115,9 @@ class WorkerRngIterableDataset(_WorkerRngMixin, IterableDataset):
 
 def with_worker_rng(dataset: Any) -> Dataset:
     """Wrap `dataset` so each loader worker's Python/NumPy/torch streams are saved and restored."""
+    if not isinstance(dataset, IterableDataset) and not callable(getattr(dataset, "__getitem__", None)):
+        raise ConfigError(f"dataset={type(dataset).__name__}: must be a dataset (with __getitem__, or an "
+                          "IterableDataset), the one the DataLoader is given")
     if isinstance(dataset, IterableDataset):
         return WorkerRngIterableDataset(dataset)
     return WorkerRngDataset(dataset)

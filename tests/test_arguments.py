@@ -111,10 +111,54 @@ def test_bad_save_arguments_are_config_errors(tmp_path, kwargs, match):
 def test_metrics_may_be_numpy_numbers_and_one_element_tensors(tmp_path):
     import numpy as np
 
-    with distckpt.CheckpointManager(str(tmp_path), keep_best=1) as mgr:
+    with distckpt.CheckpointManager(str(tmp_path), keep_best=1, keep_last=1) as mgr:
         mgr.save(1, {"x": 1}, metric=np.float32(0.5))
         mgr.save(2, {"x": 1}, metric=torch.tensor(0.25))
+        with pytest.raises(distckpt.ConfigError, match="metric"):  # was a raw RuntimeError from .item()
+            mgr.save(3, {"x": 1}, metric=torch.tensor(1.0, device="meta"))
     assert distckpt.CheckpointManager(str(tmp_path)).committed_steps()[0] == 2
+
+
+def test_keep_best_without_keep_last_says_every_step_is_kept(tmp_path):
+    with pytest.warns(distckpt.CheckpointWarning, match="keep_best=1 without keep_last keeps every step"):
+        distckpt.CheckpointManager(str(tmp_path), keep_best=1)
+
+
+def test_numpy_integers_are_taken_wherever_ints_are(tmp_path):
+    import numpy as np
+
+    mgr = distckpt.CheckpointManager(str(tmp_path), keep_last=np.int64(2), keep_best=np.int32(1),
+                                     leftover_grace_s=np.float32(3.0))  # keep_local, steps took them already
+    assert (mgr.config.keep_last, mgr.config.keep_best, mgr.config.leftover_grace_s) == (2, 1, 3.0)
+    assert type(mgr.config.keep_last) is int
+
+
+@pytest.mark.parametrize("url", ["file://", "file:///", "   ", "file://localhost/"])
+def test_a_url_naming_the_root_or_only_spaces_is_refused(tmp_path, url):
+    with pytest.raises(distckpt.ConfigError, match="url="):
+        distckpt.CheckpointManager(url)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"timeout": "x"}, "timeout"), ({"timeout": float("nan")}, "timeout"), ({"timeout": -1}, "timeout"),
+    ({"backend": 5}, "backend"), ({"backend": "bogus"}, "backend")])
+def test_init_distributed_checks_its_arguments(kwargs, match):
+    with pytest.raises(distckpt.ConfigError, match=match):
+        distckpt.init_distributed(**kwargs)
+
+
+def test_init_distributed_takes_a_timedelta_and_refuses_a_malformed_local_rank(monkeypatch):
+    import datetime
+
+    assert distckpt.init_distributed(timeout=datetime.timedelta(seconds=5)).world_size == 1
+    monkeypatch.setenv("LOCAL_RANK", "abc")
+    with pytest.raises(distckpt.ConfigError, match="LOCAL_RANK"):
+        distckpt.init_distributed()
+
+
+def test_signals_given_as_bytes_are_refused(tmp_path):
+    with pytest.raises(distckpt.ConfigError, match="preemption_signals"):  # b"\x0f" was read as SIGTERM
+        distckpt.CheckpointManager(str(tmp_path), preemption_signals=b"\x0f")
 
 
 @pytest.mark.parametrize("step", [5.0, "5", -1, None])
@@ -171,3 +215,23 @@ def test_a_state_key_that_is_not_a_str_is_a_config_error_naming_state_on_save_an
         with pytest.raises(distckpt.ConfigError, match=r"^state=: its key"):
             mgr.save(1, {key: 1})
         assert mgr.committed_steps() == []
+
+
+@pytest.mark.parametrize("dataset", [5, None, object()])
+def test_with_worker_rng_refuses_what_is_no_dataset(dataset):
+    with pytest.raises(distckpt.ConfigError, match="dataset="):  # failed later with a raw TypeError
+        distckpt.with_worker_rng(dataset)
+
+
+def test_config_differences_are_judged_by_type_and_bits(tmp_path, caplog):
+    import numpy as np
+
+    saved = {"nan32": np.float32("nan"), "nan": float("nan"), "one": 1, "f": 1, "seq": [1, 2], "zero": 0.0}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"config": saved})
+    now = {"nan32": np.float32("nan"), "nan": float("nan"), "one": True, "f": 1.0, "seq": (1, 2), "zero": -0.0}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        progress = mgr.load_latest({"config": now})
+    listed = sorted(line.split(":")[0] for line in progress.config_diff)
+    assert listed == ["state['config']['f']", "state['config']['one']", "state['config']['seq']",
+                      "state['config']['zero']"], progress.config_diff

@@ -109,7 +109,7 @@ def normalize_url(url: Any) -> str:
     """
     if isinstance(url, os.PathLike):
         url = os.fspath(url)
-    if not isinstance(url, str) or not url:
+    if not isinstance(url, str) or not url.strip():  # "   " made a directory named by spaces
         raise ConfigError(f"url={url!r}: must be a local path (str or pathlib.Path) or an fsspec URL "
                           "such as s3://bucket/prefix")
     if "\x00" in url:
@@ -130,6 +130,9 @@ def normalize_url(url: Any) -> str:
         if host not in ("", "localhost"):
             raise ConfigError(f"url={url!r}: file:// URLs name a local absolute path (file:///abs/path or "
                               f"file://localhost/abs/path), not the host {host!r}")
+        if not path.strip("/ "):  # file:// and file:/// are the file system's root, never a run's directory
+            raise ConfigError(f"url={url!r}: names no directory (it would be the file system's root); "
+                              "use file:///abs/path/to/run")
         return "file:///" + path
     if scheme in ("s3", "s3a") and not rest.split("/", 1)[0]:
         raise ConfigError(f"url={url!r}: names no bucket; use s3://bucket/prefix")
