@@ -313,6 +313,11 @@ def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
 
 
 def cmd_diff(storage: Storage, args: argparse.Namespace) -> int:
+    committed = list_committed(storage)
+    absent = [step for step in (args.a, args.b) if step not in committed]
+    if absent:  # said as such, not as a missing COMMITTED file
+        return _fail(args, f"step {absent[0]} is not committed at {storage.url} (committed: {committed[:10]})",
+                     EXIT_USAGE)
     rows = diff_steps(storage, args.a, args.b)
     lines = []
     for r in rows:

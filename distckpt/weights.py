@@ -483,7 +483,9 @@ def parse_size(text: str | int) -> int:
     """'5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, as Hugging Face's max_shard_size."""
     if isinstance(text, int) and not isinstance(text, bool) and text > 0:
         return text
-    match = _SIZE.fullmatch(str(text).strip())
+    if not isinstance(text, str):  # 1.5 was taken as a byte count of 1
+        raise ConfigError(f"max_shard_size={text!r}: a positive int of bytes, or a size such as 5GB, 500MB or 2GiB")
+    match = _SIZE.fullmatch(text.strip())
     if not match:
         raise ConfigError(f"max_shard_size={text!r}: a size such as 5GB, 500MB or 2GiB")
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()

@@ -158,6 +158,8 @@ def test_diff_reports_what_changed(url, capsys):
     assert code == 0 and weight["change"] == "values" and weight["max_abs_diff"] == pytest.approx(5.0)
     assert rows["replicated/state/entries/config/state/lr"]["new"] == pytest.approx(0.3)
     assert rows["ranks/rank-00000/epoch"] == {"key": "ranks/rank-00000/epoch", "change": "value", "old": 1, "new": 3}
+    code, out = run(capsys, "diff", url, "1", "9", "--json")  # said as a step that is not committed
+    assert code == 2 and "step 9 is not committed" in json.loads(out)["error"]
 
 
 def test_diff_across_a_restart_pairs_the_files_by_their_role(tmp_path, capsys):

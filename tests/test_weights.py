@@ -612,6 +612,7 @@ def test_modules_with_loading_code_of_their_own_load_as_load_state_dict_would(tm
     (lambda root, out, m: distckpt.export_weights(root, out, step=True), "step="),
     (lambda root, out, m: distckpt.export_weights(root, out, entry={}), "entry="),
     (lambda root, out, m: distckpt.export_weights(root, out, progress=None), "progress="),
+    (lambda root, out, m: distckpt.export_weights(root, out, max_shard_size=1.5), "max_shard_size="),
 ])
 def test_weights_arguments_are_checked_naming_them(tmp_path, call, name):
     """step=False loaded step 0; others were bare TypeErrors / RuntimeErrors."""
