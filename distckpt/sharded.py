@@ -437,7 +437,7 @@ def _dcp_optimizer_init(init: Callable[[torch.optim.Optimizer], None]) -> Any:
     """DCP's state_dict functions with their optimizer initialisation replaced by `init`."""
     import contextlib
 
-    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+    import torch.distributed.checkpoint.state_dict as dcp_state_dict
 
     @contextlib.contextmanager
     def replaced() -> Any:
