@@ -48,6 +48,8 @@ from .capture import (
     config_differences,
     copy_released,
     has_own_load_logic,
+    parameter_flags,
+    restore_parameter_flags,
     unwrap_module,
 )
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, StateArgumentError, UnstorableValueError
@@ -376,7 +378,8 @@ class ShardedModule(_ModuleLike):
         return isinstance(obj, nn.Module) and sharded.has_dtensor_params(unwrap_module(obj).parameters())
 
     def capture(self, entry: Entry) -> Any:
-        return sharded.capture_module(unwrap_module(entry.target))
+        module = unwrap_module(entry.target)
+        return {**sharded.capture_module(module), "requires_grad": parameter_flags(module)}
 
     def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
         # shapes and keys were checked while its pieces were assembled (resolve_sharded_entry)
@@ -385,6 +388,7 @@ class ShardedModule(_ModuleLike):
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
         sharded.restore_module(unwrap_module(entry.target), value)
+        restore_parameter_flags(unwrap_module(entry.target), value)
         return []
 
     def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:

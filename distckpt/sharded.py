@@ -20,11 +20,12 @@ information and the shard files stay readable by any safetensors reader.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -97,8 +98,7 @@ def capture_module(module: nn.Module) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return {"state_dict": dict(get_model_state_dict(module)),
-            "training": {name: m.training for name, m in module.named_modules()},
-            "requires_grad": {name: p.requires_grad for name, p in module.named_parameters()}}
+            "training": {name: m.training for name, m in module.named_modules()}}
 
 
 def capture_optimizer(module: nn.Module, opt: torch.optim.Optimizer) -> Any:
@@ -429,25 +429,21 @@ def target_optimizer_state(module: nn.Module, opt: torch.optim.Optimizer) -> Any
         return capture_optimizer(module, opt)
     with _dcp_optimizer_init(_init_without_side_effects):
         target = get_optimizer_state_dict(module, opt)
-    opt.state = type(opt.state)(dict) if isinstance(opt.state, defaultdict) else defaultdict(dict)
+    opt.state = defaultdict(dict)
     return target
 
 
-def _dcp_optimizer_init(init: Callable[[torch.optim.Optimizer], None]) -> Any:
+@contextlib.contextmanager
+def _dcp_optimizer_init(init: Callable[[torch.optim.Optimizer], None]) -> Iterator[None]:
     """DCP's state_dict functions with their optimizer initialisation replaced by `init`."""
-    import contextlib
-
     import torch.distributed.checkpoint.state_dict as dcp_state_dict
 
-    @contextlib.contextmanager
-    def replaced() -> Any:
-        original = dcp_state_dict._init_optim_state
-        dcp_state_dict._init_optim_state = init  # type: ignore[assignment]
-        try:
-            yield
-        finally:
-            dcp_state_dict._init_optim_state = original
-    return replaced()
+    original = dcp_state_dict._init_optim_state
+    dcp_state_dict._init_optim_state = init  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dcp_state_dict._init_optim_state = original
 
 
 def _no_init(opt: torch.optim.Optimizer) -> None:
@@ -512,11 +508,6 @@ def restore_module(module: nn.Module, saved: dict[str, Any]) -> None:
     set_model_state_dict(module, saved["state_dict"], options=StateDictOptions(strict=True))
     for name, sub in module.named_modules():
         sub.training = bool(saved["training"][name])
-    flags = saved.get("requires_grad")
-    if isinstance(flags, dict):  # each parameter's requires_grad (capture.parameter_flags)
-        for name, p in module.named_parameters():
-            if name in flags and p.requires_grad != flags[name]:
-                p.requires_grad_(bool(flags[name]))
 
 
 def restore_optimizer(module: nn.Module, opt: torch.optim.Optimizer, saved: Any) -> None:
