@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from . import sharded
-from .copying import PageRelease, copy_released
+from .copying import PageRelease, copy_released, same_bits
 from .errors import IncompatibleCheckpointError
 from .serialize import key_path
 from .staging import region_key
@@ -437,33 +437,42 @@ def normalize_imported(entry: Entry, saved: dict[str, Any]) -> dict[str, Any]:
 
 def config_differences(saved: Any, current: Any, path: tuple[Any, ...] = ("config",)) -> list[str]:
     """Key-by-key differences between the checkpoint's config and this run's."""
-    if isinstance(saved, dict) and isinstance(current, dict):
+    if isinstance(saved, dict) and isinstance(current, dict) and type(saved) is type(current):
         out: list[str] = []
+        if isinstance(saved, OrderedDict) and set(saved) == set(current) and list(saved) != list(current):
+            out.append(f"{key_path(path)}: keys in the order {list(saved)} in the checkpoint, {list(current)} here")
         for k in list(saved) + [k for k in current if k not in saved]:
             if k not in current:
-                out.append(f"{key_path(path + (k,))}: {saved[k]!r} in the checkpoint, absent here")
+                out.append(f"{key_path(path + (k,))}: {_shown(saved[k])} in the checkpoint, absent here")
             elif k not in saved:
-                out.append(f"{key_path(path + (k,))}: absent in the checkpoint, {current[k]!r} here")
+                out.append(f"{key_path(path + (k,))}: absent in the checkpoint, {_shown(current[k])} here")
             else:
                 out.extend(config_differences(saved[k], current[k], path + (k,)))
         return out
     same = same_value(saved, current)
-    return [] if same else [f"{key_path(path)}: {saved!r} in the checkpoint, {current!r} here"]
+    return [] if same else [f"{key_path(path)}: {_shown(saved)} in the checkpoint, {_shown(current)} here"]
+
+
+def _shown(value: Any) -> str:
+    """repr for a config-difference line; a repr that raises (a Counter's sorts its counts: a
+    NumPy bool beside a 2**63 count raised OverflowError and failed the load) is not the load's
+    business."""
+    try:
+        return repr(value)
+    except Exception as e:  # noqa: BLE001  (any user __repr__)
+        return f"<{type(value).__name__} whose repr failed: {type(e).__name__}>"
 
 
 def same_value(a: Any, b: Any) -> bool:
     """Equal as a load gives them back: by type and bits (1 and True and 1.0 differ, as do 0.0
     and -0.0, a list and a tuple; an unchanged NaN, NumPy's included, is the same), tensors by
-    dtype, shape and values."""
-    if type(a) is not type(b) and not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+    Parameter or not, requires_grad, dtype, shape and bits (as `distckpt diff` compares them)."""
+    if type(a) is not type(b):
         return False
     if isinstance(a, (float, np.floating, np.complexfloating)):
         return bool(np.asarray(a).tobytes() == np.asarray(b).tobytes())
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and bool(torch.equal(a, b) or (
-                    a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
-                    and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))))
+    if isinstance(a, torch.Tensor):
+        return a.requires_grad == b.requires_grad and same_bits(a.detach(), b.detach())
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):

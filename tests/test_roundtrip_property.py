@@ -465,3 +465,27 @@ def test_diff_sees_each_change_a_load_would_show(tmp_path, a, b):
         mgr.save(0, {"v": {"x": a}})
         mgr.save(1, {"v": {"x": b}})
     assert [r for r in diff_steps(open_storage(str(tmp_path)), 0, 1) if "/entries/v/" in r["key"]]
+
+
+
+@settings(max_examples=max(10, EXAMPLES // 2), deadline=None, derandomize=True)
+@given(value=trees, other=trees, same=st.booleans())
+def test_config_diff_lists_a_key_exactly_when_its_value_would_not_come_back_identical(tmp_path_factory, value,
+                                                                                     other, same):
+    """config_diff judges values as a load gives them back (type and bits: NaNs, -0.0, 1 against
+    True or 1.0, NumPy scalars, tensors, tuples against lists): a key is listed if and only if the
+    run's value differs from the checkpoint's by the round trip's own identity check."""
+    import copy
+
+    now = copy.deepcopy(value) if same else other
+    try:
+        assert_identical(value, now)
+        identical = True
+    except AssertionError:
+        identical = False
+    root = str(tmp_path_factory.mktemp("cfg"))
+    with distckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"config": {"v": value}})
+    with distckpt.CheckpointManager(root) as mgr:
+        progress = mgr.load_latest({"config": {"v": now}})
+    assert (progress.config_diff == ()) == identical, (value, now, progress.config_diff)
