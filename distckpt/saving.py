@@ -347,9 +347,10 @@ def _encode_checked(tree: dict[str, Any], path: tuple[Any, ...], entries: Sequen
             return encode_tree(tree, path, **options)
     try:
         return encode_tree(tree, path, **options)
-    except UnstorableValueError:
-        _check_storable(tree["entries"], entries)  # raises the same refusal, by the user's key path
-        raise
+    except UnstorableValueError as e:
+        internal = e  # names our tree's path: not chained to the user's error below
+    _check_storable(tree["entries"], entries)  # raises the same refusal, by the user's key path
+    raise internal
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import os
@@ -128,6 +129,21 @@ def test_unstorable_value_is_refused_at_save_time_and_nothing_is_written(ckpt_di
             mgr.save(1, {"config": {"schedule": lambda step: step}})
         assert mgr.committed_steps() == []
     assert not os.path.exists(os.path.join(ckpt_dir, "step-000000001"))
+
+
+def test_a_refusal_names_the_users_key_path_only(ckpt_dir):
+    """The error, and everything chained to it, names state['per_rank'][...], never the
+    library's own tree (state['replicated']['entries'][...])."""
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        with pytest.raises(distckpt.UnstorableValueError) as info:
+            mgr.save(1, {"per_rank": {"buffer": collections.deque([1, 2], maxlen=3)}})
+    chain = []
+    error: BaseException | None = info.value
+    while error is not None:
+        chain.append(str(error))
+        error = error.__cause__ or error.__context__
+    assert "state['per_rank']['buffer'] is a collections.deque" in chain[0]
+    assert not any("entries" in message for message in chain), chain
 
 
 def test_layout_and_manifest(ckpt_dir):
