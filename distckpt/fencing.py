@@ -26,6 +26,7 @@ reads (evaluation, the CLI) never fences the writer.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from .errors import CheckpointExistsError, FencedError
+from .errors import CheckpointExistsError, FencedError, MissingFileError, StorageError
 from .storage import Storage
 
 log = logging.getLogger("distckpt")
@@ -53,8 +54,11 @@ class Lease:
     host: str = ""
     pid: int = 0
     created_unix: float = 0.0
+    damaged: str = ""  # why the lease file could not be read ("": it was); see read_leases
 
     def describe(self) -> str:
+        if self.damaged:
+            return f"generation {self.generation} (its lease {lease_path(self.generation)} is unreadable: {self.damaged})"
         return (f"generation {self.generation} (run {self.run_id[:8]} on {self.host or '?'} pid {self.pid}, "
                 f"{'resumed from step ' + str(self.floor) if self.floor is not None else 'not resumed'}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(self.created_unix))} UTC)")
 
@@ -71,24 +75,55 @@ def lease_generations(storage: Storage) -> list[int]:
 
 
 def read_leases(storage: Storage, known: dict[int, Lease] | None = None) -> list[Lease]:
-    """Every lease that can be read, by generation; an unreadable one is skipped with a warning.
-    `known`: leases read before, by generation (a lease is never rewritten, so only new ones are
-    read; the new ones are added): one LIST per call once all are known."""
+    """Every lease, by generation. `known`: leases read before, by generation (a lease is never
+    rewritten, so only new ones are read; the new ones are added): one LIST per call once all
+    are known.
+
+    A lease is written whole or not at all (exclusive link / conditional PUT), so one that does
+    not parse is damage. It still names its generation, and it cannot say from which step that
+    incarnation resumed: it counts as resumed from nothing (floor -1, `damaged` set), the
+    reading that can never load or commit a superseded writer's output (it fences every older
+    writer; their steps are not loaded, and the loader's last resort refuses to guess).
+    A lease that could not be read for another reason (the store failing) is not guessed about:
+    StorageError. One removed since the listing (pruned: it could fence nothing) is skipped."""
     leases = []
     for gen in lease_generations(storage):
         if known is not None and gen in known:
             leases.append(known[gen])
             continue
         try:
-            d = json.loads(storage.read_bytes(lease_path(gen), _MAX_LEASE_BYTES))
-            floor = d["floor"]
-            leases.append(Lease(gen, None if floor is None else int(floor), str(d["run_id"]), str(d.get("host", "")),
-                                int(d.get("pid", 0)), float(d.get("created_unix", 0.0))))
-            if known is not None:
-                known[gen] = leases[-1]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-            log.warning("fence: lease %s is unreadable and ignored: %s", lease_path(gen), e)
+            lease = _parse_lease(gen, storage.read_bytes(lease_path(gen), _MAX_LEASE_BYTES))
+        except MissingFileError:
+            continue
+        except StorageError as e:
+            if e.errno not in (errno.EFBIG, errno.ELOOP):
+                raise StorageError(e.errno or errno.EIO, f"reading the write lease {storage.url}/{lease_path(gen)} failed, "
+                                   f"so which steps are a superseded writer's output cannot be told: {e}") from e
+            lease = _damaged_lease(gen, str(e))
+        except OSError as e:
+            raise StorageError(e.errno or errno.EIO, f"reading the write lease {storage.url}/{lease_path(gen)} failed, "
+                               f"so which steps are a superseded writer's output cannot be told: {e}") from e
+        if lease.damaged:
+            log.warning("fence: %s: it counts as an incarnation that resumed from nothing, so every older "
+                        "writer is fenced and no older generation's step is loaded", lease.describe())
+        elif known is not None:
+            known[gen] = lease
+        leases.append(lease)
     return leases
+
+
+def _parse_lease(gen: int, data: bytes) -> Lease:
+    try:
+        d = json.loads(data)
+        floor = d["floor"]
+        return Lease(gen, None if floor is None else int(floor), str(d["run_id"]), str(d.get("host", "")),
+                     int(d.get("pid", 0)), float(d.get("created_unix", 0.0)))
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        return _damaged_lease(gen, f"{type(e).__name__}: {e}"[:200])
+
+
+def _damaged_lease(gen: int, why: str) -> Lease:
+    return Lease(gen, -1, "", damaged=why)
 
 
 def acquire(storage: Storage, run_id: str, floor: int | None) -> Lease:

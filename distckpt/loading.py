@@ -445,6 +445,9 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
         _check_agreement(outcomes, step)
         assert read is not None  # every rank succeeded
         return _Attempt((read, tier), raced=uncommitted, split=split)
+    damaged_leases = [lease for lease in leases or [] if lease.damaged]
+    if superseded and not explicit and damaged_leases:
+        return _Attempt(error=_unreadable_lease_error(storages[tiers.DURABLE], damaged_leases, superseded), split=split)
     if superseded and not explicit:
         last_resort = _read_superseded(coord, storages, entries, superseded[0], world_size_policy, leases, rules)
         if last_resort is not None:
@@ -460,6 +463,16 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
     if explicit:
         raise error
     return _Attempt(error=error, split=split)
+
+
+def _unreadable_lease_error(durable: Storage, damaged: list[Lease], steps: list[tuple[int, str]]) -> CorruptCheckpointError:
+    """The last resort would guess: a damaged lease hides the step its incarnation resumed from."""
+    names = ", ".join(f"{durable.url}/{fencing.lease_path(lease.generation)} ({lease.damaged})" for lease in damaged)
+    return CorruptCheckpointError(
+        f"only steps of older writers than generation {damaged[-1].generation} verify ({[s for s, _ in steps[:10]]}), and "
+        f"that incarnation's write lease is unreadable: {names}. From which step it resumed cannot be told, so none "
+        "of them is loaded (any could be a superseded writer's late output). If no later incarnation of the job wrote "
+        "to this directory, remove the unreadable lease and load again; `distckpt ls` shows the leases and steps")
 
 
 def _uncommitted(outcomes: list[Outcome]) -> bool:

@@ -207,6 +207,72 @@ def test_a_new_incarnation_stopped_before_its_first_commit_leaves_the_old_writer
     old.close()
 
 
+def _newer_incarnation_died_before_its_first_commit(where):
+    """Generation 1 commits 0-2; generation 2 resumes from 2 and dies in its first save (after
+    its lease); generation 1, still running, commits 3 and 4: a superseded writer's output."""
+    old = manager(where, keep_last=10)
+    for step in range(3):
+        old.save(step, {"w": torch.full((4,), float(step))})
+    new = manager(where, keep_last=10)
+    assert new.load_latest({"w": torch.zeros(4)}).step == 2
+    for step in (3, 4):
+        old.save(step, {"w": torch.full((4,), 100.0 + step)})
+    _save_killed_at(new, "save/gathered", 3)
+    new.close()
+    return old
+
+
+def test_an_unreadable_lease_fences_and_never_lets_a_superseded_step_load(where):
+    """A damaged lease still names its generation: it fences every older writer, and the older
+    writers' steps are not loaded (which one it resumed from cannot be told): a clear error
+    instead of the zombie's newest step, and after the lease is restored, the resume point."""
+    old = _newer_incarnation_died_before_its_first_commit(where)
+    with pytest.warns(distckpt.CheckpointFallbackWarning):
+        assert value_of(where) == (2, 2.0)  # the lease intact: the resume point
+    storage = open_storage(where[0], where[1])
+    intact = storage.read_bytes(fencing.lease_path(2))
+    for damage in (b"\x00garbage", b"", b"{}", b'{"floor": "x", "run_id": 1}', b"[1]"):
+        storage.remove_file(fencing.lease_path(2))
+        storage.create_exclusive(fencing.lease_path(2), damage)
+        with pytest.raises(distckpt.CorruptCheckpointError, match="gen-000000002.json .*unreadable|lease is unreadable"):
+            value_of(where)
+        with pytest.raises(distckpt.FencedError, match="unreadable"):
+            old.save(5, {"w": torch.full((4,), 105.0)})
+    assert 5 not in old.committed_steps()
+    storage.remove_file(fencing.lease_path(2))
+    storage.create_exclusive(fencing.lease_path(2), intact)
+    with pytest.warns(distckpt.CheckpointFallbackWarning):
+        assert value_of(where) == (2, 2.0)
+    old.close()
+
+
+def test_a_lease_the_store_fails_to_read_fails_the_load_and_the_save(where, monkeypatch):
+    """Not damage: the store failing (after its retries) on a lease is a StorageError, never a
+    lease taken as absent (which let a zombie commit and its steps load)."""
+    old = _newer_incarnation_died_before_its_first_commit(where)
+    storage_type = type(open_storage(where[0], where[1]))
+    read_bytes = storage_type.read_bytes
+
+    def failing(self, path, *args, **kwargs):
+        if path == fencing.lease_path(2):
+            raise OSError(5, "injected: the store answered 500")
+        return read_bytes(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(storage_type, "read_bytes", failing)
+    state = {"w": torch.full((4,), 7.0)}
+    with manager(where) as reader:
+        with pytest.raises(distckpt.StorageError, match="write lease .*gen-000000002.json failed"):
+            reader.load_latest(state)
+    assert torch.equal(state["w"], torch.full((4,), 7.0))
+    with pytest.raises(distckpt.StorageError, match="write lease"):
+        old.save(5, {"w": torch.full((4,), 105.0)})
+    monkeypatch.undo()
+    assert 5 not in old.committed_steps()
+    with pytest.warns(distckpt.CheckpointFallbackWarning):
+        assert value_of(where) == (2, 2.0)
+    old.close()
+
+
 @pytest.mark.parametrize("point", ["save/gathered", "save/replicated-written", "save/manifest-written"])
 def test_a_new_incarnation_killed_while_it_replaces_a_zombies_step_never_leaves_a_silent_fresh_start(where, point,
                                                                                                     capsys):

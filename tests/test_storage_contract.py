@@ -113,6 +113,23 @@ def test_read_buffer_holds_exactly_the_file(storage, size):
         storage.read_buffer("step-1/absent")
 
 
+@pytest.mark.parametrize("size", [0, 1, 100, 101])
+def test_a_bounded_read_gives_the_file_or_refuses_a_larger_one(storage, size):
+    """read_bytes(path, max_bytes): the whole file up to the bound (an empty one too: S3 answers
+    a ranged GET of an empty object with 416), StorageError EFBIG above it."""
+    import errno
+    import os
+
+    blob = os.urandom(size)
+    storage.write_file("small", [blob])
+    if size <= 100:
+        assert storage.read_bytes("small", 100) == blob
+    else:
+        with pytest.raises(StorageError) as info:
+            storage.read_bytes("small", 100)
+        assert info.value.errno == errno.EFBIG
+
+
 def test_size_is_read_fresh_and_none_when_absent(storage):
     storage.write_file("step-1/s.bin", [b"x" * 1000])
     assert storage.size("step-1/s.bin") == 1000

@@ -18,6 +18,9 @@ from .capabilities import Capabilities
 EXCLUSIVE_CREATE_PROTOCOLS = frozenset({"memory"})
 
 
+_CLIENT_PACKAGES = frozenset({"gcsfs", "azure", "adlfs", "botocore", "aiobotocore", "s3fs", "aiohttp", "google"})
+
+
 def _join(root: str, path: str) -> str:
     return posixpath.join(root, path) if path else root
 
@@ -60,6 +63,12 @@ class FsspecStorage:
         except OSError as e:
             raise StorageError(e.errno or errno.EIO, f"{what} {self.public(target)} failed: "
                                f"{type(e).__name__}: {e}") from e
+        except Exception as e:
+            if type(e).__module__.partition(".")[0] not in _CLIENT_PACKAGES:
+                raise  # a defect, not the store's answer
+            # a client's own error class that its fsspec layer lets through (gcsfs's HttpError
+            # for a 416, an Azure HttpResponseError): the store's answer all the same
+            raise StorageError(errno.EIO, f"{what} {self.public(target)} failed: {type(e).__name__}: {e}") from e
 
     def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
         target = _join(self.root, path)
@@ -88,7 +97,16 @@ class FsspecStorage:
         target = _join(self.root, path)
         if max_bytes is None:
             return self._call("reading", target, "cat_file", target)
-        data = self._call("reading", target, "cat_file", target, start=0, end=max_bytes + 1)
+        try:
+            data = self._call("reading", target, "cat_file", target, start=0, end=max_bytes + 1)
+        except MissingFileError:
+            raise
+        except StorageError:
+            # S3, GCS and Azure answer a ranged GET of an empty object with 416 (InvalidRange),
+            # each in its own words: an empty file is b"", anything else the error it was
+            if self._call("reading", target, "size", target) != 0:
+                raise
+            data = b""
         if len(data) > max_bytes:
             raise StorageError(errno.EFBIG, f"{self.public(target)} is more than the {max_bytes:,} bytes such a "
                                "file may hold; it was not read")
