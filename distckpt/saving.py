@@ -429,7 +429,7 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
         files[mf.rank_file(rank, gen)] = _write(storage, f"{base}/{mf.rank_file(rank, gen)}", [data])
     if staged.handed_over:
         faults.point("save/rank-files-written", step=staged.step, rank=0)
-    table = _collect_reports(staged, reports, files, gen, f"{storage.url}/{base}")
+    table = _collect_reports(staged, reports, files, gen, storage, base)
     # A superseded writer's commit of this step (see fencing.py) is taken down only now, every file
     # of this save durable beside it (the names carry the generation): until then it stays the
     # loader's last resort, should this writer die first.
@@ -457,9 +457,10 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
 
 
 def _collect_reports(staged: StagedSave, reports: Reports | None, files: dict[str, Any], generation: int,
-                     where: str) -> dict[str, Any] | None:
+                     storage: Storage, base: str) -> dict[str, Any] | None:
     """Wait for the report of every rank that writes its own files; add their files; return the
     chunk table of the sharded tensors (or None). A rank's failure fails the save, named."""
+    where = f"{storage.url}/{base}"
     if not staged.report_keys:
         return None
     if reports is None:
@@ -472,9 +473,27 @@ def _collect_reports(staged: StagedSave, reports: Reports | None, files: dict[st
     for rank, report in enumerate(got):
         _check_report(report, rank, generation, where)
         files.update(report.files)
+    _check_visible_to_the_committer(storage, base, got, where)
     if not staged.shard_meta:
         return None
     return sharded.chunk_table(staged.shard_meta, [r.shard_report() for r in got], where)
+
+
+def _check_visible_to_the_committer(storage: Storage, base: str, reports: list[RankReport], where: str) -> None:
+    """Every file the other ranks wrote is there for rank 0 to see (one listing), before the
+    marker says the step is whole: ranks given directories that are not one storage (a node-local
+    path per node) would otherwise commit steps no load can read."""
+    written = {name for report in reports for name in report.files}
+    if not written:
+        return
+    present = set(storage.list_files(base))
+    missing = sorted(written - present)
+    if missing:
+        raise RankDisagreementError(
+            f"{where}: the ranks do not see one storage: {len(missing)} file(s) other ranks reported written are "
+            f"not there for rank 0 (first: {missing[0]}); nothing was committed. Give every rank the same URL on "
+            "storage all of them reach (a shared file system or an object store), or use local_dir for node-local "
+            "disks (Two tiers)")
 
 
 def _check_report(report: RankReport, rank: int, generation: int, where: str) -> None:
