@@ -71,3 +71,37 @@ def test_a_full_disk_with_retention_says_the_disk_must_hold_keep_last_plus_one(t
             remove()
         assert info.value.errno == errno.ENOSPC
         assert mgr.committed_steps() == [0]
+
+
+_PER_NODE_DIRECTORIES = """
+import os, sys, torch, distckpt
+info = distckpt.init_distributed(timeout=30.0)
+state = {"model": torch.nn.Linear(3, 2)}
+mgr = distckpt.CheckpointManager(os.path.join(sys.argv[1], f"node{info.rank}"), timeout=30.0)
+mgr.load_latest(state)
+try:
+    mgr.save(1, state)
+    print(f"rank {info.rank}: SAVED", flush=True)
+except distckpt.RankDisagreementError as e:
+    print(f"rank {info.rank}: REFUSED {e}", flush=True)
+mgr.close()
+"""
+
+
+def test_ranks_given_directories_that_are_not_one_storage_commit_nothing(tmp_path):
+    """Each rank its own directory (a node-local path per node): the save is refused on every
+    rank before any marker, never a committed step that no load can read."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "per_node.py"
+    script.write_text(_PER_NODE_DIRECTORIES)
+    root = tmp_path / "roots"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(script), str(root)],
+                          capture_output=True, text=True, timeout=240)
+    assert "rank 0: REFUSED" in done.stdout and "rank 1: REFUSED" in done.stdout, done.stdout + done.stderr
+    assert "do not see one storage" in done.stdout
+    committed = [os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f == "COMMITTED"]
+    assert committed == []
