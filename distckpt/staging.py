@@ -23,7 +23,9 @@ def region_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     if tensor.numel() == 0:
         return ("empty", tensor.device, tensor.untyped_storage()._cdata, tensor.storage_offset(),
                 tensor.shape, tensor.stride(), tensor.dtype)
-    return (tensor.device, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
+    # the lazy neg/conj bits are part of the value: z.imag and z.conj().imag share every byte
+    return (tensor.device, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype,
+            tensor.is_neg(), tensor.is_conj())
 
 
 

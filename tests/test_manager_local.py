@@ -812,3 +812,19 @@ def test_retentions_listing_of_the_root_runs_once_and_off_the_save_path_after_a_
         mgr.save(5, state)
         assert mgr.committed_steps() == [5, 4]  # retention saw every step
     assert full[:1] == ["distckpt-listing-0"] and full[1:] == ["MainThread"], full  # the last: committed_steps()
+
+
+@pytest.mark.parametrize("mode", [{}, {"async_save": True}, {"async_save": True, "overlap_snapshot": True}])
+def test_a_neg_bit_view_is_not_taken_for_the_tensor_it_views(ckpt_dir, mode):
+    """z.imag and z.conj().imag share every byte and differ in value (the lazy neg bit): both
+    come back with their own values, as two objects."""
+    z = torch.tensor([1.0 + 2.0j, 3.0 - 4.0j])
+    with distckpt.CheckpointManager(ckpt_dir, **mode) as mgr:
+        mgr.load_latest({"v": {}})
+        mgr.save(1, {"v": {"a": z.imag, "b": z.conj().imag}})
+    loaded: dict = {"v": None}
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.load_latest(loaded)
+    assert loaded["v"]["a"].tolist() == [2.0, -4.0]
+    assert loaded["v"]["b"].tolist() == [-2.0, 4.0]
+    assert loaded["v"]["a"] is not loaded["v"]["b"]
