@@ -182,15 +182,45 @@ def check_writable(target: torch.Tensor, where: str) -> None:
             "outside it; build the state to load into outside inference_mode")
     if _has_internal_overlap(target):
         raise IncompatibleCheckpointError(
-            f"{where}: its elements share memory (an expanded tensor, stride 0), so no copy can give each "
+            f"{where}: its elements share memory (an expanded, unfolded or as_strided tensor), so no copy can give each "
             "its saved value; load into a tensor with memory of its own (.clone())")
 
 
 def _has_internal_overlap(t: torch.Tensor) -> bool:
     check = getattr(torch, "_debug_has_internal_overlap", None)
     if check is not None:
-        return bool(check(t) == 1)  # 0 no, 1 yes, 2 too hard to tell (a copy_ then decides)
-    return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
+        answer = int(check(t))  # 0 no, 1 yes, 2 too hard to tell (copy_ does not refuse: unfold loaded wrong values)
+        if answer != 2:
+            return answer == 1
+    elif any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        return True
+    return not _strides_prove_no_overlap(t) and not _offsets_are_distinct(t)
+
+
+def _strides_prove_no_overlap(t: torch.Tensor) -> bool:
+    """Sufficient: with the dimensions ordered by stride, each stride passes every offset the
+    smaller ones reach."""
+    reach = 0
+    for stride, size in sorted((abs(st), n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= reach:
+            return False
+        reach += stride * (size - 1)
+    return True
+
+
+_EXACT_OVERLAP_CHECK_MAX = 1 << 22  # elements: the offsets of a larger tensor are not enumerated (taken as overlapping)
+
+
+def _offsets_are_distinct(t: torch.Tensor) -> bool:
+    """Exact, by enumerating every element's offset (only for tensors up to 4M elements)."""
+    if t.numel() > _EXACT_OVERLAP_CHECK_MAX:
+        return False
+    offsets = torch.zeros((), dtype=torch.int64)
+    for dim, (stride, size) in enumerate(zip(t.stride(), t.shape)):
+        shape = [1] * t.dim()
+        shape[dim] = size
+        offsets = offsets + (torch.arange(size, dtype=torch.int64) * stride).reshape(shape)
+    return int(offsets.reshape(-1).unique().numel()) == t.numel()
 
 
 def _generator(gen: torch.Generator, saved: Any, where: str, world: tuple[int, int], rules: LoadRules) -> None:
