@@ -428,7 +428,7 @@ class _Decoder:
             return [self.decode(v, depth + 1) for v in body]
         if tag == "t" and isinstance(body, list):
             return tuple(self.decode(v, depth + 1) for v in body)
-        if tag == "z" and isinstance(body, list) and all(type(d) is int and d >= 0 for d in body):
+        if tag == "z" and isinstance(body, list) and all(type(d) is int and -2**63 <= d < 2**63 for d in body):
             return torch.Size(body)
         if tag == "S" and isinstance(body, str):
             return ShardRef(body)

@@ -848,3 +848,15 @@ def test_loading_into_a_tensor_whose_elements_overlap_is_refused_and_changes_not
     with distckpt.CheckpointManager(ckpt_dir) as mgr:
         assert mgr.load_latest({"w": apart}).step == 1
     assert apart.tolist() == [[0.0, 1.0], [2.0, 3.0]]
+
+
+def test_a_torch_size_with_negative_entries_comes_back(ckpt_dir):
+    """torch.Size takes any int64 (a view's target shape holds -1): saved, it loads."""
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.load_latest({"v": {}})
+        mgr.save(1, {"v": {"target_shape": torch.Size([-1, 3]), "big": torch.Size([2**62, -2**63])}})
+    loaded: dict = {"v": None}
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.load_latest(loaded).step == 1
+    assert loaded["v"] == {"target_shape": torch.Size([-1, 3]), "big": torch.Size([2**62, -2**63])}
+    assert type(loaded["v"]["target_shape"]) is torch.Size
