@@ -80,6 +80,10 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
 _ST_TO_DTYPE = {code: dtype for dtype, code in _DTYPE_TO_ST.items()}
 
 
+_MAX_INT_HEX_DIGITS = 1 << 20  # an int value's hex text, sign and 0x included (saved and loaded alike)
+_MAX_INT_KEY_BITS = 14_000  # ~4,214 decimal digits: under Python's default 4,300-digit int/str limit
+
+
 def key_path(path: tuple[Any, ...], root: str = "state") -> str:
     """`("config", "lr")` -> `state['config']['lr']`, the form used in every error message."""
     return root + "".join(f"[{p!r}]" for p in path)
@@ -158,7 +162,13 @@ class _Encoder:
         if value is None or kind is bool or kind is str:
             return value
         if kind is int:
-            return value if -_INT64 <= value < _INT64 else {"i": hex(value)}
+            if -_INT64 <= value < _INT64:
+                return value
+            digits = hex(value)
+            if len(digits) >= _MAX_INT_HEX_DIGITS:  # the limit a load checks: refused here, not there
+                raise UnstorableValueError(f"{key_path(path)} is an int of {value.bit_length():,} bits, more than a "
+                                           f"checkpoint holds ({4 * (_MAX_INT_HEX_DIGITS - 4):,}): store it as bytes in a tensor")
+            return {"i": digits}
         if kind is float:
             return value if math.isfinite(value) else _encode_nonfinite(value)
         if isinstance(value, np.generic):
@@ -205,6 +215,10 @@ class _Encoder:
         """Exactly str or int: a key of a subclass (an IntEnum, a str subclass, numpy's str_ or
         int64) would come back as the plain type, so it is refused like such a value."""
         kind = type(key)
+        if kind is int and key.bit_length() > _MAX_INT_KEY_BITS:
+            # written as a JSON number: beyond Python's 4,300-digit conversion limit no load could read it
+            raise UnstorableValueError(f"{key_path(path)} has an int key of {key.bit_length():,} bits (at most "
+                                       f"{_MAX_INT_KEY_BITS:,}): use a str key")
         if kind is str or kind is int:
             return key  # type: ignore[no-any-return]
         if isinstance(key, (str, int, np.integer, np.str_)) and not isinstance(key, bool):
@@ -436,7 +450,7 @@ class _Decoder:
             return float(body)
         if tag == "fb" and isinstance(body, str) and len(body) == 16:
             return _float_from_hex(body, self.where)
-        if tag == "i" and isinstance(body, str) and len(body) < 1 << 20:
+        if tag == "i" and isinstance(body, str) and len(body) < _MAX_INT_HEX_DIGITS:
             return _int_from_hex(body, self.where)
         if tag == "n" and isinstance(body, list) and len(body) == 2:
             return _numpy_scalar(body, self.where)

@@ -860,3 +860,20 @@ def test_a_torch_size_with_negative_entries_comes_back(ckpt_dir):
         assert mgr.load_latest(loaded).step == 1
     assert loaded["v"] == {"target_shape": torch.Size([-1, 3]), "big": torch.Size([2**62, -2**63])}
     assert type(loaded["v"]["target_shape"]) is torch.Size
+
+
+@pytest.mark.parametrize("value, what", [(1 << (1 << 22), r"state\['v'\]\['n'\] is an int of"),
+                                         ({10**5000: "x"}, r"state\['v'\]\['n'\] has an int key of")],
+                         ids=["value", "key"])
+def test_ints_no_load_could_read_are_refused_at_save(ckpt_dir, value, what):
+    """Save and load share one set of limits, checked at save: a huge int value or int key is
+    refused naming its path, not committed and then refused by every load."""
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.load_latest({"v": {}})
+        with pytest.raises(distckpt.UnstorableValueError, match=what):
+            mgr.save(1, {"v": {"n": value}})
+        mgr.save(2, {"v": {"n": (1 << (1 << 20)) + 1, "k": {2**1000: 1}}})  # large, within the limits
+    loaded: dict = {"v": None}
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.load_latest(loaded).step == 2
+    assert loaded["v"] == {"n": (1 << (1 << 20)) + 1, "k": {2**1000: 1}}
