@@ -184,8 +184,19 @@ def _finish_at_exit() -> None:
             log.error("distckpt: the background save of %s did not finish within %.0f s of exit; it is "
                       "NOT committed", writer.description, EXIT_WAIT_S)
         elif job.error is not None:
-            log.error("distckpt: the background save of %s FAILED at exit and is not committed: %s: %s",
-                      writer.description, type(job.error).__name__, job.error)
+            log.error("distckpt: the background save of %s FAILED at exit and %s: %s: %s", writer.description,
+                      _commit_state_of(job.error), type(job.error).__name__, job.error)
         else:
             log.warning("distckpt: the background save of %s finished at exit", writer.description)
         writer._job = None
+
+
+def _commit_state_of(error: BaseException) -> str:
+    """What the exit line says of the commit: a failure after rank 0's commit (telling the other
+    ranks failed: the groups destroyed under the save) says so in share_outcome's words."""
+    text = str(error)
+    if "IS committed" in text:
+        return "its step IS committed (only telling the other ranks failed)"
+    if "may or may not be committed" in text:
+        return "this rank cannot tell whether it is committed (rank 0's line says)"
+    return "is not committed"
