@@ -95,14 +95,11 @@ def read_leases(storage: Storage, known: dict[int, Lease] | None = None) -> list
             lease = _parse_lease(gen, storage.read_bytes(lease_path(gen), _MAX_LEASE_BYTES))
         except MissingFileError:
             continue
-        except StorageError as e:
-            if e.errno not in (errno.EFBIG, errno.ELOOP):
+        except OSError as e:
+            if e.errno not in (errno.EFBIG, errno.ELOOP):  # oversized or a link: damage; anything else the store
                 raise StorageError(e.errno or errno.EIO, f"reading the write lease {storage.url}/{lease_path(gen)} failed, "
                                    f"so which steps are a superseded writer's output cannot be told: {e}") from e
             lease = _damaged_lease(gen, str(e))
-        except OSError as e:
-            raise StorageError(e.errno or errno.EIO, f"reading the write lease {storage.url}/{lease_path(gen)} failed, "
-                               f"so which steps are a superseded writer's output cannot be told: {e}") from e
         if lease.damaged:
             log.warning("fence: %s: it counts as an incarnation that resumed from nothing, so every older "
                         "writer is fenced and no older generation's step is loaded", lease.describe())
