@@ -34,7 +34,7 @@ class Rule:
     status: int = 503
     hits: int = 0
     skip: int = 0  # let this many matching requests through first ("fail from the Nth on")
-    delay: float = 0.0  # "late": seconds the request is held before it is forwarded
+    delay: float = 0.0  # "late"/"status": seconds the request is held before it is forwarded/failed
     seen: int = 0
 
     def matches(self, method: str, path: str) -> bool:
@@ -120,6 +120,7 @@ class FaultProxy:
                 body = _read_body(reader, headers)
                 if rule and rule.action == "status":
                     self.log.append((method, path, str(rule.status)))
+                    time.sleep(rule.delay)  # a late failure: the other requests are mid-stream by then
                     client.sendall(_error_response(rule.status))
                     continue
                 if rule and rule.action == "late":
