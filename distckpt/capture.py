@@ -133,28 +133,6 @@ def _capture_sampler(sampler: Any) -> dict[str, Any]:
     return out
 
 
-def _capture_np_generator(gen: np.random.Generator) -> Any:
-    return _numpy_to_plain(gen.bit_generator.state)
-
-
-def _numpy_to_plain(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
-    if isinstance(value, dict):
-        return {k: _numpy_to_plain(v) for k, v in value.items()}
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
-def _plain_to_numpy(value: Any) -> Any:
-    if isinstance(value, dict) and set(value) == {"ndarray", "dtype"}:
-        return np.asarray(value["ndarray"], dtype=value["dtype"])
-    if isinstance(value, dict):
-        return {k: _plain_to_numpy(v) for k, v in value.items()}
-    return value
-
-
 def _capture_plain(value: Any) -> Any:
     """A shallow copy of a top-level dict (later writes to the live dict do not reach a save in
     flight) of the same type: an OrderedDict or a Counter stays one, and another dict subclass
@@ -368,38 +346,6 @@ def has_own_load_logic(module: nn.Module) -> bool:
             if not defined_in.startswith("torch."):
                 return True
     return False
-
-
-def _undo_generator_draws_of_next_iter(loader: Any) -> None:
-    """Keep the random streams where the checkpoint left them across the resumed iterator.
-
-    Creating an iterator always draws a base seed (torch's `_BaseDataLoaderIter.__init__`):
-    from `loader.generator`, or from torch's default CPU generator when the loader has none
-    (the default), even when `StatefulDataLoader` then replaces it with the restored one. The
-    uninterrupted run made that draw when the epoch started, before the save; the resumed run
-    would make it a second time. Without this, the stream is one draw ahead after a resume
-    (measured without `generator=`: 12 of 16 steps of a 2-worker loop differed) and the next
-    epoch's worker seeds and shuffle differ from the uninterrupted run.
-    Only the first iterator after the restore is affected: a restored epoch that had already
-    ended makes `iter()` create a second, fresh iterator, and that one draws as usual.
-    """
-    if "_get_iterator" in vars(loader):
-        return
-    generator = getattr(loader, "generator", None)
-    streams = [torch.default_generator]
-    if isinstance(generator, torch.Generator) and generator is not torch.default_generator:
-        streams.append(generator)
-    original = loader._get_iterator
-
-    def get_iterator_once() -> Any:
-        del loader._get_iterator  # one shot: later iterators are created as usual
-        before = [g.get_state() for g in streams]
-        iterator = original()
-        for g, saved in zip(streams, before):
-            g.set_state(saved)
-        return iterator
-
-    loader._get_iterator = get_iterator_once
 
 
 def _restore_sampler(sampler: Any, saved: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import copying, sharded, undo, validation
+from . import copying, replay, sharded, undo, validation
 from .capture import (
     CONFIG_KEY,
     PER_RANK,
@@ -39,12 +39,9 @@ from .capture import (
     _capture_plain,
     _capture_sampler,
     _has_state_dict,
-    _numpy_to_plain,
     _owned,
-    _plain_to_numpy,
     _restore_module,
     _restore_sampler,
-    _undo_generator_draws_of_next_iter,
     config_differences,
     copy_released,
     has_own_load_logic,
@@ -53,6 +50,8 @@ from .capture import (
     unwrap_module,
 )
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, StateArgumentError, UnstorableValueError
+from .rng import numpy_to_plain as _numpy_to_plain
+from .rng import plain_to_numpy as _plain_to_numpy
 from .staging import region_key
 from .undo import Undo
 from .validation import LoadRules
@@ -92,6 +91,10 @@ class Kind:
 
     def is_late(self, entry: Entry) -> bool:
         return self.late
+
+    def observe(self, target: Any) -> None:
+        """Called each time a save or load classifies `state`: start watching what a later
+        capture needs (a loader's epoch starts)."""
 
 
 class _ModuleLike(Kind):
@@ -245,6 +248,9 @@ class Loader(Kind):
             # does not hold it, so a generator not also put in `state` came back untouched and the
             # next epoch's order differed from the uninterrupted run's. It travels with the loader.
             saved = {**saved, _LOADER_GENERATOR: generator.get_state()}
+        sampling = replay.capture(entry.target, entry.key)
+        if sampling is not None and isinstance(saved, dict):
+            saved = {**saved, replay.REPLAY_KEY: sampling}
         return saved
 
     def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
@@ -257,6 +263,7 @@ class Loader(Kind):
                 f"{where}: the loader was saved with num_workers={workers} and this one has num_workers={live}: "
                 "torchdata resumes a position only with the same number of workers (a different number "
                 f"failed at the next iter()); build the loader with num_workers={workers}")
+        replay.check(entry.target, saved.get(replay.REPLAY_KEY), where)
         if _LOADER_GENERATOR in saved:
             generator = _own_generator(entry.target)
             if generator is None:
@@ -270,15 +277,20 @@ class Loader(Kind):
                                                   f"generator: {e}") from e
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
-        if isinstance(value, dict) and _LOADER_GENERATOR in value:
+        sampling = None
+        if isinstance(value, dict) and (_LOADER_GENERATOR in value or replay.REPLAY_KEY in value):
             value = dict(value)
-            generator_state = value.pop(_LOADER_GENERATOR)
+            sampling = value.pop(replay.REPLAY_KEY, None)
+            generator_state = value.pop(_LOADER_GENERATOR, None)
             generator = _own_generator(entry.target)
-            if generator is not None:  # validated
+            if generator is not None and generator_state is not None:  # validated
                 generator.set_state(generator_state)
         entry.target.load_state_dict(value)
-        _undo_generator_draws_of_next_iter(entry.target)
+        replay.plan_resume(entry.target, sampling)
         return []
+
+    def observe(self, target: Any) -> None:
+        replay.watch(target)  # each epoch's start, for a save in its middle
 
     def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
         attributes = dict(vars(entry.target))  # StatefulDataLoader.load_state_dict only sets attributes
@@ -317,7 +329,7 @@ _WARNED_LOADERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _warn_unwrapped_workers(entry: Entry) -> None:
-    """Once per loader: workers seed their own random streams when an epoch starts, and only a
+    """Once per loader with workers: they seed their own random streams when an epoch starts, and only a
     dataset wrapped with with_worker_rng carries them in the loader's state. A dataset that draws
     nothing needs no wrapper, which is why this warns rather than refuses."""
     loader = entry.target
@@ -325,17 +337,7 @@ def _warn_unwrapped_workers(entry: Entry) -> None:
     if loader in _WARNED_LOADERS or isinstance(dataset, (WorkerRngDataset, WorkerRngIterableDataset)):
         return
     if getattr(loader, "num_workers", 0) <= 0:
-        if isinstance(dataset, torch.utils.data.IterableDataset) and not _has_state_dict(dataset):
-            _WARNED_LOADERS.add(loader)
-            message = (f"state[{entry.key!r}] iterates an IterableDataset without state_dict() in this process: "
-                       "torchdata resumes it by replaying the items already yielded, and the replay draws from "
-                       "this process's random streams after distckpt restored them, so a dataset that draws random "
-                       "numbers will not resume exactly. Wrap it with distckpt.with_worker_rng(dataset) (its replay "
-                       "leaves the streams as saved), give it state_dict()/load_state_dict(), or ignore this if it "
-                       "draws nothing")
-            log.warning(message)
-            warnings.warn(message, CheckpointWarning, stacklevel=6)
-        return
+        return  # replayed in this process from the streams its epoch started with (replay.py)
     _WARNED_LOADERS.add(loader)
     message = (f"state[{entry.key!r}] loads with {loader.num_workers} workers and its dataset is not wrapped "
                "with distckpt.with_worker_rng(dataset): random draws inside the workers (augmentation, "
@@ -537,6 +539,7 @@ def classify(state: dict[str, Any]) -> list[Entry]:
         target = obj.obj if forced else obj
         kind = _TENSOR if type(target) in _PLAIN_TENSOR_TYPES and key != CONFIG_KEY else \
             next(k for k in KINDS if k.matches(key, target))
+        kind.observe(target)
         entries.append(Entry(key, PER_RANK if forced else kind.scope, kind.name, target))
     return _link_optimizers(entries)
 

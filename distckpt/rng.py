@@ -29,7 +29,7 @@ def capture_process_rng() -> dict[str, Any]:
     """Every process-wide stream of this rank, as tensors and plain values."""
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": _numpy_global_state(),
+        "numpy": numpy_global_state(),
         "torch_cpu": torch.get_rng_state(),
         "cuda": _cuda_states(),
     }
@@ -56,8 +56,8 @@ def check_process_rng(state: Any, where: str) -> None:
     if not ok:
         raise CorruptCheckpointError(f"{where}: the RNG streams are malformed")
     try:  # each stream put into a scratch generator first: the real restore runs last and must not fail
-        random.Random().setstate(_as_python_state(state["python"]))
-        _numpy_state_into(np.random.RandomState(), state["numpy"])
+        random.Random().setstate(as_python_state(state["python"]))
+        numpy_state_into(np.random.RandomState(), state["numpy"])
         torch.Generator().set_state(state["torch_cpu"])
     except (TypeError, ValueError, OverflowError, RuntimeError) as e:
         raise CorruptCheckpointError(f"{where}: an RNG stream would not restore: {type(e).__name__}: {e}") from e
@@ -65,8 +65,8 @@ def check_process_rng(state: Any, where: str) -> None:
 
 def restore_process_rng(state: dict[str, Any], where: str) -> None:
     """Put back what capture_process_rng captured; warn for any stream that cannot be."""
-    random.setstate(_as_python_state(state["python"]))
-    _set_numpy_global_state(state["numpy"])
+    random.setstate(as_python_state(state["python"]))
+    set_numpy_global_state(state["numpy"])
     torch.set_rng_state(state["torch_cpu"])
     _restore_device_list("CUDA", state.get("cuda", []), _cuda_count(), _set_cuda_state, where)
     if "mps" in state or _mps_available():
@@ -94,7 +94,7 @@ def _restore_device_list(family: str, saved: list[Any], present: int, setter: An
         warnings.warn(message, RngRestoreWarning, stacklevel=3)
 
 
-def _numpy_global_state() -> dict[str, Any]:
+def numpy_global_state() -> dict[str, Any]:
     st = np.random.get_state(legacy=False)
     st["state"] = {"key": st["state"]["key"].tolist(), "pos": int(st["state"]["pos"])}
     st["gauss"] = float(st["gauss"])
@@ -102,11 +102,11 @@ def _numpy_global_state() -> dict[str, Any]:
     return st
 
 
-def _set_numpy_global_state(st: dict[str, Any]) -> None:
-    _numpy_state_into(np.random, st)
+def set_numpy_global_state(st: dict[str, Any]) -> None:
+    numpy_state_into(np.random, st)
 
 
-def _numpy_state_into(target: Any, st: dict[str, Any]) -> None:
+def numpy_state_into(target: Any, st: dict[str, Any]) -> None:
     """`target.set_state` (the np.random module, or a RandomState) with a captured global state."""
     restored = dict(st)
     restored["state"] = {"key": np.asarray(st["state"]["key"], dtype=np.uint32),
@@ -114,7 +114,26 @@ def _numpy_state_into(target: Any, st: dict[str, Any]) -> None:
     target.set_state(restored)
 
 
-def _as_python_state(st: Any) -> tuple[Any, ...]:
+def numpy_to_plain(value: Any) -> Any:
+    """A NumPy stream's state as plain values (lists for arrays), as a checkpoint stores it."""
+    if isinstance(value, np.ndarray):
+        return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, dict):
+        return {k: numpy_to_plain(v) for k, v in value.items()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def plain_to_numpy(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"ndarray", "dtype"}:
+        return np.asarray(value["ndarray"], dtype=value["dtype"])
+    if isinstance(value, dict):
+        return {k: plain_to_numpy(v) for k, v in value.items()}
+    return value
+
+
+def as_python_state(st: Any) -> tuple[Any, ...]:
     version, internal, gauss = st
     return (version, tuple(internal), gauss)
 

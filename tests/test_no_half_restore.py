@@ -77,7 +77,7 @@ def fingerprint(state) -> list:
     gen = state["sampler"].generator
     out.append(gen.get_state() if gen is not None else None)
     out.append((state["loader"]._iterator is not None, state["loader"].next_iter_state,
-                "_get_iterator" in vars(state["loader"])))
+                "_distckpt_resume_plan" in vars(state["loader"])))  # a restore's replay for the next iter()
     out.append(copy.deepcopy(state["values"]))
     out.append((random.getstate(), np.random.get_state(legacy=False), torch.get_rng_state()))
     return out

@@ -1,0 +1,388 @@
+"""A data loader's sampling, replayed on resume from the random streams its epoch started with.
+
+A sampler that keeps no state of its own (torch's RandomSampler, WeightedRandomSampler,
+SubsetRandomSampler, a BatchSampler over one, a custom sampler) is resumed by torchdata's
+StatefulDataLoader by calling iter() on it again and skipping the indices already taken. That
+gives the epoch's order back only if every stream the sampler draws from is where it was when
+the epoch started; on resume they are where the save left them (the sampler's generator past the
+epoch's permutation, torch's global stream past the seed RandomSampler drew), so the resumed run
+took another order: every batch after the resume differed, silently (33 of 48 cases of
+tests/test_sampler_replay.py).
+
+So every epoch start of a loader the manager has seen records the streams the sampling can
+reach (torch's, Python's and NumPy's global streams, and every torch / NumPy / Python generator
+held by the loader, its sampler, batch sampler and the samplers inside them), a save stores the
+record of the current epoch with the same streams as they are at the save, and the first
+iterator after a restore is created with the epoch-start states, then every stream is put where
+the save left it. A loader whose epoch started before the manager saw it cannot be replayed and
+is refused at save, unless its sampling draws nothing (sequential, distributed samplers).
+
+This module never touches storage or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import warnings
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
+
+from .capture import CheckpointWarning
+from .errors import IncompatibleCheckpointError, UnstorableValueError
+from .rng import (
+    as_python_state,
+    numpy_global_state,
+    numpy_state_into,
+    numpy_to_plain,
+    plain_to_numpy,
+    set_numpy_global_state,
+)
+
+REPLAY_KEY = "_distckpt_sampler_replay"  # beside torchdata's keys in the loader's saved state
+_EPOCH_START = "_distckpt_epoch_start"    # on an iterator: the streams when its epoch started
+_PLAN = "_distckpt_resume_plan"            # on a loader: what its next iterator is created with
+
+log = logging.getLogger("distckpt")
+
+
+class ReplayWarning(CheckpointWarning):
+    """A loader's epoch may not be replayed exactly on resume (its start was not seen)."""
+
+
+# Samplers whose order follows from their attributes alone (DistributedSampler seeds a generator
+# of its own from seed + epoch at each iter()): their replay needs no record.
+_DRAWS_NOTHING = (SequentialSampler, DistributedSampler, range, list, tuple)
+
+
+# -- the streams -------------------------------------------------------------------------------
+
+def _stream_kind(obj: Any) -> str | None:
+    if isinstance(obj, torch.Generator):
+        return None if obj is torch.default_generator else "torch"  # the global one is recorded apart
+    if isinstance(obj, np.random.Generator):
+        return "numpy_generator"
+    if isinstance(obj, np.random.RandomState):
+        return "numpy_random_state"
+    if isinstance(obj, random.Random):
+        return "python"
+    return None
+
+
+def _get(obj: Any) -> Any:
+    kind = _stream_kind(obj)
+    if kind == "torch":
+        return obj.get_state()
+    if kind == "numpy_generator":
+        return numpy_to_plain(obj.bit_generator.state)
+    if kind == "numpy_random_state":
+        return numpy_to_plain(obj.get_state(legacy=False))
+    return obj.getstate()
+
+
+def _set(obj: Any, state: Any) -> None:
+    kind = _stream_kind(obj)
+    if kind == "torch":
+        obj.set_state(state)
+    elif kind == "numpy_generator":
+        obj.bit_generator.state = plain_to_numpy(state)
+    elif kind == "numpy_random_state":
+        obj.set_state(plain_to_numpy(state))
+    else:
+        obj.setstate(as_python_state(state))
+
+
+def _scratch_copy(obj: Any) -> Any:
+    """A new stream of the same kind, to try a saved state on before anything is restored."""
+    kind = _stream_kind(obj)
+    if kind == "torch":
+        return torch.Generator(device=obj.device)
+    if kind == "numpy_generator":
+        return np.random.Generator(type(obj.bit_generator)())
+    if kind == "numpy_random_state":
+        return np.random.RandomState()
+    return random.Random()
+
+
+def sampling_streams(loader: Any) -> dict[str, Any]:
+    """Every private stream the loader's sampling can draw from, by attribute path: the loader's
+    generator, and those held by its sampler, batch sampler and the samplers inside them."""
+    found: dict[str, Any] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any, path: str, depth: int) -> None:
+        if id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if _stream_kind(obj) is not None:
+            found[path] = obj
+            return
+        if not isinstance(obj, torch.utils.data.Sampler) and depth > 0:
+            return
+        for name, value in list(getattr(obj, "__dict__", {}).items()):
+            if _stream_kind(value) is not None or isinstance(value, torch.utils.data.Sampler):
+                visit(value, f"{path}.{name}", depth + 1)
+
+    generator = getattr(loader, "generator", None)
+    if generator is not None:
+        visit(generator, "generator", 1)
+    for name in ("batch_sampler", "sampler"):
+        sampler = getattr(loader, name, None)
+        if sampler is not None:
+            visit(sampler, name, 0 if isinstance(sampler, torch.utils.data.Sampler) else 5)
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, torch.utils.data.IterableDataset):  # replayed item by item in this process
+        for name, value in list(getattr(dataset, "__dict__", {}).items()):
+            visit(value, f"dataset.{name}", 4)
+    return found
+
+
+def _global_states() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_global_state()}
+
+
+def _set_global_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(as_python_state(states["python"]))
+    set_numpy_global_state(states["numpy"])
+
+
+def _states(streams: dict[str, Any]) -> dict[str, Any]:
+    return {"global": _global_states(), "streams": {path: _get(obj) for path, obj in streams.items()}}
+
+
+def _set_states(streams: dict[str, Any], states: dict[str, Any], with_global: bool = True) -> None:
+    if with_global:
+        _set_global_states(states["global"])
+    for path, state in states["streams"].items():
+        _set(streams[path], state)
+
+
+# -- recording each epoch's start --------------------------------------------------------------
+
+class _IteratorRecorder:
+    """Stands in for a loader's `_get_iterator`: records the streams before each iterator is
+    created (before its base-seed draw and its sampler's first draws, as the epoch saw them),
+    and creates the first one after a restore from the saved epoch start."""
+
+    def __init__(self, loader: Any, replaced: Callable[[], Any] | None) -> None:
+        self._loader = weakref.ref(loader)  # no cycle: the loader holds this
+        self._replaced = replaced
+
+    def __call__(self) -> Any:
+        loader = self._loader()
+        assert loader is not None  # called through the loader
+        create = self._replaced or (lambda: type(loader)._get_iterator(loader))
+        plan = vars(loader).pop(_PLAN, None)
+        if plan is None:
+            start = _states(sampling_streams(loader))
+            iterator = create()
+        else:
+            start, iterator = _resumed_iterator(loader, plan, create)
+        _record(iterator, start)
+        return iterator
+
+
+def _record(iterator: Any, start: dict[str, Any] | None) -> None:
+    try:
+        setattr(iterator, _EPOCH_START, start)
+        reset = iterator._reset
+        if not isinstance(reset, _ResetRecorder):  # persistent workers start later epochs by _reset
+            iterator._reset = _ResetRecorder(iterator, reset)
+    except AttributeError:  # an iterator that takes no attributes: its epochs are not recorded
+        pass
+
+
+class _ResetRecorder:
+    """Stands in for an iterator's `_reset`, which starts the next epoch of a loader with
+    persistent workers without a new iterator: records the streams first."""
+
+    def __init__(self, iterator: Any, reset: Callable[..., Any]) -> None:
+        self._iterator = weakref.ref(iterator)
+        self._reset = reset
+
+    def __call__(self, loader: Any, *args: Any, **kwargs: Any) -> Any:
+        iterator = self._iterator()
+        if iterator is not None:
+            setattr(iterator, _EPOCH_START, _states(sampling_streams(loader)))
+        return self._reset(loader, *args, **kwargs)
+
+
+def watch(loader: Any) -> None:
+    """Record the streams at each of `loader`'s epoch starts from now on (once per loader)."""
+    current = vars(loader).get("_get_iterator")
+    if isinstance(current, _IteratorRecorder):
+        return
+    loader._get_iterator = _IteratorRecorder(loader, current)
+
+
+# -- save --------------------------------------------------------------------------------------
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _replays_its_sampler(iterator: Any) -> bool:
+    """torchdata's fallback: the index sampler and its iterator keep no state of their own, or
+    its batch sampler's iterator replays the sampler inside (torchdata's BatchSampler, which a
+    StatefulDataLoader given batch_size= builds over the sampler)."""
+    sampler_iter: Any = getattr(iterator, "_sampler_iter", None)
+    if _is_torchdata(sampler_iter, "_BatchSamplerIterator"):
+        return not (_stateful(sampler_iter.sampler) or _stateful(sampler_iter.sampler_iter))
+    return not (_stateful(getattr(iterator, "_index_sampler", None)) or _stateful(sampler_iter))
+
+
+def _is_torchdata(obj: Any, name: str) -> bool:
+    return type(obj).__name__ == name and type(obj).__module__.startswith("torchdata.")
+
+
+def _draws_nothing(sampler: Any, depth: int = 0) -> bool:
+    if sampler is None or type(sampler).__name__ == "_InfiniteConstantSampler":
+        return True
+    if depth > 4:
+        return False
+    if type(sampler) is BatchSampler or _is_torchdata(sampler, "BatchSampler"):
+        return _draws_nothing(sampler.sampler, depth + 1)
+    return type(sampler) in _DRAWS_NOTHING
+
+
+def _replays_its_dataset(loader: Any, iterator: Any) -> bool:
+    """torchdata's fallback for an IterableDataset without state in this process: iter() on it
+    again, skipping the items already yielded (workers replay in their own processes)."""
+    fetcher = getattr(iterator, "_dataset_fetcher", None)
+    return (isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
+            and getattr(loader, "num_workers", 0) == 0
+            and not _stateful(loader.dataset) and not _stateful(getattr(fetcher, "dataset_iter", None)))
+
+
+# torch's samplers that draw on every iter(): refused rather than warned about when unreplayable
+_RANDOM_SAMPLERS = (torch.utils.data.RandomSampler, torch.utils.data.WeightedRandomSampler,
+                    torch.utils.data.SubsetRandomSampler)
+_WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def capture(loader: Any, key: str) -> dict[str, Any] | None:
+    """What replaying the loader's current epoch needs: its start and the streams now. Call after
+    `loader.state_dict()` (which creates the iterator when there is none yet)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is None:
+        return None
+    iterable = _replays_its_dataset(loader, iterator)
+    if not iterable and not _replays_its_sampler(iterator):
+        return None
+    sampler = getattr(iterator, "_index_sampler", None)
+    streams = sampling_streams(loader)
+    # The loader's own generator draws only the base seed, which torchdata restores itself.
+    own_streams = [path for path in streams if path != "generator"]
+    if not iterable and _draws_nothing(sampler) and not own_streams:
+        return None
+    start = getattr(iterator, _EPOCH_START, None)
+    if start is not None:
+        return {"epoch_start": start, "at_save": _states(streams)}
+    replayed = f"IterableDataset {type(loader.dataset).__name__}" if iterable else _named(sampler)
+    problem = (f"state[{key!r}]: this loader's {replayed} keeps no state, so a resume replays its epoch, which is "
+               "exact only from the random streams the epoch started with, and this epoch started before the "
+               "checkpoint manager saw the loader")
+    remedy = ("call mgr.load_latest(state) before iterating the loader (it returns None on a fresh start)"
+              + ("" if iterable else ", or use a sampler with state_dict (shuffle=True, or torchdata's samplers)"))
+    if own_streams or _draws_from_torch(sampler):
+        raise UnstorableValueError(f"{problem}: a resume would draw another order. {remedy[0].upper()}{remedy[1:]}")
+    if loader not in _WARNED:  # it may draw nothing (a fixed order, files read in turn): said once
+        _WARNED.add(loader)
+        message = f"{problem}: if it draws random numbers, a resume will not continue it exactly; {remedy}"
+        log.warning(message)
+        warnings.warn(message, ReplayWarning, stacklevel=5)
+    return None
+
+
+def _named(sampler: Any) -> str:
+    """The user's sampler inside the BatchSampler a loader given batch_size= builds."""
+    for _ in range(4):
+        if not (type(sampler) is BatchSampler or _is_torchdata(sampler, "BatchSampler")):
+            break
+        sampler = sampler.sampler
+    return type(sampler).__name__
+
+
+def _draws_from_torch(sampler: Any, depth: int = 0) -> bool:
+    if isinstance(sampler, _RANDOM_SAMPLERS):
+        return True
+    inner = getattr(sampler, "sampler", None)
+    return depth < 4 and inner is not None and _draws_from_torch(inner, depth + 1)
+
+
+# -- load --------------------------------------------------------------------------------------
+
+def check(loader: Any, saved: Any, where: str) -> None:
+    """IncompatibleCheckpointError unless `saved` (from capture) can be replayed into `loader`."""
+    if saved is None:
+        return
+    streams = sampling_streams(loader)
+    try:
+        for moment in ("epoch_start", "at_save"):
+            states = saved[moment]
+            missing = sorted(set(states["streams"]) - set(streams))
+            if missing:
+                raise IncompatibleCheckpointError(
+                    f"{where}: the loader was saved sampling from {sorted(states['streams'])} and this one has "
+                    f"{sorted(streams)}: its epoch cannot be replayed; build the loader's sampler as the run did")
+            for path, state in states["streams"].items():
+                _set(_scratch_copy(streams[path]), state)
+            torch.Generator().set_state(states["global"]["torch"])
+            random.Random().setstate(as_python_state(states["global"]["python"]))
+            numpy_state_into(np.random.RandomState(), states["global"]["numpy"])
+    except IncompatibleCheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise IncompatibleCheckpointError(f"{where}: the loader's sampling streams would not restore: "
+                                          f"{type(e).__name__}: {e}") from e
+
+
+def plan_resume(loader: Any, saved: dict[str, Any] | None) -> None:
+    """Have the loader's next iterator replay the saved epoch (checked by `check`)."""
+    watch(loader)
+    loader.__dict__[_PLAN] = {"replay": saved}
+
+
+def _resumed_iterator(loader: Any, plan: dict[str, Any], create: Callable[[], Any]) -> tuple[Any, Any]:
+    """The first iterator after a restore, created as the epoch's was: from the epoch-start
+    streams when the sampler is replayed. Afterwards every stream is where the save left it:
+    creating an iterator always draws a base seed (from loader.generator, or from torch's global
+    stream), which the uninterrupted run drew before the save (12 of 16 steps of a 2-worker loop
+    differed when it was drawn a second time)."""
+    replay = plan["replay"]
+    streams = sampling_streams(loader)
+    # Without a replay a stateful sampler restores its own generator while the iterator is
+    # created: only the loader's generator (its base seed) is put back then.
+    kept = streams if replay is not None else {p: s for p, s in streams.items() if p == "generator"}
+    now = _states(kept)  # the restored streams: where the save left them
+    if replay is not None:
+        _set_states(streams, replay["epoch_start"])
+    try:
+        iterator = create()
+        if replay is not None:
+            _draw_the_skipped_indices(iterator)
+    finally:
+        _set_states(kept, now)
+        if replay is not None:
+            _set_states(streams, replay["at_save"], with_global=False)
+    return (replay["epoch_start"] if replay is not None else None), iterator
+
+
+def _draw_the_skipped_indices(iterator: Any) -> None:
+    """Without workers torchdata skips lazily, at the first batch; do it now, from the
+    epoch-start streams (with workers it happened while the iterator was created)."""
+    sampler_iter = getattr(iterator, "_sampler_iter", None)
+    if not isinstance(sampler_iter, itertools.islice) or getattr(iterator, "_sampler_iter_yielded", 0) <= 0:
+        return
+    try:
+        first = next(sampler_iter)
+    except StopIteration:
+        iterator._sampler_iter = iter(())
+        return
+    iterator._sampler_iter = itertools.chain([first], sampler_iter)

@@ -1,0 +1,255 @@
+"""Samplers that keep no state of their own (torch's RandomSampler, WeightedRandomSampler,
+SubsetRandomSampler, custom ones drawing from any stream), in a StatefulDataLoader resumed
+anywhere: torchdata replays such a sampler from scratch, which is exact only from the streams its
+epoch started with; the resumed run once drew another order, silently."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import BatchSampler, Dataset, RandomSampler, Sampler, SubsetRandomSampler, WeightedRandomSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import distckpt
+
+ITEMS = 12
+STEPS = 20  # a little over three epochs of 6 batches
+
+
+class Items(Dataset):
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+class NumpyShuffle(Sampler[int]):
+    """A custom sampler drawing from NumPy's global stream."""
+
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __iter__(self):
+        yield from np.random.permutation(ITEMS).tolist()
+
+
+class OwnRandom(Sampler[int]):
+    """A custom sampler with a Python random.Random of its own."""
+
+    def __init__(self) -> None:
+        self.rng = random.Random(3)
+
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __iter__(self):
+        order = list(range(ITEMS))
+        self.rng.shuffle(order)
+        yield from order
+
+
+class OwnNumpyGenerator(Sampler[int]):
+    """Draws lazily, one item at a time, from a NumPy Generator of its own."""
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(4)
+
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __iter__(self):
+        for _ in range(ITEMS):
+            yield int(self.rng.integers(ITEMS))
+
+
+def _g() -> torch.Generator:
+    return torch.Generator().manual_seed(7)
+
+
+SAMPLERS: dict[str, Callable[[], dict[str, Any]]] = {
+    "random-own-generator": lambda: {"sampler": RandomSampler(Items(), generator=_g())},
+    "random-global-stream": lambda: {"sampler": RandomSampler(Items())},
+    "random-replacement": lambda: {"sampler": RandomSampler(Items(), replacement=True, num_samples=ITEMS,
+                                                            generator=_g())},
+    "weighted": lambda: {"sampler": WeightedRandomSampler(torch.linspace(0.1, 1.0, ITEMS), ITEMS, generator=_g())},
+    "subset-random": lambda: {"sampler": SubsetRandomSampler(list(range(ITEMS)), generator=_g())},
+    "batch-sampler": lambda: {"batch_sampler": BatchSampler(RandomSampler(Items(), generator=_g()), 2, False)},
+    "numpy-global": lambda: {"sampler": NumpyShuffle()},
+    "own-python-random": lambda: {"sampler": OwnRandom()},
+    "own-numpy-generator": lambda: {"sampler": OwnNumpyGenerator()},
+}
+
+
+def _loader(name: str, workers: int, sampler_in_state: bool) -> tuple[StatefulDataLoader, dict]:
+    sampling = SAMPLERS[name]()
+    batching = {} if "batch_sampler" in sampling else {"batch_size": 2}
+    loader = StatefulDataLoader(Items(), num_workers=workers, **sampling, **batching)
+    state: dict[str, Any] = {"loader": loader}
+    if sampler_in_state and "sampler" in sampling:
+        state["sampler"] = sampling["sampler"]
+    return loader, state
+
+
+def _run(loader: StatefulDataLoader, steps: range, save_at: int | None = None,
+         mgr: distckpt.CheckpointManager | None = None, state: dict | None = None) -> list[tuple]:
+    """Each step's batch and one draw of each global stream (what a step's dropout or
+    augmentation sees)."""
+    out = []
+    it = iter(loader)
+    for step in steps:
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(loader)
+            batch = next(it)
+        out.append((step, batch.tolist(), torch.rand(1).item(), random.random(), float(np.random.rand())))
+        if step == save_at and mgr is not None and state is not None:
+            mgr.save(step, state)
+    return out
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def _check(root: str, name: str, workers: int, save_at: int, sampler_in_state: bool) -> None:
+    _seed_all(0)
+    loader, state = _loader(name, workers, sampler_in_state)
+    with distckpt.CheckpointManager(root) as mgr:
+        assert mgr.load_latest(state) is None  # the documented start: the manager sees the loader first
+        reference = _run(loader, range(STEPS), save_at, mgr, state)
+    _seed_all(99)  # the resumed process starts from other streams
+    loader, state = _loader(name, workers, sampler_in_state)
+    with distckpt.CheckpointManager(root) as mgr:
+        progress = mgr.load_latest(state)
+    assert progress is not None and progress.step == save_at
+    resumed = _run(loader, range(save_at + 1, STEPS))
+    assert resumed == reference[save_at + 1:]
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLERS))
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("save_at", [3, 8])  # mid-epoch in the first and in the second epoch
+def test_a_loader_over_a_sampler_without_state_resumes_exactly(tmp_path, name, workers, save_at):
+    _check(str(tmp_path / "c"), name, workers, save_at, sampler_in_state=False)
+
+
+@pytest.mark.parametrize("name", ["random-own-generator", "weighted", "random-replacement", "own-python-random"])
+@pytest.mark.parametrize("save_at", [5, 8, 11])  # the last batch of an epoch, mid-epoch, an epoch's end
+def test_a_sampler_also_in_state_resumes_exactly(tmp_path, name, save_at):
+    # The sampler's generator restored to its save-time state (the Sampler entry) is where the
+    # replay once started from.
+    _check(str(tmp_path / "c"), name, 0, save_at, sampler_in_state=True)
+
+
+class SeededStream(torch.utils.data.IterableDataset):
+    """Each pass seeds a generator of its own from torch's global stream, and draws per item from
+    it and from a Python random.Random the dataset holds."""
+
+    def __init__(self) -> None:
+        self.rng = random.Random(5)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,)).item()))
+        for i in torch.randperm(ITEMS, generator=g).tolist():
+            yield i * 1000 + self.rng.randrange(1000)
+
+
+@pytest.mark.parametrize("save_at", [3, 8, 11])
+def test_an_iterable_dataset_seeding_each_pass_resumes_exactly(tmp_path, save_at):
+    root = str(tmp_path / "c")
+
+    def build():
+        loader = StatefulDataLoader(SeededStream(), batch_size=2)
+        return loader, {"loader": loader}
+
+    _seed_all(0)
+    loader, state = build()
+    with distckpt.CheckpointManager(root) as mgr:
+        assert mgr.load_latest(state) is None
+        reference = _run(loader, range(STEPS), save_at, mgr, state)
+    _seed_all(99)
+    loader, state = build()
+    with distckpt.CheckpointManager(root) as mgr:
+        assert mgr.load_latest(state).step == save_at
+    assert _run(loader, range(save_at + 1, STEPS)) == reference[save_at + 1:]
+
+
+@pytest.mark.parametrize("name", ["random-own-generator", "random-global-stream", "weighted", "own-python-random"])
+def test_a_random_sampler_whose_epoch_started_unseen_is_refused_at_save(tmp_path, name):
+    # The first save in the middle of an epoch the manager did not see start (no load_latest
+    # before the loop): its replay cannot be exact, so the save is refused and nothing committed.
+    loader, state = _loader(name, 0, sampler_in_state=False)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        it = iter(loader)
+        next(it)
+        with pytest.raises(distckpt.UnstorableValueError, match=r"load_latest\(state\) before iterating"):
+            mgr.save(0, state)
+        assert mgr.committed_steps() == []
+        assert mgr.load_latest(state) is None  # seen now: the next epoch is replayable
+        for _ in it:
+            pass
+        next(iter(loader))
+        mgr.save(1, state)
+        assert mgr.committed_steps() == [1]
+
+
+def test_a_deterministic_custom_sampler_whose_epoch_started_unseen_is_said_once(tmp_path):
+    class Reversed(Sampler[int]):
+        def __len__(self) -> int:
+            return ITEMS
+
+        def __iter__(self):
+            yield from range(ITEMS - 1, -1, -1)
+
+    loader = StatefulDataLoader(Items(), sampler=Reversed(), batch_size=2)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        it = iter(loader)
+        next(it)
+        with pytest.warns(distckpt.CheckpointWarning, match="Reversed keeps no state"):
+            mgr.save(0, {"loader": loader})
+        next(it)
+        mgr.save(1, {"loader": loader})  # said once per loader
+        assert sorted(mgr.committed_steps()) == [0, 1]
+
+
+def test_a_loader_resumed_with_another_sampler_is_refused_with_nothing_changed(tmp_path):
+    loader, state = _loader("random-own-generator", 0, sampler_in_state=False)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.load_latest(state)
+        _run(loader, range(3), 2, mgr, state)
+    loader, state = _loader("numpy-global", 0, sampler_in_state=False)
+    before = {k: v for k, v in vars(loader).items() if k != "_get_iterator"}
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        with pytest.raises(distckpt.IncompatibleCheckpointError, match="sampler.generator"):
+            mgr.load_latest(state)
+    assert {k: v for k, v in vars(loader).items() if k != "_get_iterator"} == before  # nothing restored
+    assert [b.tolist() for b in loader][:1] != []  # and it iterates from its start
+
+
+@pytest.mark.parametrize("save_at", [8, 14])  # the second and third epochs start by _reset, not a new iterator
+def test_persistent_workers_resume_a_sampler_without_state_exactly(tmp_path, save_at):
+    root = str(tmp_path / "c")
+
+    def build():
+        loader = StatefulDataLoader(Items(), sampler=RandomSampler(Items(), generator=_g()), batch_size=2,
+                                    num_workers=2, persistent_workers=True)
+        return loader, {"loader": loader}
+
+    _seed_all(0)
+    loader, state = build()
+    with distckpt.CheckpointManager(root) as mgr:
+        assert mgr.load_latest(state) is None
+        reference = _run(loader, range(STEPS), save_at, mgr, state)
+    _seed_all(99)
+    loader, state = build()
+    with distckpt.CheckpointManager(root) as mgr:
+        assert mgr.load_latest(state).step == save_at
+    assert _run(loader, range(save_at + 1, STEPS)) == reference[save_at + 1:]
