@@ -213,13 +213,19 @@ def capture_save(coord: Coordinator, storage: Storage, entries: list[Entry], ste
     def described(local: _Captured) -> dict[str, Any]:
         return {"rank": coord.rank, "step": step, "epoch": epoch, "host": hostname(), "pid": os.getpid(),
                 "per_rank_entries": sorted(e.key for e in entries if e.scope == PER_RANK),
-                "generation": local.generation, "async": staging is not None, "replicated": local.digests}
+                "entries": sorted([e.key, e.scope, e.kind] for e in entries),
+                "generation": local.generation, "async": staging is not None, "replicated": local.digests,
+                "save_seq": save_seq}
 
     local, outcomes = run_phase(coord, "save/capture", f"save of step {step}", capture, described)
     infos = [o.info for o in outcomes]
     _check_same_progress(infos, f"save of step {step}")
     check_replicated_agree([i["replicated"] for i in infos], f"save of step {step}")
-    keys = [f"distckpt/{run_id}/save-{save_seq}/files/rank-{r}" for r in range(coord.world_size)]
+    # Rank 0's count names the reports: after ranks met in different calls (one in save, another
+    # in load_latest) the counts differ, and the next save waited out its timeout for a report
+    # under another name, then left its files behind.
+    agreed_seq = infos[0].get("save_seq", save_seq)
+    keys = [f"distckpt/{run_id}/save-{agreed_seq}/files/rank-{r}" for r in range(coord.world_size)]
     own_write = _own_write(coord.rank, step, local, infos, keys[coord.rank], handover)
     kinds = {e.key: {"scope": e.scope, "kind": e.kind} for e in entries}
     return CapturedSave(step, epoch, metric, run_id, coord.rank, local, infos, kinds,
@@ -384,11 +390,34 @@ def _check_same_progress(infos: list[dict[str, Any]], what: str) -> None:
         table = ", ".join(f"rank {r}: async_save={i['async']}" for r, i in enumerate(infos))
         raise RankDisagreementError(f"{what}: ranks disagree on async_save — {table}; build every rank's "
                                     "CheckpointManager with the same arguments")
+    _check_same_entries(infos, what)
     views = {(i["step"], i["epoch"]) for i in infos}
     if len(views) > 1:
         table = ", ".join(f"rank {r}: step {i['step']} epoch {i['epoch']}" for r, i in enumerate(infos))
         raise RankDisagreementError(f"{what}: ranks disagree on (step, epoch) — {table}; "
                                     "every rank must call save() with the same step and epoch")
+
+
+def _check_same_entries(infos: list[dict[str, Any]], what: str) -> None:
+    """Every rank saves the same keys of `state`, each of one kind. A module or per_rank entry only
+    some ranks hold was left out of the checkpoint (rank 0 writes the replicated ones; a rank's own
+    were never looked for), and every load then refused it."""
+    tables = [{key: (scope, kind) for key, scope, kind in i.get("entries", [])} for i in infos]
+    if all(t == tables[0] for t in tables[1:]):
+        return
+    differences = []
+    for key in sorted({k for t in tables for k in t}):
+        held = {r: t.get(key) for r, t in enumerate(tables)}
+        if len(set(held.values())) == 1:
+            continue
+        lacking = [r for r, v in held.items() if v is None]
+        kinds = sorted({f"{v[1]} ({v[0]})" for v in held.values() if v is not None})
+        differences.append(f"state[{key!r}] " + (f"missing on rank(s) {lacking}" if lacking else "")
+                           + (f"{'; ' if lacking else ''}held as {' / '.join(kinds)} by different ranks"
+                              if len(kinds) > 1 else ""))
+    raise RankDisagreementError(f"{what}: ranks save different entries — {'; '.join(differences[:8])}; every rank "
+                                "must pass the same keys of `state` (a value some ranks keep for themselves: "
+                                "wrap it in distckpt.per_rank(...) on every rank)")
 
 
 def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any], lease: Lease,

@@ -476,6 +476,26 @@ def replicated_values_by_rank(rank: int, world: int, url: str, case: str, async_
     return {"own": back["own"].obj}
 
 
+def entries_on_some_ranks(rank: int, world: int, url: str, case: str) -> dict:
+    """Rank 1 saves an entry rank 0 does not (or of another kind); the save must be refused on
+    every rank with nothing committed, and the ranks' next agreed save must go through."""
+    state: dict = {"w": torch.ones(2)}
+    if rank == 1:
+        state["extra"] = {"per-rank": distckpt.per_rank({"r": rank}), "module": nn.Linear(2, 2),
+                          "generator": torch.Generator(), "value": 3, "kind": nn.Linear(2, 2)}[case]
+    elif case == "kind":
+        state["extra"] = torch.zeros(1)
+    with distckpt.CheckpointManager(url, timeout=60) as mgr:
+        mgr.load_latest({"w": torch.ones(2)})
+        try:
+            mgr.save(1, state)
+            outcome = "saved"
+        except distckpt.DistCkptError as e:
+            outcome = f"{type(e).__name__}: {e}"
+        mgr.save(2, {"w": torch.ones(2)})
+        return {"outcome": outcome, "committed": sorted(mgr.committed_steps())}
+
+
 class _LossEma:
     """A user's object with state_dict: an EMA of the loss each rank sees (its own)."""
 
@@ -694,7 +714,10 @@ def ranks_in_different_calls(rank: int, world: int, url: str, saver: int) -> dic
             out["first"] = f"{type(e).__name__}: {e}"
         out["seconds"] = time.monotonic() - started
         out["then"] = mgr.load_latest(state).step
-        out["steps"] = mgr.committed_steps()
+        started = time.monotonic()
+        mgr.save(3, {"w": torch.full((3,), 3.0)})  # the ranks' save counts differ from here on
+        out["save seconds"] = time.monotonic() - started
+        out["steps"] = sorted(mgr.committed_steps())
     return out
 
 
