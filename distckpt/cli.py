@@ -152,7 +152,19 @@ def _in_load_order(storage: Storage, leases: list[Lease]) -> Iterator[tuple[bool
 _INSPECT_TRIES = 8  # steps per tier inspect tries before it gives up (each unreadable one is said)
 
 
+def _refuse_an_uncommitted_step(storage: Storage, args: argparse.Namespace) -> int | None:
+    """--step N that no tier has committed (pruned, never saved) is said as such, as diff and export
+    say it, not as a missing COMMITTED file (verify called it BAD)."""
+    if args.step is None or any(args.step in list_committed(root) for _, root in _tiers(storage, args)):
+        return None
+    committed = list_committed(storage)
+    return _fail(args, f"step {args.step} is not committed at {storage.url} (committed: {committed[:10]})", EXIT_USAGE)
+
+
 def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
+    refused = _refuse_an_uncommitted_step(storage, args)
+    if refused is not None:
+        return refused
     leases = read_leases(storage) if args.step is None else []
 
     def steps_of(root: Storage) -> list[tuple[bool, int]]:
@@ -209,6 +221,9 @@ _VERIFY_LISTINGS = 3  # plain `verify` lists again when the newest step was remo
 
 
 def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
+    refused = _refuse_an_uncommitted_step(storage, args)
+    if refused is not None:
+        return refused
     tiers = _tiers(storage, args)
     leases = read_leases(storage)  # the durable root's leases judge both tiers (tiers.py)
     rows: list[dict[str, Any]] = []
@@ -481,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         storage = open_storage(args.url)
         if not args.command.startswith("import") and not _root_exists(storage, args.url):
+            local = getattr(storage, "root", None)
+            if isinstance(local, str) and os.path.exists(local):
+                return _fail(args, f"{args.url}: is a file, not a checkpoint root (a directory a CheckpointManager "
+                             "saved into)", EXIT_USAGE)
             return _fail(args, f"{args.url}: no such checkpoint root (nothing is stored there)", EXIT_USAGE)
         with collector_paused():  # one command's trees, as in a save or load (gcpause.py)
             code = COMMANDS[args.command](storage, args)
@@ -527,7 +546,11 @@ def doctor_main(argv: list[str]) -> int:
         args.command = "doctor"  # _fail names the command (args.command held the user's)
         return _fail(args, str(e)[-3000:], EXIT_USAGE)
     print(report_json(report) if args.json else report_text(report) + f"\n({time.monotonic() - start:.0f} s)")
-    return 0 if report.identical else 1
+    if report.identical:
+        return EXIT_OK
+    # 1 means "they differ"; a check that compared nothing (the kill step never reached, no step
+    # committed by both runs) proved nothing either way
+    return EXIT_PROBLEM if report.first_step is not None else EXIT_USAGE
 
 
 def _root_exists(storage: Storage, url: str) -> bool:

@@ -198,6 +198,9 @@ class Report:
     # process streams never drawn from at any compared step in either run (a script that never seeds
     # Python's or NumPy's stream and never uses it): their difference is left out, and named here
     unused_streams: list[str] = field(default_factory=list)
+    # loader entries read by workers whose dataset is not wrapped with with_worker_rng (their
+    # draws are in no checkpoint, so they never show as a difference of their own)
+    unwrapped_worker_loaders: list[str] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
@@ -219,6 +222,7 @@ def compare_roots(reference: str, resumed: str) -> Report:
         report.per_step[step] = sorted({f"{d.where}: {d.entry}" for d in diffs})
         if diffs and report.first_step is None:
             report.first_step, report.differences = step, diffs
+            report.unwrapped_worker_loaders = _unwrapped_worker_loaders(_trees(where_b[step], step))
             report.causes = likely_causes(diffs, report)
     return report
 
@@ -295,6 +299,23 @@ def _compare_step(a: Any, b: Any, step: int) -> tuple[list[Difference], tuple[di
     return out, (_streams(trees_a), _streams(trees_b))
 
 
+def _unwrapped_worker_loaders(trees: dict[str, Any]) -> list[str]:
+    """The loader entries saved with workers (torchdata's `_num_workers` > 0) whose state holds no
+    worker streams (no with_worker_rng)."""
+    workers: set[str] = set()
+    wrapped: set[str] = set()
+    for where, tree in trees.items():
+        if not where.startswith("rank"):
+            continue
+        for path, value in _leaves(tree.get("entries", {}) if isinstance(tree, dict) else {}):
+            key = path.split("/")[0]
+            if path.endswith("/_num_workers") and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                workers.add(key)
+            if "/worker_rng" in path:
+                wrapped.add(key)
+    return sorted(workers - wrapped)
+
+
 def _streams(trees: dict[str, Any]) -> dict[Stream, Any]:
     out = {}
     for where, tree in trees.items():
@@ -367,6 +388,10 @@ def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
     if any(d.entry == "loader" and "worker_rng" in d.path for d in diffs):
         causes.append(f"{', '.join(ranks) or 'a rank'}: `loader` worker streams differ from step {report.first_step} → wrap "
                       "the dataset with distckpt.with_worker_rng")
+    for key in report.unwrapped_worker_loaders:
+        causes.append(f"`{key}` worker streams differ (not saved) → `{key}` is read by loader workers and its dataset is "
+                      "not wrapped with distckpt.with_worker_rng, so their random draws (augmentation) restart "
+                      "differently after a resume; wrap the dataset")
     if any(d.entry == "loader" and "worker_rng" not in d.path for d in diffs):
         causes.append("the loader's position differs → a batch drawn before the save (prefetching) is not in "
                       "state; keep it there (see the README's loop patterns)")

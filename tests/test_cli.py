@@ -374,3 +374,20 @@ def test_inspect_shows_a_loaders_position_with_and_without_workers(tmp_path, cap
     assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
     position = json.loads(capsys.readouterr().out)["ranks"][0]["entries"]["loader"]["position"]
     assert position["_sampler_iter_yielded"] == 3 and position["_iterator_finished"] is False, position
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+@pytest.mark.parametrize("step", ["2", "7"])  # pruned, never saved
+def test_a_step_that_is_not_committed_is_said_to_be_so(url, capsys, command, step):
+    # It was a raw "[Errno 2] .../COMMITTED does not exist" (verify called the step BAD).
+    make_run(url, steps=(1, 3))
+    code = cli.main([command, url, "--step", step])
+    err = capsys.readouterr().err
+    assert code == 2 and f"step {step} is not committed at" in err and "committed: [3, 1]" in err, err
+    assert "Errno" not in err
+
+
+def test_a_file_given_as_the_root_is_said_to_be_a_file(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert cli.main(["inspect", str(tmp_path / "afile")]) == 2
+    assert "is a file, not a checkpoint root" in capsys.readouterr().err

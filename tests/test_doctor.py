@@ -63,6 +63,8 @@ def test_workers_without_with_worker_rng_are_named(tmp_path, capsys, monkeypatch
     code, report = _doctor(tmp_path, capsys, "--workers", "2", "--no-worker-rng")
     assert code == 1, report
     assert any("model" == d["entry"] for d in report["differences"])
+    # named: the draws are in no checkpoint, so no difference of their own shows it
+    assert any("`loader` worker streams differ" in c and "with_worker_rng" in c for c in report["causes"]), report
 
 
 @pytest.mark.faults  # make test-faults; make test runs two broken loops: the random stream, and --every
@@ -168,3 +170,18 @@ def test_a_run_that_hangs_is_killed_with_its_children_at_the_timeout(tmp_path, c
     left = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True).stdout.split()
     assert left == [], left
 
+
+
+@pytest.mark.parametrize("resumed, common, first, code", [
+    (False, [4, 9], None, 2),   # the kill step never reached: nothing proven, not "they differ"
+    (True, [], None, 2),        # no step committed by both runs
+    (True, [4, 9], None, 0),
+    (True, [4, 9], 9, 1),
+])
+def test_the_doctors_exit_status_says_differ_only_when_they_differ(monkeypatch, capsys, resumed, common, first, code):
+    from distckpt import doctor
+
+    report = doctor.Report(common, [], [], first, resumed=resumed)
+    monkeypatch.setattr(doctor, "run_doctor", lambda *a, **k: report)
+    assert cli.main(["doctor", "--json", "--", "true"]) == code
+    assert json.loads(capsys.readouterr().out)["resumed"] is resumed
