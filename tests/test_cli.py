@@ -185,7 +185,7 @@ def test_errors_and_exit_codes(tmp_path, capsys):
     assert cli.main(["verify", str(tmp_path / "empty")]) == 1
     make_run(str(tmp_path / "c"), steps=(1,))
     assert cli.main(["inspect", str(tmp_path / "c"), "--step", "5"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert "step 5 is not committed at" in capsys.readouterr().err
 
 
 def test_entry_point_runs(tmp_path):
