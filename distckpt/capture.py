@@ -247,13 +247,13 @@ def _owned(value: Any, memo: dict[Any, Any] | None = None, release: Release | No
     that a tensor or module entry restores in place is that live tensor: kinds.live_ties)."""
     memo = {} if memo is None else memo
     if id(value) in memo:
-        return memo[id(value)]
+        return _as_saved_reference(memo[id(value)], value, memo)
     if sharded.is_dtensor(value):
         return value  # assembled for this load: already its own memory
     if isinstance(value, torch.Tensor):
         region = region_key(value)
         if region is not None and ("region",) + region in memo:
-            return memo[("region",) + region]
+            return _as_saved_reference(memo[("region",) + region], value, memo)
         copy = (value.detach() if value.requires_grad else value).clone()
         if release is not None:
             release(value)
@@ -276,6 +276,26 @@ def _owned(value: Any, memo: dict[Any, Any] | None = None, release: Release | No
         return value
     memo[id(value)] = out
     return out
+
+
+def _as_saved_reference(live: Any, value: Any, memo: dict[Any, Any]) -> Any:
+    """What a reference already met comes back as: for a tensor tied to one a load restores in
+    place (kinds.live_ties), the live tensor itself when the saved reference has its type and
+    requires_grad, else one tensor (per saved object) on the live memory with the saved type and
+    flag: `{"w": lin.weight.detach()}` beside the model came back as the model's Parameter,
+    requires_grad and all."""
+    if not (isinstance(value, torch.Tensor) and isinstance(live, torch.Tensor)) or \
+            (type(live) is type(value) and live.requires_grad == value.requires_grad):
+        return live
+    key = ("as saved", id(value))
+    if key not in memo:
+        alias = live.detach()  # the same memory: the tie with the live tensor holds
+        if type(value) is nn.Parameter:
+            alias = nn.Parameter(alias, requires_grad=value.requires_grad)
+        elif value.requires_grad:
+            alias.requires_grad_(True)
+        memo[key] = alias
+    return memo[key]
 
 
 def _restore_module(module: nn.Module, saved: dict[str, Any], release: Release | None = None,

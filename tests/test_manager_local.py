@@ -877,3 +877,27 @@ def test_ints_no_load_could_read_are_refused_at_save(ckpt_dir, value, what):
     with distckpt.CheckpointManager(ckpt_dir) as mgr:
         assert mgr.load_latest(loaded).step == 2
     assert loaded["v"] == {"n": (1 << (1 << 20)) + 1, "k": {2**1000: 1}}
+
+
+@pytest.mark.parametrize("reference", ["detached", "detached-requires-grad", "parameter"])
+def test_a_reference_tied_to_a_module_tensor_comes_back_as_it_was_saved(tmp_path, reference):
+    # `{"w": lin.weight.detach()}` beside the model came back as the model's live Parameter
+    # (requires_grad, type): the tie held, the reference's own flags did not.
+    def referenced(lin):
+        return {"detached": lambda: lin.weight.detach(),
+                "detached-requires-grad": lambda: lin.weight.detach().requires_grad_(),
+                "parameter": lambda: lin.weight}[reference]()
+
+    lin = torch.nn.Linear(3, 2)
+    saved = referenced(lin)
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"model": lin, "extra": {"w": saved, "again": [saved]}})
+    lin2 = torch.nn.Linear(3, 2)
+    back: dict = {"model": lin2, "extra": {}}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load_latest(back)
+    w = back["extra"]["w"]
+    assert type(w) is type(saved) and w.requires_grad == saved.requires_grad
+    assert w.data_ptr() == lin2.weight.data_ptr() and torch.equal(w, lin.weight.detach())  # still tied
+    assert (w is lin2.weight) == (reference == "parameter")
+    assert back["extra"]["again"][0] is w  # one object, as saved
