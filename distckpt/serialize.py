@@ -392,8 +392,12 @@ def check_limits(tree: EncodedTree, where: str) -> None:
     if len(tree.tensors) > MAX_TENSORS:
         raise UnstorableValueError(f"{where} holds {len(tree.tensors):,} tensors; one checkpoint file holds "
                                    f"at most {MAX_TENSORS:,}: stack small tensors into larger ones")
-    # Each tensor's header entry is its name plus ~80 bytes; the tree is at least its JSON.
-    estimate = sum(len(name) + 80 for name in tree.tensors) + len(tree.node_json)
+    # Each tensor's header entry is its name plus ~80 bytes; the tree's JSON travels as a JSON
+    # string in the header, so each '"' and '\' in it takes two bytes there (a tree of quotes
+    # under the limit by its own length was committed, then refused by every load).
+    node_json = tree.node_json
+    estimate = (sum(len(name) + 80 for name in tree.tensors) + len(node_json) + node_json.count('"')
+                + node_json.count("\\") + 2)
     if estimate > MAX_HEADER_BYTES:
         raise UnstorableValueError(
             f"{where}: its plain values and tensor names need about {estimate:,} bytes of header, more than "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -194,3 +195,22 @@ def _deep_equal(a, b) -> bool:
     if isinstance(a, float) and math.isnan(a):
         return isinstance(b, float) and math.isnan(b)
     return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("text", ['"' * 6000, "\\" * 6000, "\x01" * 3000])
+def test_a_tree_whose_escaped_json_passes_the_header_limit_is_refused_at_save(tmp_path, monkeypatch, text):
+    # The tree's JSON is a JSON string inside the header: quotes and backslashes double there. The
+    # limit was counted on the unescaped JSON: committed, then refused by every load.
+    from distckpt import serialize
+
+    monkeypatch.setattr(serialize, "MAX_HEADER_BYTES", 40_000)
+    value = {"notes": [text, text]}
+    assert len(json.dumps(value)) < 40_000 < len(json.dumps(json.dumps(value)))
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(distckpt.UnstorableValueError, match="bytes of header"):
+            mgr.save(1, {"v": value})
+        mgr.save(2, {"v": {"notes": [text[:1000]]}})  # under the limit escaped: loads back
+    back: dict = {"v": {}}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr.load_latest(back).step == 2
+    assert back["v"] == {"notes": [text[:1000]]}
