@@ -668,10 +668,28 @@ def check_destinations_apart(entries: list[Entry], saved: dict[str, Any]) -> Non
                     continue
                 if region_key(live) == region_key(other_live) and copying.same_bits(stored, other_stored):
                     continue
+                if _copies_agree([(stored, live), (other_stored, other_live)]):
+                    continue  # views of one buffer saved as such (x and x.view(-1)): either order writes the same
                 raise IncompatibleCheckpointError(
                     f"{where} and {other_where} share memory here but are different tensors in the checkpoint: "
                     "copying both into it would leave one holding the other's values. Untie them here (or tie "
                     "them as the run that saved did, e.g. the same parameter for embedding and output) before loading")
+
+
+def _copies_agree(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether copying each stored tensor into its live view of one memory leaves every view
+    holding its stored values (they agree wherever the views overlap): tried on a scratch copy
+    of the bytes the views span."""
+    extents = [copying.byte_extent(live) for _, live in copies]
+    start, end = min(e[0] for e in extents), max(e[1] for e in extents)
+    if any((live.data_ptr() - start) % live.element_size() for _, live in copies) or end - start > 1 << 30:
+        return False  # views that do not fit one scratch buffer evenly (or beyond 1 GiB): kept apart
+    scratch = torch.empty(end - start, dtype=torch.uint8, device=copies[0][1].device).untyped_storage()
+    views = [torch.empty(0, dtype=live.dtype, device=live.device).set_(
+        scratch, (live.data_ptr() - start) // live.element_size(), live.shape, live.stride()) for _, live in copies]
+    for (stored, _), view in zip(copies, views):
+        view.copy_(stored)
+    return all(copying.same_bits(view, stored) for (stored, _), view in zip(copies, views))
 
 
 def _same_stored(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -901,3 +901,41 @@ def test_a_reference_tied_to_a_module_tensor_comes_back_as_it_was_saved(tmp_path
     assert w.data_ptr() == lin2.weight.data_ptr() and torch.equal(w, lin.weight.detach())  # still tied
     assert (w is lin2.weight) == (reference == "parameter")
     assert back["extra"]["again"][0] is w  # one object, as saved
+
+
+VIEW_PAIRS = {
+    "reshaped": lambda x: (x, x.view(-1)),
+    "transposed": lambda x: (x, x.t()),
+    "row": lambda x: (x, x[1]),
+    "overlapping-slices": lambda x: (x[:, :3], x[:, 1:]),
+    "reinterpreted": lambda x: (x, x.view(torch.int32)),
+}
+
+
+@pytest.mark.parametrize("pair", sorted(VIEW_PAIRS))
+def test_views_of_one_buffer_load_back_into_views_of_one_buffer(tmp_path, pair):
+    # Saved as the run held them, they were refused on load into the same structure ("untie them").
+    x = torch.arange(12.0).reshape(3, 4)
+    a, b = VIEW_PAIRS[pair](x)
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"a": a, "b": b})
+    x2 = torch.zeros(3, 4)
+    a2, b2 = VIEW_PAIRS[pair](x2)
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr.load_latest({"a": a2, "b": b2}).step == 1
+    assert torch.equal(x2, x)
+
+
+@pytest.mark.parametrize("pair", sorted(VIEW_PAIRS))
+def test_different_tensors_into_views_of_one_buffer_are_still_refused(tmp_path, pair):
+    x = torch.arange(12.0).reshape(3, 4)
+    a, _ = VIEW_PAIRS[pair](x)
+    _, b = VIEW_PAIRS[pair](-x - 1)  # b's values are not a's wherever the views overlap
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"a": a.clone(), "b": b.clone()})
+    x2 = torch.zeros(3, 4)
+    a2, b2 = VIEW_PAIRS[pair](x2)
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(distckpt.IncompatibleCheckpointError, match="share memory here"):
+            mgr.load_latest({"a": a2, "b": b2})
+    assert torch.equal(x2, torch.zeros(3, 4))
