@@ -22,7 +22,8 @@ tagged so that types survive the round trip exactly::
     {"od": [[key, value], ...]}  collections.OrderedDict
     {"ct": [[key, value], ...]}  collections.Counter (MultiStepLR keeps its milestones in one)
     {"z": [...]}                 torch.Size
-    {"n": ["<f8", "hex bytes"]}  a NumPy scalar (np.float32(1.5), np.int64(3), np.bool_(True))
+    {"n": ["<f8", "hex bytes"]}  a NumPy scalar (np.float32(1.5), np.int64(3), np.bool_(True)); a third
+                                 element, the type character, where dtype.str names another type (np.longlong)
     {"T": name, "p": 1, "rg": 1, "o": [dims]}
                                  a tensor that is an nn.Parameter ("p"), requires grad ("rg"),
                                  or is laid out in another dimension order (channels_last,
@@ -322,7 +323,12 @@ def _encode_numpy_scalar(value: Any, path: tuple[Any, ...]) -> dict[str, Any]:
     if dtype.kind not in "biufc" or dtype.hasobject:
         raise UnstorableValueError(f"{key_path(path)} is a NumPy {dtype} scalar: store numbers only, "
                                    "or convert it (.item(), str())")
-    return {"n": [dtype.str, value.tobytes().hex()]}
+    body = [dtype.str, value.tobytes().hex()]
+    if np.dtype(dtype.str).type is not type(value):
+        # np.longlong / np.ulonglong (and np.intc ...) share their dtype.str with np.int64 / ...;
+        # the type character tells them apart (they came back as np.int64)
+        body.append(dtype.char)
+    return {"n": body}
 
 
 def _advice(value: Any) -> str:
@@ -456,7 +462,7 @@ class _Decoder:
             return _float_from_hex(body, self.where)
         if tag == "i" and isinstance(body, str) and len(body) < _MAX_INT_HEX_DIGITS:
             return _int_from_hex(body, self.where)
-        if tag == "n" and isinstance(body, list) and len(body) == 2:
+        if tag == "n" and isinstance(body, list) and len(body) in (2, 3):
             return _numpy_scalar(body, self.where)
         return _NOT_A_NODE
 
@@ -506,11 +512,18 @@ def _int_from_hex(body: str, where: str) -> int:
 
 
 def _numpy_scalar(body: list[Any], where: str) -> Any:
-    dtype_str, data = body
     try:
+        if not isinstance(body, list) or len(body) not in (2, 3):
+            raise ValueError(f"{body!r}")
+        dtype_str, data = body[0], body[1]
         dtype = np.dtype(dtype_str) if isinstance(dtype_str, str) and len(dtype_str) <= 8 else None
         if dtype is None or dtype.kind not in "biufc" or not isinstance(data, str) or len(data) != 2 * dtype.itemsize:
             raise ValueError(f"{body!r}")
+        if len(body) == 3:  # the scalar type, where its dtype.str names another (np.longlong)
+            same = np.dtype(body[2]) if isinstance(body[2], str) and len(body[2]) == 1 else None
+            if same is None or (same.kind, same.itemsize) != (dtype.kind, dtype.itemsize):
+                raise ValueError(f"{body!r}")
+            dtype = same
         return np.frombuffer(bytes.fromhex(data), dtype=dtype)[0]
     except (TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{where}: bad NumPy scalar {str(body)[:60]!r}") from e

@@ -63,7 +63,10 @@ def floats_with_bits():
 
 numpy_scalars = st.one_of(st.integers(-2**63, 2**63 - 1).map(np.int64), st.floats(width=32).map(np.float32),
                           st.floats().map(np.float64), st.booleans().map(np.bool_),
-                          st.integers(0, 255).map(np.uint8))
+                          st.integers(0, 255).map(np.uint8),
+                          # types whose dtype.str is another's (np.longlong is '<i8' like np.int64)
+                          st.integers(-2**63, 2**63 - 1).map(np.longlong), st.integers(0, 2**64 - 1).map(np.ulonglong),
+                          st.integers(-2**31, 2**31 - 1).map(np.intc), st.floats(width=16).map(np.float16))
 # ints beyond 64 bits, up to past the 4,300 digits Python's int/str conversion refuses
 big_ints = st.tuples(st.sampled_from([1, -1]), st.integers(64, 20_000), st.integers(0, 2**64)).map(
     lambda t: t[0] * (2 ** t[1] + t[2]))
