@@ -191,26 +191,26 @@ class _IteratorRecorder:
 def _record(iterator: Any, start: dict[str, Any] | None) -> None:
     try:
         setattr(iterator, _EPOCH_START, start)
-        reset = iterator._reset
-        if not isinstance(reset, _ResetRecorder):  # persistent workers start later epochs by _reset
-            iterator._reset = _ResetRecorder(iterator, reset)
-    except AttributeError:  # an iterator that takes no attributes: its epochs are not recorded
+        if "_reset" not in vars(iterator):  # persistent workers start later epochs by _reset
+            iterator._reset = _ResetRecorder(iterator)
+    except (AttributeError, TypeError):  # an iterator that takes no attributes: its epochs are not recorded
         pass
 
 
 class _ResetRecorder:
     """Stands in for an iterator's `_reset`, which starts the next epoch of a loader with
-    persistent workers without a new iterator: records the streams first."""
+    persistent workers without a new iterator: records the streams first. It holds the iterator
+    weakly and calls its class's method: a bound method here made a cycle, the iterator outlived
+    its last reference until the cyclic collector ran, and its workers with it (10-20 s waits)."""
 
-    def __init__(self, iterator: Any, reset: Callable[..., Any]) -> None:
+    def __init__(self, iterator: Any) -> None:
         self._iterator = weakref.ref(iterator)
-        self._reset = reset
 
     def __call__(self, loader: Any, *args: Any, **kwargs: Any) -> Any:
         iterator = self._iterator()
-        if iterator is not None:
-            setattr(iterator, _EPOCH_START, _states(sampling_streams(loader)))
-        return self._reset(loader, *args, **kwargs)
+        assert iterator is not None  # called through the iterator
+        setattr(iterator, _EPOCH_START, _states(sampling_streams(loader)))
+        return type(iterator)._reset(iterator, loader, *args, **kwargs)
 
 
 def watch(loader: Any) -> None:
