@@ -193,10 +193,11 @@ def _finish_at_exit() -> None:
 
 def _commit_state_of(error: BaseException) -> str:
     """What the exit line says of the commit: a failure after rank 0's commit (telling the other
-    ranks failed: the groups destroyed under the save) says so in share_outcome's words."""
-    text = str(error)
-    if "IS committed" in text:
+    ranks failed: the groups destroyed under the save) carries `committed` (saving.share_outcome):
+    True on rank 0, None where a rank cannot tell."""
+    committed = getattr(error, "committed", False)
+    if committed is True:
         return "its step IS committed (only telling the other ranks failed)"
-    if "may or may not be committed" in text:
+    if committed is None:
         return "this rank cannot tell whether it is committed (rank 0's line says)"
     return "is not committed"

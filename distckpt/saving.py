@@ -570,14 +570,19 @@ def share_outcome(coord: Coordinator, exc: BaseException | None, phase: str, wha
     except CoordinationError as e:
         if getattr(e, "rank_tracebacks", None) is not None or step is None:
             raise  # rank 0's own error, shared: the outcome is known
+        committed: bool | None
         if coord.rank == 0:
-            known = (f"step {step} IS committed (rank 0 finished its commit)" if exc is None else
+            committed = exc is None
+            known = (f"step {step} IS committed (rank 0 finished its commit)" if committed else
                      f"step {step} is not committed ({type(exc).__name__}: {exc})")
         else:
+            committed = None
             known = (f"rank 0's outcome did not arrive: step {step} may or may not be committed (it is if "
                      "rank 0 finished its commit; committed_steps() or a restart's load_latest tell)")
-        raise CoordinationError(f"{what}: {known}; telling every rank failed: {e}. If rank 0's writes "
-                                "take longer than the timeout, raise timeout=") from e
+        error = CoordinationError(f"{what}: {known}; telling every rank failed: {e}. If rank 0's writes "
+                                  "take longer than the timeout, raise timeout=")
+        error.committed = committed  # type: ignore[attr-defined]  # what the exit line says (async_writer)
+        raise error from e
 
 
 # -- load -------------------------------------------------------------------------------------

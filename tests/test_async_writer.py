@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import distckpt
 from distckpt import async_writer
 from distckpt.async_writer import AsyncWriter
 
@@ -125,3 +126,19 @@ def test_no_subprocess_is_started_off_the_training_thread(tmp_path, monkeypatch,
             mgr.save(step, {"w": torch.full((4,), float(step))})
         mgr.wait()
     assert started_on and set(started_on) == {threading.main_thread().name}, started_on
+
+
+def test_the_exit_line_says_what_is_known_of_the_commit():
+    # It read share_outcome's message text; now the flag the error carries. A message merely
+    # quoting "IS committed" (a user's exception text) no longer passes for a commit.
+    from distckpt.async_writer import _commit_state_of
+
+    def failed_telling(committed):
+        error = distckpt.CoordinationError("telling every rank failed")
+        error.committed = committed
+        return error
+
+    assert "IS committed" in _commit_state_of(failed_telling(True))
+    assert "cannot tell" in _commit_state_of(failed_telling(None))
+    assert _commit_state_of(failed_telling(False)) == "is not committed"
+    assert _commit_state_of(OSError("disk says: step 3 IS committed")) == "is not committed"
