@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import itertools
 import json
 import os
 import random
@@ -939,3 +940,18 @@ def test_different_tensors_into_views_of_one_buffer_are_still_refused(tmp_path, 
         with pytest.raises(distckpt.IncompatibleCheckpointError, match="share memory here"):
             mgr.load_latest({"a": a2, "b": b2})
     assert torch.equal(x2, torch.zeros(3, 4))
+
+
+@settings(max_examples=int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "60")) * 3, deadline=None, derandomize=True)
+@given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=4), data=st.data())
+def test_the_overlap_decision_matches_enumerated_offsets(shape, data):
+    # Any shape, strides and offset a view can have (as_strided over a buffer large enough):
+    # whether two elements share memory is decided exactly as enumerating their offsets says.
+    from distckpt.validation import _has_internal_overlap
+
+    strides = data.draw(st.lists(st.integers(0, 12), min_size=len(shape), max_size=len(shape)))
+    offset = data.draw(st.integers(0, 3))
+    reach = offset + sum((n - 1) * s for n, s in zip(shape, strides) if n > 0) + 1
+    t = torch.zeros(reach).as_strided(shape, strides, offset)
+    offsets = [offset + sum(i * s for i, s in zip(index, strides)) for index in itertools.product(*map(range, shape))]
+    assert _has_internal_overlap(t) == (len(set(offsets)) < len(offsets)), (shape, strides)
