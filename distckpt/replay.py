@@ -209,7 +209,7 @@ class _ResetRecorder:
     def __call__(self, loader: Any, *args: Any, **kwargs: Any) -> Any:
         iterator = self._iterator()
         assert iterator is not None  # called through the iterator
-        setattr(iterator, _EPOCH_START, _states(sampling_streams(loader)))
+        setattr(iterator, _EPOCH_START, {**_states(sampling_streams(loader)), "reset": True})
         return type(iterator)._reset(iterator, loader, *args, **kwargs)
 
 
@@ -254,7 +254,7 @@ def _draws_nothing(sampler: Any, depth: int = 0) -> bool:
 def _replays_its_dataset(loader: Any, iterator: Any) -> bool:
     """torchdata's fallback for an IterableDataset without state in this process: iter() on it
     again, skipping the items already yielded (workers replay in their own processes)."""
-    fetcher = getattr(iterator, "_dataset_fetcher", None)
+    fetcher = getattr(iterator, "_dataset_fetcher", None) if iterator is not None else None
     return (isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
             and getattr(loader, "num_workers", 0) == 0
             and not _stateful(loader.dataset) and not _stateful(getattr(fetcher, "dataset_iter", None)))
@@ -361,23 +361,120 @@ def _resumed_iterator(loader: Any, plan: dict[str, Any], create: Callable[[], An
     # created: only the loader's generator (its base seed) is put back then.
     kept = streams if replay is not None else {p: s for p, s in streams.items() if p == "generator"}
     now = _states(kept)  # the restored streams: where the save left them
+    slot = None
     if replay is not None:
         _set_states(streams, replay["epoch_start"])
+        if not _replays_its_dataset(loader, None):
+            slot = _EpochReplay.install(loader, streams, bool(replay["epoch_start"].get("reset")))
     try:
         iterator = create()
         if replay is not None:
             _draw_the_skipped_indices(iterator)
     finally:
+        if slot is not None:
+            slot.remove(locals().get("iterator"))
         _set_states(kept, now)
         if replay is not None:
             _set_states(streams, replay["at_save"], with_global=False)
     return (replay["epoch_start"] if replay is not None else None), iterator
 
 
+class _EpochReplay:
+    """Stands in, while the first iterator after a restore is created, for the sampler torchdata
+    replays: every iter() on it gives the one iterator the epoch's start made. torchdata calls
+    iter() on it twice (creating the iterator, then restoring it); a sampler that draws inside
+    __iter__ (HF's LengthGroupedSampler returns iter(list)) drew its order the second time from
+    the streams the first draw had moved: another order, silently."""
+
+    _calls: int
+    _used_call: int
+
+    def __init__(self, owner: Any, name: str, inner: Any, streams: dict[str, Any], reset_started: bool,
+                 used_call: int) -> None:
+        self._owner, self._name, self._inner = owner, name, inner
+        self._streams, self._reset_started = streams, reset_started
+        self._iterator: Any = None
+        self._open = True
+        self._calls, self._used_call = 0, used_call
+
+    @classmethod
+    def install(cls, loader: Any, streams: dict[str, Any], reset_started: bool) -> "_EpochReplay | None":
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        if batch_sampler is None:
+            owner, name = loader, "sampler"
+        elif _is_torchdata(batch_sampler, "BatchSampler"):  # built from batch_size=: it replays the sampler
+            owner, name = batch_sampler, "sampler"
+        else:
+            owner, name = loader, "batch_sampler"
+        inner = vars(owner).get(name)
+        if inner is None or _stateful(inner):
+            return None
+        # Which iter() of the creation made the epoch's iterator: with workers torch's creation calls
+        # iter() twice (in __init__, then in _reset after the base seed) and keeps the second; an
+        # epoch that persistent workers started by _reset made one.
+        used_call = 2 if getattr(loader, "num_workers", 0) > 0 and not reset_started else 1
+        slot = cls(owner, name, inner, streams, reset_started, used_call)
+        vars(owner)[name] = slot  # past DataLoader's __setattr__, which refuses a new sampler
+        return slot
+
+    def remove(self, iterator: Any) -> None:
+        self._open = False
+        vars(self._owner)[self._name] = self._inner
+        for holder, name in ((iterator, "_index_sampler"), (getattr(iterator, "_sampler_iter", None), "sampler")):
+            if holder is not None and getattr(holder, name, None) is self:
+                setattr(holder, name, self._inner)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str) -> Any:  # what torchdata asks of the sampler (state_dict: absent)
+        if name in ("_owner", "_name", "_inner", "_streams", "_reset_started", "_iterator", "_open", "_calls",
+                    "_used_call"):
+            raise AttributeError(name)  # not set yet (copy, pickle): never the sampler's
+        return getattr(self._inner, name)
+
+    def __iter__(self) -> Any:
+        if not self._open:
+            return iter(self._inner)
+        self._calls += 1
+        if self._iterator is None:
+            if self._calls < self._used_call:
+                return iter(self._inner)  # drawn as the epoch's start drew it, then dropped as it was
+            self._iterator = _FirstDraw(iter(self._inner), self._streams, self._reset_started)
+        return self._iterator
+
+
+class _FirstDraw:
+    """The epoch's sampler iterator. An epoch a persistent-workers loader started by `_reset` drew
+    no base seed between iter() and the sampler's first lazy draw, as the resumed iterator's
+    creation does: the streams are put back to where iter() left them first."""
+
+    def __init__(self, iterator: Any, streams: dict[str, Any], reset_started: bool) -> None:
+        self._iterator = iterator
+        self._streams = streams
+        self._after_iter = _states(streams) if reset_started else None
+
+    def __iter__(self) -> "_FirstDraw":
+        return self
+
+    def __next__(self) -> Any:
+        if self._after_iter is not None:
+            _set_states(self._streams, self._after_iter)
+            self._after_iter = None
+        return next(self._iterator)
+
+
 def _draw_the_skipped_indices(iterator: Any) -> None:
-    """Without workers torchdata skips lazily, at the first batch; do it now, from the
-    epoch-start streams (with workers it happened while the iterator was created)."""
-    sampler_iter = getattr(iterator, "_sampler_iter", None)
+    """Drive the replayed sampler as far as the saved epoch had driven it, now, from the
+    epoch-start streams: without workers torchdata skips lazily, at the first batch; a partial
+    last batch had asked the sampler once more (RandomSampler then draws the rest of its
+    permutation), and the replay stopped short of that draw."""
+    sampler_iter: Any = getattr(iterator, "_sampler_iter", None)
+    if _is_torchdata(sampler_iter, "_BatchSamplerIterator"):
+        if sampler_iter.samples_yielded % sampler_iter.batch_size:  # a partial batch: the sampler had ended
+            for _ in sampler_iter.sampler_iter:
+                pass
+        return
     if not isinstance(sampler_iter, itertools.islice) or getattr(iterator, "_sampler_iter_yielded", 0) <= 0:
         return
     try:

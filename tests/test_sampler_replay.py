@@ -67,6 +67,31 @@ class OwnNumpyGenerator(Sampler[int]):
             yield int(self.rng.integers(ITEMS))
 
 
+class EagerLengthGrouped(Sampler[int]):
+    """HF's LengthGroupedSampler shape: the order drawn inside __iter__, returned as iter(list)."""
+
+    def __init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(11)
+
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __iter__(self):
+        order = torch.randperm(ITEMS, generator=self.generator).tolist()
+        megabatches = [sorted(order[i:i + 4]) for i in range(0, ITEMS, 4)]
+        return iter([i for m in megabatches for i in m])
+
+
+class EagerGlobal(Sampler[int]):
+    """Draws eagerly from torch's global stream."""
+
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __iter__(self):
+        return iter(torch.randperm(ITEMS).tolist())
+
+
 def _g() -> torch.Generator:
     return torch.Generator().manual_seed(7)
 
@@ -82,6 +107,9 @@ SAMPLERS: dict[str, Callable[[], dict[str, Any]]] = {
     "numpy-global": lambda: {"sampler": NumpyShuffle()},
     "own-python-random": lambda: {"sampler": OwnRandom()},
     "own-numpy-generator": lambda: {"sampler": OwnNumpyGenerator()},
+    "eager-length-grouped": lambda: {"sampler": EagerLengthGrouped()},
+    "eager-global": lambda: {"sampler": EagerGlobal()},
+    "eager-batch-sampler": lambda: {"batch_sampler": BatchSampler(EagerLengthGrouped(), 2, False)},
 }
 
 
@@ -277,3 +305,49 @@ def test_an_abandoned_iterator_is_freed_at_once_with_its_workers(tmp_path, persi
         assert ref() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("save_at", [3, 6])  # 7 items in batches of 2: step 3 is the partial last batch
+@pytest.mark.parametrize("name", ["random-own-generator", "random-global-stream", "eager-length-grouped"])
+def test_a_save_on_a_partial_last_batch_resumes_the_next_epoch_exactly(tmp_path, workers, save_at, name):
+    # The partial batch had asked the sampler once more (RandomSampler then draws for the rest of
+    # its permutation); the replay stopped short of that draw and the next epoch differed.
+    global ITEMS
+    root = str(tmp_path / "c")
+    items, ITEMS = ITEMS, 7
+    try:
+        _seed_all(0)
+        loader, state = _loader(name, workers, sampler_in_state=False)
+        with distckpt.CheckpointManager(root) as mgr:
+            assert mgr.load_latest(state) is None
+            reference = _run(loader, range(STEPS), save_at, mgr, state)
+        _seed_all(99)
+        loader, state = _loader(name, workers, sampler_in_state=False)
+        with distckpt.CheckpointManager(root) as mgr:
+            assert mgr.load_latest(state).step == save_at
+        assert _run(loader, range(save_at + 1, STEPS)) == reference[save_at + 1:]
+    finally:
+        ITEMS = items
+
+
+@pytest.mark.parametrize("name", ["random-global-stream", "eager-global", "eager-length-grouped"])
+@pytest.mark.parametrize("save_at", [8, 14])  # epochs started by _reset: no base seed drawn before the sampler
+def test_persistent_workers_resume_samplers_on_any_stream_exactly(tmp_path, name, save_at):
+    root = str(tmp_path / "c")
+
+    def build():
+        loader = StatefulDataLoader(Items(), batch_size=2, num_workers=2, persistent_workers=True,
+                                    **SAMPLERS[name]())
+        return loader, {"loader": loader}
+
+    _seed_all(0)
+    loader, state = build()
+    with distckpt.CheckpointManager(root) as mgr:
+        assert mgr.load_latest(state) is None
+        reference = _run(loader, range(STEPS), save_at, mgr, state)
+    _seed_all(99)
+    loader, state = build()
+    with distckpt.CheckpointManager(root) as mgr:
+        assert mgr.load_latest(state).step == save_at
+    assert _run(loader, range(save_at + 1, STEPS)) == reference[save_at + 1:]
