@@ -22,6 +22,7 @@ from .rng import capture_process_rng, restore_process_rng
 _INNER = "dataset"
 _RNG = "worker_rng"
 _POSITION = "yielded"  # items the iterator had yielded (an inner dataset without state_dict)
+_PASS_START = "pass_start"  # the process's streams when that iterator started: its replay starts there
 
 
 class _WorkerRngMixin:
@@ -80,14 +81,22 @@ class WorkerRngIterableDataset(_WorkerRngMixin, IterableDataset):
         self._yielded = 0        # by the current iterator
         self._exhausted = False  # the current iterator ran out: the next one starts a new pass
         self._replay = 0         # items the next iterator skips (set by load_state_dict)
+        self._pass_start: Any = None    # the streams when the current iterator started
+        self._replay_start: Any = None  # the saved pass's start (set by load_state_dict)
 
     def __iter__(self) -> Iterator[Any]:
         shield_from_preemption()
         replay, self._replay = self._replay, 0
+        replay_start, self._replay_start = self._replay_start, None
         self._yielded, self._exhausted = 0, False
+        at_save = capture_process_rng() if replay else None
+        if replay and replay_start is not None:
+            # A dataset that draws when its pass starts (a shuffle of its shard) replays the saved
+            # pass from the streams that pass started with; from the save's it drew another order.
+            restore_process_rng(replay_start, "data-loader replay")
+        self._pass_start = replay_start if replay and replay_start is not None else capture_process_rng()
         inner = iter(self.dataset)
         if replay:
-            streams = capture_process_rng()
             try:
                 for _ in range(replay):
                     next(inner)
@@ -96,7 +105,8 @@ class WorkerRngIterableDataset(_WorkerRngMixin, IterableDataset):
                 self._exhausted = True
                 return
             finally:
-                restore_process_rng(streams, "data-loader replay")
+                assert at_save is not None
+                restore_process_rng(at_save, "data-loader replay")
         for item in inner:
             self._yielded += 1
             yield item
@@ -106,11 +116,14 @@ class WorkerRngIterableDataset(_WorkerRngMixin, IterableDataset):
         out = super().state_dict()
         if _INNER not in out:
             out[_POSITION] = 0 if self._exhausted else self._yielded
+            if out[_POSITION] and self._pass_start is not None:
+                out[_PASS_START] = self._pass_start
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._replay = int(state.get(_POSITION, 0))
+        self._replay_start = state.get(_PASS_START)
 
 
 def with_worker_rng(dataset: Any) -> Dataset:
