@@ -285,6 +285,7 @@ class Loader(Kind):
             generator = _own_generator(entry.target)
             if generator is not None and generator_state is not None:  # validated
                 generator.set_state(generator_state)
+        _warn_iterator_made_before(entry)
         entry.target.load_state_dict(value)
         replay.plan_resume(entry.target, sampling)
         return []
@@ -306,6 +307,21 @@ class Loader(Kind):
 
 
 _LOADER_GENERATOR = "_distckpt_loader_generator"  # beside torchdata's keys in the loader's saved state
+
+
+def _warn_iterator_made_before(entry: Entry) -> None:
+    """An iterator of the loader made before the load (`it = iter(loader)` above load_latest)
+    goes on from where it was, not from the checkpoint's position: only the next iter() resumes.
+    Said rather than refused: a loop that rolls back with load(state, step) and then iterates
+    afresh is right."""
+    loader = entry.target
+    if getattr(loader, "_iterator", None) is None or getattr(loader, "_initial_iter_for_state_dict", False):
+        return
+    message = (f"state[{entry.key!r}]: an iterator of this loader was made before this load; it goes on from its "
+               "own position, not the checkpoint's. Make the iterator after the load (iter(loader) or "
+               "`for batch in loader` after load_latest); only a new one resumes")
+    log.warning(message)
+    warnings.warn(message, CheckpointWarning, stacklevel=6)
 
 
 def _own_generator(loader: Any) -> torch.Generator | None:

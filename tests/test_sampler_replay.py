@@ -6,6 +6,7 @@ epoch started with; the resumed run once drew another order, silently."""
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -386,3 +387,22 @@ def test_a_wrapped_iterable_dataset_shuffling_each_pass_resumes_exactly(tmp_path
     with distckpt.CheckpointManager(root) as mgr:
         assert mgr.load_latest(state).step == save_at
     assert _run(loader, range(save_at + 1, STEPS)) == reference[save_at + 1:]
+
+
+def test_an_iterator_made_before_the_load_is_warned_about(tmp_path):
+    # It went on from its own start after a resume, silently (the checkpoint's position only
+    # reaches the next iter()).
+    loader, state = _loader("random-own-generator", 0, sampler_in_state=False)
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load_latest(state)
+        _run(loader, range(3), 2, mgr, state)
+    loader, state = _loader("random-own-generator", 0, sampler_in_state=False)
+    early = iter(loader)
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.warns(distckpt.CheckpointWarning, match="iterator of this loader was made before this load"):
+            mgr.load_latest(state)
+    assert next(early) is not None
+    loader, state = _loader("random-own-generator", 0, sampler_in_state=False)
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr, warnings.catch_warnings():
+        warnings.simplefilter("error", distckpt.CheckpointWarning)
+        mgr.load_latest(state)  # nothing made before: nothing said
