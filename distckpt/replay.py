@@ -237,6 +237,10 @@ def _replays_its_sampler(iterator: Any) -> bool:
     return not (_stateful(getattr(iterator, "_index_sampler", None)) or _stateful(sampler_iter))
 
 
+def _is_stateful_dataloader(loader: Any) -> bool:
+    return any(c.__name__ == "StatefulDataLoader" and c.__module__.startswith("torchdata.") for c in type(loader).__mro__)
+
+
 def _is_torchdata(obj: Any, name: str) -> bool:
     return type(obj).__name__ == name and type(obj).__module__.startswith("torchdata.")
 
@@ -270,8 +274,8 @@ def capture(loader: Any, key: str) -> dict[str, Any] | None:
     """What replaying the loader's current epoch needs: its start and the streams now. Call after
     `loader.state_dict()` (which creates the iterator when there is none yet)."""
     iterator = getattr(loader, "_iterator", None)
-    if iterator is None:
-        return None
+    if iterator is None or not _is_stateful_dataloader(loader):
+        return None  # another loader with state_dict resumes by its own rules
     iterable = _replays_its_dataset(loader, iterator)
     if not iterable and not _replays_its_sampler(iterator):
         return None
