@@ -240,6 +240,7 @@ class Loader(Kind):
         return isinstance(obj, torch.utils.data.DataLoader)
 
     def capture(self, entry: Entry) -> Any:
+        was_dropped = replay.dropped(entry.target)  # first: nothing here may hold its iterator yet
         _warn_unwrapped_workers(entry)
         saved = entry.target.state_dict()
         generator = _own_generator(entry.target)
@@ -251,6 +252,8 @@ class Loader(Kind):
         sampling = replay.capture(entry.target, entry.key)
         if sampling is not None and isinstance(saved, dict):
             saved = {**saved, replay.REPLAY_KEY: sampling}
+        if was_dropped and isinstance(saved, dict):
+            saved = {**saved, replay.DROPPED_KEY: True}
         return saved
 
     def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
@@ -277,17 +280,18 @@ class Loader(Kind):
                                                   f"generator: {e}") from e
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
-        sampling = None
-        if isinstance(value, dict) and (_LOADER_GENERATOR in value or replay.REPLAY_KEY in value):
+        sampling, was_dropped = None, False
+        if isinstance(value, dict) and ({_LOADER_GENERATOR, replay.REPLAY_KEY, replay.DROPPED_KEY} & set(value)):
             value = dict(value)
             sampling = value.pop(replay.REPLAY_KEY, None)
+            was_dropped = value.pop(replay.DROPPED_KEY, False) is True
             generator_state = value.pop(_LOADER_GENERATOR, None)
             generator = _own_generator(entry.target)
             if generator is not None and generator_state is not None:  # validated
                 generator.set_state(generator_state)
         _warn_iterator_made_before(entry)
         entry.target.load_state_dict(value)
-        replay.plan_resume(entry.target, sampling)
+        replay.plan_resume(entry.target, sampling, was_dropped)
         return []
 
     def observe(self, target: Any) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import sys
 import warnings
 import weakref
 from typing import Any, Callable
@@ -45,6 +46,7 @@ from .rng import (
 )
 
 REPLAY_KEY = "_distckpt_sampler_replay"  # beside torchdata's keys in the loader's saved state
+DROPPED_KEY = "_distckpt_iterator_dropped"  # the loop had dropped the save's iterator mid-pass
 _EPOCH_START = "_distckpt_epoch_start"    # on an iterator: the streams when its epoch started
 _PLAN = "_distckpt_resume_plan"            # on a loader: what its next iterator is created with
 
@@ -184,8 +186,36 @@ class _IteratorRecorder:
             iterator = create()
         else:
             start, iterator = _resumed_iterator(loader, plan, create)
+            if plan.get("dropped"):
+                return _anew_after_a_dropped_iterator(loader, iterator, start, create)
         _record(iterator, start)
         return iterator
+
+
+def _anew_after_a_dropped_iterator(loader: Any, restored: Any, start: Any, create: Callable[[], Any]) -> Any:
+    """The loop had dropped the save's iterator (`next(iter(val_loader))`): the iter() after it
+    started a new pass, not the dropped one's rest. So the restored iterator (its sampler's and
+    dataset's states applied, every stream where the save left it) stands for the dropped one,
+    and this iter() does what the uninterrupted run's did: persistent workers start the next pass
+    on it by _reset; otherwise a new iterator is made."""
+    _record(restored, start)
+    if getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0) > 0:
+        restored._reset(loader)  # the recorder: this pass's start is recorded
+        return restored
+    del restored  # its workers end with it, as the dropped iterator's did
+    iterator = create()
+    _record(iterator, _states(sampling_streams(loader)))
+    return iterator
+
+
+def dropped(loader: Any) -> bool:
+    """Whether the loader's current iterator is held by nothing but the loader, mid-pass: the loop
+    dropped it (`next(iter(val_loader))`), so its next iter() starts a new pass, which a resume
+    must do too. Call first in a capture (before state_dict(), before any local holds it)."""
+    if getattr(loader, "_iterator", None) is None or getattr(loader, "_initial_iter_for_state_dict", False) \
+            or getattr(loader._iterator, "_finished", True):
+        return False
+    return sys.getrefcount(loader._iterator) <= 2  # the loader's attribute and the call's argument
 
 
 def _record(iterator: Any, start: dict[str, Any] | None) -> None:
@@ -347,10 +377,11 @@ def check(loader: Any, saved: Any, where: str) -> None:
                                           f"{type(e).__name__}: {e}") from e
 
 
-def plan_resume(loader: Any, saved: dict[str, Any] | None) -> None:
-    """Have the loader's next iterator replay the saved epoch (checked by `check`)."""
+def plan_resume(loader: Any, saved: dict[str, Any] | None, was_dropped: bool = False) -> None:
+    """Have the loader's next iterator replay the saved epoch (checked by `check`); with
+    `was_dropped`, then start a new pass as the uninterrupted run did."""
     watch(loader)
-    loader.__dict__[_PLAN] = {"replay": saved}
+    loader.__dict__[_PLAN] = {"replay": saved, "dropped": was_dropped}
 
 
 def _resumed_iterator(loader: Any, plan: dict[str, Any], create: Callable[[], Any]) -> tuple[Any, Any]:

@@ -406,3 +406,54 @@ def test_an_iterator_made_before_the_load_is_warned_about(tmp_path):
     with distckpt.CheckpointManager(str(tmp_path)) as mgr, warnings.catch_warnings():
         warnings.simplefilter("error", distckpt.CheckpointWarning)
         mgr.load_latest(state)  # nothing made before: nothing said
+
+
+VAL_SAMPLING = {
+    "in-order": lambda: {},
+    "shuffle": lambda: {"shuffle": True},
+    "random-global-stream": lambda: {"sampler": RandomSampler(Items())},
+    "eager-length-grouped": lambda: {"sampler": EagerLengthGrouped()},
+}
+
+
+@pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
+@pytest.mark.parametrize("sampling", sorted(VAL_SAMPLING))
+@pytest.mark.parametrize("save_at", [2, 4])  # right after an evaluation, and one step later
+def test_a_loader_whose_iterator_the_loop_drops_resumes_with_a_new_pass(tmp_path, workers, persistent, sampling,
+                                                                         save_at):
+    # `next(iter(val))` every few steps: the uninterrupted run's next iter() starts a new pass.
+    # The resumed run's first iter() continued the dropped iterator's pass, silently.
+    root = str(tmp_path / "c")
+
+    def build():
+        train = StatefulDataLoader(Items(), batch_size=2, shuffle=True)
+        val = StatefulDataLoader(Items(), batch_size=2, num_workers=workers, persistent_workers=persistent,
+                                 **VAL_SAMPLING[sampling]())
+        return train, val, {"train": train, "val": val}
+
+    def run(train, val, steps, mgr=None, state=None):
+        out, it = [], iter(train)
+        for step in steps:
+            batch = next(it, None)
+            if batch is None:
+                it = iter(train)
+                batch = next(it)
+            row = [step, batch.tolist()]
+            if step % 3 == 2:
+                row.append(next(iter(val)).tolist())
+            row.append(torch.rand(1).item())
+            out.append(row)
+            if step == save_at and mgr is not None:
+                mgr.save(step, state)
+        return out
+
+    _seed_all(0)
+    train, val, state = build()
+    with distckpt.CheckpointManager(root) as mgr:
+        assert mgr.load_latest(state) is None
+        reference = run(train, val, range(12), mgr, state)
+    _seed_all(99)
+    train, val, state = build()
+    with distckpt.CheckpointManager(root) as mgr:
+        assert mgr.load_latest(state).step == save_at
+    assert run(train, val, range(save_at + 1, 12)) == reference[save_at + 1:]
