@@ -241,6 +241,13 @@ class Loader(Kind):
 
     def capture(self, entry: Entry) -> Any:
         was_dropped = replay.dropped(entry.target)  # first: nothing here may hold its iterator yet
+        if getattr(entry.target, "in_order", True) is False and getattr(entry.target, "num_workers", 0) > 0:
+            # torchdata keeps no position it can resume then: batches come as workers finish them
+            # (a resume lost one batch and repeated another, silently)
+            raise UnstorableValueError(
+                f"state[{entry.key!r}] is a loader with in_order=False and workers: its batches arrive in the order "
+                "the workers finish them, and torchdata cannot resume such a position. Build it with in_order=True "
+                "(the default) to checkpoint it, or leave it out of `state`")
         _warn_unwrapped_workers(entry)
         saved = entry.target.state_dict()
         generator = _own_generator(entry.target)

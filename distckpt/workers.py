@@ -23,6 +23,7 @@ _INNER = "dataset"
 _RNG = "worker_rng"
 _POSITION = "yielded"  # items the iterator had yielded (an inner dataset without state_dict)
 _PASS_START = "pass_start"  # the process's streams when that iterator started: its replay starts there
+_ENDED = "pass_ended"  # that iterator had run out: the resumed one yields nothing (a new pass is the next's)
 
 
 class _WorkerRngMixin:
@@ -83,11 +84,23 @@ class WorkerRngIterableDataset(_WorkerRngMixin, IterableDataset):
         self._replay = 0         # items the next iterator skips (set by load_state_dict)
         self._pass_start: Any = None    # the streams when the current iterator started
         self._replay_start: Any = None  # the saved pass's start (set by load_state_dict)
+        self._replay_ended = False      # the saved pass had ended (set by load_state_dict)
 
     def __iter__(self) -> Iterator[Any]:
-        shield_from_preemption()
+        # The flags are taken here, not in the generator: torchdata may never advance the
+        # resumed iterator of a worker whose pass had ended, and a flag left set would end
+        # that worker's next pass before it began.
         replay, self._replay = self._replay, 0
         replay_start, self._replay_start = self._replay_start, None
+        if self._replay_ended:
+            # The worker's share of the pass had been handed over before the save: the resumed
+            # iterator yields nothing (it started the share again, repeating it inside the epoch).
+            self._replay_ended, self._yielded, self._exhausted = False, 0, True
+            return iter(())
+        return self._pass(replay, replay_start)
+
+    def _pass(self, replay: int, replay_start: Any) -> Iterator[Any]:
+        shield_from_preemption()
         self._yielded, self._exhausted = 0, False
         at_save = capture_process_rng() if replay else None
         if replay and replay_start is not None:
@@ -116,6 +129,8 @@ class WorkerRngIterableDataset(_WorkerRngMixin, IterableDataset):
         out = super().state_dict()
         if _INNER not in out:
             out[_POSITION] = 0 if self._exhausted else self._yielded
+            if self._exhausted:
+                out[_ENDED] = True
             if out[_POSITION] and self._pass_start is not None:
                 out[_PASS_START] = self._pass_start
         return out
@@ -124,6 +139,7 @@ class WorkerRngIterableDataset(_WorkerRngMixin, IterableDataset):
         super().load_state_dict(state)
         self._replay = int(state.get(_POSITION, 0))
         self._replay_start = state.get(_PASS_START)
+        self._replay_ended = state.get(_ENDED) is True
 
 
 def with_worker_rng(dataset: Any) -> Dataset:

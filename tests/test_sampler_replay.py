@@ -457,3 +457,50 @@ def test_a_loader_whose_iterator_the_loop_drops_resumes_with_a_new_pass(tmp_path
     with distckpt.CheckpointManager(root) as mgr:
         assert mgr.load_latest(state).step == save_at
     assert run(train, val, range(save_at + 1, 12)) == reference[save_at + 1:]
+
+
+class UnevenShards(torch.utils.data.IterableDataset):
+    """22 items split between the workers: with batches of 4 one worker runs out a batch before
+    the other."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        mine = range(22) if info is None else range(22)[info.id::info.num_workers]
+        for i in mine:
+            yield i + torch.rand(1).item()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("save_at", [4, 5, 10])  # one worker's share handed over; the epoch's last batch
+def test_a_worker_whose_share_had_ended_yields_nothing_more_in_that_pass(tmp_path, persistent, save_at):
+    # The wrapped dataset said "position 0" for an ended share: the resumed worker started it
+    # again inside the same epoch (three extra batches, every later step shifted).
+    root = str(tmp_path / "c")
+
+    def build():
+        loader = StatefulDataLoader(distckpt.with_worker_rng(UnevenShards()), batch_size=4, num_workers=2,
+                                    persistent_workers=persistent)
+        return loader, {"loader": loader}
+
+    _seed_all(0)
+    loader, state = build()
+    with distckpt.CheckpointManager(root) as mgr:
+        assert mgr.load_latest(state) is None
+        reference = _run(loader, range(16), save_at, mgr, state)
+    _seed_all(99)
+    loader, state = build()
+    with distckpt.CheckpointManager(root) as mgr:
+        assert mgr.load_latest(state).step == save_at
+    assert _run(loader, range(save_at + 1, 16)) == reference[save_at + 1:]
+
+
+def test_a_loader_with_in_order_false_and_workers_is_refused_at_save(tmp_path):
+    # torchdata keeps no resumable position then: a resume lost a batch and repeated another.
+    loader = StatefulDataLoader(Items(), batch_size=2, num_workers=2, in_order=False)
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load_latest({"loader": loader})
+        it = iter(loader)
+        next(it)
+        with pytest.raises(distckpt.UnstorableValueError, match="in_order=False"):
+            mgr.save(0, {"loader": loader})
+        assert mgr.committed_steps() == []
