@@ -14,8 +14,13 @@ reach (torch's, Python's and NumPy's global streams, and every torch / NumPy / P
 held by the loader, its sampler, batch sampler and the samplers inside them), a save stores the
 record of the current epoch with the same streams as they are at the save, and the first
 iterator after a restore is created with the epoch-start states, then every stream is put where
-the save left it. A loader whose epoch started before the manager saw it cannot be replayed and
-is refused at save, unless its sampling draws nothing (sequential, distributed samplers).
+the save left it. The replay hands out the one sampler iterator the epoch used (_EpochReplay:
+torch and torchdata call iter() on the sampler two or three times while creating and restoring),
+drives it as far as the epoch had, and an unwrapped iterable dataset read in this process is
+replayed the same way. A loader whose epoch started before the manager saw it cannot be replayed:
+refused at save when its sampler surely draws, said once otherwise. An iterator the loop had
+dropped at the save (nothing but the loader held it) is restored, then the next iter() starts a
+new pass, as the uninterrupted run's did.
 
 This module never touches storage or torch.distributed.
 """
