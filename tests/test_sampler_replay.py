@@ -504,3 +504,19 @@ def test_a_loader_with_in_order_false_and_workers_is_refused_at_save(tmp_path):
         with pytest.raises(distckpt.UnstorableValueError, match="in_order=False"):
             mgr.save(0, {"loader": loader})
         assert mgr.committed_steps() == []
+
+
+def test_the_torchdata_internals_the_replay_reads_are_there():
+    # replay.py reads these to replay a sampler exactly; a torchdata release renaming one would
+    # make resumes inexact: this fails first, naming it.
+    from torchdata.stateful_dataloader import sampler as td_sampler
+
+    loader = StatefulDataLoader(Items(), sampler=RandomSampler(Items()), batch_size=2)
+    it = iter(loader)
+    for name in ("_sampler_iter", "_index_sampler", "_sampler_iter_yielded", "_reset", "_finished"):
+        assert hasattr(it, name), name
+    assert hasattr(loader, "_iterator") and hasattr(loader, "_initial_iter_for_state_dict")
+    assert type(it._sampler_iter).__name__ == "_BatchSamplerIterator"
+    for name in ("sampler", "sampler_iter", "samples_yielded", "batch_size"):
+        assert hasattr(it._sampler_iter, name), name
+    assert type(loader.batch_sampler) is td_sampler.BatchSampler
