@@ -27,6 +27,9 @@ ZOO = [
                  id="ddp-no-loader-generator-workers-prefetch-async", marks=faults),  # make test: test_loop_patterns
     pytest.param(2, ["--no-loader-gen", "--sampler", "random"], "23", id="ddp-no-generator-plain-shuffle",
                  marks=faults),
+    # torch's RandomSampler (no state_dict): replayed from its epoch's start, workers, async.
+    pytest.param(2, ["--sampler", "torch-random", "--workers", "2", "--async"], "23",
+                 id="torch-random-sampler-workers-async"),
     # Gradient accumulation under no_sync(), wrapped and bare modules, at 4 ranks.
     pytest.param(4, ["--accum", "2"], "23", id="ddp-no-sync-4ranks", marks=faults),
     pytest.param(4, ["--wrap", "bare", "--accum", "2"], "23", id="bare-module-no-sync-4ranks", marks=faults),

@@ -75,7 +75,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--bn-eval-at", type=int, default=-1)
     p.add_argument("--loader-gen", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--workers", type=int, default=0)
-    p.add_argument("--sampler", choices=["dist", "random"], default="dist")
+    p.add_argument("--sampler", choices=["dist", "random", "torch-random"], default="dist",
+                   help="torch-random: torch's RandomSampler on a generator of its own, no state_dict, not in state")
     p.add_argument("--prefetch", action="store_true")
     p.add_argument("--scaler", action="store_true")
     p.add_argument("--ema", action="store_true")
@@ -161,7 +162,11 @@ def main() -> int:
     generator = torch.Generator().manual_seed(100 + rank) if args.loader_gen else None
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=7) \
         if args.sampler == "dist" else None
-    loader = StatefulDataLoader(dataset, batch_size=4, sampler=sampler, shuffle=sampler is None,
+    # replayed by distckpt from its epoch's start (replay.py): it keeps no state of its own
+    stateless = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(200 + rank)) \
+        if args.sampler == "torch-random" else None
+    loader = StatefulDataLoader(dataset, batch_size=4, sampler=sampler or stateless,
+                                shuffle=sampler is None and stateless is None,
                                 num_workers=args.workers, generator=generator,
                                 persistent_workers=False)
     opt = build_optimizer(args.optim, [p for p in trained.parameters() if p.requires_grad])
