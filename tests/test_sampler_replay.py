@@ -520,3 +520,21 @@ def test_the_torchdata_internals_the_replay_reads_are_there():
     for name in ("sampler", "sampler_iter", "samples_yielded", "batch_size"):
         assert hasattr(it._sampler_iter, name), name
     assert type(loader.batch_sampler) is td_sampler.BatchSampler
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("name", ["random-own-generator", "eager-length-grouped", "random-global-stream"])
+def test_async_saves_replay_a_sampler_without_state_exactly(tmp_path, name, workers, overlap):
+    root = str(tmp_path / "c")
+    options = {"async_save": True, "overlap_snapshot": overlap}
+    _seed_all(0)
+    loader, state = _loader(name, workers, sampler_in_state=False)
+    with distckpt.CheckpointManager(root, **options) as mgr:
+        assert mgr.load_latest(state) is None
+        reference = _run(loader, range(STEPS), 8, mgr, state)
+    _seed_all(99)
+    loader, state = _loader(name, workers, sampler_in_state=False)
+    with distckpt.CheckpointManager(root, **options) as mgr:
+        assert mgr.load_latest(state).step == 8
+    assert _run(loader, range(9, STEPS)) == reference[9:]
