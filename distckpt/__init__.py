@@ -27,6 +27,7 @@ from .errors import (
 from .loading import CheckpointFallbackWarning, Progress
 from .manager import CheckpointManager
 from .preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
+from .replay import ReplayWarning
 from .rng import RngRestoreWarning
 from .tiers import DurableUploadWarning
 from .weights import WeightsReport, export_weights, load_weights
@@ -36,7 +37,7 @@ __all__ = [
     "AsyncSaveError", "CheckpointExistsError", "CheckpointFallbackWarning", "CheckpointManager",
     "CheckpointWarning", "ConfigError", "CoordinationError", "CorruptCheckpointError", "DistCkptError",
     "DistInfo", "DurableUploadWarning", "FencedError", "IncompatibleCheckpointError", "MissingFileError", "PREEMPTED_EXIT_CODE", "PerRank", "Progress",
-    "RankDisagreementError", "RngRestoreWarning", "RunConflictError", "SnapshotChangedError", "StateArgumentError", "StorageError",
+    "RankDisagreementError", "ReplayWarning", "RngRestoreWarning", "RunConflictError", "SnapshotChangedError", "StateArgumentError", "StorageError",
     "SupersededCheckpointError", "UnstorableValueError",
     "WeightsReport", "__version__", "export_weights", "init_distributed", "load_weights", "per_rank",
     "preemption_safe_worker_init", "shutdown_distributed", "with_worker_rng",

@@ -242,7 +242,7 @@ def test_a_deterministic_custom_sampler_whose_epoch_started_unseen_is_said_once(
     with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
         it = iter(loader)
         next(it)
-        with pytest.warns(distckpt.CheckpointWarning, match="Reversed keeps no state"):
+        with pytest.warns(distckpt.ReplayWarning, match="Reversed keeps no state"):
             mgr.save(0, {"loader": loader})
         next(it)
         mgr.save(1, {"loader": loader})  # said once per loader
