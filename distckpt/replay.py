@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
-from .capture import CheckpointWarning
+from .capture import CheckpointWarning, _has_state_dict
 from .errors import IncompatibleCheckpointError, UnstorableValueError
 from .rng import (
     as_python_state,
@@ -258,18 +258,14 @@ def watch(loader: Any) -> None:
 
 # -- save --------------------------------------------------------------------------------------
 
-def _stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
 def _replays_its_sampler(iterator: Any) -> bool:
     """torchdata's fallback: the index sampler and its iterator keep no state of their own, or
     its batch sampler's iterator replays the sampler inside (torchdata's BatchSampler, which a
     StatefulDataLoader given batch_size= builds over the sampler)."""
     sampler_iter: Any = getattr(iterator, "_sampler_iter", None)
     if _is_torchdata(sampler_iter, "_BatchSamplerIterator"):
-        return not (_stateful(sampler_iter.sampler) or _stateful(sampler_iter.sampler_iter))
-    return not (_stateful(getattr(iterator, "_index_sampler", None)) or _stateful(sampler_iter))
+        return not (_has_state_dict(sampler_iter.sampler) or _has_state_dict(sampler_iter.sampler_iter))
+    return not (_has_state_dict(getattr(iterator, "_index_sampler", None)) or _has_state_dict(sampler_iter))
 
 
 def _is_stateful_dataloader(loader: Any) -> bool:
@@ -296,7 +292,7 @@ def _replays_its_dataset(loader: Any, iterator: Any) -> bool:
     fetcher = getattr(iterator, "_dataset_fetcher", None) if iterator is not None else None
     return (isinstance(getattr(loader, "dataset", None), torch.utils.data.IterableDataset)
             and getattr(loader, "num_workers", 0) == 0
-            and not _stateful(loader.dataset) and not _stateful(getattr(fetcher, "dataset_iter", None)))
+            and not _has_state_dict(loader.dataset) and not _has_state_dict(getattr(fetcher, "dataset_iter", None)))
 
 
 # torch's samplers that draw on every iter(): refused rather than warned about when unreplayable
@@ -322,7 +318,8 @@ def capture(loader: Any, key: str) -> dict[str, Any] | None:
         return None
     start = getattr(iterator, _EPOCH_START, None)
     if start is not None:
-        return {"epoch_start": start, "at_save": _states(streams)}
+        # at the save only the private streams: the global ones travel in the rank's RNG entry
+        return {"epoch_start": start, "at_save": {"streams": {path: _get(obj) for path, obj in streams.items()}}}
     replayed = f"IterableDataset {type(loader.dataset).__name__}" if iterable else _named(sampler)
     problem = (f"state[{key!r}]: this loader's {replayed} keeps no state, so a resume replays its epoch, which is "
                "exact only from the random streams the epoch started with, and this epoch started before the "
@@ -372,9 +369,10 @@ def check(loader: Any, saved: Any, where: str) -> None:
                     f"{sorted(streams)}: its epoch cannot be replayed; build the loader's sampler as the run did")
             for path, state in states["streams"].items():
                 _set(_scratch_copy(streams[path]), state)
-            torch.Generator().set_state(states["global"]["torch"])
-            random.Random().setstate(as_python_state(states["global"]["python"]))
-            numpy_state_into(np.random.RandomState(), states["global"]["numpy"])
+        start = saved["epoch_start"]["global"]
+        torch.Generator().set_state(start["torch"])
+        random.Random().setstate(as_python_state(start["python"]))
+        numpy_state_into(np.random.RandomState(), start["numpy"])
     except IncompatibleCheckpointError:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as e:
@@ -447,7 +445,7 @@ class _EpochReplay:
         else:
             owner, name = loader, "batch_sampler"
         inner = vars(owner).get(name)
-        if inner is None or _stateful(inner):
+        if inner is None or _has_state_dict(inner):
             return None
         # Which iter() of the creation made the epoch's iterator: with workers torch's creation calls
         # iter() twice (in __init__, then in _reset after the base seed) and keeps the second; an
