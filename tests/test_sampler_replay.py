@@ -148,19 +148,25 @@ def _seed_all(seed: int) -> None:
     np.random.seed(seed)
 
 
-def _check(root: str, name: str, workers: int, save_at: int, sampler_in_state: bool) -> None:
+def _resumes_exactly(root: str, build: Callable[[], tuple[StatefulDataLoader, dict]], save_at: int,
+                     steps: int = STEPS, **options: Any) -> None:
+    """Run `steps` steps saving at `save_at`, then resume in a loader built anew from other
+    streams: every step after the save is the uninterrupted run's."""
     _seed_all(0)
-    loader, state = _loader(name, workers, sampler_in_state)
-    with distckpt.CheckpointManager(root) as mgr:
+    loader, state = build()
+    with distckpt.CheckpointManager(root, **options) as mgr:
         assert mgr.load_latest(state) is None  # the documented start: the manager sees the loader first
-        reference = _run(loader, range(STEPS), save_at, mgr, state)
+        reference = _run(loader, range(steps), save_at, mgr, state)
     _seed_all(99)  # the resumed process starts from other streams
-    loader, state = _loader(name, workers, sampler_in_state)
-    with distckpt.CheckpointManager(root) as mgr:
+    loader, state = build()
+    with distckpt.CheckpointManager(root, **options) as mgr:
         progress = mgr.load_latest(state)
     assert progress is not None and progress.step == save_at
-    resumed = _run(loader, range(save_at + 1, STEPS))
-    assert resumed == reference[save_at + 1:]
+    assert _run(loader, range(save_at + 1, steps)) == reference[save_at + 1:]
+
+
+def _check(root: str, name: str, workers: int, save_at: int, sampler_in_state: bool) -> None:
+    _resumes_exactly(root, lambda: _loader(name, workers, sampler_in_state), save_at)
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLERS))
@@ -199,16 +205,7 @@ def test_an_iterable_dataset_seeding_each_pass_resumes_exactly(tmp_path, save_at
         loader = StatefulDataLoader(SeededStream(), batch_size=2)
         return loader, {"loader": loader}
 
-    _seed_all(0)
-    loader, state = build()
-    with distckpt.CheckpointManager(root) as mgr:
-        assert mgr.load_latest(state) is None
-        reference = _run(loader, range(STEPS), save_at, mgr, state)
-    _seed_all(99)
-    loader, state = build()
-    with distckpt.CheckpointManager(root) as mgr:
-        assert mgr.load_latest(state).step == save_at
-    assert _run(loader, range(save_at + 1, STEPS)) == reference[save_at + 1:]
+    _resumes_exactly(root, build, save_at)
 
 
 @pytest.mark.parametrize("name", ["random-own-generator", "random-global-stream", "weighted", "own-python-random"])
@@ -272,16 +269,7 @@ def test_persistent_workers_resume_a_sampler_without_state_exactly(tmp_path, sav
                                     num_workers=2, persistent_workers=True)
         return loader, {"loader": loader}
 
-    _seed_all(0)
-    loader, state = build()
-    with distckpt.CheckpointManager(root) as mgr:
-        assert mgr.load_latest(state) is None
-        reference = _run(loader, range(STEPS), save_at, mgr, state)
-    _seed_all(99)
-    loader, state = build()
-    with distckpt.CheckpointManager(root) as mgr:
-        assert mgr.load_latest(state).step == save_at
-    assert _run(loader, range(save_at + 1, STEPS)) == reference[save_at + 1:]
+    _resumes_exactly(root, build, save_at)
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -318,16 +306,7 @@ def test_a_save_on_a_partial_last_batch_resumes_the_next_epoch_exactly(tmp_path,
     root = str(tmp_path / "c")
     items, ITEMS = ITEMS, 7
     try:
-        _seed_all(0)
-        loader, state = _loader(name, workers, sampler_in_state=False)
-        with distckpt.CheckpointManager(root) as mgr:
-            assert mgr.load_latest(state) is None
-            reference = _run(loader, range(STEPS), save_at, mgr, state)
-        _seed_all(99)
-        loader, state = _loader(name, workers, sampler_in_state=False)
-        with distckpt.CheckpointManager(root) as mgr:
-            assert mgr.load_latest(state).step == save_at
-        assert _run(loader, range(save_at + 1, STEPS)) == reference[save_at + 1:]
+        _check(root, name, workers, save_at, sampler_in_state=False)
     finally:
         ITEMS = items
 
@@ -342,16 +321,7 @@ def test_persistent_workers_resume_samplers_on_any_stream_exactly(tmp_path, name
                                     **SAMPLERS[name]())
         return loader, {"loader": loader}
 
-    _seed_all(0)
-    loader, state = build()
-    with distckpt.CheckpointManager(root) as mgr:
-        assert mgr.load_latest(state) is None
-        reference = _run(loader, range(STEPS), save_at, mgr, state)
-    _seed_all(99)
-    loader, state = build()
-    with distckpt.CheckpointManager(root) as mgr:
-        assert mgr.load_latest(state).step == save_at
-    assert _run(loader, range(save_at + 1, STEPS)) == reference[save_at + 1:]
+    _resumes_exactly(root, build, save_at)
 
 
 class WorkerShuffled(torch.utils.data.IterableDataset):
@@ -377,16 +347,7 @@ def test_a_wrapped_iterable_dataset_shuffling_each_pass_resumes_exactly(tmp_path
         loader = StatefulDataLoader(distckpt.with_worker_rng(WorkerShuffled()), batch_size=2, num_workers=workers)
         return loader, {"loader": loader}
 
-    _seed_all(0)
-    loader, state = build()
-    with distckpt.CheckpointManager(root) as mgr:
-        assert mgr.load_latest(state) is None
-        reference = _run(loader, range(STEPS), save_at, mgr, state)
-    _seed_all(99)
-    loader, state = build()
-    with distckpt.CheckpointManager(root) as mgr:
-        assert mgr.load_latest(state).step == save_at
-    assert _run(loader, range(save_at + 1, STEPS)) == reference[save_at + 1:]
+    _resumes_exactly(root, build, save_at)
 
 
 def test_an_iterator_made_before_the_load_is_warned_about(tmp_path):
@@ -482,16 +443,7 @@ def test_a_worker_whose_share_had_ended_yields_nothing_more_in_that_pass(tmp_pat
                                     persistent_workers=persistent)
         return loader, {"loader": loader}
 
-    _seed_all(0)
-    loader, state = build()
-    with distckpt.CheckpointManager(root) as mgr:
-        assert mgr.load_latest(state) is None
-        reference = _run(loader, range(16), save_at, mgr, state)
-    _seed_all(99)
-    loader, state = build()
-    with distckpt.CheckpointManager(root) as mgr:
-        assert mgr.load_latest(state).step == save_at
-    assert _run(loader, range(save_at + 1, 16)) == reference[save_at + 1:]
+    _resumes_exactly(root, build, save_at, steps=16)
 
 
 def test_a_loader_with_in_order_false_and_workers_is_refused_at_save(tmp_path):
@@ -526,15 +478,5 @@ def test_the_torchdata_internals_the_replay_reads_are_there():
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("name", ["random-own-generator", "eager-length-grouped", "random-global-stream"])
 def test_async_saves_replay_a_sampler_without_state_exactly(tmp_path, name, workers, overlap):
-    root = str(tmp_path / "c")
-    options = {"async_save": True, "overlap_snapshot": overlap}
-    _seed_all(0)
-    loader, state = _loader(name, workers, sampler_in_state=False)
-    with distckpt.CheckpointManager(root, **options) as mgr:
-        assert mgr.load_latest(state) is None
-        reference = _run(loader, range(STEPS), 8, mgr, state)
-    _seed_all(99)
-    loader, state = _loader(name, workers, sampler_in_state=False)
-    with distckpt.CheckpointManager(root, **options) as mgr:
-        assert mgr.load_latest(state).step == 8
-    assert _run(loader, range(9, STEPS)) == reference[9:]
+    _resumes_exactly(str(tmp_path / "c"), lambda: _loader(name, workers, sampler_in_state=False), 8,
+                     async_save=True, overlap_snapshot=overlap)
