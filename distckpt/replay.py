@@ -12,11 +12,12 @@ tests/test_sampler_replay.py).
 So every epoch start of a loader the manager has seen records the streams the sampling can
 reach (torch's, Python's and NumPy's global streams, and every torch / NumPy / Python generator
 held by the loader, its sampler, batch sampler and the samplers inside them), a save stores the
-record of the current epoch with the same streams as they are at the save, and the first
-iterator after a restore is created with the epoch-start states, then every stream is put where
-the save left it. The replay hands out the one sampler iterator the epoch used (_EpochReplay:
-torch and torchdata call iter() on the sampler two or three times while creating and restoring),
-drives it as far as the epoch had, and an unwrapped iterable dataset read in this process is
+record of the current epoch, and the first iterator after a restore is created from it; then the
+global streams and the loader's generator are put where the save left them, and the samplers' own
+streams stay where the replay left them (it drew what the epoch drew, and possibly, prefetching,
+what the uninterrupted run draws just after the save). The replay hands out the one sampler
+iterator the epoch used (_EpochReplay: torch and torchdata call iter() on the sampler two or three
+times while creating and restoring), drives it past the indices taken, and an unwrapped iterable dataset read in this process is
 replayed the same way. A loader whose epoch started before the manager saw it cannot be replayed:
 refused at save when its sampler surely draws, said once otherwise. An iterator the loop had
 dropped at the save (nothing but the loader held it) is restored, then the next iter() starts a
@@ -163,9 +164,8 @@ def _states(streams: dict[str, Any]) -> dict[str, Any]:
     return {"global": _global_states(), "streams": {path: _get(obj) for path, obj in streams.items()}}
 
 
-def _set_states(streams: dict[str, Any], states: dict[str, Any], with_global: bool = True) -> None:
-    if with_global:
-        _set_global_states(states["global"])
+def _set_states(streams: dict[str, Any], states: dict[str, Any]) -> None:
+    _set_global_states(states["global"])
     for path, state in states["streams"].items():
         _set(streams[path], state)
 
@@ -318,8 +318,7 @@ def capture(loader: Any, key: str) -> dict[str, Any] | None:
         return None
     start = getattr(iterator, _EPOCH_START, None)
     if start is not None:
-        # at the save only the private streams: the global ones travel in the rank's RNG entry
-        return {"epoch_start": start, "at_save": {"streams": {path: _get(obj) for path, obj in streams.items()}}}
+        return {"epoch_start": start}
     replayed = f"IterableDataset {type(loader.dataset).__name__}" if iterable else _named(sampler)
     problem = (f"state[{key!r}]: this loader's {replayed} keeps no state, so a resume replays its epoch, which is "
                "exact only from the random streams the epoch started with, and this epoch started before the "
@@ -360,8 +359,7 @@ def check(loader: Any, saved: Any, where: str) -> None:
         return
     streams = sampling_streams(loader)
     try:
-        for moment in ("epoch_start", "at_save"):
-            states = saved[moment]
+        for states in (saved["epoch_start"],):
             missing = sorted(set(states["streams"]) - set(streams))
             if missing:
                 raise IncompatibleCheckpointError(
@@ -395,10 +393,13 @@ def _resumed_iterator(loader: Any, plan: dict[str, Any], create: Callable[[], An
     differed when it was drawn a second time)."""
     replay = plan["replay"]
     streams = sampling_streams(loader)
-    # Without a replay a stateful sampler restores its own generator while the iterator is
-    # created: only the loader's generator (its base seed) is put back then.
-    kept = streams if replay is not None else {p: s for p, s in streams.items() if p == "generator"}
-    now = _states(kept)  # the restored streams: where the save left them
+    # Put back afterwards: the global streams and the loader's generator (its base seed), where
+    # the save left them. The samplers' own streams stay where the replay leaves them: it drew
+    # what the epoch drew, and it may have drawn past the save (prefetching, the extra index
+    # pulled below) what the uninterrupted run draws after it; putting them back to their state at
+    # the save lost those draws and the next epoch differed.
+    kept = {p: s for p, s in streams.items() if p == "generator"}
+    now = _states(kept)
     slot = None
     if replay is not None:
         _set_states(streams, replay["epoch_start"])
@@ -412,8 +413,6 @@ def _resumed_iterator(loader: Any, plan: dict[str, Any], create: Callable[[], An
         if slot is not None:
             slot.remove(locals().get("iterator"))
         _set_states(kept, now)
-        if replay is not None:
-            _set_states(streams, replay["at_save"], with_global=False)
     return (replay["epoch_start"] if replay is not None else None), iterator
 
 
@@ -503,16 +502,10 @@ class _FirstDraw:
 
 
 def _draw_the_skipped_indices(iterator: Any) -> None:
-    """Drive the replayed sampler as far as the saved epoch had driven it, now, from the
-    epoch-start streams: without workers torchdata skips lazily, at the first batch; a partial
-    last batch had asked the sampler once more (RandomSampler then draws the rest of its
-    permutation), and the replay stopped short of that draw."""
+    """Drive the replayed sampler past the indices already taken now, inside the epoch-start
+    streams: without workers torchdata skips lazily, at the first batch, when a sampler drawing
+    from a global stream would draw from the streams of the save."""
     sampler_iter: Any = getattr(iterator, "_sampler_iter", None)
-    if _is_torchdata(sampler_iter, "_BatchSamplerIterator"):
-        if sampler_iter.samples_yielded % sampler_iter.batch_size:  # a partial batch: the sampler had ended
-            for _ in sampler_iter.sampler_iter:
-                pass
-        return
     if not isinstance(sampler_iter, itertools.islice) or getattr(iterator, "_sampler_iter_yielded", 0) <= 0:
         return
     try:

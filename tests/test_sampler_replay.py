@@ -5,6 +5,7 @@ epoch started with; the resumed run once drew another order, silently."""
 
 from __future__ import annotations
 
+import os
 import random
 import warnings
 from typing import Any, Callable
@@ -12,6 +13,8 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, Dataset, RandomSampler, Sampler, SubsetRandomSampler, WeightedRandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -480,3 +483,24 @@ def test_the_torchdata_internals_the_replay_reads_are_there():
 def test_async_saves_replay_a_sampler_without_state_exactly(tmp_path, name, workers, overlap):
     _resumes_exactly(str(tmp_path / "c"), lambda: _loader(name, workers, sampler_in_state=False), 8,
                      async_save=True, overlap_snapshot=overlap)
+
+
+@settings(max_examples=int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "6")), deadline=None, derandomize=True)
+@given(name=st.sampled_from(sorted(SAMPLERS)), workers=st.sampled_from([0, 2]), persistent=st.booleans(),
+       items=st.integers(5, 13), save_at=st.integers(0, STEPS - 2))
+def test_any_sampler_saved_anywhere_resumes_exactly(tmp_path_factory, name, workers, persistent, items, save_at):
+    # The next counterexample, not the last one: any sampler of the matrix, any dataset length
+    # (partial last batches), any save position, with and without persistent workers.
+    global ITEMS
+    saved_items, ITEMS = ITEMS, items
+    try:
+        def build() -> tuple[StatefulDataLoader, dict]:
+            sampling = SAMPLERS[name]()
+            batching = {} if "batch_sampler" in sampling else {"batch_size": 2}
+            loader = StatefulDataLoader(Items(), num_workers=workers, persistent_workers=persistent and workers > 0,
+                                        **sampling, **batching)
+            return loader, {"loader": loader}
+
+        _resumes_exactly(str(tmp_path_factory.mktemp("any") / "c"), build, save_at)
+    finally:
+        ITEMS = saved_items
