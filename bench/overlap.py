@@ -9,7 +9,10 @@ Reported: the time save() takes to return, and the step's time against the step 
 (what the loop loses in all: the stall plus whatever the copy in the background slows or
 delays), medians over the rounds, interleaved.
 
-    python bench/overlap.py [--sizes 256 512] [--rounds 5]
+    python bench/overlap.py [--sizes 256 512] [--rounds 5] [--device cuda]
+
+On a GPU (`--device cuda`) the model and its optimizer state live on the device, the copy goes to
+pinned host memory, and each timing ends with a device synchronisation.
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ import distckpt
 LAYER_BYTES = 4096 * 4096 * 4
 
 
-def make_model(param_mib: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def make_model(param_mib: int, device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     layers = max(1, param_mib * 2**20 // LAYER_BYTES)
-    model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(layers)])
+    model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(layers)]).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     return model, opt
 
@@ -45,11 +48,17 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) ->
     opt.step()
 
 
-def measure(param_mib: int, rounds: int, root: str) -> list[tuple[str, float, float]]:
+def sync(device: str) -> None:
+    """Wait for the device's queued work, so a timing holds what it launched."""
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def measure(param_mib: int, rounds: int, root: str, device: str = "cpu") -> list[tuple[str, float, float]]:
     import torch.distributed.checkpoint as dcp
 
-    model, opt = make_model(param_mib)
-    x = torch.randn(16, 4096)
+    model, opt = make_model(param_mib, device)
+    x = torch.randn(16, 4096, device=device)
     train_step(model, opt, x)  # momentum buffers exist
     state = {"model": model, "optimizer": opt}
     staged = distckpt.CheckpointManager(os.path.join(root, "staged"), async_save=True, keep_last=1)
@@ -77,11 +86,13 @@ def measure(param_mib: int, rounds: int, root: str) -> list[tuple[str, float, fl
             overlapped.wait()
             while pending:
                 pending.pop().result()
+            sync(device)
             t0 = time.perf_counter()
             if save is not None:
                 save()
             t1 = time.perf_counter()
             train_step(model, opt, x)
+            sync(device)
             t2 = time.perf_counter()
             if r:  # the first round allocates staging buffers and warms up
                 stalls[name].append(t1 - t0)
@@ -92,13 +103,13 @@ def measure(param_mib: int, rounds: int, root: str) -> list[tuple[str, float, fl
     return [(name, statistics.median(stalls[name]), statistics.median(totals[name]) / base) for name in configs]
 
 
-def overlap_table(sizes: list[int], rounds: int) -> str:
+def overlap_table(sizes: list[int], rounds: int, device: str = "cpu") -> str:
     lines = ["| parameters (+ momentum) | save method | save() stall s | stall vs dcp.async_save | "
              "save + training step vs step alone |", "|---|---|---:|---:|---:|"]
     for size in sizes:
         root = tempfile.mkdtemp(prefix="distckpt-overlap-")
         try:
-            rows = measure(size, rounds, root)
+            rows = measure(size, rounds, root, device)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         dcp_stall = next(s for name, s, _ in rows if name == "dcp.async_save")
@@ -112,11 +123,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[256, 512], help="parameter MiB (state is twice that)")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the model and its state on the GPU")
     args = p.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     print(f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; median of {args.rounds}; command: "
-          f"python bench/overlap.py --sizes {' '.join(map(str, args.sizes))} --rounds {args.rounds}")
-    print(overlap_table(args.sizes, args.rounds))
+          f"python bench/overlap.py --sizes {' '.join(map(str, args.sizes))} --rounds {args.rounds} --device {args.device}")
+    if args.device != "cpu":
+        print(f"device: {torch.cuda.get_device_name()}")
+    print(overlap_table(args.sizes, args.rounds, args.device))
     return 0
 
 

@@ -168,6 +168,8 @@ def wrap(model: TinyGPT, world_size: int, fsdp: bool) -> nn.Module:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    # cuBLAS is deterministic only with a fixed workspace; without it deterministic mode raises on GPUs
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     info = distckpt.init_distributed()
     logging.basicConfig(level=logging.INFO, format=f"[rank {info.rank}] %(message)s")

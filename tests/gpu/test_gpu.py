@@ -73,3 +73,87 @@ def test_async_save_stages_gpu_tensors_in_pinned_reused_buffers(tmp_path):
     with distckpt.CheckpointManager(str(tmp_path)) as mgr:
         mgr.load(fresh_state := {"model": fresh}, step=1)
     assert torch.equal(fresh_state["model"].weight.cpu(), saved)
+
+
+def test_overlapped_async_save_of_gpu_state_keeps_the_values_of_the_save(tmp_path):
+    """The optimizer step right after save() changes every parameter on the GPU; the checkpoint
+    must hold the values of the save, whatever the copy to the host was doing meanwhile."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(64, 1024, device="cuda")
+
+    def step() -> None:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    step()
+    state = {"model": model, "optimizer": opt}
+    with distckpt.CheckpointManager(str(tmp_path), async_save=True, overlap_snapshot=True) as mgr:
+        for n in range(3):
+            expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            mgr.save(n, state)
+            step()  # mutates every parameter and moment at once
+    fresh = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load({"model": fresh}, step=2)
+    got = fresh.state_dict()
+    assert all(torch.equal(got[k].cpu(), v) for k, v in expected.items())
+    assert all(t.is_cuda for t in got.values())
+
+
+def test_gpu_written_loads_into_cpu_and_cpu_written_into_gpu(tmp_path):
+    torch.manual_seed(0)
+    gpu_model = nn.Linear(32, 8).cuda()
+    with distckpt.CheckpointManager(str(tmp_path / "g")) as mgr:
+        mgr.save(1, {"model": gpu_model})
+    cpu_model = nn.Linear(32, 8)
+    with distckpt.CheckpointManager(str(tmp_path / "g")) as mgr:
+        mgr.load({"model": cpu_model}, step=1)
+    assert torch.equal(cpu_model.weight, gpu_model.weight.cpu()) and not cpu_model.weight.is_cuda
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.save(1, {"model": cpu_model})
+    back = nn.Linear(32, 8).cuda()
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.load({"model": back}, step=1)
+    assert back.weight.is_cuda and torch.equal(back.weight.cpu(), cpu_model.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8, torch.bool])
+def test_gpu_tensors_of_every_width_come_back_bitwise(tmp_path, dtype):
+    raw = torch.randint(0, 256, (4099,), dtype=torch.uint8, device="cuda")
+    if dtype == torch.bool:
+        value = (raw % 2).bool()
+    elif dtype.itemsize == 1:
+        value = raw.view(dtype)  # every byte pattern, NaN encodings of float8 included
+    else:
+        value = torch.randn(4099, device="cuda").to(dtype)
+    state = {"t": value}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, state)
+    target = {"t": torch.zeros_like(value)}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load(target, step=1)
+    assert target["t"].is_cuda and target["t"].dtype == dtype
+    assert torch.equal(target["t"].view(torch.uint8) if dtype.itemsize == 1 else target["t"].view(torch.int16),
+                       value.view(torch.uint8) if dtype.itemsize == 1 else value.view(torch.int16))
+
+
+def _gpu_job(tmp_path, extra: list[str], kill_at: str = "step:27") -> None:
+    """launch/train.py on this GPU under a real torchrun (one rank, NCCL), SIGKILLed and resumed
+    by torchrun's restart, compared step by step with the uninterrupted run."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "launch"))
+    from demo import run_pair
+
+    result, resumes = run_pair(str(tmp_path), nproc=1, steps=50, kill_at=kill_at, workers=2, extra=extra)
+    assert resumes, "the killed run did not resume"
+    assert result.identical, result.table
+
+
+@pytest.mark.parametrize("extra", [[], ["--async-save"], ["--fsdp"]], ids=["sync", "async", "fsdp2"])
+def test_training_on_the_gpu_killed_and_resumed_is_bit_for_bit(tmp_path, extra):
+    _gpu_job(tmp_path, ["--ckpt-every", "10", *extra])
