@@ -25,14 +25,20 @@ class RngRestoreWarning(UserWarning):
     """A random stream in the checkpoint could not be restored exactly on this rank."""
 
 
-def capture_process_rng() -> dict[str, Any]:
-    """Every process-wide stream of this rank, as tensors and plain values."""
+def capture_process_rng(devices: bool = True) -> dict[str, Any]:
+    """Every process-wide stream of this rank, as tensors and plain values.
+
+    `devices=False` leaves the accelerators' streams out: a data-loader worker forked from a
+    process that had used CUDA cannot touch CUDA at all ("Cannot re-initialize CUDA in forked
+    subprocess"), and a spawned one would pay a CUDA context per worker for it."""
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": numpy_global_state(),
         "torch_cpu": torch.get_rng_state(),
-        "cuda": _cuda_states(),
+        "cuda": _cuda_states() if devices else [],
     }
+    if not devices:
+        return state
     if _mps_available():
         state["mps"] = torch.mps.get_rng_state()
     if _xpu_available():
@@ -63,11 +69,14 @@ def check_process_rng(state: Any, where: str) -> None:
         raise CorruptCheckpointError(f"{where}: an RNG stream would not restore: {type(e).__name__}: {e}") from e
 
 
-def restore_process_rng(state: dict[str, Any], where: str) -> None:
-    """Put back what capture_process_rng captured; warn for any stream that cannot be."""
+def restore_process_rng(state: dict[str, Any], where: str, devices: bool = True) -> None:
+    """Put back what capture_process_rng captured; warn for any stream that cannot be.
+    `devices=False`: the CPU streams only (see capture_process_rng)."""
     random.setstate(as_python_state(state["python"]))
     set_numpy_global_state(state["numpy"])
     torch.set_rng_state(state["torch_cpu"])
+    if not devices:
+        return
     _restore_device_list("CUDA", state.get("cuda", []), _cuda_count(), _set_cuda_state, where)
     if "mps" in state or _mps_available():
         saved = [state["mps"]] if "mps" in state else []

@@ -12,10 +12,12 @@ import numpy as np
 import torch
 
 
-def collect_versions() -> dict[str, Any]:
+def collect_versions() -> dict[str, str | None]:
+    """Every value a string or None, as the manifest's schema wants (cuDNN's version is an int
+    on GPU builds: taken as it came, it failed every save on a GPU machine)."""
     from . import __version__
 
-    return {
+    found: dict[str, Any] = {
         "distckpt": __version__,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -25,6 +27,7 @@ def collect_versions() -> dict[str, Any]:
         "platform": platform.platform(),
         "git_commit": _git_commit(),
     }
+    return {name: None if value is None else str(value) for name, value in found.items()}
 
 
 def _git_commit() -> str | None:

@@ -26,13 +26,22 @@ _PASS_START = "pass_start"  # the process's streams when that iterator started: 
 _ENDED = "pass_ended"  # that iterator had run out: the resumed one yields nothing (a new pass is the next's)
 
 
+def _capture() -> dict[str, Any]:
+    """This process's streams; in a loader worker the CPU ones only (see capture_process_rng)."""
+    return capture_process_rng(devices=get_worker_info() is None)
+
+
+def _restore(state: dict[str, Any], where: str) -> None:
+    restore_process_rng(state, where, devices=get_worker_info() is None)
+
+
 class _WorkerRngMixin:
     dataset: Any
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if get_worker_info() is not None:  # in the main process the manager owns the streams
-            out[_RNG] = capture_process_rng()
+            out[_RNG] = _capture()
         if callable(getattr(self.dataset, "state_dict", None)):
             out[_INNER] = self.dataset.state_dict()
         return out
@@ -41,7 +50,7 @@ class _WorkerRngMixin:
         shield_from_preemption()
         info = get_worker_info()
         if info is not None and _RNG in state:
-            restore_process_rng(state[_RNG], f"data-loader worker {info.id}")
+            _restore(state[_RNG], f"data-loader worker {info.id}")
         if _INNER in state:
             self.dataset.load_state_dict(state[_INNER])
 
@@ -102,12 +111,12 @@ class WorkerRngIterableDataset(_WorkerRngMixin, IterableDataset):
     def _pass(self, replay: int, replay_start: Any) -> Iterator[Any]:
         shield_from_preemption()
         self._yielded, self._exhausted = 0, False
-        at_save = capture_process_rng() if replay else None
+        at_save = _capture() if replay else None
         if replay and replay_start is not None:
             # A dataset that draws when its pass starts (a shuffle of its shard) replays the saved
             # pass from the streams that pass started with; from the save's it drew another order.
-            restore_process_rng(replay_start, "data-loader replay")
-        self._pass_start = replay_start if replay and replay_start is not None else capture_process_rng()
+            _restore(replay_start, "data-loader replay")
+        self._pass_start = replay_start if replay and replay_start is not None else _capture()
         inner = iter(self.dataset)
         if replay:
             try:
@@ -119,7 +128,7 @@ class WorkerRngIterableDataset(_WorkerRngMixin, IterableDataset):
                 return
             finally:
                 assert at_save is not None
-                restore_process_rng(at_save, "data-loader replay")
+                _restore(at_save, "data-loader replay")
         for item in inner:
             self._yielded += 1
             yield item

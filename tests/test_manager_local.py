@@ -955,3 +955,23 @@ def test_the_overlap_decision_matches_enumerated_offsets(shape, data):
     t = torch.zeros(reach).as_strided(shape, strides, offset)
     offsets = [offset + sum(i * s for i, s in zip(index, strides)) for index in itertools.product(*map(range, shape))]
     assert _has_internal_overlap(t) == (len(set(offsets)) < len(offsets)), (shape, strides)
+
+
+@pytest.mark.parametrize("cudnn, cuda", [(91002, "13.0"), (8902, "12.1"), (None, None)])
+def test_a_gpu_build_s_environment_goes_into_the_manifest(ckpt_dir, monkeypatch, cudnn, cuda):
+    """GPU builds report cuDNN's version as an int: every save on a GPU machine once failed the
+    manifest's schema check ("versions must be an object of version strings")."""
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: cudnn is not None)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    state = trained_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(1, state)
+    with open(os.path.join(ckpt_dir, "step-000000001", "manifest.json")) as f:
+        versions = json.load(f)["versions"]
+    assert versions["cudnn"] == (None if cudnn is None else str(cudnn)) and versions["cuda"] == cuda
+    assert all(v is None or isinstance(v, str) for v in versions.values())
+    fresh = fresh_state()
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.load_latest(fresh).step == 1
+    assert same_params(fresh["model"], state["model"])

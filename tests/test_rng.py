@@ -71,3 +71,71 @@ def test_numpy_bit_generators_of_every_kind_roundtrip(ckpt_dir):
     with distckpt.CheckpointManager(ckpt_dir) as mgr:
         mgr.load_latest(fresh)
     assert {k: g.random(3).tolist() for k, g in fresh.items()} == expected
+
+
+class _NoisyMap(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.rand(2) + i
+
+
+class _NoisyStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (info.id, info.num_workers) if info else (0, 1)
+        order = np.random.permutation(24)[start::step]  # a shuffle drawn when the pass starts
+        for i in order:
+            yield torch.rand(2) + float(i)
+
+
+@pytest.fixture
+def gpu_host_with_forked_workers(monkeypatch):
+    """This process looks like a GPU host; a loader worker touching CUDA fails as a worker forked
+    after CUDA was used does ("Cannot re-initialize CUDA in forked subprocess")."""
+    import distckpt.rng as rng
+
+    device_state = [torch.zeros(16, dtype=torch.uint8)]
+
+    def in_worker_fails(what):
+        def guarded(*args):
+            if torch.utils.data.get_worker_info() is not None:
+                raise RuntimeError("Cannot re-initialize CUDA in forked subprocess")
+            return what(*args)
+        return guarded
+
+    monkeypatch.setattr(rng, "_cuda_states", in_worker_fails(lambda: [t.clone() for t in device_state]))
+    monkeypatch.setattr(rng, "_cuda_count", in_worker_fails(lambda: 1))
+    monkeypatch.setattr(rng, "_set_cuda_state", in_worker_fails(lambda i, s: device_state[i].copy_(s)))
+
+
+@pytest.mark.parametrize("dataset", [_NoisyMap, _NoisyStream])
+def test_loader_workers_on_a_gpu_host_save_and_resume_their_cpu_streams(ckpt_dir, gpu_host_with_forked_workers,
+                                                                         dataset):
+    """with_worker_rng captured every stream in each worker, CUDA's too: on a GPU machine every
+    save of a job with loader workers failed in the worker."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def make() -> StatefulDataLoader:
+        return StatefulDataLoader(distckpt.with_worker_rng(dataset()), batch_size=2, num_workers=2,
+                                  multiprocessing_context="fork")
+
+    def run(resume: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        loader = make()
+        state = {"loader": loader}
+        with distckpt.CheckpointManager(ckpt_dir) as mgr:
+            if resume:
+                assert mgr.load_latest(state).step == 3
+            out = []
+            for n, batch in enumerate(loader):
+                out.append(batch)
+                if not resume and n == 3:
+                    mgr.save(3, state)
+        return out
+
+    whole = run(resume=False)
+    resumed = run(resume=True)
+    assert len(resumed) == len(whole) - 4
+    assert all(torch.equal(a, b) for a, b in zip(whole[4:], resumed))
