@@ -192,7 +192,7 @@ def _read_tree(storage: Storage, base: str, name: str, manifest: mf.Manifest, wh
     if buffers is not None:
         buffers.append(data)
     extra = incremental.resolve(storage, manifest, where) if name == manifest.payload_names()[0] else None
-    tree = load_tree_file(data, f"{where}/{name}", extra)
+    tree = load_tree_file(data, f"{where}/{name}", extra, place=True)
     mf.check_tree(tree, f"{where}/{name}", per_rank)
     return tree
 

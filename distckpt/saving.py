@@ -303,7 +303,7 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
     rank_buffers = capture_rank_buffers(entries) if coord.world_size > 1 else {}
     if coord.world_size > 1:
         own["buffers"] = rank_buffers
-    rank_tree = _encode_checked(own, ("per-rank state",), stage=True)
+    rank_tree = _encode_checked(own, ("per-rank state",), stage=True, placed=_handed_over(("per-rank state",), entries))
     out.rank_file = b"".join(safetensors_chunks(rank_tree))
     stage: bool | StagingPool = staging if staging is not None else False
     if split or any(e.scope == SHARDED for e in entries):
@@ -315,7 +315,7 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
         tree: dict[str, Any] = {"step": step, "epoch": epoch,
                 "entries": {e.key: capture_entry(e) for e in entries if e.scope in (REPLICATED, SHARDED)}}
         out.replicated = _encode_checked(tree, ("replicated",), entries, stage=stage, shards=out.shards,
-                                         split=split)
+                                         split=split, placed=_handed_over(("replicated",), entries))
     elif out.shards is not None:
         scopes = (REPLICATED, SHARDED) if split else (SHARDED,)
         tree = {"entries": {e.key: capture_entry(e) for e in entries if e.scope in scopes}}
@@ -326,6 +326,16 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
     if out.shards is not None:
         out.shards.sync()
     return out
+
+
+# Kinds whose restore hands the loaded tensors over as they are (refilled into a value, given to
+# load_state_dict): their tensors record their device and go back to it, as torch.load does. A
+# module's or a tensor entry's are copied into the live tensors, which keep theirs.
+_HANDED_OVER_KINDS = frozenset({"value", "stateful"})
+
+
+def _handed_over(path: tuple[Any, ...], entries: Sequence[Entry]) -> frozenset[tuple[Any, ...]]:
+    return frozenset((*path, "entries", e.key) for e in entries if e.kind in _HANDED_OVER_KINDS)
 
 
 class _NoShards:

@@ -24,10 +24,12 @@ tagged so that types survive the round trip exactly::
     {"z": [...]}                 torch.Size
     {"n": ["<f8", "hex bytes"]}  a NumPy scalar (np.float32(1.5), np.int64(3), np.bool_(True)); a third
                                  element, the type character, where dtype.str names another type (np.longlong)
-    {"T": name, "p": 1, "rg": 1, "o": [dims]}
+    {"T": name, "p": 1, "rg": 1, "o": [dims], "dv": "cuda"}
                                  a tensor that is an nn.Parameter ("p"), requires grad ("rg"),
                                  or is laid out in another dimension order (channels_last,
-                                 transposed: "o", the dims from the outermost stride in)
+                                 transposed: "o", the dims from the outermost stride in), or
+                                 was on an accelerator in a value handed back as it is ("dv",
+                                 see saved_device)
 
 Every value comes back as the type it was saved as, or is refused at save time
 (UnstorableValueError naming its key path): subclasses of the plain types (IntEnum, namedtuple,
@@ -120,9 +122,12 @@ class ShardRef:
     parameter: bool = False
     requires_grad: bool = False
     order: tuple[int, ...] | None = None
+    device: str | None = None  # where the tensor goes back to (see saved_device), None: the CPU
 
     def as_saved(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` (the row-major whole) laid out and typed as the saved tensor was."""
+        """`tensor` (the row-major whole) laid out, placed and typed as the saved tensor was."""
+        if self.device is not None:
+            tensor = on_saved_device(tensor, self.device, self.name)
         return with_tensor_flags(tensor, self.parameter, self.requires_grad,
                                  list(self.order) if self.order is not None else None)
 
@@ -140,6 +145,40 @@ def with_tensor_flags(tensor: torch.Tensor, parameter: bool, requires_grad: bool
     return tensor
 
 
+def saved_device(device: torch.device) -> str:
+    """A tensor's device as a node records it: the bare type ("cuda") when it is the process's
+    current device of that type, which a load reads as the loading rank's own (rank 0 saves a
+    replicated value from cuda:0; rank 3 wants it on cuda:3), else the type and index."""
+    module = getattr(torch, device.type, None)
+    try:
+        current = module.current_device() if module is not None and device.index is not None else None
+    except (RuntimeError, AttributeError, AssertionError):
+        current = None
+    return device.type if device.index is None or device.index == current else str(device)
+
+
+class DeviceAbsentWarning(UserWarning):
+    """Tensors saved on an accelerator this process does not have came back on the CPU."""
+
+
+def on_saved_device(tensor: torch.Tensor, device: str, what: str) -> torch.Tensor:
+    """`tensor` (on the CPU) on the device it was saved from, as torch.load puts it back; on the
+    CPU, with a warning, where this process has no such device (a GPU checkpoint opened on a
+    laptop), and on the current device of the type where the saved index is beyond the count."""
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise CorruptCheckpointError(f"{what}: unknown device {device!r}") from e
+    module = getattr(torch, where.type, None)
+    if module is None or not callable(getattr(module, "is_available", None)) or not module.is_available():
+        warnings.warn(f"{what}: tensors saved on {device} come back on the CPU: this process has no "
+                      f"{where.type} device", DeviceAbsentWarning, stacklevel=2)
+        return tensor
+    if where.index is not None and where.index >= module.device_count():
+        where = torch.device(where.type)
+    return tensor.to(where)
+
+
 class ShardSink(Protocol):
     """Where the encoder hands DTensors (sharded.LocalShards); returns the name to reference."""
 
@@ -150,8 +189,10 @@ class ShardSink(Protocol):
 
 class _Encoder:
     def __init__(self, stage: "bool | StagingPool", shards: "ShardSink | None" = None,
-                 split: bool = False, depth_base: int = 0) -> None:
+                 split: bool = False, depth_base: int = 0, placed: frozenset[tuple[Any, ...]] = frozenset()) -> None:
         self.stage = stage
+        self.placed = placed  # path prefixes (all of one length) whose tensors record their device
+        self._placed_len = len(next(iter(placed))) if placed else 0
         self.max_path = MAX_DEPTH + depth_base
         self.shards = shards
         self.split = split
@@ -209,6 +250,8 @@ class _Encoder:
             order = dim_order(value)
             if order is not None:
                 node["o"] = order
+        if self.placed and value.device.type != "cpu" and path[:self._placed_len] in self.placed:
+            node["dv"] = saved_device(value.device)
         return node
 
     @staticmethod
@@ -372,7 +415,8 @@ def _describe(value: Any) -> str:
 
 
 def encode_tree(value: Any, path: tuple[Any, ...] = (), *, stage: "bool | StagingPool" = False,
-                shards: "ShardSink | None" = None, split: bool = False, depth_base: int = 0) -> EncodedTree:
+                shards: "ShardSink | None" = None, split: bool = False, depth_base: int = 0,
+                placed: frozenset[tuple[Any, ...]] = frozenset()) -> EncodedTree:
     """Check and encode a tree; raises UnstorableValueError naming the key path of a bad value.
 
     With ``stage=True`` every tensor is copied, with a StagingPool into its reused buffers, so
@@ -380,8 +424,10 @@ def encode_tree(value: Any, path: tuple[Any, ...] = (), *, stage: "bool | Stagin
     tree keeps a reference ({"S": name}); without, a DTensor is refused. With `split` too, every
     other tensor goes to `shards` whole (split writes: ranks share the replicated payload).
     `depth_base`: path elements above the user's values (their nesting limit counts from there).
+    `placed`: path prefixes (of one length) under which a tensor's node records its device, for a
+    load that hands the tensor itself over (see decode_tree's `place`).
     """
-    encoder = _Encoder(stage, shards, split, depth_base)
+    encoder = _Encoder(stage, shards, split, depth_base, placed)
     try:
         node = encoder.encode(value, path)
     except RecursionError as e:
@@ -411,14 +457,16 @@ def check_limits(tree: EncodedTree, where: str) -> None:
 
 
 def decode_tree(node: Any, tensors: dict[str, torch.Tensor], where: str = "tree") -> Any:
-    """Inverse of encode_tree; a node we never write is a CorruptCheckpointError."""
+    """Inverse of encode_tree; a node we never write is a CorruptCheckpointError. Tensors stay
+    where `tensors` are (inspection decodes placeholders)."""
     return _Decoder(tensors, where).decode(node, 0)
 
 
 class _Decoder:
-    def __init__(self, tensors: dict[str, torch.Tensor], where: str) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], where: str, place: bool = False) -> None:
         self.tensors = tensors
         self.where = where
+        self.place = place  # tensors whose node records a device go back to it
         self._made: dict[tuple[Any, ...], torch.Tensor] = {}  # one object per stored tensor: ties survive
         self.used: set[str] = set()  # the tensor names the tree referenced
 
@@ -468,17 +516,20 @@ class _Decoder:
 
     def _tensor(self, node: dict[str, Any]) -> torch.Tensor:
         name = node["T"]
-        extras = set(node) - {"T", "p", "rg", "o"}
-        if not isinstance(name, str) or name not in self.tensors or extras:
+        extras = set(node) - {"T", "p", "rg", "o", "dv"}
+        device = node.get("dv")
+        if not isinstance(name, str) or name not in self.tensors or extras or not isinstance(device, (str, type(None))):
             raise CorruptCheckpointError(f"{self.where}: unexpected tensor node {str(node)[:80]!r}")
         self.used.add(name)
-        key = (name, node.get("p"), node.get("rg"), str(node.get("o")))
+        key = (name, node.get("p"), node.get("rg"), str(node.get("o")), device)
         if key in self._made:
             return self._made[key]
         tensor = self.tensors[name]
         order = node.get("o")
         if order is not None and (not isinstance(order, list) or sorted(order) != list(range(tensor.dim()))):
             raise CorruptCheckpointError(f"{self.where}: tensor {name!r} has a bad dimension order {order!r}")
+        if device is not None and self.place:
+            tensor = on_saved_device(tensor, device, f"{self.where}: tensor {name!r}")
         tensor = with_tensor_flags(tensor, bool(node.get("p")), bool(node.get("rg")), order)
         self._made[key] = tensor
         return tensor
@@ -486,11 +537,13 @@ class _Decoder:
     def _split_tensor(self, node: dict[str, Any]) -> ShardRef:
         """A replicated tensor stored by split writes, with its flags (its shape is checked
         against the order when the shard reader resolves it)."""
-        name, order = node["S"], node.get("o")
-        if not isinstance(name, str) or set(node) - {"S", "p", "rg", "o"} or not (
-                order is None or (isinstance(order, list) and sorted(order) == list(range(len(order))))):
+        name, order, device = node["S"], node.get("o"), node.get("dv")
+        if not isinstance(name, str) or set(node) - {"S", "p", "rg", "o", "dv"} or not (
+                order is None or (isinstance(order, list) and sorted(order) == list(range(len(order))))) \
+                or not isinstance(device, (str, type(None))):
             raise CorruptCheckpointError(f"{self.where}: unexpected tensor node {str(node)[:80]!r}")
-        return ShardRef(name, bool(node.get("p")), bool(node.get("rg")), tuple(order) if order is not None else None)
+        return ShardRef(name, bool(node.get("p")), bool(node.get("rg")), tuple(order) if order is not None else None,
+                        device if self.place else None)
 
 
 _NOT_A_NODE = object()
@@ -633,14 +686,15 @@ def checked_header(data: bytes | bytearray | memoryview, where: str,
 
 
 def load_tree_file(data: bytes | bytearray | memoryview, where: str,
-                   extra: dict[str, torch.Tensor] | None = None) -> Any:
+                   extra: dict[str, torch.Tensor] | None = None, place: bool = False) -> Any:
     """Decode a tree file (already checksum-verified) into the original tree.
 
     Tensors are views into `data` when it is writable and they are aligned, so a load costs no
     copy beyond the one into the live state: 256 MiB parsed in ~0.001 s here, against 0.18 s
     (1,433 MiB/s) for safetensors.torch.load, which copies every tensor out of the buffer.
     Every range is checked (dtype, bounds, size, overlaps) before any tensor is made. `extra`:
-    tensors the tree references that lie in other files (incremental checkpoints).
+    tensors the tree references that lie in other files (incremental checkpoints). `place`:
+    tensors whose node records a device (values handed over as they are) go back to it.
     """
     tree, tensors = tensors_of_file(data, where, check_references=False)
     own = list(tensors)
@@ -649,7 +703,7 @@ def load_tree_file(data: bytes | bytearray | memoryview, where: str,
         if clash:
             raise CorruptCheckpointError(f"{where}: tensor {sorted(clash)[0]!r} is both in the file and reused from another")
         tensors.update(extra)
-    decoder = _Decoder(tensors, where)
+    decoder = _Decoder(tensors, where, place)
     try:
         value = decoder.decode(tree, 0)
     except (ValueError, RecursionError, TypeError) as e:

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     ddp = wrap(model, info.world_size, args.fsdp)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(10, args.steps))
-    val_x, val_y = data[0][0].unsqueeze(0).repeat(4, 1), data[0][1].unsqueeze(0).repeat(4, 1)
+    val_x, val_y = (t.unsqueeze(0).repeat(4, 1).to(info.device) for t in data[0])
 
     state = {"model": ddp, "optimizer": opt, "scheduler": sched, "sampler": sampler,
              "loader": loader, "loader_generator": generator,

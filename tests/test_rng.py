@@ -57,8 +57,9 @@ def test_saving_does_not_advance_any_stream(ckpt_dir):
 
 def test_missing_cuda_streams_are_a_loud_warning():
     state = capture_process_rng()
-    state["cuda"] = [torch.zeros(16, dtype=torch.uint8)]  # written on a host with one GPU
-    with pytest.warns(distckpt.RngRestoreWarning, match="1 CUDA RNG state.*0 CUDA device"):
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(here)] + [torch.zeros(16, dtype=torch.uint8)]
+    with pytest.warns(distckpt.RngRestoreWarning, match=f"{here + 1} CUDA RNG state.*{here} CUDA device"):
         restore_process_rng(state, "test")
 
 

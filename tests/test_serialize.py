@@ -214,3 +214,44 @@ def test_a_tree_whose_escaped_json_passes_the_header_limit_is_refused_at_save(tm
     with distckpt.CheckpointManager(str(tmp_path)) as mgr:
         assert mgr.load_latest(back).step == 2
     assert back["v"] == {"notes": [text[:1000]]}
+
+
+def _with_device_nodes(value, device):
+    """value's file with every tensor node saying it was saved on `device` (what a GPU save writes)."""
+    tree = encode_tree(value)
+
+    def mark(node):
+        if isinstance(node, dict):
+            if "T" in node:
+                node["dv"] = device
+            for v in node.values():
+                mark(v)
+        elif isinstance(node, list):
+            for v in node:
+                mark(v)
+    mark(tree.node)
+    tree._node_json = None
+    return b"".join(bytes(c) for c in safetensors_chunks(tree))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a host without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:3", "xpu"])
+def test_values_saved_on_an_absent_device_load_on_the_cpu_with_a_warning(device):
+    value = {"ema": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}, "tied": [torch.zeros(2)] * 2}
+    data = _with_device_nodes(value, device)
+    assert load_tree_file(data, "test")["ema"]["w"].device.type == "cpu"  # inspection: no placement, no warning
+    with pytest.warns(distckpt.DeviceAbsentWarning, match=f"saved on {device} come back on the CPU"):
+        back = load_tree_file(data, "test", place=True)
+    assert torch.equal(back["ema"]["w"], value["ema"]["w"]) and back["tied"][0] is back["tied"][1]
+
+
+@pytest.mark.parametrize("device", [3, "warp-drive:0", ["cuda"]])
+def test_a_bad_device_in_a_tensor_node_is_corruption(device):
+    data = _with_device_nodes({"t": torch.ones(2)}, device)
+    with pytest.raises(distckpt.CorruptCheckpointError):
+        load_tree_file(data, "test", place=True)
+
+
+def test_cpu_tensors_record_no_device():
+    tree = encode_tree({"t": torch.ones(2)}, placed=frozenset({()}))
+    assert '"dv"' not in json.dumps(tree.node)

@@ -157,3 +157,53 @@ def _gpu_job(tmp_path, extra: list[str], kill_at: str = "step:27") -> None:
 @pytest.mark.parametrize("extra", [[], ["--async-save"], ["--fsdp"]], ids=["sync", "async", "fsdp2"])
 def test_training_on_the_gpu_killed_and_resumed_is_bit_for_bit(tmp_path, extra):
     _gpu_job(tmp_path, ["--ckpt-every", "10", *extra])
+
+
+class _ShadowWeights:
+    """An EMA helper as people write it: keeps the tensors load_state_dict is given."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def state_dict(self) -> dict:
+        return {"shadow": self.shadow}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.shadow = state["shadow"]
+
+
+def test_values_and_stateful_tensors_come_back_on_the_gpu_they_were_saved_from(tmp_path):
+    """A dict of GPU tensors (an EMA copy, a running statistic) came back on the CPU: the next
+    `ema[k].mul_(d).add_(p)` then failed with a device mismatch."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64).cuda()
+    state = {"model": model, "ema": {k: v.detach().clone() for k, v in model.state_dict().items()},
+             "shadow": _ShadowWeights(model), "stats": [torch.zeros(3, device="cuda"), 5, torch.ones(2)]}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, state)
+    fresh_model = nn.Linear(64, 64).cuda()
+    fresh = {"model": fresh_model, "ema": {}, "shadow": _ShadowWeights(fresh_model), "stats": []}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load_latest(fresh)
+    for k, v in state["ema"].items():
+        assert fresh["ema"][k].device == v.device and torch.equal(fresh["ema"][k], v)
+        assert fresh["shadow"].shadow[k].device == v.device and torch.equal(fresh["shadow"].shadow[k], v)
+        fresh["ema"][k].mul_(0.9).add_(fresh_model.state_dict()[k], alpha=0.1)  # the loop's next EMA update
+    assert fresh["stats"][0].is_cuda and fresh["stats"][1] == 5 and fresh["stats"][2].device.type == "cpu"
+
+
+def test_loading_a_gpu_model_adds_no_second_copy_on_the_gpu(tmp_path):
+    """Module tensors are copied into the live ones: the load must not place a whole second
+    copy of the model on the GPU first."""
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(16)]).cuda()  # 256 MiB
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"model": model})
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load_latest({"model": model})
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert extra <= 0.1 * model_bytes, f"the load took {extra / 2**20:.0f} MiB more on the GPU"
