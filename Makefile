@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.distckpt-installed
 # Azure Blob's emulator, from the npm registry, for the storage tests
 AZURITE_VERSION := 3.37.0
 
-.PHONY: install demo demo-s3 compose-demo test test-faults bench clean
+.PHONY: install demo demo-s3 compose-demo test test-faults test-gpu bench clean
 
 install: $(STAMP)
 
@@ -50,6 +50,11 @@ test-faults: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run.py
+
+# On a machine with CUDA: the GPU tests and the GPU benchmarks, logs under build/gpu (the
+# system's python3, which holds the CUDA build of torch; torchdata as wheels under .whl/ if absent).
+test-gpu:
+	bash tests/gpu/device_check.sh build/gpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
