@@ -44,9 +44,10 @@ class CheckpointWarning(UserWarning):
     """Something in a load deserves attention but did not stop it (extra entries, config)."""
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class PerRank:
-    """Marks a `state` entry as per rank: every rank saves and restores its own copy."""
+    """Marks a `state` entry as per rank: every rank saves and restores its own copy. `obj` may
+    be reassigned between saves (`state["best"].obj = loss`): each save reads it afresh."""
 
     obj: Any
 

@@ -975,3 +975,17 @@ def test_a_gpu_build_s_environment_goes_into_the_manifest(ckpt_dir, monkeypatch,
     with distckpt.CheckpointManager(ckpt_dir) as mgr:
         assert mgr.load_latest(fresh).step == 1
     assert same_params(fresh["model"], state["model"])
+
+
+def test_a_per_rank_wrapper_s_object_may_be_reassigned_between_saves(ckpt_dir):
+    """nanoGPT keeps `best_val_loss` as a plain float that only rank 0 updates: the natural
+    `state["best"].obj = loss` raised FrozenInstanceError."""
+    state = {"iter_num": 0, "best": distckpt.per_rank(float("inf"))}
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        for iter_num, loss in enumerate([3.5, 2.25, 2.75]):
+            state["iter_num"], state["best"].obj = iter_num + 1, min(state["best"].obj, loss)
+            mgr.save(iter_num, state)
+    fresh = {"iter_num": 0, "best": distckpt.per_rank(float("inf"))}
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.load_latest(fresh).step == 2
+    assert fresh["iter_num"] == 3 and fresh["best"].obj == 2.25
