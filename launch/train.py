@@ -125,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local-dir", default=None, help="two tiers: every save commits to this node-local "
                    "directory, every --durable-every'th also to --ckpt (and the pre-emption and last saves)")
     p.add_argument("--durable-every", type=int, default=None)
+    p.add_argument("--backend", default=None, help="None: NCCL on GPUs, else gloo; gloo puts several ranks on one GPU")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--world-size-policy", default="refuse", help="see CheckpointManager (reshard: "
                    "resume at another number of ranks)")
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     # cuBLAS is deterministic only with a fixed workspace; without it deterministic mode raises on GPUs
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
-    info = distckpt.init_distributed()
+    info = distckpt.init_distributed(backend=args.backend)
     logging.basicConfig(level=logging.INFO, format=f"[rank {info.rank}] %(message)s")
     kill_step = arm_kill(args.kill_at, info.rank)
 

@@ -140,7 +140,7 @@ def test_gpu_tensors_of_every_width_come_back_bitwise(tmp_path, dtype):
                        value.view(torch.uint8) if dtype.itemsize == 1 else value.view(torch.int16))
 
 
-def _gpu_job(tmp_path, extra: list[str], kill_at: str = "step:27") -> None:
+def _gpu_job(tmp_path, extra: list[str], kill_at: str = "step:27", nproc: int = 1) -> None:
     """launch/train.py on this GPU under a real torchrun (one rank, NCCL), SIGKILLed and resumed
     by torchrun's restart, compared step by step with the uninterrupted run."""
     import os
@@ -149,7 +149,7 @@ def _gpu_job(tmp_path, extra: list[str], kill_at: str = "step:27") -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "launch"))
     from demo import run_pair
 
-    result, resumes = run_pair(str(tmp_path), nproc=1, steps=50, kill_at=kill_at, workers=2, extra=extra)
+    result, resumes = run_pair(str(tmp_path), nproc=nproc, steps=50, kill_at=kill_at, workers=2, extra=extra)
     assert resumes, "the killed run did not resume"
     assert result.identical, result.table
 
@@ -207,3 +207,10 @@ def test_loading_a_gpu_model_adds_no_second_copy_on_the_gpu(tmp_path):
     extra = torch.cuda.max_memory_allocated() - before
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert extra <= 0.1 * model_bytes, f"the load took {extra / 2**20:.0f} MiB more on the GPU"
+
+
+def test_two_ranks_sharing_one_gpu_over_gloo_killed_and_resumed_is_bit_for_bit(tmp_path):
+    """Several ranks with GPU tensors (DDP over gloo: NCCL wants a GPU per rank): the ranks' digests
+    of replicated GPU values, rank 1's GPU state and the replicated values placed on each rank's
+    device. Written for a one-GPU machine."""
+    _gpu_job(tmp_path, ["--ckpt-every", "10", "--backend", "gloo", "--async-save"], kill_at="step:27:1", nproc=2)
