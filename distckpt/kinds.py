@@ -559,9 +559,9 @@ def classify(state: dict[str, Any]) -> list[Entry]:
     sharded.reshard_fully_sharded(obj.obj if isinstance(obj, PerRank) else obj for obj in state.values())
     entries = []
     for key, obj in state.items():
-        if not isinstance(key, str):
+        if type(key) is not str:  # a subclass (np.str_, a str enum) would come back as a plain str
             raise StateArgumentError(f"state=: its key {key!r} is a {type(key).__name__}; the entries of `state` "
-                                     "are named by str keys ('model', 'optimizer', ...)")
+                                     "are named by plain str keys ('model', 'optimizer', ...): use str(key)")
         forced = isinstance(obj, PerRank)
         target = obj.obj if forced else obj
         kind = _TENSOR if type(target) in _PLAIN_TENSOR_TYPES and key != CONFIG_KEY else \

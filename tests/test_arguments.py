@@ -9,6 +9,7 @@ import os
 import pathlib
 import signal
 
+import numpy as np
 import pytest
 import torch
 
@@ -235,3 +236,14 @@ def test_config_differences_are_judged_by_type_and_bits(tmp_path, caplog):
     listed = sorted(line.split(":")[0] for line in progress.config_diff)
     assert listed == ["state['config']['f']", "state['config']['one']", "state['config']['seq']",
                       "state['config']['zero']"], progress.config_diff
+
+
+@pytest.mark.parametrize("key", [2, np.str_("model_cfg"), ("a",), None])
+def test_a_state_key_that_is_not_a_plain_str_is_refused_naming_it(tmp_path, key):
+    """An np.str_ key was refused by the encoder with an internal path (state['replicated']
+    ['entries']), and load_latest accepted it without a word."""
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        for call in (lambda: mgr.save(1, {key: 1}), lambda: mgr.load_latest({key: 1})):
+            with pytest.raises(distckpt.ConfigError, match=r"state=: its key .* plain str keys"):
+                call()
+        assert mgr.committed_steps() == []
