@@ -242,6 +242,12 @@ def resolve_sharded_entry(entry: Entry, saved_state: Any, reader: "sharded.Shard
 Release = PageRelease  # lets go of the file pages behind source tensors; runs a phase's copies
 
 
+# In a restore's memo: True where one stored tensor is one range of its file (not an incremental
+# step, whose shared files hold equal bytes of different tensors once), so that references
+# decoded on the same bytes are one tensor (kinds.live_ties sets it).
+TIES_BY_REGION = ("ties by region",)
+
+
 def _owned(value: Any, memo: dict[Any, Any] | None = None, release: Release | None = None) -> Any:
     """`value` with every tensor copied into its own memory, keeping what the tree said: the
     Parameter type, requires_grad, the layout, and ties (a tensor in two places stays one; one
@@ -263,6 +269,11 @@ def _owned(value: Any, memo: dict[Any, Any] | None = None, release: Release | No
         elif value.requires_grad:
             copy.requires_grad_(True)
         memo[id(value)] = copy
+        if region is not None and value.numel() and memo.get(TIES_BY_REGION):
+            # The decoder makes one object per stored tensor and flags: a Parameter and its
+            # .detach(), saved once, are two objects on the same bytes; one copy serves both
+            # (not empty tensors: two separate ones can sit at one offset of the file).
+            memo.setdefault(("region",) + region, copy)
         return copy
     out: Any
     if isinstance(value, dict):

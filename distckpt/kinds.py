@@ -31,6 +31,7 @@ from .capture import (
     PER_RANK,
     REPLICATED,
     SHARDED,
+    TIES_BY_REGION,
     CheckpointWarning,
     Entry,
     PerRank,
@@ -646,7 +647,7 @@ def live_ties(entries: list[Entry], saved: dict[str, Any], by_region: bool = Tru
     reference that decoded as another view of the same stored bytes (a Parameter beside the
     state_dict's plain tensor) — not for an incremental step, whose shared files hold equal bytes
     of different tensors once."""
-    memo: dict[Any, Any] = {}
+    memo: dict[Any, Any] = {TIES_BY_REGION: by_region}
     for _, stored, live in _in_place_copies(entries, saved):
         memo[id(stored)] = live
         region = region_key(stored)  # another reference to the same stored bytes decodes as its own view

@@ -989,3 +989,25 @@ def test_a_per_rank_wrapper_s_object_may_be_reassigned_between_saves(ckpt_dir):
     with distckpt.CheckpointManager(ckpt_dir) as mgr:
         assert mgr.load_latest(fresh).step == 2
     assert fresh["iter_num"] == 3 and fresh["best"].obj == 2.25
+
+
+@pytest.mark.parametrize("flags", ["parameter-and-detach", "requires-grad-and-plain"])
+def test_a_tensor_and_a_flag_differing_reference_to_it_stay_on_one_memory(ckpt_dir, flags):
+    """A Parameter and its .detach() inside a value entry are stored once; they came back on two
+    separate copies, so an update of one no longer showed in the other."""
+    if flags == "parameter-and-detach":
+        first = nn.Parameter(torch.arange(4.0))
+    else:
+        first = torch.arange(4.0).requires_grad_(True)
+    saved = {"v": {"first": first, "ref": first.detach(), "again": first}}
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.save(0, saved)
+    state = {"v": None}
+    with distckpt.CheckpointManager(ckpt_dir) as mgr:
+        mgr.load_latest(state)
+    back = state["v"]
+    assert type(back["first"]) is type(first) and back["first"].requires_grad and not back["ref"].requires_grad
+    assert back["again"] is back["first"] and torch.equal(back["ref"], torch.arange(4.0))
+    with torch.no_grad():
+        back["first"].add_(1)
+    assert torch.equal(back["ref"], torch.arange(4.0) + 1)  # one memory, as at the save
