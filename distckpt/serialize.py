@@ -246,7 +246,7 @@ class _Encoder:
             node["p"] = 1
         if value.requires_grad:
             node["rg"] = 1
-        if value.dim() >= 2 and not value.is_contiguous():
+        if value.dim() >= 2:
             order = dim_order(value)
             if order is not None:
                 node["o"] = order
@@ -331,12 +331,30 @@ def check_dtype(tensor: torch.Tensor, path: tuple[Any, ...]) -> None:
 
 def dim_order(tensor: torch.Tensor) -> list[int] | None:
     """The tensor's dimensions from the outermost stride in, when that is not 0, 1, 2...
-    (channels_last, a transpose); None for the usual row-major layout."""
-    if tensor.dim() < 2 or tensor.is_contiguous():
+    (channels_last, a transpose); None for the usual row-major layout. A size-1 dimension goes
+    inside the others of its stride, where torch puts it: a 1x1 convolution's channels_last
+    weight (strides (C, 1, C, C)) is contiguous by torch's test, yet empty_like and
+    suggest_memory_format read its layout from those strides, which came back row-major."""
+    if tensor.dim() < 2:
+        return None
+    shape = tensor.shape
+    if 1 not in shape and tensor.is_contiguous():
         return None
     strides = tensor.stride()
-    order = sorted(range(tensor.dim()), key=lambda d: (-strides[d], d))
-    return None if order == list(range(tensor.dim())) else order
+    order = sorted(range(tensor.dim()), key=lambda d: (-strides[d], shape[d] == 1, d))
+    if order == list(range(tensor.dim())) or _laid_out(shape, order) != tuple(strides) and tensor.is_contiguous():
+        return None  # row-major, or size-1 strides no order gives (as_strided): the values' order is enough
+    return order
+
+
+def _laid_out(shape: torch.Size, order: list[int]) -> tuple[int, ...]:
+    """The strides of a compact tensor of `shape` laid out in `order` (what _restride makes)."""
+    strides = [0] * len(shape)
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
 
 
 def _restride(tensor: torch.Tensor, order: list[int]) -> torch.Tensor:

@@ -255,3 +255,25 @@ def test_a_bad_device_in_a_tensor_node_is_corruption(device):
 def test_cpu_tensors_record_no_device():
     tree = encode_tree({"t": torch.ones(2)}, placed=frozenset({()}))
     assert '"dv"' not in json.dumps(tree.node)
+
+
+def _strided(shape, strides):
+    t = torch.empty_strided(shape, strides)
+    return t.copy_(torch.randn(shape))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.Conv2d(3, 2, 1).to(memory_format=torch.channels_last).weight.detach(),  # strides (3, 1, 3, 3)
+    lambda: _strided((2, 1, 4, 4), (16, 1, 4, 1)),        # channels_last with one channel
+    lambda: torch.randn(1, 3, 1).permute(2, 1, 0),         # a permute of size-1 dimensions
+    lambda: _strided((2, 3, 1, 4, 1), (12, 1, 12, 3, 3)),  # channels_last_3d with size-1 dimensions
+    lambda: torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+    lambda: torch.randn(3, 4).t(),
+], ids=["1x1-conv-channels-last", "one-channel", "permuted-size-1", "channels-last-3d", "channels-last", "transpose"])
+def test_layouts_with_size_1_dimensions_come_back_with_their_strides(make):
+    """torch calls these contiguous, yet empty_like, suggest_memory_format and the kernels read the
+    layout from every stride: a 1x1 convolution's channels_last weight came back row-major."""
+    t = make()
+    back, _ = roundtrip({"t": t})
+    assert back["t"].stride() == t.stride() and torch.equal(back["t"], t)
+    assert back["t"].is_contiguous(memory_format=torch.channels_last) == t.is_contiguous(memory_format=torch.channels_last)
