@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import Callable
 
 import torch
 
@@ -34,7 +35,7 @@ def gpu_state(mib: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(mib * 2**20 // 4 // n, generator=g, device="cuda") for i in range(n)}
 
 
-def synced(fn):  # type: ignore[no-untyped-def]
+def synced(fn: Callable[[], object]) -> Callable[[], None]:
     def run() -> None:
         fn()
         torch.cuda.synchronize()

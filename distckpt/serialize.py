@@ -342,7 +342,7 @@ def dim_order(tensor: torch.Tensor) -> list[int] | None:
         return None
     strides = tensor.stride()
     order = sorted(range(tensor.dim()), key=lambda d: (-strides[d], shape[d] == 1, d))
-    if order == list(range(tensor.dim())) or _laid_out(shape, order) != tuple(strides) and tensor.is_contiguous():
+    if order == list(range(tensor.dim())) or (tensor.is_contiguous() and _laid_out(shape, order) != tuple(strides)):
         return None  # row-major, or size-1 strides no order gives (as_strided): the values' order is enough
     return order
 
