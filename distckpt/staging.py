@@ -36,15 +36,20 @@ class StagingPool:
     them before the background write starts. Call between saves only: a save in flight reads them.
 
     With `deferrable` set (overlap_snapshot), the copy of a CPU tensor whose region is in it is
-    left to `copy_deferred()`, which the writer thread runs while training goes on; each source's
-    version counter, noted at capture, tells whether anything changed it in place meanwhile.
+    left to `copy_deferred()`, which the writer thread runs while training goes on; that of a
+    CUDA tensor is enqueued on a side stream (after the work already queued on the current one)
+    and `copy_deferred()` only waits for it, so the next forward and backward run on the GPU while
+    the copy engine drains it. Each source's version counter, noted at capture, tells whether
+    anything changed it in place meanwhile.
     """
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
-        self._pending_device_copies = False
+        self._pending_devices: set[torch.device] = set()  # asynchronous copies on current streams
         self.deferrable: set[tuple[Any, ...]] = set()
         self._deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
+        self._side_streams: dict[torch.device, Any] = {}  # per device, made once
+        self._side_pending: set[torch.device] = set()     # side streams with this save's copies
 
     def stage(self, name: str, tensor: torch.Tensor, may_defer: bool = False) -> torch.Tensor:
         buf = self.buffers.get(name)
@@ -52,25 +57,50 @@ class StagingPool:
             pin = tensor.device.type == "cuda"
             buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
             self.buffers[name] = buf
-        if may_defer and self.deferrable and tensor.device.type == "cpu" and not tensor.is_inference() \
-                and region_key(tensor) in self.deferrable:
+        if may_defer and self.deferrable and tensor.device.type in ("cpu", "cuda") \
+                and not tensor.is_inference() and region_key(tensor) in self.deferrable:
+            if tensor.device.type == "cuda":
+                self._copy_on_side_stream(buf, tensor)
             self._deferred.append((name, buf, tensor, tensor._version))
             return buf
-        device = tensor.device.type != "cpu"
+        on_cuda = tensor.device.type == "cuda"  # pinned buffer: the copy is asynchronous
         if tensor.requires_grad:
             tensor = tensor.detach()  # else the copy would record autograd history into `buf`
-        buf.copy_(tensor, non_blocking=device)
-        self._pending_device_copies |= device
+        buf.copy_(tensor, non_blocking=on_cuda)
+        if on_cuda:
+            self._pending_devices.add(tensor.device)
         return buf
 
     @property
     def has_deferred(self) -> bool:
         return bool(self._deferred)
 
+    def _copy_on_side_stream(self, buf: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Enqueue a CUDA tensor's copy into its pinned buffer on the device's side stream. The
+        side stream first waits for everything already queued on the current stream (the step
+        that produced these values); kernels queued later (the next forward) do not wait for it.
+        record_stream keeps the allocator from handing the source's memory to anything else
+        until the copy has run, even if the source is freed meanwhile."""
+        device = tensor.device
+        stream = self._side_streams.get(device)
+        if stream is None:
+            stream = self._side_streams[device] = torch.cuda.Stream(device=device)
+        if device not in self._side_pending:
+            stream.wait_stream(torch.cuda.current_stream(device))
+            self._side_pending.add(device)
+        with torch.cuda.stream(stream):
+            buf.copy_(tensor.detach(), non_blocking=True)
+        tensor.record_stream(stream)
+
     def copy_deferred(self) -> None:
-        """The copies staging left for later (the writer thread)."""
+        """The copies staging left for later (the writer thread): CPU tensors copied here, CUDA
+        tensors' side-stream copies waited for (that stream holds only them)."""
         for _, buf, source, _ in self._deferred:
-            buf.copy_(source.detach())
+            if source.device.type == "cpu":
+                buf.copy_(source.detach())
+        pending, self._side_pending = self._side_pending, set()
+        for device in pending:
+            self._side_streams[device].synchronize()
 
     def verify_deferred(self) -> None:
         """After copy_deferred, on the thread that changes the sources (so no in-place operation
@@ -88,11 +118,16 @@ class StagingPool:
 
     def discard_deferred(self) -> None:
         self._deferred = []
+        pending, self._side_pending = self._side_pending, set()
+        for device in pending:  # the buffers may be reused by the next save: let these land first
+            self._side_streams[device].synchronize()
 
     def sync(self) -> None:
-        if self._pending_device_copies and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self._pending_device_copies = False
+        """Wait for the copies made on the current streams (not torch.cuda.synchronize(): that
+        would wait for the side streams' deferred copies too, and for the whole device)."""
+        pending, self._pending_devices = self._pending_devices, set()
+        for device in pending:
+            torch.cuda.current_stream(device).synchronize()
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -103,6 +103,71 @@ def test_overlapped_async_save_of_gpu_state_keeps_the_values_of_the_save(tmp_pat
     assert all(t.is_cuda for t in got.values())
 
 
+def test_overlapped_save_of_gpu_state_returns_before_the_side_stream_copy_ran(tmp_path):
+    """save() with overlap_snapshot must not wait for the GPU: the current stream is kept busy
+    (torch.cuda._sleep) so the side stream's copy, queued behind it, cannot have run when save()
+    returns; the optimizer step then waits for it, and the checkpoint holds the pre-step values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)).cuda()  # no buffers: all deferrable
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(32, 512, device="cuda")
+
+    def step() -> None:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    step()
+    state = {"model": model, "optimizer": opt}
+    with distckpt.CheckpointManager(str(tmp_path), async_save=True, overlap_snapshot=True) as mgr:
+        torch.cuda.synchronize()
+        expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on the current stream
+        mgr.save(1, state)
+        current_busy = not torch.cuda.current_stream().query()
+        side = mgr._staging._side_streams[torch.device("cuda", 0)]
+        side_busy = not side.query()
+        step()  # its pre-hook waits for the copy
+        mgr.wait()
+    assert current_busy and side_busy, "save() waited for the GPU"
+    fresh = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)).cuda()
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load({"model": fresh}, step=1)
+    assert all(torch.equal(fresh.state_dict()[k].cpu(), v) for k, v in expected.items())
+
+
+def test_overlapped_gpu_save_mutated_by_each_path_a_loop_uses(tmp_path):
+    """Right after save(): a BN forward (buffers, copied before save() returns) keeps the saved
+    statistics; an in-place copy_ into a parameter while its side-stream copy may be pending is
+    refused (SnapshotChangedError), never stored torn."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.BatchNorm1d(256)).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(64, 256, device="cuda")
+    model(x).square().mean().backward()
+    opt.step()
+    state = {"model": model, "optimizer": opt}
+    with distckpt.CheckpointManager(str(tmp_path), async_save=True, overlap_snapshot=True) as mgr:
+        torch.cuda.synchronize()
+        expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        torch.cuda._sleep(500_000_000)
+        mgr.save(1, state)
+        model(x)  # BN running statistics change in this forward
+        mgr.wait()
+        torch.cuda._sleep(500_000_000)
+        mgr.save(2, state)
+        with torch.no_grad():
+            model[0].weight.copy_(torch.zeros_like(model[0].weight))
+        with pytest.raises(distckpt.AsyncSaveError) as info:
+            mgr.wait()
+        assert isinstance(info.value.__cause__, distckpt.SnapshotChangedError)
+    fresh = nn.Sequential(nn.Linear(256, 256), nn.BatchNorm1d(256)).cuda()
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr.committed_steps() == [1]
+        mgr.load({"model": fresh}, step=1)
+    assert all(torch.equal(fresh.state_dict()[k].cpu(), v) for k, v in expected.items())
+
+
 def test_gpu_written_loads_into_cpu_and_cpu_written_into_gpu(tmp_path):
     torch.manual_seed(0)
     gpu_model = nn.Linear(32, 8).cuda()
