@@ -161,18 +161,23 @@ class DeviceAbsentWarning(UserWarning):
     """Tensors saved on an accelerator this process does not have came back on the CPU."""
 
 
-def on_saved_device(tensor: torch.Tensor, device: str, what: str) -> torch.Tensor:
+def on_saved_device(tensor: torch.Tensor, device: str, what: str, warned: set[str] | None = None) -> torch.Tensor:
     """`tensor` (on the CPU) on the device it was saved from, as torch.load puts it back; on the
     CPU, with a warning, where this process has no such device (a GPU checkpoint opened on a
-    laptop), and on the current device of the type where the saved index is beyond the count."""
+    laptop), and on the current device of the type where the saved index is beyond the count.
+    `warned`: the devices already warned about in this load (one warning for a value of
+    thousands of GPU tensors, not one each)."""
     try:
         where = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise CorruptCheckpointError(f"{what}: unknown device {device!r}") from e
     module = getattr(torch, where.type, None)
     if module is None or not callable(getattr(module, "is_available", None)) or not module.is_available():
-        warnings.warn(f"{what}: tensors saved on {device} come back on the CPU: this process has no "
-                      f"{where.type} device", DeviceAbsentWarning, stacklevel=2)
+        if warned is None or device not in warned:
+            warnings.warn(f"{what}: tensors saved on {device} come back on the CPU: this process has no "
+                          f"{where.type} device", DeviceAbsentWarning, stacklevel=2)
+        if warned is not None:
+            warned.add(device)
         return tensor
     if where.index is not None and where.index >= module.device_count():
         where = torch.device(where.type)
@@ -487,6 +492,7 @@ class _Decoder:
         self.place = place  # tensors whose node records a device go back to it
         self._made: dict[tuple[Any, ...], torch.Tensor] = {}  # one object per stored tensor: ties survive
         self.used: set[str] = set()  # the tensor names the tree referenced
+        self._devices_warned: set[str] = set()  # absent devices already warned about (once per tree)
 
     def decode(self, node: Any, depth: int) -> Any:
         if type(node) in _JSON_SCALARS or node is None or isinstance(node, (bool, str, int, float)):
@@ -547,7 +553,7 @@ class _Decoder:
         if order is not None and (not isinstance(order, list) or sorted(order) != list(range(tensor.dim()))):
             raise CorruptCheckpointError(f"{self.where}: tensor {name!r} has a bad dimension order {order!r}")
         if device is not None and self.place:
-            tensor = on_saved_device(tensor, device, f"{self.where}: tensor {name!r}")
+            tensor = on_saved_device(tensor, device, f"{self.where}: tensor {name!r} and any others", self._devices_warned)
         tensor = with_tensor_flags(tensor, bool(node.get("p")), bool(node.get("rg")), order)
         self._made[key] = tensor
         return tensor
