@@ -434,7 +434,9 @@ class Outcome:
         info = dict(info or {})
         if getattr(exc, "rank_tracebacks", None) is not None:
             info["names_ranks"] = True  # already the error naming the ranks that failed: passed on as it is
-        return cls(rank, type(exc).__name__, str(exc), info, "".join(frames)[-4000:])
+        notes = getattr(exc, "__notes__", None)  # where a user's own error came from (capture_entry)
+        message = str(exc) + ("".join(f" ({note})" for note in notes if isinstance(note, str)) if notes else "")
+        return cls(rank, type(exc).__name__, message, info, "".join(frames)[-4000:])
 
 
 # The phase runner. Every collective step of a save or a load is one of four shapes: run on

@@ -50,7 +50,7 @@ from .capture import (
     restore_parameter_flags,
     unwrap_module,
 )
-from .errors import CorruptCheckpointError, IncompatibleCheckpointError, StateArgumentError, UnstorableValueError
+from .errors import CorruptCheckpointError, DistCkptError, IncompatibleCheckpointError, StateArgumentError, UnstorableValueError
 from .rng import numpy_to_plain as _numpy_to_plain
 from .rng import plain_to_numpy as _plain_to_numpy
 from .staging import region_key
@@ -598,7 +598,16 @@ def _link_optimizers(entries: list[Entry]) -> list[Entry]:
 def capture_entry(entry: Entry) -> dict[str, Any]:
     """The entry's state as a tree of tensors and plain values (tagged with its kind; an
     optimizer also with its class, which its state_dict does not say)."""
-    out = {"kind": entry.kind, "state": BY_NAME[entry.kind].capture(entry)}
+    try:
+        state = BY_NAME[entry.kind].capture(entry)
+    except DistCkptError:
+        raise
+    except Exception as e:  # the user's own state_dict(): keep its type (callers catch it), say where
+        if hasattr(e, "add_note"):  # Python >= 3.11
+            e.add_note(f"distckpt: raised while capturing state[{entry.key!r}] ({entry.kind} entry) for a "
+                       "save; nothing of this save was written")
+        raise
+    out = {"kind": entry.kind, "state": state}
     if isinstance(entry.target, torch.optim.Optimizer):
         out["type"] = type(entry.target).__name__
     return out

@@ -54,10 +54,18 @@ def mixed_async_save(rank: int, world: int, url: str) -> None:
         mgr.save(5, _state(rank))
 
 
-def raise_during_save(rank: int, world: int, url: str, async_save: bool = False) -> None:
+class _RaisingStateDict:
+    def state_dict(self) -> dict:
+        raise ValueError("the user's own failure")
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def raise_during_save(rank: int, world: int, url: str, async_save: bool = False, users_error: bool = False) -> None:
     state = _state(rank)
     if rank == 1:
-        state["gen"] = distckpt.per_rank({"bad": object()})
+        state["gen"] = distckpt.per_rank(_RaisingStateDict()) if users_error else distckpt.per_rank({"bad": object()})
     with distckpt.CheckpointManager(url, timeout=30, async_save=async_save) as mgr:
         mgr.save(5, state)
 

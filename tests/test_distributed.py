@@ -69,6 +69,13 @@ def test_a_rank_raising_during_capture_fails_every_rank(ckpt_dir, async_save):
     assert len(msgs) == 1
 
 
+def test_a_users_state_dict_raising_on_one_rank_fails_every_rank_naming_the_entry(ckpt_dir):
+    results = run_world(f"{W}:raise_during_save", 2, url=ckpt_dir, users_error=True)
+    msgs = _same_error_everywhere(results, "CoordinationError", "rank(s) [1]", "ValueError: the user's own failure",
+                                  "state['gen']")
+    assert len(msgs) == 1
+
+
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("on_rank", [pytest.param(0, marks=pytest.mark.faults), 1])  # make test: rank 1, sync and async
 def test_a_rank_failing_to_write_its_own_file_fails_every_rank_and_commits_nothing(ckpt_dir, on_rank, async_save):

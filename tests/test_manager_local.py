@@ -1011,3 +1011,38 @@ def test_a_tensor_and_a_flag_differing_reference_to_it_stay_on_one_memory(ckpt_d
     with torch.no_grad():
         back["first"].add_(1)
     assert torch.equal(back["ref"], torch.arange(4.0) + 1)  # one memory, as at the save
+
+
+class _BrokenStateDict:
+    """A user's object whose state_dict() raises (a bug in their code, or a resource gone)."""
+
+    def __init__(self) -> None:
+        self.broken = False
+
+    def state_dict(self) -> dict:
+        if self.broken:
+            raise ValueError("the user's own failure")
+        return {"n": 1}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_users_state_dict_raising_keeps_its_type_names_the_entry_and_writes_nothing(ckpt_dir, async_save):
+    broken = _BrokenStateDict()
+    state = {"t": torch.arange(3.0), "counter": broken}
+    with distckpt.CheckpointManager(ckpt_dir, async_save=async_save) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        before = sorted(os.listdir(ckpt_dir))
+        broken.broken = True
+        with pytest.raises(ValueError, match="the user's own failure") as info:
+            mgr.save(2, state)
+        notes = getattr(info.value, "__notes__", [])
+        assert any("state['counter']" in note for note in notes), notes
+        assert sorted(os.listdir(ckpt_dir)) == before and mgr.committed_steps() == [1]
+        broken.broken = False
+        mgr.save(3, state)  # the manager goes on
+        mgr.wait()
+        assert sorted(mgr.committed_steps()) == [1, 3]
