@@ -180,6 +180,7 @@ def async_rows(state: dict, root: str, repeats: int) -> list[Row]:
         future.result()
         if i == 0:
             first_peak = peak.extra_bytes  # the first save allocates the staging buffers
+            first_stall, first_dcp_stall = stall, dcp_stall
         else:
             stalls.append(stall)
             dcp_stalls.append(dcp_stall)
@@ -190,6 +191,10 @@ def async_rows(state: dict, root: str, repeats: int) -> list[Row]:
              _copy_floor(state, repeats), "distckpt save (sync)"),
             ("1 rank, local disk", "dcp.async_save stall", statistics.median(dcp_stalls), "distckpt save (sync)"),
             ("1 rank, local disk", "distckpt async_save stall", statistics.median(stalls), "distckpt save (sync)"),
+            ("1 rank, local disk", "dcp.async_save stall, first call of the process (one round)", first_dcp_stall,
+             "distckpt save (sync)"),
+            ("1 rank, local disk", "distckpt async_save stall, first save of the manager (allocates the staging "
+             "buffers; one round)", first_stall, "distckpt save (sync)"),
             ("1 rank, local disk", f"async save, peak extra host memory: first save {first_peak / nbytes:.2f}x "
              f"the state (allocates the staging buffers), later saves {statistics.median(peaks) / nbytes:.2f}x",
              float("nan"), "")]
