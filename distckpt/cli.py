@@ -339,13 +339,44 @@ def cmd_diff(storage: Storage, args: argparse.Namespace) -> int:
         if r["change"] == "values":
             lines.append(f"{r['key']}: {r['changed_elements']} elements changed, max |diff| {r['max_abs_diff']:.6g}")
         elif r["change"] == "value":
-            lines.append(f"{r['key']}: {r['old']!r} -> {r['new']!r}")
+            lines.append(f"{r['key']}: {_value_change(r['old'], r['new'])}")
         elif "old" in r:  # a change of type or of bits alone: the values too
-            lines.append(f"{r['key']}: {r['change']} ({r['old']!r} -> {r['new']!r})")
+            lines.append(f"{r['key']}: {r['change']} ({_brief(r['old'])} -> {_brief(r['new'])})")
         else:
             lines.append(f"{r['key']}: {r['change']}")
     _emit(args, rows, "\n".join(lines) or f"steps {args.a} and {args.b} hold the same state")
     return EXIT_OK
+
+
+_BRIEF_CHARS = 80
+
+
+def _brief(value: Any) -> str:
+    """A value for the text form of `diff`: whole when short; a long list or tuple (an RNG state's
+    624-word key) as its first items and length. --json holds every value whole."""
+    text = repr(value)
+    if len(text) <= _BRIEF_CHARS:
+        return text
+    if isinstance(value, (list, tuple)):
+        shown = []
+        for item in value:
+            shown.append(repr(item))
+            if sum(len(x) + 2 for x in shown) > _BRIEF_CHARS // 2:
+                break
+        return f"{type(value).__name__} of {len(value)} items [{', '.join(shown)}, ...]"
+    return text[:_BRIEF_CHARS - 3] + "..."
+
+
+def _value_change(old: Any, new: Any) -> str:
+    """Two lists of one length (an RNG state) by what differs in them; other values briefly."""
+    if isinstance(old, (list, tuple)) and type(old) is type(new) and len(old) == len(new) \
+            and len(repr(old)) > _BRIEF_CHARS:
+        differ = [i for i, (a, b) in enumerate(zip(old, new)) if repr(a) != repr(b)]
+        if differ:
+            i = differ[0]
+            return (f"{type(old).__name__} of {len(old)} items, {len(differ)} differ (first at [{i}]: "
+                    f"{_brief(old[i])} -> {_brief(new[i])})")
+    return f"{_brief(old)} -> {_brief(new)}"
 
 
 class _Parser(argparse.ArgumentParser):

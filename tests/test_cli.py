@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -391,3 +393,22 @@ def test_a_file_given_as_the_root_is_said_to_be_a_file(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert cli.main(["inspect", str(tmp_path / "afile")]) == 2
     assert "is a file, not a checkpoint root" in capsys.readouterr().err
+
+
+def test_diff_text_abbreviates_long_values_and_json_keeps_them_whole(tmp_path, capsys):
+    """An RNG state is hundreds of words: the text form showed each changed one whole (two steps
+    printed ~600-number lists per rank), unreadable; it now shows the first items and the length."""
+    url = str(tmp_path / "ckpt")
+    with distckpt.CheckpointManager(url) as mgr:
+        for step in (1, 2):
+            random.random()
+            np.random.rand()
+            mgr.save(step, {"config": {"schedule": list(range(step, step + 500))}})
+    code, out = run(capsys, "diff", url, "1", "2")
+    assert code == 0 and "config" in out, out
+    assert max(len(line) for line in out.splitlines()) < 250, out
+    assert "list of 500 items, 500 differ (first at [0]: 1 -> 2)" in out, out
+    code, out = run(capsys, "diff", url, "1", "2", "--json")
+    rows = {r["key"]: r for r in json.loads(out)}
+    schedule = next(r for k, r in rows.items() if k.endswith("config/state/schedule"))
+    assert schedule["new"] == list(range(2, 502))
