@@ -239,3 +239,42 @@ def test_an_unwrapped_iterable_dataset_in_the_main_process_resumes_exactly(tmp_p
             assert mgr.load_latest({"loader": loader}).step == 5
         resumed = _run(loader, range(6, STEPS))
         assert resumed == reference[6:]
+
+
+class Plain(Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i)])
+
+
+def random_crop_and_mask(items: list) -> torch.Tensor:
+    """A collate_fn that draws, as Hugging Face's language-modelling collators do, in the worker."""
+    batch = torch.stack(items)
+    keep = random.randint(0, 3) + float(np.random.rand())
+    return torch.cat([batch + keep, torch.rand(len(items), 1)], dim=1)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_collate_fn_drawing_in_the_workers_resumes_exactly_with_the_dataset_wrapped(tmp_path, workers):
+    """__getitem__ draws nothing; the collate_fn does (in the workers when there are some).
+    Without the wrapper the 2-worker case differs after the resume (checked by hand)."""
+    def make() -> tuple[StatefulDataLoader, dict]:
+        loader = StatefulDataLoader(distckpt.with_worker_rng(Plain()), batch_size=2, shuffle=True,
+                                    num_workers=workers, collate_fn=random_crop_and_mask)
+        return loader, {"loader": loader}
+
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    loader, state = make()
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        reference = _run(loader, range(STEPS), 5, mgr, state)
+    torch.manual_seed(99)
+    random.seed(99)
+    np.random.seed(99)
+    loader, state = make()
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr.load_latest(state).step == 5
+    assert _run(loader, range(6, STEPS)) == reference[6:]
