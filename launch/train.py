@@ -122,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--overlap-snapshot", action="store_true", help="with --async-save: parameters and optimizer "
+                   "state copied while the next step runs (on a GPU: on a side stream)")
     p.add_argument("--local-dir", default=None, help="two tiers: every save commits to this node-local "
                    "directory, every --durable-every'th also to --ckpt (and the pre-emption and last saves)")
     p.add_argument("--durable-every", type=int, default=None)
@@ -202,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
              "config": {"lr": 3e-3, "batch_size": args.batch, "block": block, "workers": args.workers}}
     mgr = distckpt.CheckpointManager(args.ckpt, keep_last=args.keep_last, async_save=args.async_save,
                                      timeout=120, world_size_policy=args.world_size_policy,
-                                     local_dir=args.local_dir, durable_every=args.durable_every)
+                                     local_dir=args.local_dir, durable_every=args.durable_every,
+                                     overlap_snapshot=args.overlap_snapshot)
     progress = mgr.load_latest(state)
     step = progress.step + 1 if progress else 0
     epoch = progress.epoch if progress else 0

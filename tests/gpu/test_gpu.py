@@ -219,7 +219,8 @@ def _gpu_job(tmp_path, extra: list[str], kill_at: str = "step:27", nproc: int = 
     assert result.identical, result.table
 
 
-@pytest.mark.parametrize("extra", [[], ["--async-save"], ["--fsdp"]], ids=["sync", "async", "fsdp2"])
+@pytest.mark.parametrize("extra", [[], ["--async-save"], ["--async-save", "--overlap-snapshot"], ["--fsdp"]],
+                         ids=["sync", "async", "async-overlap", "fsdp2"])
 def test_training_on_the_gpu_killed_and_resumed_is_bit_for_bit(tmp_path, extra):
     _gpu_job(tmp_path, ["--ckpt-every", "10", *extra])
 
