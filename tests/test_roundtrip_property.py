@@ -49,9 +49,13 @@ def tensors(draw):
         t = t.reshape(1, -1)[:, -1]
     kind = draw(st.sampled_from(["tensor", "parameter", "requires_grad"]))
     if t.is_floating_point() and kind == "parameter":
-        return nn.Parameter(t, requires_grad=draw(st.booleans()))
-    if t.is_floating_point() and kind == "requires_grad":
-        return t.detach().requires_grad_(True)
+        t = nn.Parameter(t, requires_grad=draw(st.booleans()))
+    elif t.is_floating_point() and kind == "requires_grad":
+        t = t.detach().requires_grad_(True)
+    # Layouts torch's own memory formats and transposes make keep every stride, size-1 dims' too
+    # (a 1x1 convolution's channels_last weight); a slice's or logits[:, -1]'s odd size-1 stride
+    # comes back canonical (README). An attribute of the saved object: compared in assert_identical.
+    t._every_stride_kept = layout in ("contiguous", "transposed", "channels_last")  # type: ignore[attr-defined]
     return t
 
 
@@ -100,6 +104,8 @@ def assert_identical(a, b, path="value", seen=None):
     assert type(a) is type(b), f"{path}: {type(a).__name__} saved, {type(b).__name__} loaded"
     if isinstance(a, torch.Tensor):
         assert (a.dtype, a.shape, a.requires_grad) == (b.dtype, b.shape, b.requires_grad), path
+        if a.numel() and getattr(a, "_every_stride_kept", False):
+            assert a.stride() == b.stride(), f"{path}: strides {a.stride()} saved, {b.stride()} loaded"
         if a.numel() and (a.is_contiguous() or a.is_contiguous(memory_format=torch.channels_last) or _dense(a)):
             strides = [(x, y) for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1]  # a size-1 dim's is moot
             assert all(x == y for x, y in strides), f"{path}: strides {a.stride()} saved, {b.stride()} loaded"
@@ -492,3 +498,38 @@ def test_config_diff_lists_a_key_exactly_when_its_value_would_not_come_back_iden
     with distckpt.CheckpointManager(root) as mgr:
         progress = mgr.load_latest({"config": {"v": now}})
     assert (progress.config_diff == ()) == identical, (value, now, progress.config_diff)
+
+
+@settings(max_examples=max(10, EXAMPLES // 3), deadline=None, derandomize=True)
+@given(t=tensors(), async_save=st.booleans())
+def test_a_parameter_and_its_detach_in_one_value_come_back_on_one_memory(tmp_path_factory, t, async_save):
+    """An EMA helper keeping `p` and `p.detach()`: stored once, back as two objects on one memory
+    (an update through one shows in the other), each with its own flags."""
+    if not t.is_floating_point() or t.numel() == 0:
+        t = torch.arange(6.0).reshape(2, 3)
+    p = t if isinstance(t, nn.Parameter) else nn.Parameter(t.detach())
+    value = {"p": p, "d": p.detach()}
+    back, _ = _through_the_manager(tmp_path_factory.mktemp("pd"), value, async_save=async_save)
+    assert type(back["p"]) is nn.Parameter and type(back["d"]) is torch.Tensor
+    assert back["p"].data_ptr() == back["d"].data_ptr() and back["p"].stride() == back["d"].stride()
+    assert torch.equal(_bits(back["p"]), _bits(p)) and back["p"].requires_grad == p.requires_grad
+    assert not back["d"].requires_grad
+
+
+@settings(max_examples=max(20, EXAMPLES), deadline=None, derandomize=True)
+@given(data=st.data())
+def test_every_dense_dimension_order_comes_back_with_every_stride(tmp_path_factory, data):
+    """A tensor laid out in any dimension order by torch itself (a permute of a compact tensor,
+    channels_last), size-1 dimensions included: every stride comes back (empty_like and
+    suggest_memory_format read the size-1 ones too; a 1x1 convolution's channels_last weight
+    came back row-major)."""
+    shape = data.draw(st.lists(st.integers(1, 3), min_size=2, max_size=4), label="shape")
+    if len(shape) == 4 and data.draw(st.booleans(), label="channels_last"):
+        t = torch.randn(shape).contiguous(memory_format=torch.channels_last)
+    else:
+        order = data.draw(st.permutations(range(len(shape))), label="order")
+        inverse = [order.index(d) for d in range(len(shape))]
+        t = torch.randn([shape[d] for d in order]).permute(*inverse)
+    back, _ = _through_the_manager(tmp_path_factory.mktemp("order"), t)
+    assert back.stride() == t.stride(), (shape, t.stride(), back.stride())
+    assert torch.equal(back, t)
