@@ -316,14 +316,18 @@ def _damaged_among_kept(storage: Storage, committed: list[Any], args: argparse.N
 
 
 def cmd_gc(storage: Storage, args: argparse.Namespace) -> int:
+    uploads: list[str] = []
     if args.dry_run:  # the same decisions as the real collection
-        doomed = [mf.parse_step_dir(n) for n in collect_leftovers(storage, args.grace_s, dry_run=True)]
-        _emit(args, {"dry_run": True, "removed": doomed},
-              "\n".join(f"would remove uncommitted step {s}" for s in doomed) or "nothing to collect")
+        doomed = [mf.parse_step_dir(n) for n in collect_leftovers(storage, args.grace_s, dry_run=True, uploads=uploads)]
+        lines = [f"would remove uncommitted step {s}" for s in doomed]
+        lines += [f"would abort the abandoned upload of {key}" for key in uploads]
+        _emit(args, {"dry_run": True, "removed": doomed, "aborted_uploads": uploads},
+              "\n".join(lines) or "nothing to collect")
         return EXIT_OK
-    removed = collect_leftovers(storage, args.grace_s)
-    _emit(args, {"dry_run": False, "removed": [mf.parse_step_dir(n) for n in removed]},
-          "\n".join(f"removed uncommitted {n}" for n in removed) or "nothing to collect")
+    removed = collect_leftovers(storage, args.grace_s, uploads=uploads)
+    lines = [f"removed uncommitted {n}" for n in removed] + [f"aborted the abandoned upload of {key}" for key in uploads]
+    _emit(args, {"dry_run": False, "removed": [mf.parse_step_dir(n) for n in removed], "aborted_uploads": uploads},
+          "\n".join(lines) or "nothing to collect")
     return EXIT_OK
 
 

@@ -161,12 +161,13 @@ def _is_directory(storage: Storage, path: str) -> bool:
 
 def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None,
                       index: CommitIndex | None = None, skip: frozenset[str] = frozenset(),
-                      dry_run: bool = False) -> list[str]:
+                      dry_run: bool = False, uploads: list[str] | None = None) -> list[str]:
     """Remove step directories without a marker that are older than `grace_s`; returns them.
     Files that committed checkpoints reference (incremental) stay until nothing does. With the
     manager's `index` (scanned just before), which steps are committed comes from its listing.
     Directories in `skip` (retired steps whose files the Sweeper is removing) are left to it.
-    `dry_run`: what would be removed, removing nothing (the same decisions, for `distckpt gc`)."""
+    `dry_run`: what would be removed, removing nothing (the same decisions, for `distckpt gc`).
+    `uploads`: filled with the abandoned multipart uploads aborted (or, dry run, to abort)."""
     now = time.time() if now is None else now
     if index is None:
         index = CommitIndex(storage)
@@ -202,11 +203,11 @@ def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None
             log.warning("gc: skipping %s/%s: %s", storage.url, name, e)
             continue
         removed.append(name)
-    if dry_run:
-        return removed
-    aborted = storage.collect_abandoned_uploads(grace_s)
-    if aborted:
-        log.info("aborted %d abandoned multipart upload(s) under %s", aborted, storage.url)
+    aborted = storage.collect_abandoned_uploads(grace_s, dry_run=dry_run)
+    if aborted and not dry_run:
+        log.info("aborted %d abandoned multipart upload(s) under %s", len(aborted), storage.url)
+    if uploads is not None:
+        uploads.extend(aborted)
     return removed
 
 

@@ -328,3 +328,46 @@ def test_requests_per_save_and_per_load_do_not_grow_with_the_number_of_committed
             assert mgr.committed_steps()[0] == history
     assert per_save[16] <= per_save[3] + 1, per_save
     assert per_load[16] <= per_load[3] + 1, per_load
+
+
+def test_gc_names_the_abandoned_uploads_it_aborts_and_leaves_a_sibling_roots_alone(s3_server, s3_url, monkeypatch,
+                                                                                    capsys):
+    """`gc --dry-run` listed nothing while an upload a kill had abandoned was open, and `gc` aborted
+    it without a word; the listing's bare prefix also matched a sibling root (runs/a vs runs/ab),
+    whose uploads a gc of runs/a aborted."""
+    import json
+
+    import s3fs
+
+    from distckpt import cli
+
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options())
+    with distckpt.CheckpointManager(s3_url, storage_options=s3_server.storage_options()) as mgr:
+        mgr.save(1, state_with(0))
+
+    def open_upload(key: str) -> str:
+        upload = fs.call_s3("create_multipart_upload", Bucket="ckpt", Key=key)
+        fs.call_s3("upload_part", Bucket="ckpt", Key=key, UploadId=upload["UploadId"], PartNumber=1,
+                   Body=b"x" * (5 * 2**20))
+        return upload["UploadId"]
+
+    mine = "step-000000002/replicated/state.g000001.safetensors"
+    open_upload(f"{s3_url[10:]}/{mine}")
+    sibling = f"{s3_url[10:]}x/step-000000002/replicated/state.g000001.safetensors"
+    open_upload(sibling)
+
+    def open_keys() -> set[str]:
+        return {u["Key"] for u in fs.call_s3("list_multipart_uploads", Bucket="ckpt",
+                                             Prefix=s3_url[10:]).get("Uploads", [])}
+
+    assert cli.main(["gc", s3_url, "--grace-s", "0", "--dry-run", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["aborted_uploads"] == [mine], planned
+    assert open_keys() == {f"{s3_url[10:]}/{mine}", sibling}  # a dry run aborts nothing
+    assert cli.main(["gc", s3_url, "--grace-s", "0"]) == 0
+    assert f"aborted the abandoned upload of {mine}" in capsys.readouterr().out
+    assert open_keys() == {sibling}  # the sibling root's upload is not ours
+    with distckpt.CheckpointManager(s3_url, storage_options=s3_server.storage_options()) as mgr:
+        assert mgr.committed_steps() == [1]

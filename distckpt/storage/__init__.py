@@ -88,8 +88,9 @@ class Storage(Protocol):
     def remove_tree(self, path: str) -> None:
         """Remove a directory and everything under it; absent is fine."""
 
-    def collect_abandoned_uploads(self, grace_s: float) -> int:
-        """Abort uploads that never completed and are older than `grace_s`; returns how many."""
+    def collect_abandoned_uploads(self, grace_s: float, dry_run: bool = False) -> list[str]:
+        """Abort uploads under the root that never completed and are older than `grace_s`;
+        returns their paths (relative to the root). `dry_run`: only name them."""
 
 
 class NonAtomicStorageWarning(UserWarning):

@@ -167,8 +167,8 @@ class FsspecStorage:
             newest = t if newest is None else max(newest, t)
         return newest
 
-    def collect_abandoned_uploads(self, grace_s: float) -> int:
-        return 0  # one-call writes leave nothing behind
+    def collect_abandoned_uploads(self, grace_s: float, dry_run: bool = False) -> list[str]:
+        return []  # one-call writes leave nothing behind
 
     def remove_file(self, path: str) -> None:
         target = _join(self.root, path)

@@ -197,8 +197,8 @@ class LocalStorage:
             newest = os.stat(self._abs(path)).st_mtime
         return newest
 
-    def collect_abandoned_uploads(self, grace_s: float) -> int:
-        return 0  # temporary files of dead writers live inside step directories, collected with them
+    def collect_abandoned_uploads(self, grace_s: float, dry_run: bool = False) -> list[str]:
+        return []  # temporary files of dead writers live inside step directories, collected with them
 
     def remove_file(self, path: str) -> None:
         full = self._abs(path)

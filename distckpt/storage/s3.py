@@ -326,23 +326,31 @@ class S3Storage(ConditionalCreateStorage):
         times = [info["LastModified"].timestamp() for info in found.values() if info.get("LastModified")]
         return max(times, default=None)
 
-    def collect_abandoned_uploads(self, grace_s: float) -> int:
+    def collect_abandoned_uploads(self, grace_s: float, dry_run: bool = False) -> list[str]:
         bucket, _, prefix = self.root.partition("/")
-        try:
-            listing = self._call("listing uploads under", self.root, "call_s3", "list_multipart_uploads",
-                                 Bucket=bucket, Prefix=prefix)
-        except StorageError as e:
-            log.warning("listing multipart uploads under %s failed: %s", self.url, e)
-            return 0
-        aborted = 0
-        for upload in listing.get("Uploads", []):
-            initiated = upload.get("Initiated")
-            age = time.time() - initiated.timestamp() if initiated is not None else grace_s
-            if age >= grace_s:
-                self._call("aborting the upload of", f"{bucket}/{upload['Key']}", "call_s3",
-                           "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
-                aborted += 1
-        return aborted
+        # The root's own keys only: "runs/a" as a bare prefix also matched "runs/ab/...", another
+        # job's uploads, which a gc of runs/a then aborted.
+        prefix = prefix.rstrip("/") + "/" if prefix else ""
+        found: list[str] = []
+        request: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+        while True:
+            try:
+                page = self._call("listing uploads under", self.root, "call_s3", "list_multipart_uploads", **request)
+            except StorageError as e:
+                log.warning("listing multipart uploads under %s failed: %s", self.url, e)
+                return found
+            for upload in page.get("Uploads", []):
+                initiated = upload.get("Initiated")
+                age = time.time() - initiated.timestamp() if initiated is not None else grace_s
+                if age < grace_s or not upload["Key"].startswith(prefix):
+                    continue
+                if not dry_run:
+                    self._call("aborting the upload of", f"{bucket}/{upload['Key']}", "call_s3",
+                               "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                found.append(upload["Key"][len(prefix):])
+            if not page.get("IsTruncated") or not page.get("NextKeyMarker"):
+                return found
+            request.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page.get("NextUploadIdMarker", ""))
 
 
 def _number(options: dict[str, Any], name: str, default: Any, kind: type, low: float,
