@@ -579,13 +579,17 @@ def doctor_main(argv: list[str]) -> int:
                             announce=lambda line: print(f"distckpt doctor: {line}", file=sys.stderr, flush=True))
     except (DistCkptError, OSError, subprocess.TimeoutExpired) as e:
         args.command = "doctor"  # _fail names the command (args.command held the user's)
-        return _fail(args, str(e)[-3000:], EXIT_USAGE)
+        message = str(e)
+        if len(message) > 4000:  # the header (which run, how it ended, what it raised) stays
+            head, _, rest = message.partition("its last output:")
+            message = head[:1500] + "its last output (its end):\n..." + rest[-2500:]
+        return _fail(args, message, EXIT_USAGE)
     print(report_json(report) if args.json else report_text(report) + f"\n({time.monotonic() - start:.0f} s)")
     if report.identical:
         return EXIT_OK
-    # 1 means "they differ"; a check that compared nothing (the kill step never reached, no step
-    # committed by both runs) proved nothing either way
-    return EXIT_PROBLEM if report.first_step is not None else EXIT_USAGE
+    # 1 means "they differ" (a checkpoint, or the parameters' fingerprints); a check that compared
+    # nothing after the kill (the kill step never reached, no common step after it) proved nothing
+    return EXIT_PROBLEM if report.differs else EXIT_USAGE
 
 
 def _root_exists(storage: Storage, url: str) -> bool:

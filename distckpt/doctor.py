@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -201,10 +202,25 @@ class Report:
     # loader entries read by workers whose dataset is not wrapped with with_worker_rng (their
     # draws are in no checkpoint, so they never show as a difference of their own)
     unwrapped_worker_loaders: list[str] = field(default_factory=list)
+    killed_after: int | None = None  # the step whose commit the kill followed (from the mark)
+
+    @property
+    def compared_after_the_kill(self) -> list[int]:
+        """The common steps that prove the resume: committed after the kill, by the relaunch.
+        Steps up to the kill were written before it and compare equal whatever the resume does
+        (a script saving once, before the kill, passed with nothing after the resume compared)."""
+        if self.killed_after is None:
+            return list(self.common_steps) if self.resumed else []
+        return [step for step in self.common_steps if step > self.killed_after]
+
+    @property
+    def differs(self) -> bool:
+        """A compared checkpoint differs, or the parameters did (fingerprints, --every)."""
+        return self.first_step is not None or self.first_fingerprint_step is not None
 
     @property
     def identical(self) -> bool:
-        return bool(self.common_steps) and self.first_step is None and self.resumed
+        return bool(self.compared_after_the_kill) and not self.differs and self.resumed
 
 
 def compare_roots(reference: str, resumed: str) -> Report:
@@ -450,6 +466,7 @@ def run_doctor(command: list[str], kill_at: int | None, kill_rank: int | None = 
         raise DistCkptError(f"the killed run failed before step {kill_at} was committed:\n{first.stderr[-2000:]}")
     report = compare_roots(reference, killed)
     report.resumed = os.path.exists(mark)
+    report.killed_after = _killed_after(mark)
     if every is not None:
         report.fingerprint_every = every
         report.first_fingerprint_step = compare_fingerprints(reference, killed)
@@ -459,6 +476,32 @@ def run_doctor(command: list[str], kill_at: int | None, kill_rank: int | None = 
                                     f"(fingerprints every {every} steps): look at what that step and the one "
                                     "before do differently after a resume")
     return report
+
+
+def _killed_after(mark: str) -> int | None:
+    """The step the kill followed, as _maybe_kill wrote it ("rank R killed after step N")."""
+    try:
+        with open(mark) as f:
+            found = re.search(r"killed after step (-?\d+)", f.read())
+    except OSError:
+        return None
+    return int(found.group(1)) if found else None
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Warning)\b:? .*$",
+                             re.MULTILINE)
+
+
+def _failure(what: str, detail: str, stdout: str, stderr: str) -> DistCkptError:
+    """The error for a run that failed or hung: its header, the exceptions it raised (their
+    lines, wherever they are in the output: a long traceback after them pushed them out of the
+    tail), then the tail of its output."""
+    raised = list(dict.fromkeys(m.group(0).strip() for m in _EXCEPTION_LINE.finditer(stderr + "\n" + stdout)))
+    lines = [f"{what} {detail}"]
+    if raised:
+        lines.append("raised: " + " | ".join(line[:300] for line in raised[:4]))
+    lines.append(f"its last output:\n{stdout[-1500:]}\n{stderr[-3000:]}")
+    return DistCkptError("\n".join(lines))
 
 
 def _run(command: list[str], extra: dict[str, str], timeout: float, what: str, check: bool = True,
@@ -482,11 +525,11 @@ def _run(command: list[str], extra: dict[str, str], timeout: float, what: str, c
             _kill_session(child)
             raise
     if hung:
-        raise DistCkptError(f"{what} did not end within {timeout:g}s (--timeout): it hung (at exit, or in a step), "
-                            f"so it was killed with its ranks. Its last output:\n{stdout[-1500:]}\n{stderr[-3000:]}")
+        raise _failure(what, f"did not end within {timeout:g}s (--timeout): it hung (at exit, or in a step), "
+                             "so it was killed with its ranks", stdout, stderr)
     result = subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
     if check and result.returncode != 0:
-        raise DistCkptError(f"{what} exited {result.returncode}:\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}")
+        raise _failure(what, f"exited {result.returncode}", result.stdout, result.stderr)
     return result
 
 
@@ -503,6 +546,9 @@ def report_text(report: Report) -> str:
         lines.append(f"only uninterrupted: {report.only_uninterrupted}; only killed-and-resumed: {report.only_killed}")
     if not report.resumed:
         lines.append("the killed run never reached the step to kill at: nothing was proven")
+    elif report.common_steps and not report.compared_after_the_kill:
+        lines.append(f"no step committed by both runs after the kill (after step {report.killed_after}): the resumed "
+                     "run's checkpoints were not compared; save at least once after the step killed at")
     if report.per_step:
         lines.append(f"{'step':>8}  {'uninterrupted vs killed-and-resumed'}")
         for step, entries in report.per_step.items():
@@ -519,6 +565,11 @@ def report_text(report: Report) -> str:
     if report.unused_streams:
         lines.append(f"left out: {', '.join(report.unused_streams)} — never seeded and never drawn from (the same at "
                      "every step of each run, different between the runs); seed them to have them compared")
+    if report.first_step is None and report.first_fingerprint_step is not None:
+        lines.append(f"VERDICT: differs — the parameters first differ after optimizer step "
+                     f"{report.first_fingerprint_step} (no compared checkpoint differs)")
+        lines += ["likely cause:"] + [f"  {c}" for c in report.causes]
+        return "\n".join(lines)
     if report.first_step is None:
         lines.append("VERDICT: bitwise identical at every common step" if report.identical else "VERDICT: not proven")
         return "\n".join(lines)
@@ -535,4 +586,6 @@ def report_text(report: Report) -> str:
 def report_json(report: Report) -> str:
     data = asdict(report)
     data["identical"] = report.identical
+    data["differs"] = report.differs
+    data["compared_after_the_kill"] = report.compared_after_the_kill
     return json.dumps(data, default=str)

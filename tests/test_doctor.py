@@ -172,16 +172,46 @@ def test_a_run_that_hangs_is_killed_with_its_children_at_the_timeout(tmp_path, c
 
 
 
-@pytest.mark.parametrize("resumed, common, first, code", [
-    (False, [4, 9], None, 2),   # the kill step never reached: nothing proven, not "they differ"
-    (True, [], None, 2),        # no step committed by both runs
-    (True, [4, 9], None, 0),
-    (True, [4, 9], 9, 1),
+@pytest.mark.parametrize("resumed, common, first, killed_after, fingerprint, code", [
+    (False, [4, 9], None, None, None, 2),  # the kill step never reached: nothing proven, not "they differ"
+    (True, [], None, 4, None, 2),          # no step committed by both runs
+    (True, [4, 9], None, 4, None, 0),
+    (True, [4, 9], 9, 4, None, 1),
+    # a script saving once, before the kill: the one common step was written before it, so the
+    # resume was never compared (this passed, exit 0)
+    (True, [4], None, 4, None, 2),
+    # the same with --every: the fingerprints differ after the resume (this passed, exit 0)
+    (True, [4], None, 4, 5, 1),
+    (True, [4, 9], None, 4, 7, 1),
 ])
-def test_the_doctors_exit_status_says_differ_only_when_they_differ(monkeypatch, capsys, resumed, common, first, code):
+def test_the_doctors_exit_status_says_differ_only_when_they_differ(monkeypatch, capsys, resumed, common, first,
+                                                                   killed_after, fingerprint, code):
     from distckpt import doctor
 
-    report = doctor.Report(common, [], [], first, resumed=resumed)
+    report = doctor.Report(common, [], [], first, resumed=resumed, killed_after=killed_after,
+                           fingerprint_every=1 if fingerprint else None, first_fingerprint_step=fingerprint,
+                           fingerprints_taken=bool(fingerprint))
     monkeypatch.setattr(doctor, "run_doctor", lambda *a, **k: report)
     assert cli.main(["doctor", "--json", "--", "true"]) == code
-    assert json.loads(capsys.readouterr().out)["resumed"] is resumed
+    data = json.loads(capsys.readouterr().out)
+    assert data["resumed"] is resumed and data["identical"] is (code == 0)
+    assert cli.main(["doctor", "--", "true"]) == code
+    text = capsys.readouterr().out
+    if common == [4] and fingerprint is None:
+        assert "no step committed by both runs after the kill (after step 4)" in text and "not proven" in text, text
+    if fingerprint is not None and first is None:
+        assert f"VERDICT: differs — the parameters first differ after optimizer step {fingerprint}" in text, text
+
+
+def test_a_failed_runs_error_keeps_its_header_and_what_it_raised_above_a_long_tail(tmp_path, capsys):
+    """The report kept the last 3,000 characters only: which run failed, and the exception a long
+    traceback followed, were cut off ("distckpt doctor: 0]:      ^^^^^")."""
+    script = ("import sys; print('ValueError: the batch size 0 is not allowed', file=sys.stderr); "
+              "print('x' * 120 + '\\n', end='', file=sys.stderr) if False else None; "
+              "[print('filler line ' + str(i), file=sys.stderr) for i in range(2000)]; sys.exit(3)")
+    code = cli.main(["doctor", "--json", "--workdir", str(tmp_path / "doctor"), "--", sys.executable, "-c", script])
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert code == 2
+    assert error.startswith("the uninterrupted run exited 3"), error[:300]
+    assert "raised: ValueError: the batch size 0 is not allowed" in error, error[:600]
+    assert "filler line 1999" in error  # and the tail is still there
