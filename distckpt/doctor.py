@@ -417,6 +417,10 @@ def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
     if any(d.path.startswith("training/") or "/training/" in d.path for d in diffs):
         causes.append("a module's training flag differs → a validation pass left a submodule in eval mode "
                       "differently; put the model in state as trained and call .train() after validation")
+    if "scheduler" not in entries and any(d.entry == "optimizer" and re.search(r"param_groups/\d+/(lr|initial_lr)$", d.path)
+                                          for d in diffs):
+        causes.append("the optimizer's learning rate differs → the learning-rate schedule did not resume: is the "
+                      "LR scheduler in `state` (and stepped at the same points after a resume)?")
     if "rng" in entries:
         causes.append("a process-wide stream (Python, NumPy, torch) differs → something draws random numbers "
                       "at a different point after a resume (a fresh DDP/compile warm-up, an iterator created "

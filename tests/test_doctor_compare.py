@@ -95,3 +95,16 @@ def test_a_difference_in_a_tensor_that_requires_grad_is_described_without_a_warn
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _describe(a * 1.0, b * 1.0) == "3 of 3 elements differ, max |diff| 1"
+
+
+def test_a_learning_rate_difference_points_at_the_scheduler():
+    """A scheduler left out of `state`: the optimizer's lr differs after the resume, and the cause
+    given was a random stream outside `state`, which sent the user the wrong way."""
+    from distckpt.doctor import Difference, Report, likely_causes
+
+    diffs = [Difference(14, "replicated", "optimizer", "state/param_groups/0/lr", "0.000625 uninterrupted, 0.00166 resumed"),
+             Difference(14, "replicated", "model", "state_dict/0.weight", "12 of 12 elements differ")]
+    causes = likely_causes(diffs, Report([4, 9, 14], [], [], 14))
+    assert "LR scheduler in `state`" in causes[0], causes
+    with_scheduler = diffs + [Difference(14, "replicated", "scheduler", "last_epoch", "13 uninterrupted, 12 resumed")]
+    assert not any("LR scheduler in `state`" in c for c in likely_causes(with_scheduler, Report([14], [], [], 14)))
