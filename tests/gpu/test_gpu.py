@@ -75,6 +75,12 @@ def test_async_save_stages_gpu_tensors_in_pinned_reused_buffers(tmp_path):
     assert torch.equal(fresh_state["model"].weight.cpu(), saved)
 
 
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+
+
 def test_overlapped_async_save_of_gpu_state_keeps_the_values_of_the_save(tmp_path):
     """The optimizer step right after save() changes every parameter on the GPU; the checkpoint
     must hold the values of the save, whatever the copy to the host was doing meanwhile."""
@@ -83,18 +89,13 @@ def test_overlapped_async_save_of_gpu_state_keeps_the_values_of_the_save(tmp_pat
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randn(64, 1024, device="cuda")
 
-    def step() -> None:
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
-
-    step()
+    _train_step(model, opt, x)
     state = {"model": model, "optimizer": opt}
     with distckpt.CheckpointManager(str(tmp_path), async_save=True, overlap_snapshot=True) as mgr:
         for n in range(3):
             expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
             mgr.save(n, state)
-            step()  # mutates every parameter and moment at once
+            _train_step(model, opt, x)  # mutates every parameter and moment at once
     fresh = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).cuda()
     with distckpt.CheckpointManager(str(tmp_path)) as mgr:
         mgr.load({"model": fresh}, step=2)
@@ -112,12 +113,7 @@ def test_overlapped_save_of_gpu_state_returns_before_the_side_stream_copy_ran(tm
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x = torch.randn(32, 512, device="cuda")
 
-    def step() -> None:
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
-
-    step()
+    _train_step(model, opt, x)
     state = {"model": model, "optimizer": opt}
     with distckpt.CheckpointManager(str(tmp_path), async_save=True, overlap_snapshot=True) as mgr:
         torch.cuda.synchronize()
@@ -127,7 +123,7 @@ def test_overlapped_save_of_gpu_state_returns_before_the_side_stream_copy_ran(tm
         current_busy = not torch.cuda.current_stream().query()
         side = mgr._staging._side_streams[torch.device("cuda", 0)]
         side_busy = not side.query()
-        step()  # its pre-hook waits for the copy
+        _train_step(model, opt, x)  # its pre-hook waits for the copy
         mgr.wait()
     assert current_busy and side_busy, "save() waited for the GPU"
     fresh = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)).cuda()
