@@ -492,7 +492,7 @@ def _killed_after(mark: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Warning)\b:? .*$",
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)\b:? .*$",
                              re.MULTILINE)
 
 
