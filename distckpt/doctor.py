@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -203,6 +204,7 @@ class Report:
     # draws are in no checkpoint, so they never show as a difference of their own)
     unwrapped_worker_loaders: list[str] = field(default_factory=list)
     killed_after: int | None = None  # the step whose commit the kill followed (from the mark)
+    workdir: str | None = None  # where both runs' roots are kept (None: a temporary one, removed)
 
     @property
     def compared_after_the_kill(self) -> list[int]:
@@ -450,7 +452,30 @@ def _check_kill_rank(kill_rank: int | None, world_mark: str) -> None:
 def run_doctor(command: list[str], kill_at: int | None, kill_rank: int | None = None, workdir: str | None = None,
                timeout: float = 3600.0, steps: int | None = None, every: int | None = None,
                announce: Callable[[str], None] | None = None) -> Report:
-    workdir = workdir or tempfile.mkdtemp(prefix="distckpt-doctor-")
+    """Both runs and their comparison. A temporary work folder (no `workdir` given) is removed
+    when the runs are bitwise identical and kept, its path in the report or the error, when
+    they are not or a run failed: its two roots are what `distckpt diff` and `ls` look into."""
+    if workdir is not None:
+        report = _run_both(command, kill_at, kill_rank, workdir, timeout, steps, every, announce)
+        report.workdir = workdir
+        return report
+    temporary = tempfile.mkdtemp(prefix="distckpt-doctor-")
+    try:
+        report = _run_both(command, kill_at, kill_rank, temporary, timeout, steps, every, announce)
+    except DistCkptError as e:
+        raise DistCkptError(f"{e}\n(both runs' roots are kept in {temporary}; remove it when done)") from e
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)  # Ctrl-C: nothing to look into
+        raise
+    if report.identical:
+        shutil.rmtree(temporary, ignore_errors=True)
+    else:
+        report.workdir = temporary
+    return report
+
+
+def _run_both(command: list[str], kill_at: int | None, kill_rank: int | None, workdir: str, timeout: float,
+              steps: int | None, every: int | None, announce: Callable[[str], None] | None) -> Report:
     reference, killed = os.path.join(workdir, "uninterrupted"), os.path.join(workdir, "killed")
     mark = os.path.join(workdir, "killed.mark")
     stop = {STOP_AFTER_ENV: str(steps)} if steps is not None else {}
@@ -573,10 +598,10 @@ def report_text(report: Report) -> str:
         lines.append(f"VERDICT: differs — the parameters first differ after optimizer step "
                      f"{report.first_fingerprint_step} (no compared checkpoint differs)")
         lines += ["likely cause:"] + [f"  {c}" for c in report.causes]
-        return "\n".join(lines)
+        return "\n".join(lines + _kept(report))
     if report.first_step is None:
         lines.append("VERDICT: bitwise identical at every common step" if report.identical else "VERDICT: not proven")
-        return "\n".join(lines)
+        return "\n".join(lines + _kept(report))
     lines.append(f"VERDICT: differs — first at step {report.first_step}")
     lines.append(f"{'where':<16} {'entry':<18} {'path':<40} detail")
     for d in report.differences[:30]:
@@ -584,7 +609,18 @@ def report_text(report: Report) -> str:
     if len(report.differences) > 30:
         lines.append(f"... and {len(report.differences) - 30} more")
     lines += ["likely cause:"] + [f"  {c}" for c in report.causes]
-    return "\n".join(lines)
+    return "\n".join(lines + _kept(report))
+
+
+def _kept(report: Report) -> list[str]:
+    """Where the two roots are, for a look at what differs (a folder of the doctor's own is removed
+    when the runs are identical, so this names only one worth looking into or the user's own)."""
+    if report.workdir is None:
+        return []
+    step = f" --step {report.first_step}" if report.first_step is not None else ""
+    return [f"both runs' roots are kept: {os.path.join(report.workdir, 'uninterrupted')} and "
+            f"{os.path.join(report.workdir, 'killed')} (distckpt inspect ROOT{step}; remove "
+            f"{report.workdir} when done)"]
 
 
 def report_json(report: Report) -> str:

@@ -251,8 +251,15 @@ def _py_random(r: Any, saved: Any, where: str, world: tuple[int, int], rules: Lo
         raise IncompatibleCheckpointError(f"{where}: the checkpoint holds no random.Random state")
 
 
+# Steps and epochs go into int64 everywhere else (a logger's tensor, DCP's metadata, another
+# reader of the manifest), so a count past int64 is refused rather than stored as a number
+# nothing else can hold.
+LARGEST_COUNT = 2**63 - 1
+
+
 def check_step(name: str, value: Any) -> int:
-    """An argument that counts (a step, an epoch): an int >= 0, not a bool (step=False was step 0)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ConfigError(f"{name}={value!r}: must be an int >= 0")
+    """An argument that counts (a step, an epoch): an int from 0 to 2**63-1, not a bool (step=False
+    was step 0); an IntEnum member or a NumPy integer is taken as its plain int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= int(value) <= LARGEST_COUNT:
+        raise ConfigError(f"{name}={value!r}: must be an int >= 0 (at most 2**63-1)")
     return int(value)

@@ -98,6 +98,7 @@ def test_a_pathlib_path_and_file_urls_are_local_paths(tmp_path):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"step": 1.0}, "step"), ({"step": -1}, "step"), ({"step": True}, "step"), ({"step": "3"}, "step"),
+    ({"step": 2**63}, "step"), ({"step": 2**70}, "step"), ({"epoch": 2**64}, "epoch"),
     ({"epoch": 1.5}, "epoch"), ({"metric": "0.5"}, "metric"), ({"metric": True}, "metric"),
     ({"metric": 10**400}, "metric"), ({"metric": math.nan}, "metric"), ({"metric": torch.ones(2)}, "metric"),
 ])
@@ -118,6 +119,20 @@ def test_metrics_may_be_numpy_numbers_and_one_element_tensors(tmp_path):
         with pytest.raises(distckpt.ConfigError, match="metric"):  # was a raw RuntimeError from .item()
             mgr.save(3, {"x": 1}, metric=torch.tensor(1.0, device="meta"))
     assert distckpt.CheckpointManager(str(tmp_path)).committed_steps()[0] == 2
+
+
+def test_the_largest_int64_step_and_an_intenum_step_come_back_as_plain_ints(tmp_path):
+    import enum
+
+    class Phase(enum.IntEnum):
+        WARMUP = 3
+
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(Phase.WARMUP, {"x": 1}, epoch=Phase.WARMUP)
+        mgr.save(2**63 - 1, {"x": 1})
+        progress = mgr.load(state := {"x": 0}, step=3)
+        assert type(progress.step) is int and type(progress.epoch) is int and state == {"x": 1}
+        assert mgr.committed_steps()[0] == 2**63 - 1
 
 
 def test_keep_best_without_keep_last_says_every_step_is_kept(tmp_path):

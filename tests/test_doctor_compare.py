@@ -108,3 +108,48 @@ def test_a_learning_rate_difference_points_at_the_scheduler():
     assert "LR scheduler in `state`" in causes[0], causes
     with_scheduler = diffs + [Difference(14, "replicated", "scheduler", "last_epoch", "13 uninterrupted, 12 resumed")]
     assert not any("LR scheduler in `state`" in c for c in likely_causes(with_scheduler, Report([14], [], [], 14)))
+
+
+_SCRIPT = (
+    "import random, sys, torch, distckpt\n"
+    "torch.manual_seed(0)\n"
+    "noise = random.Random()  # seeded from the clock: outside `state` unless asked to differ\n"
+    "m = torch.nn.Linear(3, 1)\n"
+    "with distckpt.CheckpointManager('/unused') as mgr:\n"
+    "    p = mgr.load_latest({'model': m})\n"
+    "    for step in range(p.step + 1 if p else 0, 4):\n"
+    "        with torch.no_grad():\n"
+    "            m.weight += noise.random() if 'differ' in sys.argv else 0.5\n"
+    "        mgr.save(step, {'model': m})\n")
+
+
+def _doctor_folders(tmp_path) -> list[str]:
+    return sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("distckpt-doctor-"))
+
+
+@pytest.mark.parametrize("how", ["identical", pytest.param("differ", marks=pytest.mark.faults), "fails"])
+def test_the_doctors_own_work_folder_is_removed_when_identical_and_named_when_kept(tmp_path, monkeypatch, capsys, how):
+    """Each doctor run left a temporary folder of both runs' roots behind (~1 MB), its path said
+    nowhere but in some errors: now an identical verdict removes it, and a difference or a failed
+    run keeps it and names it (that is where a look into what differs starts)."""
+    import sys
+    import tempfile
+
+    from distckpt import cli
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    script = tmp_path / "loop.py"
+    script.write_text(_SCRIPT if how != "fails" else "raise SystemExit('ValueError: no data')\n")
+    code = cli.main(["doctor", "--kill-at", "1", "--", sys.executable, str(script), how])
+    out = capsys.readouterr()
+    folders = _doctor_folders(tmp_path)
+    if how == "identical":
+        assert code == 0 and folders == [] and "kept" not in out.out, out
+        return
+    assert code == (1 if how == "differ" else 2) and len(folders) == 1, (code, folders, out)
+    kept = str(tmp_path / folders[0])
+    said = out.out if how == "differ" else out.err
+    assert kept in said, said[-800:]
+    if how == "differ":
+        assert f"both runs' roots are kept: {kept}/uninterrupted and {kept}/killed" in said
+        assert (tmp_path / folders[0] / "killed").is_dir()

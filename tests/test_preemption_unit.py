@@ -39,6 +39,21 @@ def test_a_loop_that_never_asks_is_terminated_as_usual(tmp_path):
     assert out.returncode == -15 and "ignored" not in out.stdout
 
 
+def test_no_preemption_signals_leaves_the_job_s_own_handler_in_place(tmp_path):
+    out = run(f"""
+        import os, signal, distckpt
+        seen = []
+        signal.signal(signal.SIGTERM, lambda *a: seen.append("own handler"))
+        mgr = distckpt.CheckpointManager({str(tmp_path)!r}, preemption_signals=())
+        assert mgr.preemption_requested() is False
+        os.kill(os.getpid(), signal.SIGTERM)
+        print(seen, "asked:", mgr.preemption_requested())
+        mgr.close()
+    """)
+    assert out.returncode == 0, out.stderr
+    assert "['own handler'] asked: False" in out.stdout
+
+
 _LOADER = """
     import os, signal, sys, time, torch, distckpt
     from torch.utils.data import IterableDataset, TensorDataset
