@@ -89,7 +89,7 @@ def run_trial(s3_server, s3_url: str, proxy, n: int) -> str:
 
 
 def test_s3_failing_from_the_nth_request_sampled(s3_server, s3_url, proxy, save_requests):
-    outcomes = {n: run_trial(s3_server, f"{s3_url}/n{n}", proxy, n) for n in range(1, save_requests + 1, 9)}
+    outcomes = {n: run_trial(s3_server, f"{s3_url}/n{n}", proxy, n) for n in range(1, save_requests + 1, 13)}
     assert "error" in outcomes.values(), outcomes
 
 
