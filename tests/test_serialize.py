@@ -279,3 +279,21 @@ def test_layouts_with_size_1_dimensions_come_back_with_their_strides(make):
     back, _ = roundtrip({"t": t})
     assert back["t"].stride() == t.stride() and torch.equal(back["t"], t)
     assert back["t"].is_contiguous(memory_format=torch.channels_last) == t.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_bools_made_from_other_bytes_and_neg_views_come_back_as_torch_clones_them(tmp_path):
+    """What the README says of values torch itself normalizes when it copies them: a bool viewed
+    from the bytes 2 and 255 comes back with byte 1 (torch's clone() gives the same), a lazy
+    negative view as its resolved values; in a value entry and into a live tensor alike."""
+    import distckpt
+
+    raw = torch.tensor([0, 1, 2, 255], dtype=torch.uint8)
+    flags, negated = raw.view(torch.bool), torch.tensor([1.0, -2.0])._neg_view()
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"value": {"flags": flags, "negated": negated}, "live": flags})
+        state = {"value": None, "live": torch.zeros(4, dtype=torch.bool)}
+        mgr.load(state, step=1)
+    for loaded in (state["value"]["flags"], state["live"]):
+        assert loaded.view(torch.uint8).tolist() == flags.clone().view(torch.uint8).tolist() == [0, 1, 1, 1]
+    assert torch.equal(state["value"]["flags"], flags)
+    assert not state["value"]["negated"].is_neg() and state["value"]["negated"].tolist() == [-1.0, 2.0]
