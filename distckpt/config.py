@@ -103,8 +103,29 @@ def signals(name: str, value: Any) -> tuple[int, ...]:
         if sig in _UNCATCHABLE:
             raise ConfigError(f"{name}: {signal.Signals(sig).name} cannot be caught by any process; "
                               "pre-emption notices arrive as SIGTERM (or SIGUSR1 on some schedulers)")
+        if sig in _NOT_NOTICES:
+            raise ConfigError(f"{name}: {signal.Signals(sig).name} {_NOT_NOTICES[sig]}, not a pre-emption notice; "
+                              "notices arrive as SIGTERM, SIGINT, SIGHUP, SIGUSR1/SIGUSR2, SIGXCPU, SIGPWR or a "
+                              "real-time signal")
         out.append(sig)
     return tuple(dict.fromkeys(out))
+
+
+def _signal_numbers(reason: str, *names: str) -> dict[int, str]:
+    return {int(getattr(signal, n)): reason for n in names if hasattr(signal, n)}
+
+
+# Signals that mean something else to the process: recording them as a notice instead of their
+# effect turned a crash into a hang (SIGSEGV: the faulting instruction ran again forever) and a
+# finished child process into a pre-emption (SIGCHLD).
+_NOT_NOTICES = {
+    **_signal_numbers("is raised by a fault in the process itself (its handler must end it)",
+                      "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS", "SIGABRT"),
+    **_signal_numbers("reports an event of the process's own (a child ended, a closed pipe, a window "
+                      "size, urgent data, job control, a profiler's timer)",
+                      "SIGCHLD", "SIGPIPE", "SIGWINCH", "SIGURG", "SIGCONT", "SIGTSTP", "SIGTTIN", "SIGTTOU",
+                      "SIGPROF", "SIGVTALRM"),
+}
 
 
 def _one_signal(name: str, item: Any) -> int:
@@ -115,10 +136,9 @@ def _one_signal(name: str, item: Any) -> int:
         raise ConfigError(f"{name}: {item!r} is not a signal name (e.g. 'SIGTERM')")
     if isinstance(item, bool) or not isinstance(item, int):
         raise ConfigError(f"{name}: {item!r} is not a signal (e.g. signal.SIGTERM)")
-    try:
-        return int(signal.Signals(item))
-    except ValueError:
-        raise ConfigError(f"{name}: {item!r} is not a signal number on this system") from None
+    if int(item) not in {int(s) for s in signal.valid_signals()}:  # real-time signals have no Signals member
+        raise ConfigError(f"{name}: {item!r} is not a signal number on this system")
+    return int(item)
 
 
 # Every CheckpointManager setting and a value that must be refused, for the one test over all.

@@ -52,8 +52,7 @@ class PreemptionFlag:
         if self.received_at is None:
             note_preempted()  # before anything else: the loader workers got it too, and wait for this
             self.received_at, self.signal = time.monotonic(), signum
-            log.warning("received %s: a checkpoint will be saved at the next step boundary",
-                        signal.Signals(signum).name)
+            log.warning("received %s: a checkpoint will be saved at the next step boundary", signal_name(signum))
 
     @property
     def requested(self) -> bool:
@@ -65,3 +64,10 @@ class PreemptionFlag:
                 signal.signal(sig, previous)
         self._installed.clear()
 
+
+def signal_name(signum: int) -> str:
+    """SIGTERM, or SIGRTMIN+2 for a real-time signal (which has no `signal.Signals` member)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"SIGRTMIN+{signum - signal.SIGRTMIN}" if signal.SIGRTMIN <= signum <= signal.SIGRTMAX else str(signum)

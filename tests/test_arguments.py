@@ -77,6 +77,21 @@ def test_pre_emption_signals_as_names_or_one_signal(tmp_path):
     mgr.close()
 
 
+@pytest.mark.parametrize("sig", ["SIGSEGV", "SIGBUS", "SIGFPE", "SIGABRT", "SIGCHLD", "SIGPIPE", "SIGWINCH", "SIGCONT",
+                                 "SIGTSTP", "SIGPROF"])
+def test_signals_that_mean_something_else_are_not_taken_as_notices(tmp_path, sig):
+    """SIGSEGV as a notice turned a crash into a hang (the fault recorded, the instruction run
+    again); SIGCHLD made a finished `subprocess.run` a pre-emption."""
+    with pytest.raises(distckpt.ConfigError, match=f"preemption_signals: {sig} .* not a pre-emption notice"):
+        distckpt.CheckpointManager(str(tmp_path), preemption_signals=("SIGTERM", sig))
+
+
+def test_notice_signals_schedulers_send_are_taken(tmp_path):
+    sigs = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGXCPU", "SIGPWR", signal.SIGRTMIN + 2)
+    with distckpt.CheckpointManager(str(tmp_path), preemption_signals=sigs) as mgr:
+        assert len(mgr.config.preemption_signals) == len(sigs)
+
+
 @pytest.mark.parametrize("url, match", [
     ("s4://bucket/x", "unknown scheme"), ("S3://bucket/x", "lower case"), ("s3:/bucket/x", "without '//'"),
     ("s3://", "names no bucket"), ("s3:///x", "names no bucket"), ("runs/\x00x", "NUL"), ("", "url"),

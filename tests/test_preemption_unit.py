@@ -54,6 +54,19 @@ def test_no_preemption_signals_leaves_the_job_s_own_handler_in_place(tmp_path):
     assert "['own handler'] asked: False" in out.stdout
 
 
+def test_a_real_time_signal_is_a_notice_too(tmp_path):
+    out = run(f"""
+        import os, signal, distckpt
+        mgr = distckpt.CheckpointManager({str(tmp_path)!r}, preemption_signals=signal.SIGRTMIN + 2)
+        mgr.preemption_requested()
+        os.kill(os.getpid(), signal.SIGRTMIN + 2)
+        print("asked:", mgr.preemption_requested())
+        mgr.close()
+    """)
+    assert out.returncode == 0, out.stderr
+    assert "asked: True" in out.stdout and "received SIGRTMIN+2" in out.stderr, out.stderr
+
+
 _LOADER = """
     import os, signal, sys, time, torch, distckpt
     from torch.utils.data import IterableDataset, TensorDataset
