@@ -9,10 +9,12 @@ import math
 import numbers
 import os
 import signal
+import threading
 import time
 import uuid
 import warnings
-from typing import Any, NoReturn
+from contextlib import contextmanager
+from typing import Any, Iterator, NoReturn
 
 from . import doctor as doctor_hooks
 from . import faults
@@ -117,6 +119,8 @@ class CheckpointManager:
         self._floor: int | None = None   # the step this job resumed from (-1: found nothing)
         self._lease: Lease | None = None  # rank 0, taken at the first save (fencing.py)
         self._closed = False
+        self._call_lock = threading.Lock()
+        self._active_call: tuple[str, int] | None = None  # (method, thread) of the call running
         self._warned_below_newest = False
         self._newest_committed: dict[str, int] = {}  # rank 0, per tier: the highest live step committed, for that warning
         self._preemption = PreemptionFlag(self.config.preemption_signals)
@@ -171,14 +175,15 @@ class CheckpointManager:
         error on every rank when any rank fails.
         """
         self._check_open()
-        refusal = None
-        try:
-            # the metric is rank 0's: elsewhere it may be anything (README) and is not used
-            step, epoch, metric = _check_save_args(step, epoch, metric if self.rank == 0 else None)
-        except ConfigError as e:
-            refusal = self._refused(e)
-        with collector_paused():
-            self._save(step, state, epoch, metric, refusal)
+        with self._sole_call("save"):
+            refusal = None
+            try:
+                # the metric is rank 0's: elsewhere it may be anything (README) and is not used
+                step, epoch, metric = _check_save_args(step, epoch, metric if self.rank == 0 else None)
+            except ConfigError as e:
+                refusal = self._refused(e)
+            with collector_paused():
+                self._save(step, state, epoch, metric, refusal)
 
     def _refused(self, error: ConfigError) -> ConfigError:
         """A refusal of this rank's arguments or state, kept for the call's first agreement, where
@@ -680,8 +685,9 @@ class CheckpointManager:
         (step, epoch, manifest digest) or all raise. Nothing is changed unless every rank
         read and checked everything first.
         """
-        progress = self._load(state, None)
-        self._list_ahead()  # a job that resumes goes on to save: its first retention's listing runs meanwhile
+        with self._sole_call("load_latest"):
+            progress = self._load(state, None)
+            self._list_ahead()  # a job that resumes goes on to save: its first retention's listing runs meanwhile
         return progress
 
     def _list_ahead(self) -> None:
@@ -698,7 +704,8 @@ class CheckpointManager:
             step = check_step("step", step)
         except ConfigError as e:
             refusal = self._refused(e)
-        progress = self._load(state, step, refusal)
+        with self._sole_call("load"):
+            progress = self._load(state, step, refusal)
         assert progress is not None  # load(step=...) raises rather than returning None
         return progress
 
@@ -745,7 +752,8 @@ class CheckpointManager:
         """
         self._check_open()
         self._preemption.armed = True
-        flags = self._coord.all_gather(self._preemption.requested, "preemption/agree")
+        with self._sole_call("preemption_requested"):
+            flags = self._coord.all_gather(self._preemption.requested, "preemption/agree")
         self._preempting = self._preempting or any(flags)
         if any(flags) and self.rank == 0:
             log.warning("rank 0: pre-emption requested by rank(s) %s", [r for r, f in enumerate(flags) if f])
@@ -766,8 +774,9 @@ class CheckpointManager:
         two tiers it also waits for the upload in flight; a failed upload is a warning here
         (DurableUploadWarning) and makes the next save durable."""
         self._check_open()
-        self._finish_pending()
-        self._report_uploads(block=True)
+        with self._sole_call("wait"):
+            self._finish_pending()
+            self._report_uploads(block=True)
 
     def close(self) -> None:
         """Wait for the save in flight, then release the manager's process group (collective).
@@ -775,12 +784,13 @@ class CheckpointManager:
         if it could not be."""
         if self._closed:
             return
-        try:
-            self._finish_pending()
-            self._make_last_save_durable()
-        except Exception:
-            self._shut_down()
-            raise
+        with self._sole_call("close"):
+            try:
+                self._finish_pending()
+                self._make_last_save_durable()
+            except Exception:
+                self._shut_down()
+                raise
         # Not on Ctrl-C (or SystemExit) while waiting: the save in flight and the upload stay
         # pending, the manager open; close() again, or the exit hook, finishes them. Closing then
         # left the writer running with its groups torn down, and the next close() returned at
@@ -813,6 +823,31 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this CheckpointManager is closed; create a new one")
+
+    @contextmanager
+    def _sole_call(self, name: str) -> Iterator[None]:
+        """One manager call at a time. A save() or close() from inside a save (a state_dict(),
+        a hook) committed the inner step, then the outer one below it, or closed the manager
+        under the save still running; two threads' calls crossed their collectives and failed
+        with messages about storage and fencing. Both are refused here, saying which call runs."""
+        me = threading.get_ident()
+        with self._call_lock:
+            running = self._active_call
+            if running is None:
+                self._active_call = (name, me)
+        if running is not None:
+            if running[1] == me:
+                raise ConfigError(f"{name}() called while this CheckpointManager's {running[0]}() is running on the "
+                                  "same thread (from a state_dict(), load_state_dict() or hook it called): manager "
+                                  f"calls do not nest; call {name}() after {running[0]}() returns")
+            raise ConfigError(f"{name}() called from thread {threading.current_thread().name} while this "
+                              f"CheckpointManager's {running[0]}() runs on another thread: a manager's calls are "
+                              "collective and run one at a time, in the same order on every rank; make them "
+                              "from one thread")
+        try:
+            yield
+        finally:
+            self._active_call = None
 
 
 def _check_save_args(step: Any, epoch: Any, metric: Any) -> tuple[int, int | None, float | None]:

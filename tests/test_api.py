@@ -104,3 +104,85 @@ def test_a_save_leaves_the_live_tensors_resizable(tmp_path, options):
     plain.resize_(16)
     with torch.no_grad():
         model.weight.untyped_storage().resize_(0)  # as FSDP1 / ZeRO-3 free a parameter's memory
+
+
+class _CallsTheManager:
+    """A state entry whose state_dict() / load_state_dict() calls back into the manager."""
+
+    def __init__(self, call):
+        self.call, self.errors = call, []
+
+    def _call(self):
+        try:
+            self.call()
+        except distckpt.ConfigError as e:
+            self.errors.append(str(e))
+
+    def state_dict(self):
+        self._call()
+        return {"a": 1}
+
+    def load_state_dict(self, sd):
+        self._call()
+
+
+@pytest.mark.parametrize("inner", ["save", "close", "wait", "load_latest", "preemption_requested"])
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_manager_call_from_inside_a_save_is_refused_and_the_save_goes_on(tmp_path, inner, async_save):
+    """A save() from a state_dict() committed its step, then the outer step below it; a close()
+    there closed the manager under the running save (which still committed)."""
+    mgr = distckpt.CheckpointManager(str(tmp_path), async_save=async_save)
+    calls = {"save": lambda: mgr.save(99, {"z": 1}), "close": mgr.close, "wait": mgr.wait,
+             "load_latest": lambda: mgr.load_latest({"z": 0}), "preemption_requested": mgr.preemption_requested}
+    entry = _CallsTheManager(calls[inner])
+    mgr.save(1, {"r": entry})
+    mgr.wait()
+    assert len(entry.errors) == 1 and f"{inner}() called while this CheckpointManager's save() is running on the " \
+        "same thread" in entry.errors[0], entry.errors
+    assert mgr.committed_steps() == [1]
+    mgr.save(2, {"r": {"a": 1}})  # still open, and the next call is taken
+    mgr.close()
+    assert distckpt.CheckpointManager(str(tmp_path)).committed_steps() == [2, 1]
+
+
+def test_a_manager_call_from_inside_a_load_is_refused_and_nothing_changes(tmp_path):
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"r": _CallsTheManager(lambda: None), "w": torch.ones(2)})
+        entry = _CallsTheManager(lambda: mgr.save(5, {"z": 1}))
+        state = {"r": entry, "w": torch.zeros(2)}
+        assert mgr.load_latest(state).step == 1
+        assert entry.errors and all("save() called while this CheckpointManager's load_latest() is running" in e
+                                    for e in entry.errors)  # its state_dict() (the undo copy) and load_state_dict()
+        assert mgr.committed_steps() == [1] and torch.equal(state["w"], torch.ones(2))
+
+
+def test_a_second_thread_s_call_while_a_save_runs_is_refused_naming_both(tmp_path):
+    """Two threads' saves crossed their exchanges: 'rank 0's report names ...' or FencedError,
+    some steps committed and some not."""
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+
+    class Slow:
+        def state_dict(self):
+            inside.set()
+            assert release.wait(30)
+            return {"a": 1}
+
+        def load_state_dict(self, sd):
+            pass
+
+    mgr = distckpt.CheckpointManager(str(tmp_path))
+    first = threading.Thread(target=mgr.save, args=(1, {"s": Slow()}), name="trainer")
+    first.start()
+    assert inside.wait(30)
+    try:
+        with pytest.raises(distckpt.ConfigError, match=r"save\(\) called from thread MainThread while this "
+                                                       r"CheckpointManager's save\(\) runs on another thread"):
+            mgr.save(2, {"x": 1})
+    finally:
+        release.set()
+        first.join(30)
+    mgr.save(2, {"x": 1})
+    assert mgr.committed_steps() == [2, 1]
+    mgr.close()
