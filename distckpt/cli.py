@@ -530,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args, "--keep-best must be >= 1 (leave it out to keep no best steps beyond --keep-last)", EXIT_USAGE)
     try:
         storage = open_storage(args.url)
+        mf.refuse_step_directory(args.url)
         if not args.command.startswith("import") and not _root_exists(storage, args.url):
             local = getattr(storage, "root", None)
             if isinstance(local, str) and os.path.exists(local):

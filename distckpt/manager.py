@@ -102,6 +102,7 @@ class CheckpointManager:
         self.split_writes = split_writes  # replicated tensors written by all ranks in parallel
         # `distckpt doctor` runs the job into roots of its own (DISTCKPT_DOCTOR_ROOT; README)
         self.storage = open_storage(doctor_hooks.root_override(url), storage_options)  # type: ignore[arg-type]
+        mf.refuse_step_directory(self.storage.url)
         self.url = os.fspath(url) if isinstance(url, os.PathLike) else url
         self._rules = LoadRules(allow_dtype_cast, missing_entries)
         self._coord = make_coordinator(self.config.timeout)
@@ -142,6 +143,8 @@ class CheckpointManager:
         """Two tiers (tiers.py): every save commits to `local_dir`, every Nth also to the URL."""
         self.tiers = TierSettings.check(self.storage.url, doctor_hooks.local_override(local_dir),
                                         durable_every, keep_local)
+        if self.tiers.local_dir is not None:
+            mf.refuse_step_directory(self.tiers.local_dir, "local_dir")
         self.local = open_storage(self.tiers.local_dir) if self.tiers.local_dir is not None else None
         names = [node_name()] if self.local is None or self.world_size == 1 else \
             self._coord.all_gather(node_name(), "init/nodes")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .checksums import RELEASE_CHUNK, Checksum, checksum_of, verify_file  # noqa: F401  (the format's checksums)
-from .errors import CorruptCheckpointError
+from .errors import ConfigError, CorruptCheckpointError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -37,6 +37,20 @@ MAX_WORLD_SIZE = 1 << 20  # far above any job; a bound before the number meets t
 
 def step_dir(step: int) -> str:
     return f"step-{step:09d}"
+
+
+def refuse_step_directory(url: str, name: str = "url") -> None:
+    """A root named as a step directory is one step of another root (`Progress.url`, a path out
+    of `distckpt ls`): a manager there found nothing committed and the run started over, its
+    saves nested inside the committed step."""
+    trimmed = url.rstrip("/")
+    last = trimmed.rsplit("/", 1)[-1]
+    step = parse_step_dir(last)
+    if step is not None:
+        parent = trimmed[: -len(last)].rstrip("/") or "/"
+        raise ConfigError(f"{name}={url!r}: is the directory of step {step} inside the checkpoint root {parent!r}, "
+                          f"not a root (a manager there finds nothing committed and starts over); pass {parent!r}, "
+                          f"with load(state, step={step}) (or --step {step} on the command line) for that step")
 
 
 def parse_step_dir(name: str) -> int | None:

@@ -62,9 +62,10 @@ class TierSettings:
                                       "saves of); without local_dir every save goes to the URL")
             return cls()
         path = _local_path(local_dir)
-        if "://" not in url and os.path.abspath(path) == os.path.abspath(url):
-            raise ConfigError(f"local_dir={local_dir!r} is the checkpoint URL itself: the local tier must be "
-                              "another directory, on node-local disk")
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"local_dir={local_dir!r} is a file: the local tier is a directory on node-local disk")
+        if "://" not in url or url.startswith("file://"):
+            _refuse_nesting(local_dir, path, url[len("file://"):] if url.startswith("file://") else url)
         every = 10 if durable_every is None else durable_every
         if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
             raise ConfigError(f"durable_every={durable_every!r}: must be an int >= 1 (every Nth save is also "
@@ -73,6 +74,21 @@ class TierSettings:
                                        or keep_local < 1):
             raise ConfigError(f"keep_local={keep_local!r}: must be a positive int or None (keep all)")
         return cls(path, int(every), None if keep_local is None else int(keep_local))
+
+
+def _refuse_nesting(local_dir: Any, path: str, url_path: str) -> None:
+    """The two tiers in one tree: each root's listing would see the other's steps as its own
+    uncommitted leftovers (a local tier inside the URL was named by `distckpt gc URL` as an
+    uncommitted step to remove, though it held the newest checkpoint)."""
+    local, durable = os.path.realpath(path), os.path.realpath(url_path)
+    if local == durable:
+        raise ConfigError(f"local_dir={local_dir!r} is the checkpoint URL itself: the local tier must be "
+                          "another directory, on node-local disk")
+    if local.startswith(durable + os.sep) or durable.startswith(local + os.sep):
+        inner = "inside the checkpoint URL" if local.startswith(durable + os.sep) else "around the checkpoint URL"
+        raise ConfigError(f"local_dir={local_dir!r} is {inner} ({url_path!r}): each tier's retention and gc would "
+                          "take the other's files for its own leftovers; give two directories neither of which "
+                          "holds the other")
 
 
 def _local_path(local_dir: Any) -> str:

@@ -99,6 +99,7 @@ def open_checkpoint_model(url: str, *, step: int | None = None, entry: str = "mo
     `bounded`: the files are verified piece by piece and their mapped pages released, so the
     source never keeps more than one tensor resident (with ModelSource.release after each)."""
     storage = open_storage(url, storage_options)
+    mf.refuse_step_directory(url)
     steps = list_committed(storage)
     if step is not None:
         if step not in steps:

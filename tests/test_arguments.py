@@ -97,11 +97,54 @@ def test_notice_signals_schedulers_send_are_taken(tmp_path):
     ("s3://", "names no bucket"), ("s3:///x", "names no bucket"), ("runs/\x00x", "NUL"), ("", "url"),
     ("file://otherhost/x", "not the host"), (b"runs", "url"), (None, "url"), ("oci://bucket/x", "not installed"),
     ("s3://bkt//dbl//x", "empty path segment"), ("s3://bkt/dbl3//x", "use s3://bkt/dbl3/x"),
-    ("memory://a//b", "empty path segment"),
+    ("memory://a//b", "empty path segment"), ("memory://", "names no directory"), ("memory:///", "names no directory"),
+    ("zip://x", "reads an archive file"), ("tar://x/y", "reads an archive file"), ("https://example.com/a", "HTTP"),
+    ("github://org:repo@main/x", "read-only"),
 ])
 def test_urls_that_would_land_somewhere_else_are_refused(url, match):
     with pytest.raises(distckpt.ConfigError, match=match):
         distckpt.CheckpointManager(url)
+
+
+def test_a_host_that_cannot_be_reached_is_a_storage_error_naming_the_url():
+    pytest.importorskip("fsspec.implementations.ftp")
+    with pytest.raises(distckpt.StorageError, match="ftp://nohost.invalid/y: opening the file system failed"):
+        distckpt.CheckpointManager("ftp://nohost.invalid/y")
+
+
+def test_a_step_directory_given_as_the_root_is_refused_naming_the_root(tmp_path, capsys):
+    """Progress.url is a step's directory: a manager there found nothing committed, the run started
+    over, and its saves nested inside the committed step."""
+    from distckpt import cli
+
+    with distckpt.CheckpointManager(str(tmp_path / "run")) as mgr:
+        mgr.save(3, {"w": torch.ones(2)})
+        step_url = mgr.load_latest({"w": torch.zeros(2)}).url
+    for url in (step_url, step_url + "/", f"file://{step_url}"):
+        with pytest.raises(distckpt.ConfigError, match=f"is the directory of step 3 inside the checkpoint root "
+                                                       f"'{tmp_path}/run'.*load\\(state, step=3\\)"):
+            distckpt.CheckpointManager(url)
+    with pytest.raises(distckpt.ConfigError, match="local_dir=.*directory of step 3"):
+        distckpt.CheckpointManager(str(tmp_path / "other"), local_dir=step_url)
+    with pytest.raises(distckpt.ConfigError, match="directory of step 3"):
+        distckpt.load_weights(step_url, torch.nn.Linear(1, 1))
+    for command in ("ls", "verify", "inspect"):
+        assert cli.main([command, step_url]) == 2
+        assert "is the directory of step 3" in capsys.readouterr().err
+    assert sorted(os.listdir(step_url)) == ["COMMITTED", "manifest.json", "ranks", "replicated"]  # nothing nested
+
+
+@pytest.mark.parametrize("where", ["inside", "around", "file"])
+def test_a_local_tier_inside_or_around_the_url_or_on_a_file_is_refused(tmp_path, where):
+    """A local_dir inside the URL was listed by the URL's root as an uncommitted step, and `gc` would
+    have removed it though it held the newest checkpoint."""
+    url, local = {"inside": (tmp_path / "run", tmp_path / "run" / "local"),
+                  "around": (tmp_path / "run" / "durable", tmp_path / "run"),
+                  "file": (tmp_path / "run", tmp_path / "a-file")}[where]
+    (tmp_path / "a-file").write_text("x")
+    match = "is a file" if where == "file" else f"is {where} the checkpoint URL"
+    with pytest.raises(distckpt.ConfigError, match=match):
+        distckpt.CheckpointManager(str(url), local_dir=str(local))
 
 
 def test_a_pathlib_path_and_file_urls_are_local_paths(tmp_path):

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Protocol
 
 import fsspec
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError
 from .capabilities import Capabilities
 from .fsspec_fs import EXCLUSIVE_CREATE_PROTOCOLS, FsspecStorage
 from .local import LocalStorage
@@ -101,6 +101,15 @@ _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*):(//)?(.*)", re.DOTALL)
 log = logging.getLogger("distckpt")
 
 
+# fsspec file systems that cannot hold a root: a save would fail deep inside with an error about
+# something else (zip://x opened the current directory as a zip file: IsADirectoryError).
+READ_ONLY_SCHEMES = {
+    **dict.fromkeys(("zip", "tar", "libarchive"), "reads an archive file (open with fo=...), it writes none"),
+    **dict.fromkeys(("http", "https"), "only reads over HTTP"),
+    **dict.fromkeys(("github", "git", "reference", "data"), "is read-only"),
+}
+
+
 def normalize_url(url: Any) -> str:
     """The checkpoint root as a string, checked: a local path, ``file://`` URL or fsspec URL.
 
@@ -137,6 +146,11 @@ def normalize_url(url: Any) -> str:
         return "file:///" + path
     if scheme in ("s3", "s3a") and not rest.split("/", 1)[0]:
         raise ConfigError(f"url={url!r}: names no bucket; use s3://bucket/prefix")
+    if not rest.strip("/ "):  # memory:// is the whole file system: every run's steps beside each other
+        raise ConfigError(f"url={url!r}: names no directory; use {scheme}://<path of this run>")
+    if scheme in READ_ONLY_SCHEMES:
+        raise ConfigError(f"url={url!r}: fsspec's {scheme!r} file system {READ_ONLY_SCHEMES[scheme]}; a checkpoint "
+                          "root must be a writable directory (a local path, s3://, gs://, az://, ...)")
     if "//" in rest.rstrip("/"):
         # An empty path segment: some stores fold "a//b" into "a/b" when writing and not when
         # listing (SeaweedFS: a save committed, and every load after it found nothing and started over).
@@ -178,7 +192,14 @@ def _open_azure(url: str, options: dict[str, Any]) -> Storage:
 
 
 def _open_fsspec(url: str, options: dict[str, Any]) -> Storage:
-    fs, root = fsspec.core.url_to_fs(url, **options)
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except (TypeError, ValueError) as e:  # an option the file system does not take
+        raise ConfigError(f"url={url!r}: fsspec could not make its file system with storage_options="
+                          f"{sorted(options)}: {type(e).__name__}: {e}") from e
+    except OSError as e:  # ftp://host connects at once: an unknown or unreachable host
+        raise StorageError(e.errno, f"{url}: opening the file system failed ({type(e).__name__}: {e}); check "
+                           "the host and that it is reachable from here") from e
     storage = FsspecStorage(fs, root, url)
     if not storage.capabilities.exclusive_create:
         _warn_not_exclusive(fs, url)
