@@ -121,7 +121,10 @@ def check_step_is_free(storage: Storage, step: int, policy: ReplacePolicy) -> mf
             "periodic save already ran has nothing left to save (skip it, then close() and exit)")
     raise CheckpointExistsError(
         errno.EEXIST, f"step {step} is already committed at {storage.url}/{base}; "
-        "resume with load_latest() so steps continue after it, or use another directory")
+        "resume with load_latest() so steps continue after it, or use another directory. A job that "
+        f"resumed from step {step} has it saved already: skip a second save of it (the per-epoch save after "
+        "the loop, when the pre-emption save inside the loop took the epoch's last step: start "
+        "`last_saved` at progress.step; README, Loop patterns)")
 
 
 def clear_step_dir(storage: Storage, step: int, policy: ReplacePolicy) -> None:

@@ -184,6 +184,38 @@ def check_writable(target: torch.Tensor, where: str) -> None:
         raise IncompatibleCheckpointError(
             f"{where}: its elements share memory (an expanded, unfolded or as_strided tensor), so no copy can give each "
             "its saved value; load into a tensor with memory of its own (.clone())")
+    if _on_read_only_pages(target):
+        raise IncompatibleCheckpointError(
+            f"{where}: its memory is mapped read-only (a NumPy array opened with mmap_mode='r', a file mapped "
+            "for reading), so the copy would crash the process (SIGSEGV); load into a tensor with memory of its "
+            "own (.clone()) or map the file writable (mmap_mode='r+' or 'c')")
+
+
+def _on_read_only_pages(target: torch.Tensor) -> bool:
+    """Whether part of a CPU tensor's bytes lie in a mapping without write permission (Linux,
+    /proc/self/maps). Memory torch allocated is writable: only storages torch did not allocate
+    (not resizable: from_numpy, frombuffer, a mapped file) are looked up, so a model's thousands
+    of parameters cost nothing here."""
+    if target.device.type != "cpu" or target.numel() == 0 or target.untyped_storage().resizable():
+        return False
+    start, end = target.untyped_storage().data_ptr(), target.untyped_storage().data_ptr() + target.untyped_storage().nbytes()
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:  # not Linux: nothing to look up
+        return False
+    covered = start
+    for line in maps.splitlines():
+        span, perms = line.split(" ", 2)[:2]
+        low, high = (int(x, 16) for x in span.split("-"))
+        if high <= covered or low >= end:
+            continue
+        if low > covered or "w" not in perms:
+            return low <= covered  # a read-only mapping over the bytes (a gap in between is no mapping we know)
+        covered = high
+        if covered >= end:
+            return False
+    return False
 
 
 def _has_internal_overlap(t: torch.Tensor) -> bool:

@@ -37,6 +37,26 @@ def _restore(state: dict[str, Any], where: str) -> None:
 
 class _WorkerRngMixin:
     dataset: Any
+    _OWN: frozenset[str] = frozenset({"dataset"})  # the wrapper's own attributes; any other is the dataset's
+
+    def __getattr__(self, name: str) -> Any:
+        if name in type(self)._OWN or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # `loader.dataset.transform = ...` (timm's create_loader style) set the attribute on the
+        # wrapper, where reading it back looked right while the dataset used its old transform
+        if name in type(self)._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.dataset, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in type(self)._OWN:
+            object.__delattr__(self, name)
+        else:
+            delattr(self.dataset, name)
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -68,11 +88,6 @@ class WorkerRngDataset(_WorkerRngMixin, Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "dataset":
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
 
 class WorkerRngIterableDataset(_WorkerRngMixin, IterableDataset):
     """An iterable dataset whose worker random streams, and position, travel in the loader's state.
@@ -85,6 +100,8 @@ class WorkerRngIterableDataset(_WorkerRngMixin, IterableDataset):
     streams as they were at the save, as in the uninterrupted run (the replay's own draws are
     discarded with its items). Without this the resumed iterator started over from the first
     item (a 2-worker run differed from the first step after the resume)."""
+
+    _OWN = frozenset({"dataset", "_yielded", "_exhausted", "_replay", "_pass_start", "_replay_start", "_replay_ended"})
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset

@@ -278,3 +278,103 @@ def test_a_collate_fn_drawing_in_the_workers_resumes_exactly_with_the_dataset_wr
     with distckpt.CheckpointManager(str(tmp_path)) as mgr:
         assert mgr.load_latest(state).step == 5
     assert _run(loader, range(6, STEPS)) == reference[6:]
+
+
+_PREEMPTED_LOOP = '''
+import os, signal, sys, torch, distckpt
+from torch.utils.data.distributed import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+root, notice_at, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = [torch.tensor([float(i), 1.0]) for i in range(8)]
+sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+loader = StatefulDataLoader(data, batch_size=2, sampler=sampler)
+state = {"model": model, "optimizer": opt, "sampler": sampler, "loader": loader}
+epochs, every = 3, 3
+mgr = distckpt.CheckpointManager(root)
+progress = mgr.load_latest(state)
+step = progress.step + 1 if progress else 0
+last_saved = progress.step if progress else -1
+with open(out, "a") as log:
+    for epoch in range(progress.epoch if progress else 0, epochs):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            opt.zero_grad()
+            model(batch).pow(2).mean().backward()
+            opt.step()
+            log.write(f"{step} {epoch} {batch.tolist()} {model.weight.sum().item().hex()}\\n")
+            if step == notice_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            preempted = mgr.preemption_requested()
+            if (step + 1) % every == 0 or preempted:
+                mgr.save(step, state, epoch=epoch)
+                last_saved = step
+            if preempted:
+                mgr.close()
+                sys.exit(distckpt.PREEMPTED_EXIT_CODE)
+            step += 1
+        log.write(f"epoch {epoch} ends at {step - 1}\\n")
+        if last_saved != step - 1:
+            mgr.save(step - 1, state, epoch=epoch + 1)
+            last_saved = step - 1
+mgr.close()
+'''
+
+
+def test_a_notice_during_an_epochs_last_step_resumes_and_finishes_with_the_readme_loop(tmp_path):
+    """The in-loop pre-emption save takes the epoch's last step; the relaunch finds the loader
+    exhausted and reaches the per-epoch save of that step, which a job counting saves in the
+    process only made fail at every relaunch (CheckpointExistsError)."""
+    script = tmp_path / "loop.py"
+    script.write_text(_PREEMPTED_LOOP)
+
+    def run(root, notice_at, out):
+        return subprocess.run([sys.executable, str(script), str(root), str(notice_at), str(out)], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+
+    reference = run(tmp_path / "ref", -1, tmp_path / "ref.log")
+    assert reference.returncode == 0, reference.stderr
+    first = run(tmp_path / "run", 7, tmp_path / "run.log")  # step 7 is epoch 1's last
+    assert first.returncode == distckpt.PREEMPTED_EXIT_CODE, first.stderr
+    relaunch = run(tmp_path / "run", -1, tmp_path / "run.log")
+    assert relaunch.returncode == 0, relaunch.stderr
+    # the same steps, batches and weights; epoch 1's end run once, by the relaunch
+    assert (tmp_path / "run.log").read_text() == (tmp_path / "ref.log").read_text()
+    with distckpt.CheckpointManager(str(tmp_path / "run")) as mgr:
+        assert mgr.committed_steps() == [11, 8, 7, 5, 3, 2]
+
+
+class _WithTransform(Dataset):
+    def __init__(self):
+        self.transform = None
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return i if self.transform is None else self.transform(i)
+
+
+class _IterableWithTransform(IterableDataset):
+    def __init__(self):
+        self.transform = None
+
+    def __iter__(self):
+        return iter(i if self.transform is None else self.transform(i) for i in range(4))
+
+
+@pytest.mark.parametrize("inner", [_WithTransform, _IterableWithTransform])
+def test_attributes_set_through_with_worker_rng_reach_the_dataset(inner):
+    """`loader.dataset.transform = ...` landed on the wrapper: reading it back looked right while
+    the dataset kept its old transform (the batches were [0, 1, 2, 3], not [0, 10, 20, 30])."""
+    dataset = inner()
+    wrapped = distckpt.with_worker_rng(dataset)
+    wrapped.transform = lambda i: 10 * i
+    assert dataset.transform is wrapped.transform
+    loader = StatefulDataLoader(wrapped, batch_size=4, num_workers=0)
+    assert next(iter(loader)).tolist() == [0, 10, 20, 30]
+    del wrapped.transform
+    assert not hasattr(dataset, "transform") and not hasattr(wrapped, "transform")

@@ -291,6 +291,17 @@ def _unwritable(kind: str, like: torch.Tensor) -> torch.Tensor:
     if kind == "inference":
         with torch.inference_mode():
             return torch.zeros(like.shape, dtype=like.dtype)
+    if kind == "read-only-mapping":  # np.load(mmap_mode="r"): a copy into it was a SIGSEGV
+        import tempfile
+        import warnings
+
+        import numpy as np
+
+        path = tempfile.NamedTemporaryFile(suffix=".npy", delete=False).name
+        np.save(path, np.zeros(tuple(like.shape), dtype=np.float32))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch: "The given NumPy array is not writable"
+            return torch.from_numpy(np.load(path, mmap_mode="r"))
     return torch.empty(like.shape, dtype=like.dtype, device="meta")
 
 
@@ -301,12 +312,13 @@ class _Buffered(nn.Module):
         self.register_buffer("mask", mask)
 
 
-@pytest.mark.parametrize("kind", ["expanded", "inference", "meta"])
+@pytest.mark.parametrize("kind", ["expanded", "inference", "meta", "read-only-mapping"])
 @pytest.mark.parametrize("where", ["tensor entry", "module buffer"])
 def test_a_tensor_that_cannot_take_the_copy_is_refused_before_anything_changes(tmp_path, kind, where):
     """The copies into tensors run together at the phase's end (on several threads): what would
     make one fail — elements sharing memory, an inference tensor outside inference_mode, the
-    meta device — is refused by the checks, naming it, and every entry is as it was (also the
+    meta device, memory mapped read-only (the process died of SIGSEGV) — is refused by the
+    checks, naming it, and every entry is as it was (also the
     large one after it, which a copy on another thread would otherwise have filled)."""
     big = 3 * (8 << 20) // 4 + 17  # over three 8 MiB pieces
     torch.manual_seed(0)
@@ -480,3 +492,22 @@ def test_a_modules_extra_state_is_put_back_after_a_failed_load(tmp_path, failing
             mgr.load_latest({"model": live, "other": _Owner(RuntimeError("no") if failing == "another" else None)})
     assert live.seen == 7
     assert all(torch.equal(live.state_dict()[k], v) for k, v in weights.items())
+
+
+@pytest.mark.parametrize("source", ["numpy-copy-on-write", "numpy-read-write", "torch-load-mmap"])
+def test_tensors_on_writable_mappings_still_load(tmp_path, source):
+    """The read-only check looks at the mapping's permission, not at who allocated the memory:
+    a model opened with torch.load(mmap=True) or an np.load(mmap_mode='c') array is loaded into."""
+    import numpy as np
+
+    with distckpt.CheckpointManager(str(tmp_path / "ckpt")) as mgr:
+        mgr.save(1, {"w": torch.arange(4.0)})
+    if source == "torch-load-mmap":
+        torch.save({"w": torch.zeros(4)}, tmp_path / "w.pt")
+        live = torch.load(tmp_path / "w.pt", mmap=True)["w"]
+    else:
+        np.save(tmp_path / "w.npy", np.zeros(4, dtype=np.float32))
+        live = torch.from_numpy(np.load(tmp_path / "w.npy", mmap_mode="c" if source == "numpy-copy-on-write" else "r+"))
+    with distckpt.CheckpointManager(str(tmp_path / "ckpt")) as mgr:
+        mgr.load_latest({"w": live})
+    assert live.tolist() == [0.0, 1.0, 2.0, 3.0]
