@@ -70,6 +70,7 @@ MAX_DEPTH = 200  # containers inside containers; JSON parsers recurse once per l
 _CANONICAL_NAN = struct.pack("<d", float("nan"))
 _INT64 = 1 << 63
 _DICT_TAGS: dict[type, str] = {dict: "d", OrderedDict: "od", Counter: "ct"}  # the dict types kept as themselves
+_CONTAINERS = frozenset({dict, OrderedDict, Counter, list, tuple})
 
 _DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -203,6 +204,7 @@ class _Encoder:
         self.split = split
         self.tensors: dict[str, torch.Tensor] = {}
         self._by_region: dict[tuple[Any, ...], str] = {}
+        self._open: dict[int, tuple[Any, ...]] = {}  # containers being encoded (the current path's), by id
 
     def encode(self, value: Any, path: tuple[Any, ...]) -> Any:
         kind = type(value)
@@ -222,19 +224,30 @@ class _Encoder:
             return _encode_numpy_scalar(value, path)
         if isinstance(value, torch.Tensor):
             return self._encode_tensor(value, path)
-        if len(path) > self.max_path:
-            raise UnstorableValueError(f"{key_path(path[:8])}... nests containers more than {MAX_DEPTH} deep: "
-                                       "flatten it")
-        if kind is dict or kind is OrderedDict or kind is Counter:
-            items = [[self._check_key(k, path), self.encode(v, path + (k,))] for k, v in value.items()]
-            return {_DICT_TAGS[kind]: items}
-        if kind is list:
-            return {"l": [self.encode(v, path + (i,)) for i, v in enumerate(value)]}
-        if kind is tuple:
-            return {"t": [self.encode(v, path + (i,)) for i, v in enumerate(value)]}
+        if kind in _CONTAINERS:
+            return self._encode_container(value, path)
         if kind is torch.Size:
             return {"z": [int(d) for d in value]}
         raise UnstorableValueError(f"{key_path(path)} is {_describe(value)}: {_advice(value)}")
+
+    def _encode_container(self, value: Any, path: tuple[Any, ...]) -> Any:
+        kind = type(value)
+        if id(value) in self._open:  # a cycle was refused 200 levels down as "too deep", naming no cycle
+            raise UnstorableValueError(f"{key_path(path)} is {key_path(self._open[id(value)])} itself (a cycle): a "
+                                       "checkpoint holds trees of values; break the cycle")
+        if len(path) > self.max_path:
+            raise UnstorableValueError(f"{key_path(path[:8])}... nests containers more than {MAX_DEPTH} deep: "
+                                       "flatten it")
+        self._open[id(value)] = path
+        try:
+            if kind is list:
+                return {"l": [self.encode(v, path + (i,)) for i, v in enumerate(value)]}
+            if kind is tuple:
+                return {"t": [self.encode(v, path + (i,)) for i, v in enumerate(value)]}
+            items = [[self._check_key(k, path), self.encode(v, path + (k,))] for k, v in value.items()]
+            return {_DICT_TAGS[kind]: items}
+        finally:
+            del self._open[id(value)]
 
     def _encode_tensor(self, value: torch.Tensor, path: tuple[Any, ...]) -> Any:
         kind = type(value)

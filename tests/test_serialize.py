@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -297,3 +298,24 @@ def test_bools_made_from_other_bytes_and_neg_views_come_back_as_torch_clones_the
         assert loaded.view(torch.uint8).tolist() == flags.clone().view(torch.uint8).tolist() == [0, 1, 1, 1]
     assert torch.equal(state["value"]["flags"], flags)
     assert not state["value"]["negated"].is_neg() and state["value"]["negated"].tolist() == [-1.0, 2.0]
+
+
+def test_a_cycle_is_refused_as_a_cycle_naming_both_places(tmp_path):
+    """It was refused 200 levels down as 'nests containers more than 200 deep'."""
+    import distckpt
+
+    looped = [1]
+    looped.append(looped)
+    back = {"a": {}}
+    back["a"]["back"] = back["a"]
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(distckpt.UnstorableValueError, match=re.escape("state['v'][1] is state['v'] itself (a cycle)")):
+            mgr.save(1, {"v": looped})
+        with pytest.raises(distckpt.UnstorableValueError,
+                           match=re.escape("state['v']['a']['back'] is state['v']['a'] itself (a cycle)")):
+            mgr.save(1, {"v": back})
+        shared = [3]
+        mgr.save(1, {"v": {"x": shared, "y": (shared, shared)}})  # shared, not a cycle: stored as equal copies
+        state = {"v": None}
+        mgr.load(state, step=1)
+    assert state["v"] == {"x": [3], "y": ([3], [3])}
