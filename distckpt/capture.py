@@ -28,7 +28,7 @@ from torch import nn
 
 from . import sharded
 from .copying import PageRelease, copy_released, same_bits
-from .errors import IncompatibleCheckpointError
+from .errors import ConfigError, IncompatibleCheckpointError
 from .serialize import key_path
 from .staging import region_key
 
@@ -54,6 +54,8 @@ class PerRank:
 
 def per_rank(obj: Any) -> PerRank:
     """Mark `obj` as per rank: each rank stores its own copy instead of rank 0's."""
+    if isinstance(obj, PerRank):
+        raise ConfigError("per_rank(per_rank(...)): the value is marked per rank once; pass the inner object")
     return PerRank(obj)
 
 

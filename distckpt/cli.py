@@ -28,6 +28,7 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -435,8 +436,11 @@ def _nbytes(dtype: Any, shape: list[int]) -> int:
 
 
 def _step(text: str) -> int:
-    """A step number: an int >= 0 (steps are never negative)."""
+    """A step number: an int >= 0 (steps are never negative), in ASCII digits only (int() also took
+    " 2", "2_0" and "٢")."""
     try:
+        if not re.fullmatch(r"[0-9]+", text):
+            raise ValueError(text)
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a step number (an int >= 0)") from None

@@ -11,7 +11,7 @@ import datetime
 import math
 import numbers
 import signal
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import ConfigError
@@ -36,6 +36,12 @@ class ManagerConfig:
     preemption_signals: tuple[int, ...] = field(default=(signal.SIGTERM,))
     incremental: bool = False
     overlap_snapshot: bool = False
+
+    def shared_settings(self) -> dict[str, Any]:
+        """The settings every rank must share (compared when the manager is built): all but the
+        timeout and the signals, which act on each process alone."""
+        return {name: list(value) if isinstance(value, tuple) else value for name, value in asdict(self).items()
+                if name not in ("timeout", "preemption_signals")}
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_best"):

@@ -107,7 +107,7 @@ class CheckpointManager:
         self._rules = LoadRules(allow_dtype_cast, missing_entries)
         self._coord = make_coordinator(self.config.timeout)
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
-        self.run_id = self._coord.broadcast(uuid.uuid4().hex, "init/run-id")
+        self.run_id = self._agree_on_settings()
         self._versions_seen: dict[str, Any] | None = None  # rank 0, at its first write (_versions)
         self._writer = AsyncWriter()
         self._sweeper = Sweeper()  # rank 0: retired steps' files, removed off the save's path
@@ -138,6 +138,23 @@ class CheckpointManager:
                               "every rank's shard file, written whole at each save; use one of the two")
         # rank 0: what the last committed save holds, for incremental saves (incremental.py)
         self._content = ContentTable() if incremental else None
+
+    def _agree_on_settings(self) -> str:
+        """Rank 0's run id, and the settings every rank must share, compared (one exchange): a
+        rank built with other retention, load rules or save modes than the others went unnoticed
+        (only async_save was compared, at the first save)."""
+        mine = {"run_id": uuid.uuid4().hex, "settings": self.config.shared_settings()}
+        if self.world_size == 1:
+            return str(mine["run_id"])
+        every = self._coord.all_gather(mine, "init/run-id")
+        differing = sorted(name for name in every[0]["settings"]
+                           if any(view["settings"].get(name) != every[0]["settings"][name] for view in every))
+        if differing:
+            table = "; ".join(f"{name}: " + ", ".join(f"rank {r}: {view['settings'].get(name)!r}"
+                                                     for r, view in enumerate(every)) for name in differing)
+            raise ConfigError(f"the ranks built their CheckpointManager with different settings — {table}; build "
+                              "every rank's manager with the same arguments")
+        return str(every[0]["run_id"])
 
     def _init_tiers(self, local_dir: Any, durable_every: Any, keep_local: Any) -> None:
         """Two tiers (tiers.py): every save commits to `local_dir`, every Nth also to the URL."""

@@ -49,9 +49,16 @@ def save_with_disagreement(rank: int, world: int, url: str, async_save: bool = F
         mgr.save(5, _state(rank), epoch=1 if rank == 0 else 2)
 
 
-def mixed_async_save(rank: int, world: int, url: str) -> None:
-    with distckpt.CheckpointManager(url, timeout=30, async_save=rank == 0) as mgr:
+def mixed_settings(rank: int, world: int, url: str, setting: str, values: list) -> str:
+    """Ranks building their managers with different settings; then a manager built alike works."""
+    try:
+        distckpt.CheckpointManager(url, timeout=30, **{setting: values[rank]})
+        return "constructed"
+    except distckpt.ConfigError as e:
+        first = f"{type(e).__name__}: {e}"
+    with distckpt.CheckpointManager(url, timeout=30, **{setting: values[0]}) as mgr:
         mgr.save(5, _state(rank))
+    return first
 
 
 class _RaisingStateDict:

@@ -52,12 +52,19 @@ def test_disagreement_on_epoch_fails_on_every_rank(ckpt_dir, async_save):
     assert not os.path.exists(os.path.join(ckpt_dir, "step-000000005"))
 
 
-def test_ranks_built_with_different_async_save_fail_alike_instead_of_waiting_on_each_other(ckpt_dir):
-    results = run_world(f"{W}:mixed_async_save", 2, url=ckpt_dir)
-    msgs = _same_error_everywhere(results, "RankDisagreementError", "rank 0: async_save=True",
-                                  "rank 1: async_save=False")
-    assert len(msgs) == 1
-    assert not os.path.exists(os.path.join(ckpt_dir, "step-000000005"))
+@pytest.mark.parametrize("setting, values", [
+    ("async_save", [True, False]), ("keep_last", [2, None]), ("allow_dtype_cast", [False, True]),
+    ("missing_entries", ["refuse", "keep"]), ("incremental", [False, True]),
+])
+def test_ranks_built_with_different_settings_fail_alike_when_built(ckpt_dir, setting, values):
+    """Only async_save was compared (at the first save): other retention, load rules or save
+    modes on one rank went unnoticed."""
+    results = run_world(f"{W}:mixed_settings", 2, url=ckpt_dir, setting=setting, values=values)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    expected = (f"ConfigError: the ranks built their CheckpointManager with different settings — {setting}: "
+                f"rank 0: {values[0]!r}, rank 1: {values[1]!r}; build every rank's manager with the same arguments")
+    assert [r.value for r in results] == [expected, expected]
+    assert os.path.exists(os.path.join(ckpt_dir, "step-000000005", "COMMITTED"))  # built alike, it works
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
