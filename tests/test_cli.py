@@ -412,3 +412,19 @@ def test_diff_text_abbreviates_long_values_and_json_keeps_them_whole(tmp_path, c
     rows = {r["key"]: r for r in json.loads(out)}
     schedule = next(r for k, r in rows.items() if k.endswith("config/state/schedule"))
     assert schedule["new"] == list(range(2, 502))
+
+
+@pytest.mark.parametrize("text", ["\u0662", " 2", "2_0", "+2", "-1", "2.0"])
+def test_a_step_on_the_command_line_is_ascii_digits_only(tmp_path, capsys, text):
+    """int() took the Arabic-Indic digit two, ' 2' and '2_0' (as 20)."""
+    url = str(tmp_path / "ckpt")
+    with distckpt.CheckpointManager(url) as mgr:
+        mgr.save(2, {"x": 1})
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["inspect", url, "--step", text])
+    assert exited.value.code == 2 and "is not a step number" in capsys.readouterr().err
+
+
+def test_per_rank_of_per_rank_is_refused_where_it_is_written():
+    with pytest.raises(distckpt.ConfigError, match=r"per_rank\(per_rank\(...\)\)"):
+        distckpt.per_rank(distckpt.per_rank({"x": 1}))
