@@ -16,6 +16,7 @@ from typing import Any
 
 from .errors import ConfigError
 
+MIN_TIMEOUT_S = 0.001
 MAX_TIMEOUT_S = 30 * 24 * 3600.0  # beyond this a deadline is a mistake (and overflows C++ timers)
 DEFAULT_TIMEOUT_S = 600.0
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
@@ -88,9 +89,10 @@ def seconds(name: str, value: Any, default: float | None = None) -> float:
         value = float(value)
     except OverflowError:
         value = math.inf
-    if not 0 < value <= MAX_TIMEOUT_S:
-        raise ConfigError(f"{name}={value!r}: must be more than 0 and at most {MAX_TIMEOUT_S:.0f} s (30 days): "
-                          "every collective needs a finite deadline")
+    if not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:
+        raise ConfigError(f"{name}={value!r}: must be at least {MIN_TIMEOUT_S} s and at most {MAX_TIMEOUT_S:.0f} s "
+                          "(30 days): every collective needs a finite deadline, and gloo counts it in whole "
+                          "milliseconds (less than one is 0)")
     return value
 
 

@@ -51,6 +51,7 @@ def test_every_constructor_parameter_is_checked_by_one_of_the_tables():
 
 @pytest.mark.parametrize("kwargs", [
     {"timeout": None}, {"timeout": math.inf}, {"timeout": -1}, {"timeout": "60"}, {"timeout": 10**400},
+    {"timeout": 1e-9}, {"timeout": datetime.timedelta(microseconds=1)},
     {"timeout": datetime.timedelta(days=400)}, {"leftover_grace_s": math.inf}, {"leftover_grace_s": True},
     {"preemption_signals": ["SIGTERM", "SIGKILL"]}, {"preemption_signals": "NOPE"}, {"preemption_signals": 12345},
     {"preemption_signals": 3.5}, {"storage_options": "key=x"}, {"storage_options": {"key": "x"}},
