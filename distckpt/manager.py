@@ -22,7 +22,7 @@ from . import manifest as mf
 from .async_writer import AsyncWriter, WriterStuckError
 from .capture import SHARDED, CheckpointWarning
 from .commit import CommitIndex, ReplacePolicy, committed_generations, list_committed
-from .config import ManagerConfig
+from .config import DEFAULT_TIMEOUT_S, ManagerConfig
 from .coord import Coordinator, Outcome, agree, make_coordinator
 from .ddp import install_bucket_warmup
 from .errors import AsyncSaveError, ConfigError, DistCkptError, FencedError, MissingFileError, RunConflictError, StorageError
@@ -91,23 +91,20 @@ class CheckpointManager:
                  local_dir: str | os.PathLike[str] | None = None, durable_every: int | None = None,
                  keep_local: int | None = None, incremental: bool = False,
                  overlap_snapshot: bool = False) -> None:
-        self.config = ManagerConfig(keep_last, keep_best, best_mode, async_save, timeout,  # type: ignore[arg-type]
-                                    leftover_grace_s, world_size_policy, split_writes, allow_dtype_cast,
-                                    missing_entries, preemption_signals, incremental, overlap_snapshot)
-        if self.config.keep_best is not None and self.config.keep_last is None:
-            warnings.warn(f"keep_best={self.config.keep_best} without keep_last keeps every step: retention keeps "
-                          "the newest keep_last steps and the keep_best best ones, and keep_last=None keeps all; "
-                          "set keep_last too (keep_last=1 keeps the newest, to resume from)", CheckpointWarning,
-                          stacklevel=2)
-        self.split_writes = split_writes  # replicated tensors written by all ranks in parallel
-        # `distckpt doctor` runs the job into roots of its own (DISTCKPT_DOCTOR_ROOT; README)
-        self.storage = open_storage(doctor_hooks.root_override(url), storage_options)  # type: ignore[arg-type]
-        mf.refuse_step_directory(self.storage.url)
-        self.url = os.fspath(url) if isinstance(url, os.PathLike) else url
-        self._rules = LoadRules(allow_dtype_cast, missing_entries)
-        self._coord = make_coordinator(self.config.timeout)
+        refusal: ConfigError | None = None
+        try:
+            self._check_arguments(url, keep_last, keep_best, best_mode, async_save, storage_options, timeout,
+                                  leftover_grace_s, world_size_policy, preemption_signals, split_writes,
+                                  allow_dtype_cast, missing_entries, local_dir, durable_every, keep_local,
+                                  incremental, overlap_snapshot)
+        except ConfigError as e:
+            refusal = e
+        self._coord = make_coordinator(self.config.timeout if refusal is None else DEFAULT_TIMEOUT_S)
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
-        self.run_id = self._agree_on_settings()
+        if refusal is not None and self.world_size == 1:
+            self._coord.close()
+            raise refusal
+        self.run_id = self._agree_on_settings(refusal)
         self._versions_seen: dict[str, Any] | None = None  # rank 0, at its first write (_versions)
         self._writer = AsyncWriter()
         self._sweeper = Sweeper()  # rank 0: retired steps' files, removed off the save's path
@@ -126,8 +123,37 @@ class CheckpointManager:
         self._newest_committed: dict[str, int] = {}  # rank 0, per tier: the highest live step committed, for that warning
         self._preemption = PreemptionFlag(self.config.preemption_signals)
         self._preempting = False  # agreed by preemption_requested(): the next save is made durable
-        self._init_tiers(local_dir, durable_every, keep_local)
-        if incremental and self.local is not None:
+        self._init_tiers()
+        # rank 0: what the last committed save holds, for incremental saves (incremental.py)
+        self._content = ContentTable() if incremental else None
+
+    def _check_arguments(self, url: Any, keep_last: Any, keep_best: Any, best_mode: Any, async_save: Any,
+                         storage_options: Any, timeout: Any, leftover_grace_s: Any, world_size_policy: Any,
+                         preemption_signals: Any, split_writes: Any, allow_dtype_cast: Any, missing_entries: Any,
+                         local_dir: Any, durable_every: Any, keep_local: Any, incremental: Any,
+                         overlap_snapshot: Any) -> None:
+        """Every argument, before any exchange: a refusal on one rank only (a local_dir that is a
+        file on one node) is then raised on every rank alike (_agree_on_settings); raised at once
+        it left the other ranks waiting for this one's group for the whole timeout."""
+        self.config = ManagerConfig(keep_last, keep_best, best_mode, async_save, timeout,
+                                    leftover_grace_s, world_size_policy, split_writes, allow_dtype_cast,
+                                    missing_entries, preemption_signals, incremental, overlap_snapshot)
+        if self.config.keep_best is not None and self.config.keep_last is None:
+            warnings.warn(f"keep_best={self.config.keep_best} without keep_last keeps every step: retention keeps "
+                          "the newest keep_last steps and the keep_best best ones, and keep_last=None keeps all; "
+                          "set keep_last too (keep_last=1 keeps the newest, to resume from)", CheckpointWarning,
+                          stacklevel=3)
+        self.split_writes = split_writes  # replicated tensors written by all ranks in parallel
+        # `distckpt doctor` runs the job into roots of its own (DISTCKPT_DOCTOR_ROOT; README)
+        self.storage = open_storage(doctor_hooks.root_override(url), storage_options)
+        mf.refuse_step_directory(self.storage.url)
+        self.url = os.fspath(url) if isinstance(url, os.PathLike) else url
+        self._rules = LoadRules(allow_dtype_cast, missing_entries)
+        self.tiers = TierSettings.check(self.storage.url, doctor_hooks.local_override(local_dir),
+                                        durable_every, keep_local)
+        if self.tiers.local_dir is not None:
+            mf.refuse_step_directory(self.tiers.local_dir, "local_dir")
+        if incremental and self.tiers.local_dir is not None:
             raise ConfigError("incremental=True with local_dir= is not supported yet: an upload would have to "
                               "carry the files each step references; use one of the two")
         if incremental and split_writes:
@@ -136,32 +162,33 @@ class CheckpointManager:
             raise ConfigError("incremental=True with split_writes=True is not supported: incremental saves "
                               "leave out the unchanged tensors of rank 0's file, and split writes move them to "
                               "every rank's shard file, written whole at each save; use one of the two")
-        # rank 0: what the last committed save holds, for incremental saves (incremental.py)
-        self._content = ContentTable() if incremental else None
 
-    def _agree_on_settings(self) -> str:
+    def _agree_on_settings(self, refusal: ConfigError | None) -> str:
         """Rank 0's run id, and the settings every rank must share, compared (one exchange): a
         rank built with other retention, load rules or save modes than the others went unnoticed
-        (only async_save was compared, at the first save)."""
-        mine = {"run_id": uuid.uuid4().hex, "settings": self.config.shared_settings()}
+        (only async_save was compared, at the first save). A rank whose arguments were refused
+        makes every rank raise its ConfigError, naming it."""
+        mine: dict[str, Any] = {"run_id": uuid.uuid4().hex, "refused": None if refusal is None else str(refusal),
+                                "settings": None if refusal is not None else self.config.shared_settings()}
         if self.world_size == 1:
             return str(mine["run_id"])
         every = self._coord.all_gather(mine, "init/run-id")
+        refused = [(r, view["refused"]) for r, view in enumerate(every) if view["refused"] is not None]
+        if refused:
+            self._coord.close()
+            raise ConfigError("; ".join(f"rank {r}: {message}" for r, message in refused))
         differing = sorted(name for name in every[0]["settings"]
                            if any(view["settings"].get(name) != every[0]["settings"][name] for view in every))
         if differing:
+            self._coord.close()
             table = "; ".join(f"{name}: " + ", ".join(f"rank {r}: {view['settings'].get(name)!r}"
                                                      for r, view in enumerate(every)) for name in differing)
             raise ConfigError(f"the ranks built their CheckpointManager with different settings — {table}; build "
                               "every rank's manager with the same arguments")
         return str(every[0]["run_id"])
 
-    def _init_tiers(self, local_dir: Any, durable_every: Any, keep_local: Any) -> None:
+    def _init_tiers(self) -> None:
         """Two tiers (tiers.py): every save commits to `local_dir`, every Nth also to the URL."""
-        self.tiers = TierSettings.check(self.storage.url, doctor_hooks.local_override(local_dir),
-                                        durable_every, keep_local)
-        if self.tiers.local_dir is not None:
-            mf.refuse_step_directory(self.tiers.local_dir, "local_dir")
         self.local = open_storage(self.tiers.local_dir) if self.tiers.local_dir is not None else None
         names = [node_name()] if self.local is None or self.world_size == 1 else \
             self._coord.all_gather(node_name(), "init/nodes")

@@ -52,6 +52,17 @@ def test_disagreement_on_epoch_fails_on_every_rank(ckpt_dir, async_save):
     assert not os.path.exists(os.path.join(ckpt_dir, "step-000000005"))
 
 
+def test_an_argument_refused_on_one_rank_is_the_same_config_error_on_every_rank_at_once(ckpt_dir, tmp_path):
+    bad = tmp_path / "a-file"
+    bad.write_text("x")
+    results = run_world(f"{W}:one_rank_refused_at_construction", 2, url=ckpt_dir, bad_local_dir=str(bad))
+    assert all(r.error is None for r in results), [r.error for r in results]
+    firsts = {r.value["first"] for r in results}
+    assert len(firsts) == 1 and firsts.pop().startswith(f"ConfigError: rank 1: local_dir={str(bad)!r} is a file")
+    assert all(r.value["seconds"] < 30 for r in results), results  # not the 60 s timeout
+    assert os.path.exists(os.path.join(ckpt_dir, "step-000000005", "COMMITTED"))
+
+
 @pytest.mark.parametrize("setting, values", [
     ("async_save", [True, False]), ("keep_last", [2, None]), ("allow_dtype_cast", [False, True]),
     ("missing_entries", ["refuse", "keep"]), ("incremental", [False, True]),
