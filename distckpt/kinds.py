@@ -233,6 +233,17 @@ class Loader(Kind):
     name, scope = "loader", PER_RANK
 
     def matches(self, key: str, obj: Any) -> bool:
+        if isinstance(obj, torch.utils.data.DataLoader) and not issubclass(type(obj), torch.utils.data.DataLoader):
+            # Hugging Face Accelerate's prepared loader (DataLoaderShard, DataLoaderDispatcher)
+            # answers __class__ with its base loader's class: taken for one, every resume drew
+            # another shuffle order and moved the global stream (it fetches a batch ahead and
+            # reseeds each epoch, none of which its base loader's position holds)
+            raise UnstorableValueError(
+                f"state[{key!r}] is {type(obj).__module__}.{type(obj).__name__}, a wrapper that passes for a "
+                f"{obj.__class__.__name__} (Hugging Face Accelerate's prepared loader): it iterates its loader a "
+                "batch ahead and reseeds it each epoch, so a resume would not continue exactly. Keep the loader out "
+                "of accelerator.prepare(): build a torchdata StatefulDataLoader with a DistributedSampler and put "
+                "that in `state` (README: Hugging Face Accelerate)")
         if isinstance(obj, torch.utils.data.DataLoader) and not _has_state_dict(obj):
             raise UnstorableValueError(
                 f"state[{key!r}] is a DataLoader without state_dict(): its position cannot be "
