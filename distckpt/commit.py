@@ -50,10 +50,20 @@ def read_marker(storage: Storage, step: int) -> mf.Marker:
 
 
 def read_verified_manifest(storage: Storage, step: int, marker: mf.Marker) -> mf.Manifest:
-    """The step's manifest, checked against its marker and the schema."""
+    """The step's manifest, checked against its marker and the schema, and both against the
+    directory they are in: a step directory copied under another step's name (step-000000001
+    copied to step-000000005, nothing edited) verified whole and loaded as step 5 with step 1's
+    values."""
     base = mf.step_dir(step)
+    if marker.step != step:
+        raise CorruptCheckpointError(f"{storage.url}/{base}: its {mf.MARKER} marker records step {marker.step}: a step "
+                                     "directory copied or renamed from another step; it is not this step")
     data = _bounded(storage, f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES)
-    return mf.Manifest.parse(data, marker, f"{storage.url}/{base}")
+    manifest = mf.Manifest.parse(data, marker, f"{storage.url}/{base}")
+    if manifest.step != step:
+        raise CorruptCheckpointError(f"{storage.url}/{base}: its manifest records step {manifest.step}: a step "
+                                     "directory copied or renamed from another step; it is not this step")
+    return manifest
 
 
 def _bounded(storage: Storage, path: str, limit: int) -> bytes:

@@ -92,7 +92,7 @@ def verify_step(storage: Storage, step: int, progress: Callable[[int], None] = l
             mf.verify_file(data, record, where)
             # incremental: the files it shares with older steps are verified as its own
             extra = incremental.resolve(storage, manifest, where) if name == replicated_name else None
-            load_tree_file(data, where, extra)
+            mf.check_tree_belongs(load_tree_file(data, where, extra), manifest.step, manifest.epoch, where)
         except (DistCkptError, OSError) as e:
             problems.append(str(e) if where in str(e) else f"{where}: {e}")
         progress(record["size"])

@@ -152,6 +152,7 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
             "or pass world_size_policy='reshard' to restore the replicated and sharded state and keep "
             "this run's per-rank state")
     replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers)
+    mf.check_tree_belongs(replicated, manifest.step, manifest.epoch, f"{where}/{replicated_name}")
     own = _read_tree(storage, base, rank_names[rank], manifest, where, buffers, per_rank=True)
     _check_rank_file_belongs(own, manifest, rank, f"{where}/{rank_names[rank]}")
     return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, buffers=buffers)

@@ -53,6 +53,18 @@ def refuse_step_directory(url: str, name: str = "url") -> None:
                           f"with load(state, step={step}) (or --step {step} on the command line) for that step")
 
 
+def check_tree_belongs(tree: Any, step: int, epoch: Any, where: str) -> None:
+    """A payload file's tree records the step and epoch of the manifest that lists it: another
+    step's file sealed into this step (digests recomputed) verified and loaded under this
+    step's number."""
+    if not isinstance(tree, dict):
+        return  # the schema check names a tree of the wrong shape
+    recorded = (tree.get("step", step), tree.get("epoch", epoch))
+    if recorded != (step, epoch):
+        raise CorruptCheckpointError(f"{where}: the file records step {recorded[0]} epoch {recorded[1]}, the manifest "
+                                     f"step {step} epoch {epoch}: the files do not belong together")
+
+
 def parse_step_dir(name: str) -> int | None:
     """The step a directory name holds, only in the one spelling step_dir writes: a second
     spelling of the same step (step-0000000001 beside step-000000001) is not a checkpoint."""

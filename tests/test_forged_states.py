@@ -18,6 +18,7 @@ import torch
 import xxhash
 
 import distckpt
+from distckpt.manifest import _marker_sum
 
 
 def _resign(step_dir: str) -> None:
@@ -31,6 +32,8 @@ def _resign(step_dir: str) -> None:
     marker_path = os.path.join(step_dir, "COMMITTED")
     marker = json.load(open(marker_path))
     marker["manifest_xxh3_64"] = xxhash.xxh3_64_hexdigest(raw)
+    marker.pop("marker_xxh3_64", None)  # and the marker's own checksum: without it the forgery
+    marker["marker_xxh3_64"] = _marker_sum(marker)  # fell back as a damaged marker, proving nothing
     open(marker_path, "w").write(json.dumps(marker))
 
 
@@ -133,3 +136,33 @@ def test_an_optimizer_of_another_class_is_refused_and_nothing_changes(tmp_path):
                 mgr.load_latest({"model": live_model, "opt": sgd})
     assert all(torch.equal(a, b) for a, b in zip(before, live_model.parameters()))
     assert json.dumps(sgd.state_dict()["param_groups"]) == groups
+
+
+@pytest.mark.parametrize("how", ["step-directory-copied", "replicated-file-of-another-step"])
+def test_another_steps_files_under_this_steps_name_fall_back_and_verify_names_them(tmp_path, capsys, how):
+    """A step directory copied under another step's name (nothing edited) loaded as that step
+    with the first one's values; another step's replicated file sealed into a step (digests
+    recomputed) too. Both verified 'ok'."""
+    import shutil
+
+    from distckpt import cli
+
+    root = str(tmp_path)
+    with distckpt.CheckpointManager(root, keep_last=5) as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+    if how == "step-directory-copied":
+        shutil.copytree(os.path.join(root, "step-000000001"), os.path.join(root, "step-000000005"))
+        damaged, fallback, said = 5, 2, "its COMMITTED marker records step 1"
+    else:
+        step2 = os.path.join(root, "step-000000002")
+        shutil.copy(_replicated_file(os.path.join(root, "step-000000001")), _replicated_file(step2))
+        _resign(step2)
+        damaged, fallback, said = 2, 1, "the file records step 1 epoch None, the manifest step 2"
+    live = _state(9)
+    with distckpt.CheckpointManager(root) as mgr:
+        with pytest.warns(distckpt.CheckpointFallbackWarning, match=f"step {damaged}"):
+            assert mgr.load_latest(live).step == fallback
+    assert torch.equal(live["t"], _state(fallback)["t"])
+    assert cli.main(["verify", root, "--step", str(damaged)]) == 1
+    assert said in capsys.readouterr().out

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distckpt
+from distckpt.manifest import _marker_sum
 from distckpt import cli
 
 EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "15"))
@@ -49,6 +50,10 @@ def _resign_manifest(step_dir: str, manifest: dict | bytes) -> None:
         f.write(raw)
     marker = json.load(open(os.path.join(step_dir, "COMMITTED")))
     marker["manifest_xxh3_64"] = _digest(raw)
+    # the marker's own checksum too: left stale, every mutated manifest was refused for the
+    # marker's sake and the manifest's own checks were never reached
+    marker.pop("marker_xxh3_64", None)
+    marker["marker_xxh3_64"] = _marker_sum(marker)
     with open(os.path.join(step_dir, "COMMITTED"), "w") as f:
         json.dump(marker, f)
 
