@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distckpt
-from distckpt.manifest import _marker_sum
 from distckpt import cli
+from distckpt.manifest import _marker_sum
 
 EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "15"))
 hostile_values = st.one_of(
