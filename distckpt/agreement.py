@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import xxhash
 
-from .capture import PER_RANK, Entry
-from .errors import UnstorableValueError
+from .capture import PER_RANK, Entry, note_user_error
+from .errors import DistCkptError, UnstorableValueError
 from .serialize import dim_order
 from .staging import memory_of, region_key
 
@@ -41,7 +41,14 @@ def replicated_digests(entries: list[Entry]) -> dict[str, str]:
             h = xxhash.xxh3_64()
             regions: dict[Any, list[str]] = {}
             # a user's object (a loss EMA, a curriculum counter), a scheduler, a scaler: by what it saves
-            _feed(h, entry.target.state_dict() if entry.kind == "stateful" else entry.target, 0, "", regions)
+            try:
+                value = entry.target.state_dict() if entry.kind == "stateful" else entry.target
+            except DistCkptError:
+                raise
+            except Exception as e:  # the user's own state_dict(), on a rank other than 0: say where
+                note_user_error(e, entry.key, entry.kind)
+                raise
+            _feed(h, value, 0, "", regions)
             # which tensors are one object comes back as saved, so it is compared too: as the
             # sets of paths that share bytes, whatever order the tree was walked in
             h.update(repr(sorted(sorted(paths) for paths in regions.values() if len(paths) > 1)).encode())

@@ -69,6 +69,14 @@ class Entry:
     owner: Any = None  # an optimizer's module (sharded state is named by the module's parameters)
 
 
+def note_user_error(error: BaseException, key: str, kind: str) -> None:
+    """Name the entry on an exception out of the user's own state_dict() (Python >= 3.11 notes;
+    they travel in the message the other ranks get)."""
+    if hasattr(error, "add_note"):
+        error.add_note(f"distckpt: raised while capturing state[{key!r}] ({kind} entry) for a save; nothing of "
+                       "this save was written")
+
+
 def _has_state_dict(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 

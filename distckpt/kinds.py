@@ -46,6 +46,7 @@ from .capture import (
     config_differences,
     copy_released,
     has_own_load_logic,
+    note_user_error,
     parameter_flags,
     restore_parameter_flags,
     unwrap_module,
@@ -614,9 +615,7 @@ def capture_entry(entry: Entry) -> dict[str, Any]:
     except DistCkptError:
         raise
     except Exception as e:  # the user's own state_dict(): keep its type (callers catch it), say where
-        if hasattr(e, "add_note"):  # Python >= 3.11
-            e.add_note(f"distckpt: raised while capturing state[{entry.key!r}] ({entry.kind} entry) for a "
-                       "save; nothing of this save was written")
+        note_user_error(e, entry.key, entry.kind)
         raise
     out = {"kind": entry.kind, "state": state}
     if isinstance(entry.target, torch.optim.Optimizer):

@@ -84,6 +84,31 @@ class _RaisingStateDict:
         pass
 
 
+class _UserObject:
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    def state_dict(self) -> dict:
+        if self.fail:
+            raise ValueError("the user's own failure")
+        return {"v": 1}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def users_state_dict_raising(rank: int, world: int, url: str, scope: str) -> dict:
+    """Rank 1's own state_dict() raises, in a replicated or a per-rank entry."""
+    user = _UserObject(fail=rank == 1)
+    state = {"user": user if scope == "replicated" else distckpt.per_rank(user)}
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        try:
+            mgr.save(5, state)
+            return {"raised": None}
+        except distckpt.DistCkptError as e:
+            return {"raised": type(e).__name__, "message": str(e), "cause": type(e.__cause__).__name__}
+
+
 def raise_during_save(rank: int, world: int, url: str, async_save: bool = False, users_error: bool = False) -> None:
     state = _state(rank)
     if rank == 1:

@@ -87,6 +87,20 @@ def test_a_rank_raising_during_capture_fails_every_rank(ckpt_dir, async_save):
     assert len(msgs) == 1
 
 
+@pytest.mark.parametrize("scope", ["replicated", "per_rank"])
+def test_a_users_state_dict_raising_in_any_entry_names_it_on_every_rank(ckpt_dir, scope):
+    """In a replicated entry, rank 1's failure (raised while comparing the ranks' values) named
+    no entry; the raising rank gets the same CoordinationError, its own exception the cause."""
+    results = run_world(f"{W}:users_state_dict_raising", 2, url=ckpt_dir, scope=scope)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    messages = {r.value["message"] for r in results}
+    assert len(messages) == 1 and all(r.value["raised"] == "CoordinationError" for r in results)
+    message = messages.pop()
+    assert "rank 1: ValueError: the user's own failure" in message and "state['user']" in message, message
+    assert results[1].value["cause"] == "ValueError"
+    assert not os.path.exists(os.path.join(ckpt_dir, "step-000000005", "COMMITTED"))
+
+
 def test_a_users_state_dict_raising_on_one_rank_fails_every_rank_naming_the_entry(ckpt_dir):
     results = run_world(f"{W}:raise_during_save", 2, url=ckpt_dir, users_error=True)
     msgs = _same_error_everywhere(results, "CoordinationError", "rank(s) [1]", "ValueError: the user's own failure",
