@@ -269,6 +269,8 @@ class Loader(Kind):
             # does not hold it, so a generator not also put in `state` came back untouched and the
             # next epoch's order differed from the uninterrupted run's. It travels with the loader.
             saved = {**saved, _LOADER_GENERATOR: generator.get_state()}
+        if isinstance(saved, dict):
+            saved = {**saved, _LOADER_MAKEUP: _loader_makeup(entry.target)}
         sampling = replay.capture(entry.target, entry.key)
         if sampling is not None and isinstance(saved, dict):
             saved = {**saved, replay.REPLAY_KEY: sampling}
@@ -286,6 +288,7 @@ class Loader(Kind):
                 f"{where}: the loader was saved with num_workers={workers} and this one has num_workers={live}: "
                 "torchdata resumes a position only with the same number of workers (a different number "
                 f"failed at the next iter()); build the loader with num_workers={workers}")
+        _check_loader_makeup(entry.target, saved.get(_LOADER_MAKEUP), where)
         replay.check(entry.target, saved.get(replay.REPLAY_KEY), where)
         if _LOADER_GENERATOR in saved:
             generator = _own_generator(entry.target)
@@ -301,8 +304,10 @@ class Loader(Kind):
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
         sampling, was_dropped = None, False
-        if isinstance(value, dict) and ({_LOADER_GENERATOR, replay.REPLAY_KEY, replay.DROPPED_KEY} & set(value)):
+        if isinstance(value, dict) and ({_LOADER_GENERATOR, _LOADER_MAKEUP, replay.REPLAY_KEY, replay.DROPPED_KEY}
+                                        & set(value)):
             value = dict(value)
+            value.pop(_LOADER_MAKEUP, None)
             sampling = value.pop(replay.REPLAY_KEY, None)
             was_dropped = value.pop(replay.DROPPED_KEY, False) is True
             generator_state = value.pop(_LOADER_GENERATOR, None)
@@ -331,6 +336,37 @@ class Loader(Kind):
 
 
 _LOADER_GENERATOR = "_distckpt_loader_generator"  # beside torchdata's keys in the loader's saved state
+_LOADER_MAKEUP = "_distckpt_loader_makeup"  # what its position counts in: the samplers' kinds, the dataset's length
+
+
+def _loader_makeup(loader: Any) -> dict[str, Any]:
+    """What a saved position means only together with: a position taken over a shuffled sampler
+    put into a loader built with shuffle=False failed at the next iter() with a bare
+    AssertionError from torchdata; over a dataset of another length the rest of the epoch came
+    from another permutation (items seen before the save came again), silently."""
+    makeup: dict[str, Any] = {name: type(getattr(loader, name)).__qualname__
+                              for name in ("sampler", "batch_sampler") if getattr(loader, name, None) is not None}
+    try:
+        makeup["dataset_len"] = len(loader.dataset)
+    except (TypeError, NotImplementedError, AttributeError):  # an IterableDataset: no length to compare
+        pass
+    return makeup
+
+
+def _check_loader_makeup(loader: Any, saved: Any, where: str) -> None:
+    if not isinstance(saved, dict):
+        return  # saved before the makeup was recorded
+    live = _loader_makeup(loader)
+    for name in ("sampler", "batch_sampler"):
+        if name in saved and name in live and saved[name] != live[name]:
+            raise IncompatibleCheckpointError(
+                f"{where}: the loader was saved with {name} {saved[name]} and this one has {live[name]} (shuffle= or "
+                f"{name}= changed?): its position counts in that {name}'s order; build the loader as it was saved")
+    if "dataset_len" in saved and "dataset_len" in live and saved["dataset_len"] != live["dataset_len"]:
+        raise IncompatibleCheckpointError(
+            f"{where}: the loader's dataset has {live['dataset_len']} items and had {saved['dataset_len']} when saved: "
+            "the saved position would continue another epoch's order (items seen before the save again, others never); "
+            "resume over the same dataset, or start the new data at an epoch boundary without the loader's state")
 
 
 def _warn_iterator_made_before(entry: Entry) -> None:

@@ -129,6 +129,37 @@ def test_a_loader_with_another_number_of_workers_is_refused_with_nothing_changed
     assert len(_run(loader, range(8))) == 8  # the loader is as built: a fresh pass works
 
 
+class _Shorter(Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)])
+
+
+@pytest.mark.parametrize("change", ["shuffle", "dataset-length"])
+def test_a_loader_over_another_sampler_or_dataset_length_is_refused_with_nothing_changed(tmp_path, change):
+    """shuffle=False over a shuffled position failed at the next iter() with a bare AssertionError
+    from torchdata; a dataset of another length continued another permutation (items seen before
+    the save came again), silently."""
+    loader, state = _loader(0, generator=True, shuffle=True)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        _run(loader, range(3), 2, mgr, {**state, "weights": torch.arange(3.0)})
+    if change == "shuffle":
+        loader, state = _loader(0, generator=True, shuffle=False)
+        said = "saved with sampler RandomSampler and this one has SequentialSampler"
+    else:
+        loader = StatefulDataLoader(_Shorter(), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(5))
+        state = {"loader": loader, "loader_generator": loader.generator}
+        said = "the loader's dataset has 6 items and had 16 when saved"
+    weights = torch.zeros(3)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        with pytest.raises(distckpt.IncompatibleCheckpointError, match=said):
+            mgr.load_latest({**state, "weights": weights})
+    assert torch.equal(weights, torch.zeros(3))
+    assert len(list(loader)) == len(loader)  # the loader is as built: a fresh pass works
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("save_at", [0, 3, 7, 8])
 def test_an_iterable_dataset_without_state_dict_resumes_at_its_position(tmp_path, workers, save_at):
