@@ -9,6 +9,7 @@ import math
 import numbers
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -117,8 +118,6 @@ class CheckpointManager:
         self._floor: int | None = None   # the step this job resumed from (-1: found nothing)
         self._lease: Lease | None = None  # rank 0, taken at the first save (fencing.py)
         self._closed = False
-        self._call_lock = threading.Lock()
-        self._active_call: tuple[str, int] | None = None  # (method, thread) of the call running
         self._warned_below_newest = False
         self._newest_committed: dict[str, int] = {}  # rank 0, per tier: the highest live step committed, for that warning
         self._preemption = PreemptionFlag(self.config.preemption_signals)
@@ -876,25 +875,40 @@ class CheckpointManager:
         """One manager call at a time. A save() or close() from inside a save (a state_dict(),
         a hook) committed the inner step, then the outer one below it, or closed the manager
         under the save still running; two threads' calls crossed their collectives and failed
-        with messages about storage and fencing. Both are refused here, saying which call runs."""
-        me = threading.get_ident()
-        with self._call_lock:
-            running = self._active_call
-            if running is None:
-                self._active_call = (name, me)
-        if running is not None:
-            if running[1] == me:
-                raise ConfigError(f"{name}() called while this CheckpointManager's {running[0]}() is running on the "
-                                  "same thread (from a state_dict(), load_state_dict() or hook it called): manager "
-                                  f"calls do not nest; call {name}() after {running[0]}() returns")
+        with messages about storage and fencing. Both are refused here, saying which call runs.
+        The running calls are read off the threads' stacks, not kept in a flag: a Ctrl-C landing
+        between setting a flag and the `try` that clears it left every later call refused."""
+        running = self._calls_running()
+        mine = [call for call, here in running if here]
+        if len(mine) > 1:  # this call and one below it on this thread's stack
+            raise ConfigError(f"{name}() called while this CheckpointManager's {mine[1]}() is running on the "
+                              "same thread (from a state_dict(), load_state_dict() or hook it called): manager "
+                              f"calls do not nest; call {name}() after {mine[1]}() returns")
+        others = [call for call, here in running if not here]
+        if others:
             raise ConfigError(f"{name}() called from thread {threading.current_thread().name} while this "
-                              f"CheckpointManager's {running[0]}() runs on another thread: a manager's calls are "
+                              f"CheckpointManager's {others[0]}() runs on another thread: a manager's calls are "
                               "collective and run one at a time, in the same order on every rank; make them "
                               "from one thread")
-        try:
-            yield
-        finally:
-            self._active_call = None
+        yield
+
+    def _calls_running(self) -> list[tuple[str, bool]]:
+        """This manager's public calls on every thread's stack, innermost first: (name, on this thread)."""
+        me = threading.get_ident()
+        found = []
+        for ident, top in sys._current_frames().items():
+            frame: Any = top
+            while frame is not None:
+                code = frame.f_code
+                if code.co_name in _COLLECTIVE_CALLS and code.co_filename == __file__ \
+                        and frame.f_locals.get("self") is self:
+                    found.append((code.co_name, ident == me))
+                frame = frame.f_back
+        return found
+
+
+# The manager's calls that run one at a time (_sole_call); committed_steps() only reads storage.
+_COLLECTIVE_CALLS = frozenset({"save", "load_latest", "load", "preemption_requested", "wait", "close"})
 
 
 def _check_save_args(step: Any, epoch: Any, metric: Any) -> tuple[int, int | None, float | None]:
