@@ -69,7 +69,7 @@ from .rng import capture_process_rng, check_process_rng, restore_process_rng
 from .serialize import ShardRef, load_tree_file
 from .storage import Storage, release_pages
 from .undo import Undo, run_undos
-from .validation import LoadRules
+from .validation import LoadRules, mappings_read_once
 
 if TYPE_CHECKING:
     import torch
@@ -574,17 +574,18 @@ def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: t
         if entry.key in read.replicated["entries"]:
             read.replicated["entries"][entry.key] = normalize_imported(entry, read.replicated["entries"][entry.key])
     saved = {**read.replicated["entries"], **read.own["entries"]}
-    for entry in entries:
-        if entry.scope == PER_RANK and not read.per_rank_restored:
-            continue
-        if entry.key not in saved and rules.missing_entries == "keep":
-            continue  # restored as nothing: keeps its live value (warned when applied)
-        if entry.key not in saved:
-            raise IncompatibleCheckpointError(
-                f"state[{entry.key!r}] is not in the checkpoint of step {read.step} (it holds "
-                f"{sorted(saved)}); remove it from `state`, start a new run directory, or pass "
-                "missing_entries='keep' to CheckpointManager to keep its live value")
-        validate_entry(entry, saved[entry.key], world, rules)
+    with mappings_read_once():
+        for entry in entries:
+            if entry.scope == PER_RANK and not read.per_rank_restored:
+                continue
+            if entry.key not in saved and rules.missing_entries == "keep":
+                continue  # restored as nothing: keeps its live value (warned when applied)
+            if entry.key not in saved:
+                raise IncompatibleCheckpointError(
+                    f"state[{entry.key!r}] is not in the checkpoint of step {read.step} (it holds "
+                    f"{sorted(saved)}); remove it from `state`, start a new run directory, or pass "
+                    "missing_entries='keep' to CheckpointManager to keep its live value")
+            validate_entry(entry, saved[entry.key], world, rules)
     check_destinations_apart([e for e in entries if e.key in saved], saved)
     if read.own.get("rank") != world[0]:
         raise CorruptCheckpointError(f"step {read.step}: the file for rank {world[0]} holds rank {read.own.get('rank')}")

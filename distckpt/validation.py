@@ -10,8 +10,9 @@ This module never touches storage or torch.distributed.
 from __future__ import annotations
 
 import numbers
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -199,23 +200,51 @@ def _on_read_only_pages(target: torch.Tensor) -> bool:
     if target.device.type != "cpu" or target.numel() == 0 or target.untyped_storage().resizable():
         return False
     start, end = target.untyped_storage().data_ptr(), target.untyped_storage().data_ptr() + target.untyped_storage().nbytes()
-    try:
-        with open("/proc/self/maps") as f:
-            maps = f.read()
-    except OSError:  # not Linux: nothing to look up
-        return False
     covered = start
-    for line in maps.splitlines():
-        span, perms = line.split(" ", 2)[:2]
-        low, high = (int(x, 16) for x in span.split("-"))
+    for low, high, writable in _mappings():
         if high <= covered or low >= end:
             continue
-        if low > covered or "w" not in perms:
+        if low > covered or not writable:
             return low <= covered  # a read-only mapping over the bytes (a gap in between is no mapping we know)
         covered = high
         if covered >= end:
             return False
     return False
+
+
+class _MappingsSeen:
+    during_pass = False
+    snapshot: list[tuple[int, int, bool]] | None = None
+
+
+@contextmanager
+def mappings_read_once() -> Iterator[None]:
+    """One check pass reads /proc/self/maps once, not per tensor (0.5 ms a read: 0.53 s for a
+    model of 1,000 tensors opened with torch.load(mmap=True)); nothing maps memory meanwhile."""
+    _MappingsSeen.during_pass, _MappingsSeen.snapshot = True, None
+    try:
+        yield
+    finally:
+        _MappingsSeen.during_pass, _MappingsSeen.snapshot = False, None
+
+
+def _mappings() -> list[tuple[int, int, bool]]:
+    """The process's mappings as (start, end, writable), in address order; none off Linux."""
+    if _MappingsSeen.snapshot is not None:
+        return _MappingsSeen.snapshot
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    found = []
+    for line in lines:
+        span, perms = line.split(" ", 2)[:2]
+        low, high = (int(x, 16) for x in span.split("-"))
+        found.append((low, high, "w" in perms))
+    if _MappingsSeen.during_pass:
+        _MappingsSeen.snapshot = found
+    return found
 
 
 def _has_internal_overlap(t: torch.Tensor) -> bool:

@@ -51,7 +51,7 @@ from .sharded import ShardReader
 from .staging import flat_bytes
 from .storage import Storage, open_storage, release_pages
 from .undo import module_copy_aside
-from .validation import check_step, check_writable
+from .validation import check_step, check_writable, mappings_read_once
 
 log = logging.getLogger("distckpt")
 INDEX_NAME = "model.safetensors.index.json"
@@ -354,9 +354,10 @@ def load_weights(source: str, module: nn.Module, *, step: int | None = None, str
     if problems:
         raise IncompatibleCheckpointError(f"{src.where} does not fit the module: {'; '.join(problems)}; "
                                           "strict=False loads the common keys, prefix_map renames keys")
-    for key in wanted:
-        if key in target:
-            check_writable(target[key], f"{src.where} into the module's {key!r}")
+    with mappings_read_once():
+        for key in wanted:
+            if key in target:
+                check_writable(target[key], f"{src.where} into the module's {key!r}")
     _refuse_differing_ties({key: src_key for key, src_key in wanted.items() if key in target}, target, src)
     with torch.no_grad():
         for key, src_key in wanted.items():
@@ -386,9 +387,10 @@ def _load_through_module(bare: nn.Module, src: ModelSource, wanted: dict[str, st
     if report.cast and not allow_cast:
         raise IncompatibleCheckpointError(f"{src.where} does not fit the module: dtypes differ for "
                                           f"{report.cast[:8]} (pass allow_cast=True)")
-    for key, value in target.items():
-        if isinstance(value, torch.Tensor):
-            check_writable(value, f"{src.where} into the module's {key!r}")
+    with mappings_read_once():
+        for key, value in target.items():
+            if isinstance(value, torch.Tensor):
+                check_writable(value, f"{src.where} into the module's {key!r}")
     put_back = module_copy_aside(bare)
     given = {key: src.tensor(src_key) for key, src_key in wanted.items()}
     try:
