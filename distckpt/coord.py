@@ -11,6 +11,7 @@ This module never imports storage.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import re
@@ -18,6 +19,7 @@ import socket
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional, Protocol, TypeVar
@@ -96,6 +98,8 @@ class GlooCoordinator:
                 "Raise timeout= if ranks reach it far apart") from e
         self.reports = StoreReports(dist.distributed_c10d._get_default_store(), timeout_s, self.rank)
         self.broken: str | None = None  # the first failed collective: gloo closes its pairs after one
+        self.running = 0  # collectives in progress (an exit hook does not destroy the group under one)
+        _OPEN_GROUPS.add(self)
 
     def check_usable(self) -> None:
         """Raise if a collective of this group failed before: after a timeout gloo closes the
@@ -116,6 +120,7 @@ class GlooCoordinator:
     def _run(self, phase: str, fn: Any) -> Any:
         self.check_usable()
         started = time.monotonic()
+        self.running += 1
         try:
             return fn()
         except Exception as e:  # gloo reports peers' deaths and timeouts as RuntimeError
@@ -134,6 +139,8 @@ class GlooCoordinator:
             # raw KeyErrors on both ranks); nothing more goes through this group.
             self.broken = f"collective {phase!r}: interrupted ({type(e).__name__})"
             raise
+        finally:
+            self.running -= 1
 
     def all_gather(self, obj: Any, phase: str) -> list[Any]:
         # A gather to rank 0 and a broadcast back: 3-4 ms at 8 ranks on 2 CPUs, against 28 ms
@@ -196,10 +203,41 @@ class GlooCoordinator:
         return obj if self.rank == 0 else decode_message(payload)
 
     def close(self) -> None:
+        """Destroy the group and drop the last reference to it, which joins its gloo threads.
+
+        Why the join matters: each collective's work object is released by a gloo thread a moment
+        after the caller's wait returns, and its tensors were made in Python, so that release
+        takes the GIL. Reached after the interpreter started finalizing, taking the GIL ends the
+        thread inside a C++ destructor: "terminate called without an active exception", SIGABRT
+        at the exit of about one 2-rank job in 20-40 on 2 CPUs (core dumps showed the thread in
+        ``~AsyncBroadcastWork``). ``destroy_process_group`` only shuts the group down; its
+        threads are joined when the object dies, which torch does with the GIL released."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        if self.broken is None:
+            self.broken = "this CheckpointManager was closed"
+        _OPEN_GROUPS.discard(self)
         try:
-            self._dist.destroy_process_group(self._group)
+            if group in self._dist.distributed_c10d._world.pg_map:
+                self._dist.destroy_process_group(group)
         except Exception as e:  # the default group may already be gone at interpreter exit
             log.debug("destroying the distckpt gloo group failed: %s", e)
+        del group  # the last reference: the gloo threads are joined here, not during finalization
+
+
+_OPEN_GROUPS: weakref.WeakSet[GlooCoordinator] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_groups() -> None:
+    """At interpreter exit (atexit runs before finalization), close the groups of managers never
+    closed, so their gloo threads are joined while they can still take the GIL (see
+    GlooCoordinator.close). A group with a collective still running (a daemon thread's save) is
+    left alone: destroying it would wait for that collective's timeout."""
+    for coord in list(_OPEN_GROUPS):
+        if coord.running == 0:
+            coord.close()
 
 
 def _untagged(tagged: list[Any], phase: str, root_only: bool = False) -> list[Any]:

@@ -921,3 +921,23 @@ def the_warmup_backward_reaches_a_dataclass_output(rank: int, world: int, url: s
         mgr.load_latest({"model": model})
     model(torch.ones(3, 4)).loss.backward()
     return {"backward_passes": len(passes)}
+
+
+def _native_threads() -> int:
+    """Threads of this process that Python did not start (gloo's, torch's)."""
+    import threading
+
+    return len(os.listdir("/proc/self/task")) - len(threading.enumerate())
+
+
+def native_threads_around_a_manager(rank: int, world: int, url: str, async_save: bool) -> dict:
+    """Native thread counts before a manager, while it is open and after its close(): a group
+    whose gloo threads outlive close() can abort the process at exit (see GlooCoordinator.close)."""
+    before = _native_threads()
+    mgr = distckpt.CheckpointManager(url, timeout=30, async_save=async_save)
+    for step in range(3):
+        mgr.save(step, _state(rank))
+    mgr.wait()
+    during = _native_threads()
+    mgr.close()
+    return {"before": before, "during": during, "after": _native_threads()}
