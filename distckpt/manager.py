@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, NoReturn
 
 from . import doctor as doctor_hooks
-from . import faults
+from . import errors, faults
 from . import manifest as mf
 from .async_writer import AsyncWriter, WriterStuckError
 from .capture import SHARDED, CheckpointWarning
@@ -26,7 +26,16 @@ from .commit import CommitIndex, ReplacePolicy, committed_generations, list_comm
 from .config import DEFAULT_TIMEOUT_S, ManagerConfig
 from .coord import Coordinator, Outcome, agree, make_coordinator
 from .ddp import install_bucket_warmup
-from .errors import AsyncSaveError, ConfigError, DistCkptError, FencedError, MissingFileError, RunConflictError, StorageError
+from .errors import (
+    AsyncSaveError,
+    ConfigError,
+    CoordinationError,
+    DistCkptError,
+    FencedError,
+    MissingFileError,
+    RunConflictError,
+    StorageError,
+)
 from .fencing import Lease, acquire, read_leases
 from .fencing import check_current as check_fence
 from .fencing import prune as prune_leases
@@ -92,15 +101,16 @@ class CheckpointManager:
                  local_dir: str | os.PathLike[str] | None = None, durable_every: int | None = None,
                  keep_local: int | None = None, incremental: bool = False,
                  overlap_snapshot: bool = False) -> None:
-        refusal: ConfigError | None = None
+        refusal: Exception | None = None
         try:
             self._check_arguments(url, keep_last, keep_best, best_mode, async_save, storage_options, timeout,
                                   leftover_grace_s, world_size_policy, preemption_signals, split_writes,
                                   allow_dtype_cast, missing_entries, local_dir, durable_every, keep_local,
                                   incremental, overlap_snapshot)
-        except ConfigError as e:
+        except Exception as e:  # a refused argument, an unreachable store: raised on every rank below
             refusal = e
-        self._coord = make_coordinator(self.config.timeout if refusal is None else DEFAULT_TIMEOUT_S)
+        self._coord = make_coordinator(self.config.timeout if refusal is None and hasattr(self, "config")
+                                       else DEFAULT_TIMEOUT_S)
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
         if refusal is not None and self.world_size == 1:
             self._coord.close()
@@ -152,6 +162,7 @@ class CheckpointManager:
                                         durable_every, keep_local)
         if self.tiers.local_dir is not None:
             mf.refuse_step_directory(self.tiers.local_dir, "local_dir")
+        self.local = open_storage(self.tiers.local_dir) if self.tiers.local_dir is not None else None
         if incremental and self.tiers.local_dir is not None:
             raise ConfigError("incremental=True with local_dir= is not supported yet: an upload would have to "
                               "carry the files each step references; use one of the two")
@@ -162,20 +173,21 @@ class CheckpointManager:
                               "leave out the unchanged tensors of rank 0's file, and split writes move them to "
                               "every rank's shard file, written whole at each save; use one of the two")
 
-    def _agree_on_settings(self, refusal: ConfigError | None) -> str:
+    def _agree_on_settings(self, refusal: Exception | None) -> str:
         """Rank 0's run id, and the settings every rank must share, compared (one exchange): a
         rank built with other retention, load rules or save modes than the others went unnoticed
-        (only async_save was compared, at the first save). A rank whose arguments were refused
-        makes every rank raise its ConfigError, naming it."""
+        (only async_save was compared, at the first save). A rank whose arguments or storage were
+        refused makes every rank raise that error's type (see _refusal_on_every_rank), naming it."""
         mine: dict[str, Any] = {"run_id": uuid.uuid4().hex, "refused": None if refusal is None else str(refusal),
+                                "kind": type(refusal).__name__,
                                 "settings": None if refusal is not None else self.config.shared_settings()}
         if self.world_size == 1:
             return str(mine["run_id"])
         every = self._coord.all_gather(mine, "init/run-id")
-        refused = [(r, view["refused"]) for r, view in enumerate(every) if view["refused"] is not None]
+        refused = [(r, view["kind"], view["refused"]) for r, view in enumerate(every) if view["refused"] is not None]
         if refused:
             self._coord.close()
-            raise ConfigError("; ".join(f"rank {r}: {message}" for r, message in refused))
+            raise _refusal_on_every_rank(refused) from refusal
         differing = sorted(name for name in every[0]["settings"]
                            if any(view["settings"].get(name) != every[0]["settings"][name] for view in every))
         if differing:
@@ -188,7 +200,6 @@ class CheckpointManager:
 
     def _init_tiers(self) -> None:
         """Two tiers (tiers.py): every save commits to `local_dir`, every Nth also to the URL."""
-        self.local = open_storage(self.tiers.local_dir) if self.tiers.local_dir is not None else None
         names = [node_name()] if self.local is None or self.world_size == 1 else \
             self._coord.all_gather(node_name(), "init/nodes")
         self._nodes = Nodes(tuple(names))
@@ -938,3 +949,20 @@ def _check_metric(metric: Any) -> float:
     if not math.isfinite(value):
         raise ConfigError(f"metric={metric!r}: must be finite to rank checkpoints by it")
     return value
+
+
+def _refusal_on_every_rank(refused: list[tuple[int, str, str]]) -> DistCkptError:
+    """The one error every rank raises when some ranks' constructors failed: the first failing
+    rank's distckpt type (ConfigError, StorageError, ...), or CoordinationError for any other
+    exception (the raising rank keeps it as __cause__), its message naming each failing rank."""
+    message = "; ".join(f"rank {r}: {kind}: {text}" if not _is_distckpt_error(kind) else f"rank {r}: {text}"
+                        for r, kind, text in refused)
+    kind = refused[0][1]
+    cls = getattr(errors, kind) if _is_distckpt_error(kind) else CoordinationError
+    return cls(message)  # type: ignore[no-any-return]
+
+
+def _is_distckpt_error(kind: str) -> bool:
+    cls = getattr(errors, kind, None)
+    return isinstance(cls, type) and issubclass(cls, DistCkptError)
+

@@ -49,14 +49,16 @@ def save_with_disagreement(rank: int, world: int, url: str, async_save: bool = F
         mgr.save(5, _state(rank), epoch=1 if rank == 0 else 2)
 
 
-def one_rank_refused_at_construction(rank: int, world: int, url: str, bad_local_dir: str) -> dict:
-    """Rank 1's local_dir is a file (a node whose disk differs): it raised at once while rank 0
-    waited for it in the group's creation for the whole timeout."""
+def one_rank_refused_at_construction(rank: int, world: int, url: str, bad_local_dir: str | None = None,
+                                     bad_url: str | None = None) -> dict:
+    """Rank 1's local_dir is a file (a node whose disk differs), or its URL unreachable from it: it
+    raised at once while rank 0 waited for it in the group's creation for the whole timeout."""
     start = time.monotonic()
     try:
-        distckpt.CheckpointManager(url, timeout=60, local_dir=bad_local_dir if rank == 1 else f"{url}-local")
+        distckpt.CheckpointManager(bad_url if rank == 1 and bad_url else url, timeout=60,
+                                   local_dir=bad_local_dir if rank == 1 and bad_local_dir else f"{url}-local")
         first = "constructed"
-    except distckpt.ConfigError as e:
+    except distckpt.DistCkptError as e:
         first = f"{type(e).__name__}: {e}"
     seconds = time.monotonic() - start
     with distckpt.CheckpointManager(url, timeout=60, local_dir=f"{url}-local") as mgr:

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+import distckpt
 from distckpt.testing import run_world
 
 W = "dist_workers"
@@ -59,6 +60,16 @@ def test_an_argument_refused_on_one_rank_is_the_same_config_error_on_every_rank_
     assert all(r.error is None for r in results), [r.error for r in results]
     firsts = {r.value["first"] for r in results}
     assert len(firsts) == 1 and firsts.pop().startswith(f"ConfigError: rank 1: local_dir={str(bad)!r} is a file")
+    assert all(r.value["seconds"] < 30 for r in results), results  # not the 60 s timeout
+    assert os.path.exists(os.path.join(ckpt_dir, "step-000000005", "COMMITTED"))
+
+
+def test_a_store_unreachable_from_one_rank_is_the_same_storage_error_on_every_rank_at_once(ckpt_dir):
+    """The other ranks waited the whole timeout for the failing rank's group."""
+    results = run_world(f"{W}:one_rank_refused_at_construction", 2, url=ckpt_dir, bad_url="ftp://127.0.0.1:9/x")
+    assert all(r.error is None for r in results), [r.error for r in results]
+    firsts = {r.value["first"] for r in results}
+    assert len(firsts) == 1 and firsts.pop().startswith("StorageError: rank 1: [Errno 111] ftp://127.0.0.1:9/x")
     assert all(r.value["seconds"] < 30 for r in results), results  # not the 60 s timeout
     assert os.path.exists(os.path.join(ckpt_dir, "step-000000005", "COMMITTED"))
 
@@ -592,3 +603,14 @@ def test_a_manager_never_closed_has_its_gloo_threads_joined_at_exit(tmp_path):
     for rank in range(2):
         before, during, after = map(int, (out / f"rank-{rank}").read_text().split())
         assert during > before and after == before, (rank, before, during, after)
+
+
+def test_a_constructor_failure_keeps_its_distckpt_type_on_every_rank_and_any_other_is_a_coordination_error():
+    from distckpt.manager import _refusal_on_every_rank
+
+    storage = _refusal_on_every_rank([(1, "StorageError", "s3://b/x: unreachable"), (2, "ConfigError", "keep_last=0")])
+    assert type(storage) is distckpt.StorageError
+    assert str(storage) == "rank 1: s3://b/x: unreachable; rank 2: keep_last=0"
+    other = _refusal_on_every_rank([(0, "KeyError", "'region'")])
+    assert type(other) is distckpt.CoordinationError and str(other) == "rank 0: KeyError: 'region'"
+    assert type(_refusal_on_every_rank([(0, "Exception", "x")])) is distckpt.CoordinationError
