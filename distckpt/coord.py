@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -99,6 +100,7 @@ class GlooCoordinator:
         self.reports = StoreReports(dist.distributed_c10d._get_default_store(), timeout_s, self.rank)
         self.broken: str | None = None  # the first failed collective: gloo closes its pairs after one
         self.running = 0  # collectives in progress (an exit hook does not destroy the group under one)
+        self._pid = os.getpid()
         _OPEN_GROUPS.add(self)
 
     def check_usable(self) -> None:
@@ -212,6 +214,10 @@ class GlooCoordinator:
         at the exit of about one 2-rank job in 20-40 on 2 CPUs (core dumps showed the thread in
         ``~AsyncBroadcastWork``). ``destroy_process_group`` only shuts the group down; its
         threads are joined when the object dies, which torch does with the GIL released."""
+        if os.getpid() != self._pid:
+            # a forked child (a DataLoader worker) holds a copy of the group without its threads:
+            # destroying it there would join threads that exist only in the parent
+            return
         group, self._group = self._group, None
         if group is None:
             return

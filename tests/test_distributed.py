@@ -614,3 +614,45 @@ def test_a_constructor_failure_keeps_its_distckpt_type_on_every_rank_and_any_oth
     other = _refusal_on_every_rank([(0, "KeyError", "'region'")])
     assert type(other) is distckpt.CoordinationError and str(other) == "rank 0: KeyError: 'region'"
     assert type(_refusal_on_every_rank([(0, "Exception", "x")])) is distckpt.CoordinationError
+
+
+FORKED_CHILD_EXITS = r"""
+import os, sys, time, torch, torch.distributed as dist, distckpt
+dist.init_process_group("gloo")
+mgr = distckpt.CheckpointManager(sys.argv[1], timeout=30)
+mgr.save(1, {"x": torch.ones(4)})
+pid = os.fork()
+if pid == 0:  # a forked child runs distckpt's exit hook (sys.exit itself hangs there in torch's own
+    from distckpt import coord  # default group, so the hook is called and the child leaves at once)
+    coord._close_open_groups()
+    os._exit(0)
+start = time.monotonic()
+for _ in range(200):
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.1)
+else:
+    os.kill(pid, 9)
+    status = "hung"
+print(f"child exit status {status} after {time.monotonic() - start:.1f}s", flush=True)
+mgr.save(2, {"x": torch.ones(4)})  # the parent's group is untouched by the child's exit
+mgr.close()
+assert status == 0, status
+"""
+
+
+def test_a_forked_child_exiting_leaves_the_parents_group_alone(tmp_path):
+    """The exit hook that closes unclosed managers runs in a forked child too, whose copy of the
+    group has none of the parent's threads: joining them there hung the child."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED_CHILD_EXITS)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", str(script), str(tmp_path / "ckpt")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.stdout.count("child exit status 0") == 2, result.stdout
+    assert os.path.exists(tmp_path / "ckpt" / "step-000000002" / "COMMITTED")
