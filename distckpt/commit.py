@@ -43,10 +43,21 @@ log = logging.getLogger("distckpt")
 
 
 def read_marker(storage: Storage, step: int) -> mf.Marker:
-    """The step's COMMITTED marker; MissingFileError if absent, CorruptCheckpointError if bad."""
+    """The step's COMMITTED marker; MissingFileError if absent, CorruptCheckpointError if bad.
+
+    A marker entry that is no regular file (a directory, a symbolic link: no save makes either)
+    is damage, not absence: read as "not committed", a damaged newest step was skipped with no
+    warning, `verify --all` left it out and exited 0 (a link: _bounded; a directory: here)."""
     base = mf.step_dir(step)
-    return mf.Marker.parse(_bounded(storage, f"{base}/{mf.MARKER}", mf.MAX_MARKER_BYTES),
-                           f"{storage.url}/{base}/{mf.MARKER}")
+    path, where = f"{base}/{mf.MARKER}", f"{storage.url}/{base}/{mf.MARKER}"
+    try:
+        data = _bounded(storage, path, mf.MAX_MARKER_BYTES)
+    except MissingFileError:
+        if storage.exists(path):  # something stands there, and it is no file
+            raise CorruptCheckpointError(f"{where} is not a file (a directory stands there): the step's marker "
+                                         "is damaged") from None
+        raise
+    return mf.Marker.parse(data, where)
 
 
 def read_verified_manifest(storage: Storage, step: int, marker: mf.Marker) -> mf.Manifest:

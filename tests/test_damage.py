@@ -4,6 +4,8 @@ warning naming the file, and `distckpt verify` reports the same file with exit s
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -115,3 +117,37 @@ def test_a_marker_written_before_the_marker_checksum_still_loads():
     assert mf.Marker.parse(json.dumps(old).encode(), "m") == mf.Marker(7, "0123456789abcdef", "r", 3, "n")
     with pytest.raises(distckpt.CorruptCheckpointError, match="fields we never write"):
         mf.Marker.parse(json.dumps({**old, "marker_xxh3_65": "00"}).encode(), "m")
+
+
+MARKER_STAND_INS = {
+    "symlink-loop": lambda path: os.symlink(path, path),
+    "dangling-symlink": lambda path: os.symlink(path + ".gone", path),
+    "symlink-to-an-older-marker": lambda path: os.symlink(path.replace(mf.step_dir(2), mf.step_dir(1)), path),
+    "directory": lambda path: os.mkdir(path),
+}
+
+
+@pytest.mark.parametrize("stand_in", sorted(MARKER_STAND_INS))
+def test_a_marker_that_is_no_file_is_damage_not_absence(tmp_path, stand_in, capsys):
+    """A COMMITTED replaced by a link or a directory made its step look never committed: the
+    damaged newest step was skipped with no warning, and `verify --all` left it out, exit 0."""
+    url = str(tmp_path / "ckpt")
+    with distckpt.CheckpointManager(url) as mgr:
+        mgr.save(1, state_for(1))
+        mgr.save(2, state_for(2))
+    marker = os.path.join(url, mf.step_dir(2), mf.MARKER)
+    os.remove(marker)
+    MARKER_STAND_INS[stand_in](marker)
+    state = state_for(0)
+    with distckpt.CheckpointManager(url) as mgr:
+        with pytest.warns(distckpt.CheckpointFallbackWarning, match=r"step 2 .*COMMITTED"):
+            assert mgr.load_latest(state).step == 1
+        assert torch.equal(state["model"].weight, state_for(1)["model"].weight)
+        before = {k: v.clone() for k, v in state["model"].state_dict().items()}
+        with pytest.raises(distckpt.CorruptCheckpointError, match="COMMITTED"):
+            mgr.load(state, step=2)
+        assert all(torch.equal(v, before[k]) for k, v in state["model"].state_dict().items())
+    if stand_in != "directory":  # the listing sees a link as a file; an empty directory holds none
+        capsys.readouterr()
+        assert cli.main(["verify", url, "--all"]) == 1
+        assert "step 2: BAD" in capsys.readouterr().out

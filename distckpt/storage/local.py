@@ -171,7 +171,9 @@ class LocalStorage:
         return self.list_dir(path)
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(self._abs(path))
+        """Whether an entry stands at `path`: a symbolic link counts, even a dangling or looping
+        one (os.path.exists follows it and said no, so a marker replaced by a link looked absent)."""
+        return os.path.lexists(self._abs(path))
 
     def check_root(self) -> None:
         """Nothing to check: the first save makes the directory."""
