@@ -411,8 +411,11 @@ def _check_same_progress(infos: list[dict[str, Any]], what: str) -> None:
 def _check_same_entries(infos: list[dict[str, Any]], what: str) -> None:
     """Every rank saves the same keys of `state`, each of one kind. A module or per_rank entry only
     some ranks hold was left out of the checkpoint (rank 0 writes the replicated ones; a rank's own
-    were never looked for), and every load then refused it."""
-    tables = [{key: (scope, kind) for key, scope, kind in i.get("entries", [])} for i in infos]
+    were never looked for), and every load then refused it. A per_rank entry's kind may differ
+    between ranks: each rank writes and restores its own (nanoGPT's best_val_loss is a float on
+    every rank until rank 0's first evaluation makes it a 0-d tensor there)."""
+    tables = [{key: (scope, kind if scope != PER_RANK else "") for key, scope, kind in i.get("entries", [])}
+              for i in infos]
     if all(t == tables[0] for t in tables[1:]):
         return
     differences = []

@@ -943,3 +943,18 @@ def native_threads_around_a_manager(rank: int, world: int, url: str, async_save:
     during = _native_threads()
     mgr.close()
     return {"before": before, "during": during, "after": _native_threads()}
+
+
+def per_rank_kinds_differ(rank: int, world: int, url: str) -> dict:
+    """nanoGPT's best_val_loss as README "Plain loop variables" says: per_rank, a float on every
+    rank until rank 0's evaluation makes it a 0-d tensor there."""
+    best = torch.tensor(0.5) if rank == 0 else 1e9
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.save(0, {"iter_num": 1, "best": distckpt.per_rank(best)})
+    fresh = {"iter_num": 0, "best": distckpt.per_rank(1e9)}
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        step = mgr.load_latest(fresh).step
+        mgr.save(1, fresh)  # and saved again from what was restored
+    back = fresh["best"].obj
+    return {"step": step, "back": back.item() if isinstance(back, torch.Tensor) else back,
+            "is_tensor": isinstance(back, torch.Tensor)}
