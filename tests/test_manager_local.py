@@ -1046,3 +1046,20 @@ def test_a_users_state_dict_raising_keeps_its_type_names_the_entry_and_writes_no
         mgr.save(3, state)  # the manager goes on
         mgr.wait()
         assert sorted(mgr.committed_steps()) == [1, 3]
+
+
+@pytest.mark.parametrize("where", ["root", "parent"])
+def test_a_root_through_a_link_to_nothing_is_an_error_not_a_fresh_start(tmp_path, where):
+    """A volume not mounted on this node (the root a symbolic link to a missing directory) read as
+    "nothing committed": the job trained from step 0 until its first save failed."""
+    link = tmp_path / "mnt"
+    os.symlink(tmp_path / "not-mounted", link)
+    url = str(link if where == "root" else link / "runs" / "exp1")
+    with distckpt.CheckpointManager(url) as mgr:
+        with pytest.raises(distckpt.StorageError, match="symbolic link to .*not-mounted.* which does not exist"):
+            mgr.load_latest({"x": torch.zeros(2)})
+    os.mkdir(tmp_path / "not-mounted")  # mounted: a fresh start, then saves land in the target
+    with distckpt.CheckpointManager(url) as mgr:
+        assert mgr.load_latest({"x": torch.zeros(2)}) is None
+        mgr.save(1, {"x": torch.ones(2)})
+    assert os.path.exists(os.path.join(url, "step-000000001", "COMMITTED"))

@@ -176,7 +176,19 @@ class LocalStorage:
         return os.path.lexists(self._abs(path))
 
     def check_root(self) -> None:
-        """Nothing to check: the first save makes the directory."""
+        """A missing directory is fine (the first save makes it); a root that is, or lies under, a
+        symbolic link to nothing is not: a mount point missing on this node read as a fresh start,
+        and the job trained from step 0 until its first save failed."""
+        path = os.path.abspath(self.root)
+        while True:
+            if os.path.islink(path) and not os.path.exists(path):
+                raise StorageError(errno.ENOENT, f"{self.url}: {path} is a symbolic link to {os.readlink(path)!r}, "
+                                   "which does not exist (a volume not mounted on this node?): nothing can be "
+                                   "loaded from or saved there; mount it, fix the link, or fix the URL")
+            parent = os.path.dirname(path)
+            if parent == path:
+                return
+            path = parent
 
     def size(self, path: str) -> int | None:
         try:
