@@ -136,10 +136,13 @@ def _describe_step(storage: Storage, step: int) -> dict[str, Any]:
     base = mf.step_dir(step)
     replicated_name, rank_names = manifest.payload_names()
     reused = incremental.reused_specs(storage, manifest)
-    replicated, table = _header_tree(storage.read_bytes(f"{base}/{replicated_name}"), "replicated", reused)
+    # each file named by its URL: "replicated: 0 bytes is too short for a header" named no file
+    replicated, table = _header_tree(storage.read_bytes(f"{base}/{replicated_name}"),
+                                     f"{storage.url}/{base}/{replicated_name}", reused)
     ranks = []
     for rank in range(manifest.world_size):
-        own, _ = _header_tree(storage.read_bytes(f"{base}/{rank_names[rank]}"), f"rank {rank}")
+        own, _ = _header_tree(storage.read_bytes(f"{base}/{rank_names[rank]}"),
+                              f"{storage.url}/{base}/{rank_names[rank]} (rank {rank})")
         ranks.append({"rank": rank, "epoch": own.get("epoch"), "rng_streams": sorted(own["rng"]),
                       "entries": {k: _summarise(v) for k, v in own["entries"].items()}})
     config = replicated["entries"].get("config", {}).get("state")

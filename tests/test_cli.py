@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -428,3 +429,16 @@ def test_a_step_on_the_command_line_is_ascii_digits_only(tmp_path, capsys, text)
 def test_per_rank_of_per_rank_is_refused_where_it_is_written():
     with pytest.raises(distckpt.ConfigError, match=r"per_rank\(per_rank\(...\)\)"):
         distckpt.per_rank(distckpt.per_rank({"x": 1}))
+
+
+def test_inspect_of_a_damaged_step_names_the_damaged_file(tmp_path, capsys):
+    url = str(tmp_path / "ckpt")
+    with distckpt.CheckpointManager(url) as mgr:
+        mgr.save(1, {"x": torch.ones(3)})
+        mgr.save(2, {"x": torch.ones(3)})
+    folder = os.path.join(url, "step-000000002", "replicated")
+    damaged = os.path.join(folder, os.listdir(folder)[0])
+    open(damaged, "wb").close()
+    capsys.readouterr()
+    assert cli.main(["inspect", url, "--step", "2"]) == 2
+    assert f"{damaged}: 0 bytes is too short for a header" in capsys.readouterr().err
