@@ -30,6 +30,7 @@ from .preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from .replay import ReplayWarning
 from .rng import RngRestoreWarning
 from .serialize import DeviceAbsentWarning
+from .storage import NonAtomicStorageWarning
 from .tiers import DurableUploadWarning
 from .weights import WeightsReport, export_weights, load_weights
 from .workers import preemption_safe_worker_init, with_worker_rng
@@ -37,7 +38,7 @@ from .workers import preemption_safe_worker_init, with_worker_rng
 __all__ = [
     "AsyncSaveError", "CheckpointExistsError", "CheckpointFallbackWarning", "CheckpointManager",
     "CheckpointWarning", "ConfigError", "CoordinationError", "CorruptCheckpointError", "DistCkptError",
-    "DeviceAbsentWarning", "DistInfo", "DurableUploadWarning", "FencedError", "IncompatibleCheckpointError", "MissingFileError", "PREEMPTED_EXIT_CODE", "PerRank", "Progress",
+    "DeviceAbsentWarning", "DistInfo", "DurableUploadWarning", "FencedError", "IncompatibleCheckpointError", "MissingFileError", "NonAtomicStorageWarning", "PREEMPTED_EXIT_CODE", "PerRank", "Progress",
     "RankDisagreementError", "ReplayWarning", "RngRestoreWarning", "RunConflictError", "SnapshotChangedError", "StateArgumentError", "StorageError",
     "SupersededCheckpointError", "UnstorableValueError",
     "WeightsReport", "__version__", "export_weights", "init_distributed", "load_weights", "per_rank",

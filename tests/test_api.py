@@ -186,3 +186,18 @@ def test_a_second_thread_s_call_while_a_save_runs_is_refused_naming_both(tmp_pat
     mgr.save(2, {"x": 1})
     assert mgr.committed_steps() == [2, 1]
     mgr.close()
+
+
+def test_every_error_and_warning_the_readme_names_is_a_top_level_name():
+    """`except distckpt.X` / `filterwarnings(category=distckpt.X)` written from the README works for
+    each X it names (NonAtomicStorageWarning lived in distckpt.storage only)."""
+    import builtins
+    import os
+    import re
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    named = set(re.findall(r"`(?:distckpt\.)?([A-Z][A-Za-z]*(?:Error|Warning))`", readme))
+    builtin = {n for n in named if hasattr(builtins, n)}
+    torch_or_other = {"SignalException", "CheckpointException", "ChildFailedError"}
+    missing = sorted(n for n in named - builtin - torch_or_other if not hasattr(distckpt, n))
+    assert len(named) > 15 and missing == [], missing
