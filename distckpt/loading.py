@@ -33,8 +33,10 @@ from .capture import (
     Entry,
     loading_entry,
     normalize_imported,
+    persistent_buffers,
     replaced_under_key,
     resolve_sharded_entry,
+    unwrap_module,
     use_rank_buffers,
     warn_extra_entries,
 )
@@ -591,7 +593,14 @@ def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: t
         raise CorruptCheckpointError(f"step {read.step}: the file for rank {world[0]} holds rank {read.own.get('rank')}")
 
 
-def _warn_per_rank_kept(read: ReadCheckpoint, coord: Coordinator, kept: list[str]) -> None:
+def _modules_with_buffers(entries: list[Entry]) -> list[str]:
+    """Module entries holding persistent buffers (BatchNorm statistics): saved per rank, since
+    each rank may update its own (capture.capture_rank_buffers)."""
+    return [e.key for e in entries if e.kind in ("module", "sharded_module") and e.scope != PER_RANK
+            and persistent_buffers(unwrap_module(e.target))]
+
+
+def _warn_per_rank_kept(read: ReadCheckpoint, coord: Coordinator, kept: list[str], buffered: list[str]) -> None:
     if read.manifest.imported is not None:
         message = (f"rank {coord.rank}: step {read.step} was imported from {read.manifest.imported}, which holds no "
                    f"per-rank state: the RNG streams and the per-rank entries {kept} keep what this process set. "
@@ -602,7 +611,11 @@ def _warn_per_rank_kept(read: ReadCheckpoint, coord: Coordinator, kept: list[str
     message = (f"rank {coord.rank}: step {read.step} was written by {read.manifest.world_size} ranks and "
                f"is loaded by {coord.world_size} (world_size_policy='reshard'): replicated and sharded state "
                f"restored; kept as this process set them, not restored: the RNG streams (Python, NumPy, "
-               f"torch, devices) and the per-rank entries {kept}. The run continues, not bit for bit.")
+               f"torch, devices) and the per-rank entries {kept}."
+               + (f" The persistent buffers of {buffered} (BatchNorm running statistics and the like, saved by "
+                  "each rank) are rank 0's on every rank: a rank's own cannot be mapped to another world size."
+                  if buffered else "")
+               + " The run continues, not bit for bit.")
     log.warning(message)
     warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
 
@@ -693,7 +706,8 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
     undos.append(("rng", lambda: restore_process_rng(rng_before, f"rank {coord.rank}, undo")))
     exc = _restore_all(late, saved, state, memo, notes, undos, coord.rank, read.step, release)
     if exc is None:
-        exc = _restore_rng(coord, read, kept)
+        buffered = _modules_with_buffers(entries) if read.manifest.world_size > 1 else []
+        exc = _restore_rng(coord, read, kept, buffered)
     outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
     _agree_or_undo(coord, outcome, exc, undos, f"restoring the modules of step {read.step}", "load/apply-modules")
     return notes, ([] if read.per_rank_restored else ["rng", *kept])
@@ -732,12 +746,13 @@ def _restore_failed(e: BaseException, what: str, rank: int, step: int) -> BaseEx
     return err
 
 
-def _restore_rng(coord: Coordinator, read: ReadCheckpoint, kept: list[str]) -> BaseException | None:
+def _restore_rng(coord: Coordinator, read: ReadCheckpoint, kept: list[str],
+                 buffered: list[str]) -> BaseException | None:
     try:
         if read.per_rank_restored:
             restore_process_rng(read.own["rng"], f"rank {coord.rank}, step {read.step}")  # last
         else:
-            _warn_per_rank_kept(read, coord, kept)
+            _warn_per_rank_kept(read, coord, kept, buffered)
         faults.point("load/applied", step=read.step, rank=coord.rank)
         return None
     except DistCkptError as e:

@@ -958,3 +958,14 @@ def per_rank_kinds_differ(rank: int, world: int, url: str) -> dict:
     back = fresh["best"].obj
     return {"step": step, "back": back.item() if isinstance(back, torch.Tensor) else back,
             "is_tensor": isinstance(back, torch.Tensor)}
+
+
+def save_rank_own_batchnorm(rank: int, world: int, url: str) -> None:
+    """A BatchNorm whose running statistics differ per rank (each updates its own, as under FSDP2
+    or DDP with broadcast_buffers=False)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with torch.no_grad():
+        net[1].running_mean.fill_(float(rank + 1))
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.save(3, {"model": net})

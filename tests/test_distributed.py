@@ -645,3 +645,17 @@ def test_a_constructor_failure_keeps_its_distckpt_type_on_every_rank_and_any_oth
     other = _refusal_on_every_rank([(0, "KeyError", "'region'")])
     assert type(other) is distckpt.CoordinationError and str(other) == "rank 0: KeyError: 'region'"
     assert type(_refusal_on_every_rank([(0, "Exception", "x")])) is distckpt.CoordinationError
+
+
+def test_a_reshard_says_whose_batchnorm_statistics_every_rank_gets(ckpt_dir):
+    """Each rank saves its own buffers; under world_size_policy='reshard' every rank got rank 0's
+    and neither the warning nor Progress said so."""
+    import torch
+    from torch import nn
+
+    assert all(r.error is None for r in run_world(f"{W}:save_rank_own_batchnorm", 2, url=ckpt_dir))
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with distckpt.CheckpointManager(ckpt_dir, world_size_policy="reshard") as mgr:
+        with pytest.warns(distckpt.CheckpointFallbackWarning, match=r"persistent buffers of \['model'\] .* rank 0's"):
+            assert mgr.load_latest({"model": net}).step == 3
+    assert torch.equal(net[1].running_mean, torch.full((4,), 1.0))  # rank 0's, as said
