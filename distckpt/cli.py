@@ -125,8 +125,8 @@ def _s(value: Any) -> str:
 
 
 def _steps(storage: Storage, args: argparse.Namespace) -> list[int]:
-    if getattr(args, "all", False):
-        return sorted(list_committed(storage))
+    if getattr(args, "all", False):  # as `ls` lists them: a damaged or unreadable step included
+        return sorted(s.step for s in list_steps(storage) if not s.status.startswith(("uncommitted", "retired")))
     if args.step is not None:
         return [args.step]
     return list_committed(storage)[:1]

@@ -40,7 +40,14 @@ class StepListing:
 
 
 def list_steps(storage: Storage) -> list[StepListing]:
-    committed = set(list_committed(storage))
+    """Every step directory with its status. A step the whole-root listing cannot show as
+    committed is asked on its own: a marker replaced by a directory (no file to list), or a
+    listing that failed on one unreadable step directory (which failed the whole command and hid
+    the readable steps), is then listed as damaged with its error."""
+    try:
+        committed: set[int] | None = set(list_committed(storage))
+    except (DistCkptError, OSError):
+        committed = None
     leases = read_leases(storage)
     out = []
     shared: set[str] = set()
@@ -48,7 +55,7 @@ def list_steps(storage: Storage) -> list[StepListing]:
         step = mf.parse_step_dir(name)
         if step is None:
             continue
-        if step not in committed:
+        if (committed is None or step not in committed) and not _marker_may_stand(storage, step):
             out.append(StepListing(step, "uncommitted"))
             continue
         try:
@@ -62,6 +69,16 @@ def list_steps(storage: Storage) -> list[StepListing]:
         if listing.status == "uncommitted" and any(p.startswith(mf.step_dir(listing.step) + "/") for p in shared):
             out[i] = StepListing(listing.step, "retired: holds files committed steps share")
     return sorted(out, key=lambda s: s.step)
+
+
+def _marker_may_stand(storage: Storage, step: int) -> bool:
+    """Whether something stands where the step's marker goes; when the store cannot say (an
+    unreadable step directory), yes: reading the marker then names the error."""
+    try:
+        storage.list_dir(mf.step_dir(step))  # raises for a directory that cannot be read
+        return storage.exists(f"{mf.step_dir(step)}/{mf.MARKER}")
+    except (DistCkptError, OSError):
+        return True
 
 
 def verify_step(storage: Storage, step: int, progress: Callable[[int], None] = lambda n: None,

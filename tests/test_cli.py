@@ -442,3 +442,39 @@ def test_inspect_of_a_damaged_step_names_the_damaged_file(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["inspect", url, "--step", "2"]) == 2
     assert f"{damaged}: 0 bytes is too short for a header" in capsys.readouterr().err
+
+
+def _as_an_unprivileged_reader(argv: list[str]) -> list[str]:
+    """Run argv where file permissions bind: root ignores them unless its DAC capabilities go."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return argv
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("root without setpriv: permissions cannot bind")
+    return [setpriv, "--bounding-set=-dac_override,-dac_read_search", *argv]
+
+
+def test_an_unreadable_step_directory_is_listed_and_verified_as_such_not_hidden(tmp_path):
+    """One unreadable step directory failed `ls` and `verify --all` as a whole (exit 2), hiding
+    the readable steps; once that was mended, verify skipped it as "removed while verified"."""
+    url = str(tmp_path / "ckpt")
+    with distckpt.CheckpointManager(url) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"x": torch.full((3,), float(step))})
+    unreadable = os.path.join(url, "step-000000003")
+    os.chmod(unreadable, 0)
+    try:
+        cli_argv = [sys.executable, "-m", "distckpt"]
+        ls = subprocess.run(_as_an_unprivileged_reader([*cli_argv, "ls", url, "--json"]), capture_output=True, text=True)
+        verify = subprocess.run(_as_an_unprivileged_reader([*cli_argv, "verify", url, "--all"]),
+                                capture_output=True, text=True)
+    finally:
+        os.chmod(unreadable, 0o755)
+    assert ls.returncode == 0, ls.stderr
+    rows = {r["step"]: r["status"] for r in json.loads(ls.stdout)}
+    assert rows[1] == rows[2] == "committed" and rows[3].startswith("damaged:") and "Permission denied" in rows[3], rows
+    assert verify.returncode == 1, verify.stderr
+    assert "step 1: ok" in verify.stdout and "step 2: ok" in verify.stdout and "step 3: BAD" in verify.stdout
+    assert "Permission denied" in verify.stdout

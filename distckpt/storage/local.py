@@ -172,8 +172,16 @@ class LocalStorage:
 
     def exists(self, path: str) -> bool:
         """Whether an entry stands at `path`: a symbolic link counts, even a dangling or looping
-        one (os.path.exists follows it and said no, so a marker replaced by a link looked absent)."""
-        return os.path.lexists(self._abs(path))
+        one (os.path.exists follows it and said no, so a marker replaced by a link looked absent).
+        A path that cannot be looked at (an unreadable directory on the way) is a StorageError, not
+        an absence: a step whose directory could not be read looked removed, and was skipped."""
+        try:
+            os.lstat(self._abs(path))
+            return True
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as e:
+            raise StorageError(e.errno, f"looking for {self._abs(path)} failed: {e.strerror or e}") from e
 
     def check_root(self) -> None:
         """A missing directory is fine (the first save makes it); a root that is, or lies under, a
