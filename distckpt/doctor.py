@@ -33,7 +33,7 @@ import torch
 
 from .commit import list_committed
 from .copying import same_bits
-from .errors import DistCkptError
+from .errors import ConfigError, DistCkptError
 from .staging import memory_of
 from .storage import open_storage
 
@@ -216,9 +216,19 @@ class Report:
         return [step for step in self.common_steps if step > self.killed_after]
 
     @property
+    def unmatched_after_the_kill(self) -> list[int]:
+        """Steps after the kill that one run committed and the other did not: the resumed loop ran
+        other steps than the uninterrupted one (it trained past where that one stopped, or ended
+        early), which "every common step equal" alone called identical."""
+        after = -1 if self.killed_after is None else self.killed_after
+        return sorted(s for s in set(self.only_uninterrupted) | set(self.only_killed) if s > after) if self.resumed else []
+
+    @property
     def differs(self) -> bool:
-        """A compared checkpoint differs, or the parameters did (fingerprints, --every)."""
-        return self.first_step is not None or self.first_fingerprint_step is not None
+        """A compared checkpoint differs, the parameters did (fingerprints, --every), or the runs
+        committed different steps after the kill."""
+        return (self.first_step is not None or self.first_fingerprint_step is not None
+                or bool(self.unmatched_after_the_kill))
 
     @property
     def identical(self) -> bool:
@@ -456,6 +466,7 @@ def run_doctor(command: list[str], kill_at: int | None, kill_rank: int | None = 
     when the runs are bitwise identical and kept, its path in the report or the error, when
     they are not or a run failed: its two roots are what `distckpt diff` and `ls` look into."""
     if workdir is not None:
+        _refuse_a_used_workdir(workdir)
         report = _run_both(command, kill_at, kill_rank, workdir, timeout, steps, every, announce)
         report.workdir = workdir
         return report
@@ -472,6 +483,17 @@ def run_doctor(command: list[str], kill_at: int | None, kill_rank: int | None = 
     else:
         report.workdir = temporary
     return report
+
+
+def _refuse_a_used_workdir(workdir: str) -> None:
+    """Both runs resume from what their roots hold: in a folder of an earlier doctor run the
+    "uninterrupted" run resumed from that run's steps and no kill happened, and a script whose
+    resume is not exact was reported bitwise identical."""
+    if os.path.isdir(workdir) and os.listdir(workdir):
+        raise ConfigError(f"--workdir {workdir}: the folder is not empty (an earlier doctor run's roots?): both runs "
+                          "would resume from what it holds; give a new or empty folder, or remove it")
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ConfigError(f"--workdir {workdir}: a file, not a folder")
 
 
 def _run_both(command: list[str], kill_at: int | None, kill_rank: int | None, workdir: str, timeout: float,
@@ -598,6 +620,12 @@ def report_text(report: Report) -> str:
         lines.append(f"VERDICT: differs — the parameters first differ after optimizer step "
                      f"{report.first_fingerprint_step} (no compared checkpoint differs)")
         lines += ["likely cause:"] + [f"  {c}" for c in report.causes]
+        return "\n".join(lines + _kept(report))
+    if report.first_step is None and report.unmatched_after_the_kill:
+        lines.append(f"VERDICT: differs — the runs committed different steps after the kill (only uninterrupted: "
+                     f"{report.only_uninterrupted}; only killed-and-resumed: {report.only_killed}): the resumed loop "
+                     "did not run the steps the uninterrupted one ran; a step counter, a stopping rule or a save "
+                     "schedule kept outside `state` (or not read back from it after the load) is the usual cause")
         return "\n".join(lines + _kept(report))
     if report.first_step is None:
         lines.append("VERDICT: bitwise identical at every common step" if report.identical else "VERDICT: not proven")

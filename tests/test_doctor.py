@@ -215,3 +215,35 @@ def test_a_failed_runs_error_keeps_its_header_and_what_it_raised_above_a_long_ta
     assert error.startswith("the uninterrupted run exited 3"), error[:300]
     assert "raised: ValueError: the batch size 0 is not allowed" in error, error[:600]
     assert "filler line 1999" in error  # and the tail is still there
+
+
+@pytest.mark.parametrize("only_uninterrupted, only_killed, code", [
+    ([], [19], 1),    # the resumed loop trained past where the uninterrupted one stopped
+    ([19], [], 1),    # the resumed loop ended early
+    ([2], [], 0),     # before the kill: written by the first attempt, nothing to do with the resume
+])
+def test_steps_only_one_run_committed_after_the_kill_are_a_difference(monkeypatch, capsys, only_uninterrupted,
+                                                                     only_killed, code):
+    """"Every common step equal" alone said bitwise identical (exit 0) while the resumed loop ran
+    other steps than the uninterrupted one."""
+    from distckpt import doctor
+
+    report = doctor.Report([4, 9, 14], only_uninterrupted, only_killed, None, resumed=True, killed_after=4)
+    monkeypatch.setattr(doctor, "run_doctor", lambda *a, **k: report)
+    assert cli.main(["doctor", "--", "true"]) == code
+    text = capsys.readouterr().out
+    if code == 1:
+        assert "VERDICT: differs — the runs committed different steps after the kill" in text, text
+    else:
+        assert "VERDICT: bitwise identical" in text, text
+
+
+def test_a_workdir_holding_an_earlier_run_is_refused_before_anything_runs(tmp_path, capsys):
+    """Both runs resumed from the earlier run's roots and nothing was killed: a script whose resume
+    is not exact was reported bitwise identical."""
+    used = tmp_path / "doctor"
+    (used / "uninterrupted").mkdir(parents=True)
+    marker = tmp_path / "ran"
+    code = cli.main(["doctor", "--workdir", str(used), "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"])
+    assert code == 2 and not marker.exists()
+    assert "the folder is not empty" in capsys.readouterr().err
