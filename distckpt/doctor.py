@@ -412,7 +412,24 @@ def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
     by_entry = {(d.where, d.entry) for d in diffs}
     entries = {e for _, e in by_entry}
     ranks = sorted({w for w, _ in by_entry if w.startswith("rank")})
+    if report.first_step is not None and report.killed_after is not None and report.first_step <= report.killed_after:
+        # both checkpoints were written before the kill: the runs differ on their own, not by the resume
+        return [f"the runs already differ at step {report.first_step}, which both wrote before the kill → the script "
+                "is not the same run to run (a nondeterministic op, a wall-clock or process-id value in `state`, "
+                "randomness never seeded); the resume cannot be judged until two uninterrupted runs agree: seed "
+                "everything, torch.use_deterministic_algorithms(True), keep time out of `state`"]
     causes = []
+    plain = sorted({f"`{d.entry}`: {d.detail}" for d in diffs if d.path == "state" and "elements differ" not in d.detail
+                    and not d.detail.startswith("tensor ")})
+    if plain:
+        causes.append(f"a plain value in `state` differs ({'; '.join(plain[:3])}) → a loop variable is not written into "
+                      "`state` before each save, or not read back from it after the load (README: plain loop variables)")
+    if report.fingerprint_every is not None and not report.fingerprints_taken:
+        causes.append("no torch.optim optimizer in `state` → after a resume its moments and step count start over; "
+                      "put the optimizer in `state`")
+    if "scheduler" in entries:
+        causes.append("the LR scheduler's state differs → it was stepped a different number of times after the resume "
+                      "(a step counter not restored), or it is not in `state`")
     if any(d.entry == "loader" and "worker_rng" in d.path for d in diffs):
         causes.append(f"{', '.join(ranks) or 'a rank'}: `loader` worker streams differ from step {report.first_step} → wrap "
                       "the dataset with distckpt.with_worker_rng")

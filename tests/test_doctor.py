@@ -247,3 +247,23 @@ def test_a_workdir_holding_an_earlier_run_is_refused_before_anything_runs(tmp_pa
     code = cli.main(["doctor", "--workdir", str(used), "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"])
     assert code == 2 and not marker.exists()
     assert "the folder is not empty" in capsys.readouterr().err
+
+
+def test_the_likely_cause_names_a_plain_value_a_missing_optimizer_a_scheduler_and_a_script_that_differs_unkilled():
+    """Each said "a random stream outside `state`": a loop counter 15 vs 5, no optimizer to hook,
+    the scheduler's own state differing, and runs that differed before the kill at all."""
+    from distckpt.doctor import Difference, Report, likely_causes
+
+    counter = Difference(14, "replicated", "counter", "state", "15 uninterrupted, 5 resumed")
+    weights = Difference(14, "replicated", "model", "state/state_dict/0.weight", "128 of 128 elements differ, max |diff| 0.1")
+    sched = Difference(14, "replicated", "scheduler", "state/_last_lr/0", "0.1 uninterrupted, 0.2 resumed")
+    after = Report([4, 9, 14], [], [], 14, resumed=True, killed_after=4)
+    causes = likely_causes([counter, weights], after)
+    assert "a plain value in `state` differs (`counter`: 15 uninterrupted, 5 resumed)" in causes[0], causes
+    assert not any("random stream outside" in c for c in causes), causes
+    unhooked = Report([4, 9, 14], [], [], 14, resumed=True, killed_after=4, fingerprint_every=1)
+    assert any(c.startswith("no torch.optim optimizer in `state`") for c in likely_causes([weights], unhooked))
+    assert any(c.startswith("the LR scheduler's state differs") for c in likely_causes([sched, weights], after))
+    before = Report([4, 9, 14], [], [], 4, resumed=True, killed_after=9)
+    assert likely_causes([weights], before)[0].startswith("the runs already differ at step 4, which both wrote before")
+    assert "random stream outside `state`" in likely_causes([weights], after)[0]  # still the cause when nothing else is
