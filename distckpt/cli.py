@@ -39,7 +39,7 @@ from .commit import CommitIndex, check_not_superseded, list_committed, read_mark
 from .errors import ConfigError, CorruptCheckpointError, DistCkptError, StorageError, SupersededCheckpointError
 from .fencing import Lease, read_leases, resumed_leases
 from .gcpause import collector_paused
-from .inspection import describe_step, diff_steps, list_steps, read_manifest, verify_step
+from .inspection import describe_step, diff_steps, list_steps, marker_may_stand, read_manifest, verify_step
 from .retention import (
     collect_leftovers,
     delete_checkpoint,
@@ -158,6 +158,8 @@ def _refuse_an_uncommitted_step(storage: Storage, args: argparse.Namespace) -> i
     say it, not as a missing COMMITTED file (verify called it BAD)."""
     if args.step is None or any(args.step in list_committed(root) for _, root in _tiers(storage, args)):
         return None
+    if marker_may_stand(storage, args.step):
+        return None  # a marker no listing shows (a directory stands there): verify and inspect say what is wrong
     committed = list_committed(storage)
     return _fail(args, f"step {args.step} is not committed at {storage.url} (committed: {committed[:10]})", EXIT_USAGE)
 

@@ -55,7 +55,7 @@ def list_steps(storage: Storage) -> list[StepListing]:
         step = mf.parse_step_dir(name)
         if step is None:
             continue
-        if (committed is None or step not in committed) and not _marker_may_stand(storage, step):
+        if (committed is None or step not in committed) and not marker_may_stand(storage, step):
             out.append(StepListing(step, "uncommitted"))
             continue
         try:
@@ -71,7 +71,7 @@ def list_steps(storage: Storage) -> list[StepListing]:
     return sorted(out, key=lambda s: s.step)
 
 
-def _marker_may_stand(storage: Storage, step: int) -> bool:
+def marker_may_stand(storage: Storage, step: int) -> bool:
     """Whether something stands where the step's marker goes; when the store cannot say (an
     unreadable step directory), yes: reading the marker then names the error."""
     try:
