@@ -706,8 +706,7 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
     undos.append(("rng", lambda: restore_process_rng(rng_before, f"rank {coord.rank}, undo")))
     exc = _restore_all(late, saved, state, memo, notes, undos, coord.rank, read.step, release)
     if exc is None:
-        buffered = _modules_with_buffers(entries) if read.manifest.world_size > 1 else []
-        exc = _restore_rng(coord, read, kept, buffered)
+        exc = _restore_rng(coord, read, kept, entries)
     outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
     _agree_or_undo(coord, outcome, exc, undos, f"restoring the modules of step {read.step}", "load/apply-modules")
     return notes, ([] if read.per_rank_restored else ["rng", *kept])
@@ -747,11 +746,13 @@ def _restore_failed(e: BaseException, what: str, rank: int, step: int) -> BaseEx
 
 
 def _restore_rng(coord: Coordinator, read: ReadCheckpoint, kept: list[str],
-                 buffered: list[str]) -> BaseException | None:
+                 entries: list[Entry]) -> BaseException | None:
     try:
         if read.per_rank_restored:
             restore_process_rng(read.own["rng"], f"rank {coord.rank}, step {read.step}")  # last
         else:
+            # only here (a reshard or an import) are the modules' buffers looked at
+            buffered = _modules_with_buffers(entries) if read.manifest.world_size > 1 else []
             _warn_per_rank_kept(read, coord, kept, buffered)
         faults.point("load/applied", step=read.step, rank=coord.rank)
         return None

@@ -109,8 +109,7 @@ class CheckpointManager:
                                   incremental, overlap_snapshot)
         except Exception as e:  # a refused argument, an unreachable store: raised on every rank below
             refusal = e
-        self._coord = make_coordinator(self.config.timeout if refusal is None and hasattr(self, "config")
-                                       else DEFAULT_TIMEOUT_S)
+        self._coord = make_coordinator(self.config.timeout if refusal is None else DEFAULT_TIMEOUT_S)
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
         if refusal is not None and self.world_size == 1:
             self._coord.close()
