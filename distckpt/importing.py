@@ -139,7 +139,7 @@ def _write_import(obj: Any, url: str, source: str, world_size: int, step: int | 
     kinds = {key: {"scope": "replicated", "kind": IMPORTED} for key in obj}
     staged = StagedSave(step, epoch, None, run_id, replicated, rank_files, ranks, kinds,
                         {"capture_s": 0.0, "gather_s": 0.0}, manifest_extra={"imported": source})
-    write_and_commit(storage, staged, collect_versions(), acquire(storage, run_id, None))
+    write_and_commit(storage, staged, collect_versions, acquire(storage, run_id, None))
     return step
 
 

@@ -792,6 +792,24 @@ def copy_destinations(entries: list[Entry]) -> list[torch.Tensor]:
     return out
 
 
+def staged_tensors(entries: list[Entry]) -> list[torch.Tensor]:
+    """The tensors an async save of these entries copies into staging buffers, as far as they
+    can be told without encoding: tensor entries, modules' parameters and buffers, optimizers'
+    state (a DTensor's local piece, as sharded saves stage it)."""
+    out: list[Any] = []
+    for entry in entries:
+        target = entry.target
+        if entry.kind == Tensor.name and isinstance(target, torch.Tensor):
+            out.append(target)
+        elif entry.kind in (Module.name, ShardedModule.name):
+            out.extend(unwrap_module(target).state_dict(keep_vars=True).values())
+        elif isinstance(target, torch.optim.Optimizer):
+            for per_parameter in target.state.values():
+                out.extend(per_parameter.values())
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in out if isinstance(t, torch.Tensor)]
+    return [t.detach() for t in tensors if isinstance(t, torch.Tensor)]
+
+
 def is_late(entry: Entry) -> bool:
     """Restored in the second phase, after every rank restored the early entries."""
     return BY_NAME[entry.kind].is_late(entry)

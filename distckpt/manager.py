@@ -25,6 +25,7 @@ from .capture import SHARDED, CheckpointWarning
 from .commit import CommitIndex, ReplacePolicy, committed_generations, list_committed
 from .config import DEFAULT_TIMEOUT_S, ManagerConfig
 from .coord import Coordinator, Outcome, agree, make_coordinator
+from .copying import Prefault
 from .ddp import install_bucket_warmup
 from .errors import (
     AsyncSaveError,
@@ -42,7 +43,7 @@ from .fencing import prune as prune_leases
 from .gcpause import collector_paused
 from .incremental import ContentTable
 from .interrupts import sigint_deferred
-from .kinds import classify
+from .kinds import classify, staged_tensors
 from .loading import Progress, load, refuse_load_request
 from .preemption import PreemptionFlag
 from .retention import (
@@ -71,7 +72,7 @@ from .staging import StagingPool
 from .storage import Storage, open_storage
 from .tiers import DurableUploadWarning, Nodes, TierSettings, node_name, remove_foreign, ship_to_nodes, upload_step
 from .validation import LoadRules, check_step
-from .versions import collect_versions
+from .versions import VersionsProbe
 
 log = logging.getLogger("distckpt")
 
@@ -115,11 +116,12 @@ class CheckpointManager:
             self._coord.close()
             raise refusal
         self.run_id = self._agree_on_settings(refusal)
-        self._versions_seen: dict[str, Any] | None = None  # rank 0, at its first write (_versions)
+        self._versions_probe: VersionsProbe | None = None  # rank 0, started last (below)
         self._writer = AsyncWriter()
         self._sweeper = Sweeper()  # rank 0: retired steps' files, removed off the save's path
         self._writer_coord: Coordinator | None = None  # the writer thread's own group (async saves)
         self._staging = StagingPool()  # reused by every async save; free while none is in flight
+        self._warming: Prefault | None = None  # faults in the staging buffers allocated at the load
         self._snapshot = OverlappedSnapshot(self._staging, self.config.timeout)  # overlap_snapshot
         self._writer.before_exit = self._snapshot.check  # at exit the main thread checks, then waits
         self._pending_step: int | None = None
@@ -134,6 +136,8 @@ class CheckpointManager:
         self._init_tiers()
         # rank 0: what the last committed save holds, for incremental saves (incremental.py)
         self._content = ContentTable() if incremental else None
+        if self.rank == 0:  # it writes the manifests: its git runs from now to the first save
+            self._versions_probe = VersionsProbe()
 
     def _check_arguments(self, url: Any, keep_last: Any, keep_best: Any, best_mode: Any, async_save: Any,
                          storage_options: Any, timeout: Any, leftover_grace_s: Any, world_size_policy: Any,
@@ -269,12 +273,6 @@ class CheckpointManager:
             refusal, entries = self._refused(e), []
         if refusal is not None:
             self._refuse_save(step, refusal)
-        if self.rank == 0:
-            # Here, on the training thread, never on the writer's: collecting runs subprocesses
-            # (git; platform's `uname -p`), and a DataLoader forking its workers on the training
-            # thread while the writer thread was inside Popen left a worker holding the child's
-            # pipe: the writer waited on it with no deadline (1 in 5 two-rank async runs).
-            self._versions()
         doctor_hooks.rebase_fingerprints(step)
         durable = self._next_save_is_durable(entries)
         replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)
@@ -288,6 +286,7 @@ class CheckpointManager:
             # the outcome run on the writer thread, over the writer's own process group.
             if self.config.overlap_snapshot:
                 self._snapshot.prepare(entries)
+            self._stop_warming()
             try:
                 captured = capture_save(*args)
                 background = self._background_coordinator()
@@ -299,6 +298,8 @@ class CheckpointManager:
                 if self._pending_step != step:
                     self._snapshot.abandon()
                 raise
+            finally:
+                self._staging.drop_spares()  # those this save did not take: not kept for later ones
             if durable and self._preempting:
                 self._finish_pending()  # the VM's disk goes with the VM: this save must reach the URL
                 self._report_uploads(block=True, final=True)
@@ -366,7 +367,7 @@ class CheckpointManager:
         if self.local is not None:
             self._before_local_commit(self._take_lease())
         try:
-            write_and_commit(target, staged, self._versions(), self._take_lease(), self._coord.reports,
+            write_and_commit(target, staged, self._versions, self._take_lease(), self._coord.reports,
                              self._content)
         except StorageError as e:
             sized = self._sized(e)
@@ -401,12 +402,14 @@ class CheckpointManager:
                             "and prune (distckpt prune URL --keep-last N)")
 
     def _versions(self) -> dict[str, Any]:
-        """The environment for the manifest, collected at rank 0's first save (on the training
-        thread) rather than at construction: its `git` calls (~5 ms) are no part of a resume
-        that only loads."""
-        if self._versions_seen is None:
-            self._versions_seen = collect_versions()
-        return self._versions_seen
+        """The environment for the manifest (rank 0), read when the first manifest is written: its
+        git child was started at construction and has run beside the load, the training and this
+        save's payload write (versions.VersionsProbe). Safe on the writer thread: the child writes
+        to a file, not a pipe, so a DataLoader worker forked meanwhile cannot hold the read up
+        (with a pipe it once did, with no deadline: 1 in 5 two-rank async runs)."""
+        if self._versions_probe is None:  # not rank 0: no rank but 0 writes a manifest today
+            self._versions_probe = VersionsProbe()
+        return self._versions_probe.collect()
 
     def _take_lease(self) -> Lease:
         """Rank 0's write lease, taken once: from here on older incarnations cannot commit."""
@@ -783,6 +786,8 @@ class CheckpointManager:
         if progress is not None and progress.tier == "local":
             self._catch_up = True  # else a job restarted more often than durable_every saves never reaches the URL
         doctor_hooks.install_fingerprints(entries, progress.step if progress is not None else None, self.rank)
+        if self.config.async_save:
+            self._warm_staging(entries)
         for entry in entries:
             if entry.kind == "module":
                 install_bucket_warmup(entry.target)
@@ -792,6 +797,21 @@ class CheckpointManager:
             log.info("rank %d: resumed from %s (step %d, epoch %s%s)", self.rank, progress.url,
                      progress.step, progress.epoch, f", {progress.tier} tier" if self.local is not None else "")
         return progress
+
+    def _warm_staging(self, entries: list[Any]) -> None:
+        """Async saves: allocate the staging buffers now, the state's shapes known, and fault
+        their pages in on a helper thread while the job trains, so the first save copies into
+        ready memory instead of stalling to allocate it (StagingPool.warm)."""
+        made = self._staging.warm(staged_tensors(entries))
+        if made:
+            self._warming = Prefault(made)
+
+    def _stop_warming(self) -> None:
+        """Before a save stages anything: the helper stops within one 2 MiB step; what it did not
+        reach, the copy faults in."""
+        warming, self._warming = self._warming, None
+        if warming is not None:
+            warming.stop()
 
     def preemption_requested(self) -> bool:
         """True on every rank if any rank received a pre-emption signal (collective).
@@ -860,6 +880,10 @@ class CheckpointManager:
         self._uploader.close()
         self._sweeper.close()
         self._snapshot.close()
+        self._stop_warming()
+        self._staging.drop_spares()
+        if self._versions_probe is not None:
+            self._versions_probe.close()
         if self._writer_coord is not None and self._writer_coord is not self._coord:
             self._writer_coord.close()
         self._coord.close()

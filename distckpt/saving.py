@@ -433,11 +433,13 @@ def _check_same_entries(infos: list[dict[str, Any]], what: str) -> None:
                                 "wrap it in distckpt.per_rank(...) on every rank)")
 
 
-def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any], lease: Lease,
+def write_and_commit(storage: Storage, staged: StagedSave, versions: Callable[[], dict[str, Any]], lease: Lease,
                      reports: Reports | None = None, content: ContentTable | None = None) -> str:
     """Phases write and commit (rank 0). Returns the manifest digest. Never touches other steps
     (except a zombie's commit of this same step, which it replaces: see fencing.py). With sharded
-    entries, `reports` brings every rank's shard report before the manifest is written."""
+    entries, `reports` brings every rank's shard report before the manifest is written.
+    `versions` is called only then, after the payload is written: the manager's reads the
+    environment from a git child that runs meanwhile (versions.VersionsProbe)."""
     try:
         return _write_and_commit(storage, staged, versions, lease, reports, content)
     except (OSError, CheckpointExistsError) as e:
@@ -451,7 +453,7 @@ def write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, A
         raise
 
 
-def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, Any], lease: Lease,
+def _write_and_commit(storage: Storage, staged: StagedSave, versions: Callable[[], dict[str, Any]], lease: Lease,
                       reports: Reports | None, content: ContentTable | None = None) -> str:
     t0 = time.perf_counter()
     faults.point("save/gathered", step=staged.step, rank=0)
@@ -480,7 +482,7 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: dict[str, 
     manifest = mf.Manifest(
         step=staged.step, epoch=staged.epoch, metric=staged.metric, run_id=staged.run_id, generation=gen,
         created_unix=time.time(), world_size=staged.world_size, ranks=staged.ranks,
-        entries=staged.entries, files=files, versions=versions, sharded=table,
+        entries=staged.entries, files=files, versions=versions(), sharded=table,
         payload_bytes=replicated.payload_bytes + sum(
             r["size"] for name, r in files.items() if name.startswith(sharded.SHARD_PREFIX)),
         **(incremental.manifest_fields(split) if split is not None else {}), **staged.manifest_extra)

@@ -28,6 +28,8 @@ def region_key(tensor: torch.Tensor) -> tuple[Any, ...] | None:
             tensor.is_neg(), tensor.is_conj())
 
 
+WARM_MIN_BYTES = 64 << 10
+
 
 class StagingPool:
     """Host buffers for async saves, allocated once and reused while shapes stay the same.
@@ -45,17 +47,48 @@ class StagingPool:
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
+        # allocated ahead (warm), by (shape, dtype, pinned): the first save takes them by shape
+        self._spares: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         self._pending_devices: set[torch.device] = set()  # asynchronous copies on current streams
         self.deferrable: set[tuple[Any, ...]] = set()
         self._deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
         self._side_streams: dict[torch.device, Any] = {}  # per device, made once
         self._side_pending: set[torch.device] = set()     # side streams with this save's copies
 
+    def warm(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Allocate ahead the buffers a first save of these tensors would, before any save
+        (`load_latest` with async_save): a save allocating its buffers stalled 0.15 s for 256 MiB
+        against 0.04 s for the next ones, most of it faulting in never-touched pages. Returns the
+        new buffers, for the caller to fault in off the training thread (copying.Prefault). Only
+        tensors of WARM_MIN_BYTES and more: a smaller one costs the first save next to nothing.
+        Nothing is allocated once the pool holds buffers (a save has run)."""
+        if self.buffers or self._spares:
+            return []
+        made = []
+        for tensor in tensors:
+            if tensor.device.type not in ("cpu", "cuda") or tensor.numel() * tensor.element_size() < WARM_MIN_BYTES:
+                continue
+            pin = tensor.device.type == "cuda"
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            self._spares.setdefault((tensor.shape, tensor.dtype, pin), []).append(buf)
+            made.append(buf)
+        return made
+
+    def drop_spares(self) -> None:
+        """Let go of the buffers allocated ahead that the first save did not take."""
+        self._spares = {}
+
+    def _buffer_for(self, tensor: torch.Tensor) -> torch.Tensor:
+        pin = tensor.device.type == "cuda"
+        spares = self._spares.get((tensor.shape, tensor.dtype, pin))
+        if spares:
+            return spares.pop()
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+
     def stage(self, name: str, tensor: torch.Tensor, may_defer: bool = False) -> torch.Tensor:
         buf = self.buffers.get(name)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-            pin = tensor.device.type == "cuda"
-            buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            buf = self._buffer_for(tensor)
             self.buffers[name] = buf
         if may_defer and self.deferrable and tensor.device.type in ("cpu", "cuda") \
                 and not tensor.is_inference() and region_key(tensor) in self.deferrable:

@@ -6,15 +6,84 @@ import os
 import platform
 import subprocess
 import sys
-from typing import Any
+import tempfile
+import time
+from typing import IO, Any
 
 import numpy as np
 import torch
 
+GIT_TIMEOUT_S = 5.0  # a slow or hung git (a network file system) must not hold up a save longer
+
+
+class VersionsProbe:
+    """The environment, its slow part started early and read when the first manifest is written.
+
+    `git` runs as a child process started here (rank 0's manager construction) and read at the
+    first save: its ~5-9 ms (more in a large work tree) ran on the training thread at every
+    process's first save, and `platform.platform()` ran `uname -p` in another child (~5 ms).
+    The child's output goes to an unnamed file, not a pipe: a DataLoader worker forked while the
+    child runs inherits the descriptor, and a pipe would then not reach end-of-file until that
+    worker exited (a save once waited on such a pipe with no deadline)."""
+
+    def __init__(self) -> None:
+        self._started = time.monotonic()
+        self._output: IO[bytes] | None = None
+        self._child: subprocess.Popen[bytes] | None = None
+        self._collected: dict[str, str | None] | None = None
+        try:
+            self._output = tempfile.TemporaryFile()
+            # GIT_OPTIONAL_LOCKS=0: git must not refresh the index (its lock, index.lock, held
+            # while it runs, made the user's own git commands fail, and a git ended by close()
+            # left the lock behind for good)
+            self._child = subprocess.Popen(_git_argv(), stdin=subprocess.DEVNULL, stdout=self._output,
+                                           stderr=subprocess.DEVNULL, env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
+        except (OSError, subprocess.SubprocessError):  # no git installed: the commit is unknown
+            self.close()
+
+    def collect(self) -> dict[str, str | None]:
+        """Every value a string or None, as the manifest's schema wants; computed once."""
+        if self._collected is None:
+            self._collected = _environment(self._git_commit())
+        return self._collected
+
+    def _git_commit(self) -> str | None:
+        if self._child is None or self._output is None:
+            return None
+        try:
+            self._child.wait(timeout=max(0.0, GIT_TIMEOUT_S - (time.monotonic() - self._started)))
+        except subprocess.TimeoutExpired:
+            self.close()
+            return None
+        self._output.seek(0)
+        out = self._output.read().decode(errors="replace").strip()
+        ok = self._child.returncode == 0 and out
+        self.close()
+        return out if ok else None
+
+    def close(self) -> None:
+        """Ends the child if it still runs (a manager closed before its first save)."""
+        child, self._child = self._child, None
+        if child is not None and child.poll() is None:
+            child.terminate()  # git removes any lock file of its own on SIGTERM
+            try:
+                child.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        output, self._output = self._output, None
+        if output is not None:
+            output.close()
+
 
 def collect_versions() -> dict[str, str | None]:
-    """Every value a string or None, as the manifest's schema wants (cuDNN's version is an int
-    on GPU builds: taken as it came, it failed every save on a GPU machine)."""
+    """The environment now, git included (for callers without a manager: imports)."""
+    return VersionsProbe().collect()
+
+
+def _environment(git_commit: str | None) -> dict[str, str | None]:
+    """cuDNN's version is an int on GPU builds: taken as it came, it failed every save on a GPU
+    machine; hence every value made a string."""
     from . import __version__
 
     found: dict[str, Any] = {
@@ -24,26 +93,28 @@ def collect_versions() -> dict[str, str | None]:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "python": sys.version.split()[0],
         "numpy": np.__version__,
-        "platform": platform.platform(),
-        "git_commit": _git_commit(),
+        "platform": _platform(),
+        "git_commit": git_commit,
     }
     return {name: None if value is None else str(value) for name, value in found.items()}
 
 
-def _git_commit() -> str | None:
-    """The commit of the training code (the directory of the main script), where it is a git tree."""
+def _platform() -> str:
+    """platform.platform()'s text without its processor lookup, which runs `uname -p` in a child
+    process (~5 ms per process): "Linux-6.1.0-x86_64-with-glibc2.36"."""
+    system, _, release, _, machine = os.uname()
+    libc, version = platform.libc_ver()
+    return "-".join(part for part in (system, release, machine, f"with-{libc}{version}" if libc else "") if part)
+
+
+def _git_argv() -> list[str]:
+    """One call for the commit and its dirtiness (tracked files only, as `git status
+    --untracked-files=no` says); the pattern matches no tag, so the commit is spelled in full."""
+    return ["git", "-C", _training_code_dir(), "describe", "--always", "--dirty", "--abbrev=40",
+            "--match=distckpt-no-tag-matches-this"]
+
+
+def _training_code_dir() -> str:
+    """The directory of the main script (the training code), where it is a file; else the cwd."""
     main = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else os.getcwd()
-    where = os.path.dirname(main) if os.path.isfile(main) else os.getcwd()
-    try:
-        out = subprocess.run(["git", "-C", where, "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=5, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    try:  # a slow or hung git (a network file system) must not fail the manager's construction
-        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5, check=False).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return out.stdout.strip() + "-unknown-dirty"
-    return out.stdout.strip() + ("-dirty" if dirty else "")
+    return os.path.dirname(main) if os.path.isfile(main) else os.getcwd()

@@ -260,18 +260,6 @@ def test_a_backend_without_exclusive_create_is_said_at_construction(tmp_path):
         distckpt.CheckpointManager("memory://exclusive-here")  # memory:// creates exclusively
 
 
-def test_a_slow_git_does_not_fail_the_constructor(tmp_path, monkeypatch):
-    import subprocess
-
-    from distckpt import versions
-
-    def slow(*args, **kwargs):
-        raise subprocess.TimeoutExpired(args[0], 5)
-
-    monkeypatch.setattr(versions.subprocess, "run", slow)
-    assert distckpt.CheckpointManager(str(tmp_path)).rank == 0
-
-
 @pytest.mark.parametrize("state", [None, [], "model", 3])
 def test_a_state_that_is_not_a_dict_is_a_config_error_naming_state(tmp_path, state):
     with distckpt.CheckpointManager(str(tmp_path)) as mgr:
