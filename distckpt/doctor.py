@@ -556,20 +556,31 @@ def _killed_after(mark: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)\b:? .*$",
-                             re.MULTILINE)
+# A rank's line may carry torchrun's "[rank1]: " prefix (its log options); the exception is after it.
+_EXCEPTION_LINE = re.compile(r"^(?:\[(?:default)?rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*"
+                             r"(?:Error|Exception|Interrupt|Exit)\b:? .*)$", re.MULTILINE)
+# torchrun's own report that a rank failed: worth naming only when no rank's exception was found
+_LAUNCHER_FAILURE = "ChildFailedError"
 
 
 def _failure(what: str, detail: str, stdout: str, stderr: str) -> DistCkptError:
     """The error for a run that failed or hung: its header, the exceptions it raised (their
     lines, wherever they are in the output: a long traceback after them pushed them out of the
     tail), then the tail of its output."""
-    raised = list(dict.fromkeys(m.group(0).strip() for m in _EXCEPTION_LINE.finditer(stderr + "\n" + stdout)))
+    raised = _raised(stdout, stderr)
     lines = [f"{what} {detail}"]
     if raised:
         lines.append("raised: " + " | ".join(line[:300] for line in raised[:4]))
     lines.append(f"its last output:\n{stdout[-1500:]}\n{stderr[-3000:]}")
     return DistCkptError("\n".join(lines))
+
+
+def _raised(stdout: str, stderr: str) -> list[str]:
+    """The exceptions a run's output shows, each once, in order; the ranks' own first (torchrun's
+    ChildFailedError last, and only when nothing else was raised)."""
+    found = list(dict.fromkeys(m.group(1).strip() for m in _EXCEPTION_LINE.finditer(stderr + "\n" + stdout)))
+    own = [line for line in found if _LAUNCHER_FAILURE not in line]
+    return own or found
 
 
 def _run(command: list[str], extra: dict[str, str], timeout: float, what: str, check: bool = True,
@@ -650,7 +661,7 @@ def report_text(report: Report) -> str:
     lines.append(f"VERDICT: differs — first at step {report.first_step}")
     lines.append(f"{'where':<16} {'entry':<18} {'path':<40} detail")
     for d in report.differences[:30]:
-        lines.append(f"{d.where:<16} {d.entry:<18} {d.path[:40]:<40} {d.detail}")
+        lines.append(f"{d.where:<16} {d.entry:<18} {d.path:<40} {d.detail}")  # a long path whole: it names the parameter
     if len(report.differences) > 30:
         lines.append(f"... and {len(report.differences) - 30} more")
     lines += ["likely cause:"] + [f"  {c}" for c in report.causes]

@@ -267,3 +267,25 @@ def test_the_likely_cause_names_a_plain_value_a_missing_optimizer_a_scheduler_an
     before = Report([4, 9, 14], [], [], 4, resumed=True, killed_after=9)
     assert likely_causes([weights], before)[0].startswith("the runs already differ at step 4, which both wrote before")
     assert "random stream outside `state`" in likely_causes([weights], after)[0]  # still the cause when nothing else is
+
+
+def test_a_failed_runs_raised_line_names_the_ranks_exception_before_torchruns():
+    from distckpt.doctor import _failure
+
+    stderr = ("Traceback (most recent call last):\n  File \"train.py\", line 3\n"
+              "[rank1]: ValueError: boom on rank 1\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
+    text = str(_failure("the uninterrupted run", "failed (exit 1)", "", stderr))
+    raised = next(line for line in text.splitlines() if line.startswith("raised: "))
+    assert raised == "raised: ValueError: boom on rank 1"
+    alone = str(_failure("run", "failed", "", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"))
+    assert "raised: torch.distributed.elastic.multiprocessing.errors.ChildFailedError:" in alone
+
+
+def test_difference_rows_show_a_long_parameter_path_whole():
+    from distckpt.doctor import Difference, Report, report_text
+
+    path = "state/state_dict/_fsdp_wrapped_module.layers.11.attention.in_proj.weight"
+    report = Report(common_steps=[4], only_uninterrupted=[], only_killed=[], first_step=4,
+                    differences=[Difference(4, "rank 0", "model", path, "3 of 9 elements differ")])
+    assert path in report_text(report)
