@@ -7,7 +7,10 @@ and a resume then silently gives every rank rank 0's. So every rank digests its 
 value, tensor and stateful (state_dict) entries during the capture, the digests travel in the capture's agreement
 (no extra exchange), and a difference is refused on every rank by save() itself, naming the
 entry and the ranks. Hashing costs a pass over those tensors' bytes (xxh3: several GB/s per
-core); modules, optimizers and config (compared on load instead) are not hashed. A stateful
+core); optimizers and config (compared on load instead) are not hashed. A module's parameters
+are compared by a sample of their bytes (module_digest): DDP keeps them equal, but a bare model
+that each rank trains on its own data without it (a script that wraps in DDP only on GPUs) saved
+rank 0's weights and resumed every rank with them, silently. A stateful
 object is digested by its state_dict(), called again on every rank (rank 0 also captures it):
 a ReduceLROnPlateau stepped on each rank's own loss, a user's EMA of each rank's loss, differ.
 
@@ -23,18 +26,24 @@ import numpy as np
 import torch
 import xxhash
 
-from .capture import PER_RANK, Entry, note_user_error
+from .capture import PER_RANK, Entry, note_user_error, unwrap_module
 from .errors import DistCkptError, UnstorableValueError
 from .serialize import dim_order
 from .staging import memory_of, region_key
 
 COMPARED_KINDS = ("value", "tensor", "stateful")
+MODULE_DIGEST_PREFIX = "module:"  # marks a module's digest, so a difference is explained as one
+SAMPLED_ELEMENTS = 16  # per parameter: a model trained apart differs in nearly every element
 
 
-def replicated_digests(entries: list[Entry]) -> dict[str, str]:
-    """Each replicated value, tensor or stateful entry's digest (the same on every rank iff equal)."""
+def replicated_digests(entries: list[Entry], gpu_modules: bool = False) -> dict[str, str]:
+    """Each replicated value, tensor or stateful entry's digest (the same on every rank iff equal),
+    and each replicated module's sampled digest (module_digest; its GPU parameters only with
+    `gpu_modules`: reading them waits for the device)."""
     out = {}
     for entry in entries:
+        if entry.scope != PER_RANK and entry.kind == "module":
+            out[entry.key] = MODULE_DIGEST_PREFIX + module_digest(entry.target, gpu_modules)
         if entry.scope != PER_RANK and entry.kind in COMPARED_KINDS:
             if isinstance(entry.target, torch.optim.Optimizer):
                 continue  # DDP keeps them equal; its state is as large as the model (checked on load)
@@ -54,6 +63,32 @@ def replicated_digests(entries: list[Entry]) -> dict[str, str]:
             h.update(repr(sorted(sorted(paths) for paths in regions.values() if len(paths) > 1)).encode())
             out[entry.key] = h.hexdigest()
     return out
+
+
+def module_digest(module: torch.nn.Module, gpu: bool) -> str:
+    """A digest of every parameter's name, dtype and shape and of SAMPLED_ELEMENTS of its
+    elements, evenly spaced: equal on ranks whose parameters are equal (DDP's), different, all but
+    surely, where each rank trained its own. Buffers are left out: DDP hands rank 0's to every rank
+    at each forward, and between forwards they may differ (BatchNorm's running statistics of each
+    rank's batch) with nothing lost. A parameter on a GPU is sampled only with `gpu` (the copy to
+    the host waits for the work queued on the device); one held apart by a wrapper that shards or
+    flattens it (FSDP's flat parameters) only by its name, dtype and shape."""
+    h = xxhash.xxh3_64()
+    samples: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for name, p in unwrap_module(module).named_parameters():
+        h.update(f"{name}{p.dtype}{tuple(p.shape)}".encode())
+        if (type(p) not in (torch.Tensor, torch.nn.Parameter) or p.layout != torch.strided or not p.numel()
+                or p.is_quantized or p.device.type not in ("cpu", "cuda") or (p.device.type == "cuda" and not gpu)
+                or not p.is_contiguous() or "_flat_param" in name):
+            continue
+        flat = p.detach().view(-1)
+        samples.setdefault((p.dtype, p.device), []).append(flat[::max(1, flat.numel() // SAMPLED_ELEMENTS)]
+                                                           [:SAMPLED_ELEMENTS])
+    for (dtype, _), pieces in sorted(samples.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        sample = torch.cat(pieces).cpu().contiguous()  # held while its memory is read
+        h.update(str(dtype).encode())
+        h.update(memory_of(sample))
+    return h.hexdigest()
 
 
 def _feed(h: Any, value: Any, depth: int, path: str, regions: dict[Any, list[str]]) -> None:
@@ -117,7 +152,12 @@ def check_replicated_agree(digests: list[dict[str, str]], what: str) -> None:
         return
     ranks = {key: [r for r, d in enumerate(digests) if d.get(key) != first.get(key)] for key in differing}
     named = "; ".join(f"state[{key!r}] differs on rank(s) {ranks[key]} from rank 0's" for key in differing[:8])
+    modules = [key for key in differing if str(first.get(key, "")).startswith(MODULE_DIGEST_PREFIX)]
+    why = (f" {', '.join(f'state[{k!r}]' for k in modules[:4])}: a module whose parameters differ between "
+           "ranks — trained by each rank on its own data without DistributedDataParallel (or another "
+           "all-reduce of its gradients)? Wrap it in DDP, or in distckpt.per_rank(...) if each rank keeps "
+           "its own model." if modules else "")
     raise UnstorableValueError(
         f"{what}: {named}. A replicated entry is written once, from rank 0, and every rank would get rank "
         "0's value back on resume. Wrap values each rank keeps for itself in distckpt.per_rank(...) (or "
-        "make them equal, e.g. by an all_reduce) before saving")
+        f"make them equal, e.g. by an all_reduce) before saving.{why}")

@@ -427,6 +427,11 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
     uncommitted = False
     split: dict[int, str] = {}
     superseded: list[tuple[int, str]] = []
+    # damaged committed steps, warned about once what is loaded instead is known: the next
+    # candidate may be a directory that never committed (an upload cut off), named before as the
+    # one loaded while an older step was
+    skipped: list[tuple[int, str, list[Outcome]]] = []
+    tried: list[tuple[int, str]] = []  # the committed steps skipped, for the error when none verifies
     for i, (step, tier) in enumerate(candidates):
         read, exc, outcomes = _attempt_read(coord, storages[tier], entries, step, tier, world_size_policy, leases, rules)
         if _uncommitted(outcomes):
@@ -440,14 +445,17 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
         following = candidates[i + 1] if i + 1 < len(candidates) else None
         may_fall_back = not explicit or (following is not None and following[0] == step)
         if damaged and len(damaged) == len([o for o in outcomes if not o.ok]) and may_fall_back:
-            _warn_fallback(step, tier, following, damaged, coord.rank, tiered)
+            skipped.append((step, tier, damaged))
+            tried.append((step, tier))
             if all(o.error_type == SupersededCheckpointError.__name__ for o in damaged):
                 superseded.append((step, tier))
             continue
+        _warn_fallbacks(skipped, (step, tier), coord.rank, tiered)
         raise_if_failed(coord, outcomes, f"loading step {step}", exc)
         _check_agreement(outcomes, step)
         assert read is not None  # every rank succeeded
         return _Attempt((read, tier), raced=uncommitted, split=split)
+    _warn_fallbacks(skipped, None, coord.rank, tiered)
     damaged_leases = [lease for lease in leases or [] if lease.damaged]
     if superseded and not explicit and damaged_leases:
         return _Attempt(error=_unreadable_lease_error(storages[tiers.DURABLE], damaged_leases, superseded), split=split)
@@ -459,9 +467,9 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
         # raced: a step read as uncommitted may be committed by now (the listing would not show it)
         return _Attempt(raced=uncommitted, split=split)  # settled before it counts as nothing committed
     where = storages[tiers.DURABLE].url + (f" or {storages[tiers.LOCAL].url}" if tiered else "")
-    tried = [f"{s} ({t})" for s, t in candidates[:10]] if tiered else [s for s, _ in candidates[:10]]
+    named = [f"{s} ({t})" for s, t in tried[:10]] if tiered else [s for s, _ in tried[:10]]
     error = CorruptCheckpointError(
-        f"no committed checkpoint at {where} verifies (tried steps {tried}); "
+        f"no committed checkpoint at {where} verifies (committed steps tried: {named}); "
         "see the warnings above for each damaged file; `distckpt verify` lists them")
     if explicit:
         raise error
@@ -620,19 +628,23 @@ def _warn_per_rank_kept(read: ReadCheckpoint, coord: Coordinator, kept: list[str
     warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
 
 
-def _warn_fallback(step: int, tier: str, following: tuple[int, str] | None, damaged: list[Outcome],
-                   rank: int, tiered: bool) -> None:
-    detail = "; ".join(f"rank {o.rank}: {o.message}" for o in damaged)
-    where = f"step {step} on the {tier} tier" if tiered else f"step {step}"
-    if following is None:
-        then = "no other committed checkpoint is left to try"
-    elif tiered or following[1] != tier:
-        then = f"loading step {following[0]} from the {following[1]} tier"
-    else:
-        then = "trying the previous step"
-    message = f"rank {rank}: committed {where} cannot be loaded and was skipped — {detail}; {then}"
-    log.warning(message)
-    warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
+def _warn_fallbacks(skipped: list[tuple[int, str, list[Outcome]]], loading: tuple[int, str] | None, rank: int,
+                    tiered: bool) -> None:
+    """One warning per damaged committed step skipped (emptying `skipped`), each naming what is
+    loaded instead: `loading`, the next committed step every rank read (None: none verified)."""
+    for step, tier, damaged in skipped:
+        detail = "; ".join(f"rank {o.rank}: {o.message}" for o in damaged)
+        where = f"step {step} on the {tier} tier" if tiered else f"step {step}"
+        if loading is None:
+            then = "no other committed checkpoint verifies"
+        elif tiered:
+            then = f"loading step {loading[0]} from the {loading[1]} tier instead"
+        else:
+            then = f"loading step {loading[0]} instead"
+        message = f"rank {rank}: committed {where} cannot be loaded and was skipped — {detail}; {then}"
+        log.warning(message)
+        warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
+    skipped.clear()
 
 
 def _agree_on_the_request(coord: Coordinator, step: int | None, world_size_policy: str, keys: list[str]) -> None:

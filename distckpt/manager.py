@@ -49,6 +49,7 @@ from .preemption import PreemptionFlag
 from .retention import (
     Committed,
     Sweeper,
+    best_first,
     collect_leftovers,
     kept_references,
     plan_retention,
@@ -217,6 +218,8 @@ class CheckpointManager:
         self._catch_up = False  # an upload failed, or the job resumed from the local tier: next save durable
         self._local_cleaned = False  # rank 0: another job's steps removed from the local tier
         self._fence_unreachable = False  # rank 0: the URL's fence could not be read; skip until an upload works
+        self._upload_failing = False  # rank 0: an upload failed since the last one that worked
+        self._upload_deferred = False  # rank 0: a durable save's upload was put off (_start_upload)
         self._shipped = False  # whether a step was shipped to the other nodes yet
 
     def __repr__(self) -> str:
@@ -333,7 +336,10 @@ class CheckpointManager:
                               "is not supported: each node's local tier would hold only its own ranks' shard "
                               "files; checkpoint such jobs to the URL only (no local_dir)")
         self._saves += 1
-        durable = self._saves % self.tiers.durable_every == 0 or self._catch_up or self._preempting
+        # _upload_deferred is rank 0's alone: only rank 0 uploads, and every rank's flag is the
+        # same whenever the flag matters elsewhere (the pre-emption save, which all make durable)
+        durable = self._saves % self.tiers.durable_every == 0 or self._catch_up or self._preempting \
+            or self._upload_deferred
         self._catch_up = False
         return durable
 
@@ -589,7 +595,19 @@ class CheckpointManager:
 
     def _start_upload(self, step: int) -> None:
         """Rank 0: upload committed local `step` in the background; one upload in flight, so a
-        durable save waits here for the previous upload (the documented one-in-flight rule)."""
+        durable save waits here for the previous upload (the documented one-in-flight rule) —
+        except while the URL fails: then the upload in flight is a retry that may take the
+        store's whole timeout to fail, and waiting for it stalled every save (~5 s each with the
+        connections cut); this step's upload is put off to the next save instead. The
+        pre-emption save and close() always wait."""
+        if (self._upload_failing or self._fence_unreachable) and self._uploader.busy \
+                and not self._uploader.finished and not self._preempting:
+            self._upload_deferred = True
+            log.warning("rank 0: step %d is committed locally; its upload to %s is put off to the next save: the "
+                        "upload of step %s is still in flight and the URL failed before", step, self.storage.url,
+                        self._uploading)
+            return
+        self._upload_deferred = False
         self._join_upload()
         self._uploading = step
         self._uploader.submit(lambda: self._upload(step), f"upload of step {step}")
@@ -613,9 +631,11 @@ class CheckpointManager:
         self._uploading = None
         if err is not None and step is not None:
             self._upload_failures.append((step, f"{type(err).__name__}: {err}"))
+            self._upload_failing = True
         elif step is not None:
             self._last_durable = step
             self._fence_unreachable = False
+            self._upload_failing = False
 
     def _report_uploads(self, block: bool, final: bool = False) -> None:
         """Tell every rank about failed uploads (collective; two tiers only). `block` waits for
@@ -842,6 +862,21 @@ class CheckpointManager:
         if self.local is not None:
             steps |= set(list_committed(self.local))
         return sorted(steps, reverse=True)
+
+    def best_step(self) -> int | None:
+        """The committed step with the best metric by `best_mode` (the one `keep_best` keeps
+        first; of equal metrics the newest), None when no committed step has one. Reads storage,
+        on the rank that calls it (not collective); with two tiers, either tier's steps. Resume
+        or evaluate from it with `load(state, step=mgr.best_step())`."""
+        self._check_open()
+        by_step: dict[int, Committed] = {}
+        for storage in (self.storage, self.local):
+            if storage is not None:
+                for c in read_committed(storage, list_committed(storage)):
+                    if by_step.get(c.step) is None or by_step[c.step].metric is None:
+                        by_step[c.step] = c
+        best = best_first(list(by_step.values()), self.config.best_mode)
+        return best[0] if best else None
 
     # -- lifecycle ------------------------------------------------------------------------
 

@@ -56,11 +56,16 @@ def plan_retention(committed: list[Committed], keep_last: int | None, keep_best:
     by_step = sorted(committed, key=lambda c: c.step, reverse=True)
     keep = {c.step for c in by_step[:keep_last]} if keep_last is not None else {c.step for c in by_step}
     if keep_best:
-        scored = [(c.metric, c.step) for c in by_step if c.metric is not None]
-        scored.sort(key=lambda ms: ms[0] if best_mode == "min" else -ms[0])
-        keep |= {step for _, step in scored[:keep_best]}
+        keep |= set(best_first(committed, best_mode)[:keep_best])
 
     return sorted(c.step for c in committed if c.step not in keep)
+
+
+def best_first(committed: list[Committed], best_mode: str) -> list[int]:
+    """The steps with a metric, best first by `best_mode`; of equal metrics the newest first."""
+    scored = sorted(((c.metric, c.step) for c in committed if c.metric is not None), key=lambda ms: -ms[1])
+    scored.sort(key=lambda ms: ms[0] if best_mode == "min" else -ms[0])  # stable: ties stay newest first
+    return [step for _, step in scored]
 
 
 def read_committed(storage: Storage, steps: list[int], index: CommitIndex | None = None) -> list[Committed]:

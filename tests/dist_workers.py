@@ -969,3 +969,28 @@ def save_rank_own_batchnorm(rank: int, world: int, url: str) -> None:
         net[1].running_mean.fill_(float(rank + 1))
     with distckpt.CheckpointManager(url, timeout=30) as mgr:
         mgr.save(3, {"model": net})
+
+
+def modules_trained_by_rank(rank: int, world: int, url: str, case: str, async_save: bool = False) -> dict:
+    """A model with BatchNorm trained one step on each rank's own batch: bare (each rank its own
+    weights), wrapped in DDP (equal weights; BatchNorm statistics still each rank's), a bare model
+    in per_rank, or one never trained. Returns the save's outcome and the steps committed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    trained: nn.Module = nn.parallel.DistributedDataParallel(model) if case == "ddp" else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if case != "untrained":
+        torch.manual_seed(100 + rank)  # each rank's own batch
+        trained(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+    entry = distckpt.per_rank(model) if case == "per-rank" else model
+    state = {"model": entry, "opt": distckpt.per_rank(opt) if case == "per-rank" else opt}
+    with distckpt.CheckpointManager(url, async_save=async_save) as mgr:
+        mgr.load_latest(state)
+        try:
+            mgr.save(1, state)
+            mgr.wait()
+            outcome = "committed"
+        except distckpt.DistCkptError as e:
+            outcome = f"{type(e).__name__}: {e}"
+        return {"outcome": outcome, "committed": mgr.committed_steps()}

@@ -245,7 +245,7 @@ def test_a_rank_file_recording_another_epoch_is_damage_on_every_rank(ckpt_dir):
     _rewrite_rank_epoch(ckpt_dir, rank=1, epoch=3)
     results = run_world(f"{W}:load_only", 2, url=ckpt_dir)
     # rank 1's file no longer belongs to the step: damage, on every rank alike (nothing older here)
-    _same_error_everywhere(results, "CorruptCheckpointError", "no committed checkpoint", "verifies (tried steps [5])")
+    _same_error_everywhere(results, "CorruptCheckpointError", "no committed checkpoint", "verifies (committed steps tried: [5])")
 
 
 def test_a_rank_file_of_another_step_resealed_into_a_step_falls_back_on_every_rank(ckpt_dir):
@@ -659,3 +659,23 @@ def test_a_reshard_says_whose_batchnorm_statistics_every_rank_gets(ckpt_dir):
         with pytest.warns(distckpt.CheckpointFallbackWarning, match=r"persistent buffers of \['model'\] .* rank 0's"):
             assert mgr.load_latest({"model": net}).step == 3
     assert torch.equal(net[1].running_mean, torch.full((4,), 1.0))  # rank 0's, as said
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("case", ["bare", "ddp", "per-rank", "untrained"])
+def test_a_module_each_rank_trained_on_its_own_is_refused_at_save_on_every_rank(ckpt_dir, case, async_save):
+    """A replicated module is written from rank 0 and every rank gets its weights back: one that
+    each rank trained on its own batch without DDP resumed every rank with rank 0's, silently. Its
+    parameters are now compared (a sample of each) in the capture's exchange; DDP's equal ones,
+    with each rank's own BatchNorm statistics, save, as do a per_rank model and an untrained one."""
+    results = run_world(f"{W}:modules_trained_by_rank", 2, url=ckpt_dir, case=case, async_save=async_save)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    outcomes = [r.value["outcome"] for r in results]
+    if case == "bare":
+        assert len(set(outcomes)) == 1, outcomes
+        assert outcomes[0].startswith("UnstorableValueError") and "state['model'] differs on rank(s) [1]" in outcomes[0]
+        assert "DistributedDataParallel" in outcomes[0] and "state['opt']" not in outcomes[0], outcomes[0]
+        assert all(r.value["committed"] == [] for r in results)
+    else:
+        assert outcomes == ["committed", "committed"], outcomes
+        assert all(r.value["committed"] == [1] for r in results)

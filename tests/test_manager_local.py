@@ -1063,3 +1063,25 @@ def test_a_root_through_a_link_to_nothing_is_an_error_not_a_fresh_start(tmp_path
         assert mgr.load_latest({"x": torch.zeros(2)}) is None
         mgr.save(1, {"x": torch.ones(2)})
     assert os.path.exists(os.path.join(url, "step-000000001", "COMMITTED"))
+
+
+@pytest.mark.parametrize("best_mode, expected", [("min", 3), ("max", 4)])
+def test_best_step_names_the_step_keep_best_keeps_newest_of_equal_metrics(tmp_path, best_mode, expected):
+    metrics = {1: 2.0, 2: 1.0, 3: 1.0, 4: 5.0, 5: None, 6: 5.0 - 1e-9}
+    state = {"w": torch.zeros(2)}
+    with distckpt.CheckpointManager(str(tmp_path), keep_last=1, keep_best=1, best_mode=best_mode) as mgr:
+        assert mgr.best_step() is None  # nothing committed
+        mgr.load_latest(state)
+        for step, metric in metrics.items():
+            mgr.save(step, state, metric=metric)
+        assert mgr.best_step() == expected
+        assert mgr.committed_steps() == sorted({6, expected}, reverse=True)  # what retention kept
+        progress = mgr.load(state, step=mgr.best_step())
+        assert progress.step == expected and progress.metric == metrics[expected]
+
+
+def test_best_step_is_none_without_metrics(tmp_path):
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load_latest({"w": torch.zeros(2)})
+        mgr.save(1, {"w": torch.zeros(2)})
+        assert mgr.best_step() is None

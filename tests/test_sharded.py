@@ -131,7 +131,7 @@ def test_a_flipped_byte_in_a_shard_file_is_caught_on_load(ckpt_dir, capsys):
     results = run_world(f"{W}:load_and_report", 2, url=ckpt_dir)
     for r in results:  # the only commit is damaged: nothing to fall back to, on every rank
         assert r.error_type == "CorruptCheckpointError", r.error
-        assert "no committed checkpoint" in r.error and "tried steps [3]" in r.error
+        assert "no committed checkpoint" in r.error and "committed steps tried: [3]" in r.error
     from distckpt.cli import main
 
     assert main(["verify", ckpt_dir]) != 0

@@ -1,0 +1,55 @@
+"""agreement.module_digest: equal for equal parameters, different for parameters trained apart,
+blind to buffers (DDP lets each rank's BatchNorm statistics differ between forwards)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from distckpt.agreement import module_digest
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.Linear(64, 3), nn.Embedding(5, 7))
+
+
+def _step(model: nn.Module, seed: int) -> None:
+    torch.manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 32)
+    (model[2](model[1](model[0](x))).sum() + model[3](torch.tensor([1])).sum()).backward()
+    opt.step()
+
+
+def test_equal_parameters_digest_equal_every_time_and_in_any_wrapper():
+    a, b = _model(), _model()
+    assert module_digest(a, False) == module_digest(b, False) == module_digest(a, False)
+    assert module_digest(torch.compile(a, backend="eager"), False) == module_digest(b, False)
+    _step(a, 1)
+    _step(b, 1)
+    assert module_digest(a, False) == module_digest(b, False)
+
+
+def test_parameters_trained_on_different_data_digest_differently():
+    for seed in range(20):
+        a, b = _model(), _model()
+        _step(a, 1)
+        _step(b, 2 + seed)
+        assert module_digest(a, False) != module_digest(b, False)
+
+
+def test_buffers_and_the_training_flag_are_not_compared():
+    a, b = _model(), copy.deepcopy(_model())
+    b[1].running_mean += 1.0
+    b[1].num_batches_tracked += 3
+    b.eval()
+    assert module_digest(a, False) == module_digest(b, False)
+
+
+def test_a_parameter_of_another_shape_or_name_differs():
+    a = _model()
+    b = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.Linear(64, 4), nn.Embedding(5, 7))
+    assert module_digest(a, False) != module_digest(b, False)
