@@ -431,15 +431,19 @@ def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
         causes.append("the LR scheduler's state differs → it was stepped a different number of times after the resume "
                       "(a step counter not restored), or it is not in `state`")
     if any(d.entry == "loader" and "worker_rng" in d.path for d in diffs):
-        causes.append(f"{', '.join(ranks) or 'a rank'}: `loader` worker streams differ from step {report.first_step} → wrap "
-                      "the dataset with distckpt.with_worker_rng")
+        # these streams are saved only for a dataset wrapped with with_worker_rng: it is wrapped
+        causes.append(f"{', '.join(ranks) or 'a rank'}: `loader` worker streams differ from step {report.first_step} → "
+                      "the workers started their pass at another point after the resume: an iterator made twice "
+                      "(a peek `next(iter(loader))` at an epoch's start takes the resumed position), or a batch "
+                      "drawn before the save; or the dataset draws from a generator of its own in the workers")
     for key in report.unwrapped_worker_loaders:
         causes.append(f"`{key}` worker streams differ (not saved) → `{key}` is read by loader workers and its dataset is "
                       "not wrapped with distckpt.with_worker_rng, so their random draws (augmentation) restart "
                       "differently after a resume; wrap the dataset")
     if any(d.entry == "loader" and "worker_rng" not in d.path for d in diffs):
         causes.append("the loader's position differs → a batch drawn before the save (prefetching) is not in "
-                      "state; keep it there (see the README's loop patterns)")
+                      "state (keep it there: the README's loop patterns), or an iterator made twice after the resume "
+                      "(a peek `next(iter(loader))` at an epoch's start) took the resumed position")
     if any(d.entry == "sampler" and d.path.endswith("epoch") for d in diffs):
         causes.append("the sampler's epoch differs → call sampler.set_epoch(epoch) at every epoch start "
                       "(and pass epoch= to save)")

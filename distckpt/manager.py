@@ -856,8 +856,9 @@ class CheckpointManager:
         return any(flags)
 
     def committed_steps(self) -> list[int]:
-        """Committed steps, newest first (reads storage; not collective). With two tiers: the
-        steps committed on either, as this rank sees them (its node's local tier and the URL)."""
+        """Committed steps, newest first (reads storage; not collective; also after close()). With
+        two tiers: the steps committed on either, as this rank sees them (its node's local tier and
+        the URL)."""
         steps = set(list_committed(self.storage))
         if self.local is not None:
             steps |= set(list_committed(self.local))
@@ -867,8 +868,7 @@ class CheckpointManager:
         """The committed step with the best metric by `best_mode` (the one `keep_best` keeps
         first; of equal metrics the newest), None when no committed step has one. Reads storage,
         on the rank that calls it (not collective); with two tiers, either tier's steps. Resume
-        or evaluate from it with `load(state, step=mgr.best_step())`."""
-        self._check_open()
+        or evaluate from it with `load(state, step=mgr.best_step())`. Also after close()."""
         by_step: dict[int, Committed] = {}
         for storage in (self.storage, self.local):
             if storage is not None:

@@ -55,6 +55,7 @@ REPLAY_KEY = "_distckpt_sampler_replay"  # beside torchdata's keys in the loader
 DROPPED_KEY = "_distckpt_iterator_dropped"  # the loop had dropped the save's iterator mid-pass
 _EPOCH_START = "_distckpt_epoch_start"    # on an iterator: the streams when its epoch started
 _PLAN = "_distckpt_resume_plan"            # on a loader: what its next iterator is created with
+_RESUMED = "_distckpt_resumed_iterator"     # on a loader: its iterator that took the restored position
 
 log = logging.getLogger("distckpt")
 
@@ -185,6 +186,7 @@ class _IteratorRecorder:
         loader = self._loader()
         assert loader is not None  # called through the loader
         create = self._replaced or (lambda: type(loader)._get_iterator(loader))
+        _warn_if_the_resumed_position_is_left(loader)
         plan = vars(loader).pop(_PLAN, None)
         if plan is None:
             start = _states(sampling_streams(loader))
@@ -193,8 +195,33 @@ class _IteratorRecorder:
             start, iterator = _resumed_iterator(loader, plan, create)
             if plan.get("dropped"):
                 return _anew_after_a_dropped_iterator(loader, iterator, start, create)
+            vars(loader)[_RESUMED] = (weakref.ref(iterator), getattr(iterator, "_num_yielded", None))
         _record(iterator, start)
         return iterator
+
+
+def _warn_if_the_resumed_position_is_left(loader: Any) -> None:
+    """A new iterator made while the one that took a mid-pass position from the checkpoint had
+    given at most one batch: a peek at an epoch's start (the PyTorch DDP tutorial's
+    `b_sz = len(next(iter(self.train_data))[0])`) ran after a mid-epoch resume, took the position,
+    and the loop's own iterator started the pass over: every step after it differed, silently.
+    Said, not refused: a loop that leaves its iterators there in every run is right."""
+    record = vars(loader).pop(_RESUMED, None)
+    if record is None:
+        return
+    iterator, position = record[0](), record[1]
+    if iterator is None or iterator is not getattr(loader, "_iterator", None) or getattr(iterator, "_finished", True):
+        return
+    yielded = getattr(iterator, "_num_yielded", None)
+    if not isinstance(position, int) or not isinstance(yielded, int) or position <= 0 or yielded - position > 1:
+        return
+    message = (f"a new iterator of a loader resumed mid-pass (at batch {position}) was made after the resumed one "
+               f"gave {yielded - position} batch(es): the new one starts the pass over, so this run does not "
+               "continue as the uninterrupted one did. Take a pass's batches from one iterator; a peek at an "
+               "epoch's start (`next(iter(loader))` to read the batch size) takes the resumed position: read "
+               "loader.batch_size instead")
+    log.warning(message)
+    warnings.warn(message, CheckpointWarning, stacklevel=4)
 
 
 def _anew_after_a_dropped_iterator(loader: Any, restored: Any, start: Any, create: Callable[[], Any]) -> Any:

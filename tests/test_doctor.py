@@ -289,3 +289,14 @@ def test_difference_rows_show_a_long_parameter_path_whole():
     report = Report(common_steps=[4], only_uninterrupted=[], only_killed=[], first_step=4,
                     differences=[Difference(4, "rank 0", "model", path, "3 of 9 elements differ")])
     assert path in report_text(report)
+
+
+def test_worker_streams_that_differ_in_a_wrapped_dataset_point_at_an_iterator_made_twice():
+    """Worker streams are saved only for a dataset wrapped with with_worker_rng, so "wrap the
+    dataset" was wrong advice (the PyTorch DDP tutorial's epoch-start peek, already wrapped)."""
+    from distckpt.doctor import Difference, Report, likely_causes
+
+    streams = Difference(14, "rank 0", "loader", "state/worker_rng/0/torch", "5000 of 5056 elements differ")
+    causes = likely_causes([streams], Report([9, 14], [], [], 14, resumed=True, killed_after=9))
+    worker = next(c for c in causes if "worker streams differ" in c)
+    assert "iterator made twice" in worker and "wrap the dataset" not in worker, worker

@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -444,3 +445,49 @@ def test_an_accelerate_prepared_loader_is_refused_naming_what_to_do(tmp_path):
     assert "DataLoaderShard, a wrapper that passes for a DataLoader (Hugging Face Accelerate's prepared loader)" \
         in out.stderr, out.stderr[-2000:]
     assert "Keep the loader out of accelerator.prepare()" in out.stderr
+
+
+def _peek_loader(workers: int):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    g = torch.Generator().manual_seed(3)
+    data = distckpt.with_worker_rng(list(range(40))) if workers else list(range(40))
+    return StatefulDataLoader(data, batch_size=4, shuffle=True, generator=g, num_workers=workers)
+
+
+def _peek_pass(loader, peek: bool, mgr=None, save_at=None) -> list:
+    """One pass; with `peek`, the PyTorch DDP tutorial's `b_sz = len(next(iter(loader))[0])` first."""
+    out = []
+    if peek:
+        next(iter(loader))
+    for i, batch in enumerate(loader):
+        out.append(batch.tolist())
+        if i == save_at:
+            mgr.save(1, {"loader": loader})  # mid-pass, its iterator held by this loop
+            return out
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("peek", [True, False])
+def test_a_peek_at_the_epochs_start_after_a_mid_epoch_resume_is_said(tmp_path, workers, peek):
+    """The peek takes the resumed position and the loop's own iterator starts the pass over: every
+    step after a resume differed, with no word (the PyTorch DDP tutorial's Trainer). A warning
+    now names it; without the peek the pass continues exactly and nothing is said."""
+    reference = _peek_pass(_peek_loader(workers), peek)
+    loader = _peek_loader(workers)
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load_latest({"loader": loader})
+        before = _peek_pass(loader, peek, mgr, save_at=3)
+    loader = _peek_loader(workers)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+            mgr.load_latest({"loader": loader})
+        after = _peek_pass(loader, peek)
+    said = [str(w.message) for w in caught if issubclass(w.category, distckpt.CheckpointWarning)]
+    if peek:
+        assert before + after != reference  # what the warning is about
+        assert len(said) == 1 and "resumed mid-pass (at batch 4)" in said[0] and "loader.batch_size" in said[0], said
+    else:
+        assert before + after == reference and said == [], said

@@ -1078,6 +1078,7 @@ def test_best_step_names_the_step_keep_best_keeps_newest_of_equal_metrics(tmp_pa
         assert mgr.committed_steps() == sorted({6, expected}, reverse=True)  # what retention kept
         progress = mgr.load(state, step=mgr.best_step())
         assert progress.step == expected and progress.metric == metrics[expected]
+    assert mgr.best_step() == expected and mgr.committed_steps()[0] == 6  # after close(): they only read storage
 
 
 def test_best_step_is_none_without_metrics(tmp_path):
