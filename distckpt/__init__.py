@@ -24,7 +24,7 @@ from .errors import (
                      SupersededCheckpointError,
                      UnstorableValueError,
 )
-from .loading import CheckpointFallbackWarning, Progress
+from .loading import CheckpointFallbackWarning, Progress, ReshardWarning
 from .manager import CheckpointManager
 from .preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from .replay import ReplayWarning
@@ -39,7 +39,7 @@ __all__ = [
     "AsyncSaveError", "CheckpointExistsError", "CheckpointFallbackWarning", "CheckpointManager",
     "CheckpointWarning", "ConfigError", "CoordinationError", "CorruptCheckpointError", "DistCkptError",
     "DeviceAbsentWarning", "DistInfo", "DurableUploadWarning", "FencedError", "IncompatibleCheckpointError", "MissingFileError", "NonAtomicStorageWarning", "PREEMPTED_EXIT_CODE", "PerRank", "Progress",
-    "RankDisagreementError", "ReplayWarning", "RngRestoreWarning", "RunConflictError", "SnapshotChangedError", "StateArgumentError", "StorageError",
+    "RankDisagreementError", "ReplayWarning", "ReshardWarning", "RngRestoreWarning", "RunConflictError", "SnapshotChangedError", "StateArgumentError", "StorageError",
     "SupersededCheckpointError", "UnstorableValueError",
     "WeightsReport", "__version__", "export_weights", "init_distributed", "load_weights", "per_rank",
     "preemption_safe_worker_init", "shutdown_distributed", "with_worker_rng",

@@ -83,6 +83,12 @@ class CheckpointFallbackWarning(UserWarning):
     """The newest committed checkpoint was damaged; an older one was loaded instead."""
 
 
+class ReshardWarning(CheckpointFallbackWarning):
+    """A load restored only part of the state exactly: a checkpoint of another world size
+    (world_size_policy="reshard") or an import with no per-rank state. A CheckpointFallbackWarning
+    (what it was before it had a class of its own), so filters on that class still see it."""
+
+
 @dataclass(frozen=True)
 class Progress:
     """Where a loaded checkpoint left off. `config_diff` lists config keys that differ."""
@@ -614,7 +620,7 @@ def _warn_per_rank_kept(read: ReadCheckpoint, coord: Coordinator, kept: list[str
                    f"per-rank state: the RNG streams and the per-rank entries {kept} keep what this process set. "
                    "The run continues from the imported state, not bit for bit.")
         log.warning(message)
-        warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
+        warnings.warn(message, ReshardWarning, stacklevel=4)
         return
     message = (f"rank {coord.rank}: step {read.step} was written by {read.manifest.world_size} ranks and "
                f"is loaded by {coord.world_size} (world_size_policy='reshard'): replicated and sharded state "
@@ -625,7 +631,7 @@ def _warn_per_rank_kept(read: ReadCheckpoint, coord: Coordinator, kept: list[str
                   if buffered else "")
                + " The run continues, not bit for bit.")
     log.warning(message)
-    warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
+    warnings.warn(message, ReshardWarning, stacklevel=4)
 
 
 def _warn_fallbacks(skipped: list[tuple[int, str, list[Outcome]]], loading: tuple[int, str] | None, rank: int,
