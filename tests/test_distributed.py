@@ -663,8 +663,8 @@ def test_a_reshard_says_whose_batchnorm_statistics_every_rank_gets(ckpt_dir):
     assert torch.equal(net[1].running_mean, torch.full((4,), 1.0))  # rank 0's, as said
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-@pytest.mark.parametrize("case", ["bare", "ddp", "per-rank", "untrained"])
+@pytest.mark.parametrize("case, async_save", [("bare", False), ("bare", True), ("ddp", False), ("ddp", True),
+                                              ("per-rank", False), ("untrained", False)])
 def test_a_module_each_rank_trained_on_its_own_is_refused_at_save_on_every_rank(ckpt_dir, case, async_save):
     """A replicated module is written from rank 0 and every rank gets its weights back: one that
     each rank trained on its own batch without DDP resumed every rank with rank 0's, silently. Its
