@@ -206,7 +206,7 @@ def capture_save(coord: Coordinator, storage: Storage, entries: list[Entry], ste
         local = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable, take_lease, split,
                                durable, prepare, handover)
         if coord.world_size > 1:  # a module's GPU parameters at a manager's first save only (a device sync)
-            local.digests = replicated_digests(entries, gpu_modules=save_seq <= 1)
+            local.digests = replicated_digests(entries, gpu_modules=save_seq <= 1, save_seq=save_seq)
         faults.point("save/captured", step=step, rank=coord.rank)
         return local
 
