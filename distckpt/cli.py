@@ -263,6 +263,8 @@ def _progress(storage: Storage, steps: list[int]) -> Any:
     """A byte progress bar on a terminal (stderr); silent when not a terminal."""
     from tqdm import tqdm
 
+    if not sys.stderr.isatty():  # no bar to size: the manifest is not read a second time for it
+        return tqdm(total=0, disable=True)
     total = 0
     for step in steps:
         try:
