@@ -278,6 +278,11 @@ class CheckpointManager:
             self._refuse_save(step, refusal)
         doctor_hooks.rebase_fingerprints(step)
         durable = self._next_save_is_durable(entries)
+        if self.local is not None and self.rank == 0 and self.config.keep_best and metric is not None:
+            # keep_best judges the URL's steps: a save with a metric left on the local tier alone
+            # was dropped there by keep_local, and the best checkpoint with it (best_step() went
+            # 1 -> None -> 4 -> None). Rank 0's alone: only it uploads, and the metric is its own.
+            durable = True
         replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)
         self._save_seq += 1
         args = (self._coord, self._target, entries, step, epoch, metric, self.run_id,

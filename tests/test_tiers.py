@@ -171,6 +171,28 @@ def test_the_fallback_warning_names_the_step_loaded_when_the_other_copy_never_co
             load(durable, local)
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_with_keep_best_a_save_with_a_metric_reaches_the_url_and_the_best_is_kept(roots, async_save):
+    """keep_best judges the URL's steps, and keep_local dropped the local-only ones: saves with
+    a metric that were not every durable_every-th vanished with the best of them (best_step()
+    went 1 -> None -> 4 -> None; after close() only a metric-less step was left)."""
+    durable, local = roots
+    metrics = [5.0, 1.0, None, None, 4.0, None, None]
+    with distckpt.CheckpointManager(durable, local_dir=local, durable_every=3, keep_local=1, keep_last=1,
+                                    keep_best=1, async_save=async_save) as mgr:
+        mgr.load_latest(step_states.blank())
+        for step, metric in enumerate(metrics):
+            mgr.save(step, step_states.state_for(step), metric=metric)
+            mgr.wait()
+            if step >= 1:
+                assert mgr.best_step() == 1, (step, mgr.best_step())
+    assert steps_at(durable) == [1, 6]  # the best and the newest (the last save before close())
+    assert mgr.best_step() == 1
+    progress, state = load(durable, None, step=1)
+    assert progress.metric == 1.0
+    assert_holds(state, 1)
+
+
 def test_an_explicit_step_falls_back_only_to_the_other_copy_of_that_step(roots):
     durable, local = roots
     run_saves(durable, local, range(4), durable_every=2)
