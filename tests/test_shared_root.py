@@ -76,6 +76,7 @@ def test_a_full_disk_with_retention_says_the_disk_must_hold_keep_last_plus_one(t
 _PER_NODE_DIRECTORIES = """
 import os, sys, torch, distckpt
 info = distckpt.init_distributed(timeout=30.0)
+torch.manual_seed(0)  # the same weights on both ranks (a model that differs is refused for that)
 state = {"model": torch.nn.Linear(3, 2)}
 mgr = distckpt.CheckpointManager(os.path.join(sys.argv[1], f"node{info.rank}"), timeout=30.0)
 mgr.load_latest(state)
