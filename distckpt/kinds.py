@@ -807,7 +807,11 @@ def staged_tensors(entries: list[Entry]) -> list[torch.Tensor]:
             for per_parameter in target.state.values():
                 out.extend(per_parameter.values())
     tensors = [t.to_local() if hasattr(t, "to_local") else t for t in out if isinstance(t, torch.Tensor)]
-    return [t.detach() for t in tensors if isinstance(t, torch.Tensor)]
+    unique: dict[Any, torch.Tensor] = {}  # a tied weight is staged once, so allocated once
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            unique.setdefault(region_key(t) or id(t), t.detach())
+    return list(unique.values())
 
 
 def is_late(entry: Entry) -> bool:

@@ -101,3 +101,14 @@ def test_sync_managers_allocate_nothing_at_the_load(tmp_path):
     with distckpt.CheckpointManager(str(tmp_path)) as mgr:
         mgr.load_latest(state)
         assert mgr._warming is None and not mgr._staging._spares
+
+
+def test_a_tied_weight_is_allocated_ahead_once():
+    from distckpt.kinds import classify, staged_tensors
+
+    emb = torch.nn.Embedding(1000, 64)
+    head = torch.nn.Linear(64, 1000, bias=False)
+    head.weight = emb.weight  # tied, as language models tie input and output embeddings
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    tensors = staged_tensors(classify({"model": model}))
+    assert len(tensors) == 1 and tensors[0].data_ptr() == emb.weight.data_ptr()
