@@ -38,6 +38,10 @@ SAMPLED_ELEMENTS = 16  # per parameter: a model trained apart differs in nearly 
 # A parameter this small is taken whole: an embedding whose few rows each rank updated on its own
 # (sparse updates) differed in elements a sample of 16 missed; 64 such per save cost ~0.4 ms more.
 WHOLE_PARAMETER_BYTES = 64 << 10
+SAMPLED_PARAMETERS = 64  # per save after a manager's first (module_digest)
+# Each module's parameter list, walked again every REWALK_SAVES saves (a walk of 20,000 parameters
+# costs more than sampling 64): a parameter replaced meanwhile is missed until then, never refused.
+REWALK_SAVES = 64
 
 
 def replicated_digests(entries: list[Entry], gpu_modules: bool = False, save_seq: int | None = None) -> dict[str, str]:
@@ -71,8 +75,8 @@ def replicated_digests(entries: list[Entry], gpu_modules: bool = False, save_seq
 
 def module_digest(module: torch.nn.Module, gpu: bool, save_seq: int | None = None) -> str:
     """A digest of parameters' names, dtypes and shapes and of SAMPLED_ELEMENTS of each one's
-    elements, evenly spaced (every element of one up to WHOLE_PARAMETER_BYTES): equal on ranks whose parameters are equal (DDP's), different, all but
-    surely, where each rank trained its own. Every parameter with `gpu` or without `save_seq` (a
+    elements, evenly spaced (every element of one up to WHOLE_PARAMETER_BYTES): equal on ranks
+    whose parameters are equal (DDP's), different, all but surely, where each rank trained its own. Every parameter with `gpu` or without `save_seq` (a
     manager's first save); otherwise SAMPLED_PARAMETERS of them, a window that moves with
     `save_seq` (the same on every rank): at 7-10 us a parameter, a 2,000-parameter model cost
     every save 16 ms, and a model trained apart differs in nearly every parameter anyway.
@@ -106,10 +110,6 @@ def module_digest(module: torch.nn.Module, gpu: bool, save_seq: int | None = Non
     return h.hexdigest()
 
 
-SAMPLED_PARAMETERS = 64
-# Each module's parameter list, walked again every REWALK_SAVES saves (a walk of 20,000 parameters
-# costs more than sampling 64): a parameter replaced meanwhile is missed until then, never refused.
-REWALK_SAVES = 64
 _WALKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, list[tuple[str, torch.Tensor]]]] = \
     weakref.WeakKeyDictionary()
 

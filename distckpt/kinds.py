@@ -794,23 +794,21 @@ def copy_destinations(entries: list[Entry]) -> list[torch.Tensor]:
 
 def staged_tensors(entries: list[Entry]) -> list[torch.Tensor]:
     """The tensors an async save of these entries copies into staging buffers, as far as they
-    can be told without encoding: tensor entries, modules' parameters and buffers, optimizers'
-    state (a DTensor's local piece, as sharded saves stage it)."""
-    out: list[Any] = []
+    can be told without encoding: what a load copies into (copy_destinations), sharded modules'
+    pieces and optimizers' state (a DTensor's local piece, as sharded saves stage it); a tied
+    weight once, as it is staged once."""
+    found: list[Any] = copy_destinations(entries)
     for entry in entries:
-        target = entry.target
-        if entry.kind == Tensor.name and isinstance(target, torch.Tensor):
-            out.append(target)
-        elif entry.kind in (Module.name, ShardedModule.name):
-            out.extend(unwrap_module(target).state_dict(keep_vars=True).values())
-        elif isinstance(target, torch.optim.Optimizer):
-            for per_parameter in target.state.values():
-                out.extend(per_parameter.values())
-    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in out if isinstance(t, torch.Tensor)]
-    unique: dict[Any, torch.Tensor] = {}  # a tied weight is staged once, so allocated once
-    for t in tensors:
+        if entry.kind == ShardedModule.name:
+            found.extend(unwrap_module(entry.target).state_dict(keep_vars=True).values())
+        elif isinstance(entry.target, torch.optim.Optimizer):
+            for per_parameter in entry.target.state.values():
+                found.extend(per_parameter.values())
+    unique: dict[Any, torch.Tensor] = {}
+    for t in found:
         if isinstance(t, torch.Tensor):
-            unique.setdefault(region_key(t) or id(t), t.detach())
+            local = (t.to_local() if hasattr(t, "to_local") else t).detach()
+            unique.setdefault(region_key(local) or id(local), local)
     return list(unique.values())
 
 

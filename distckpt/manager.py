@@ -277,12 +277,7 @@ class CheckpointManager:
         if refusal is not None:
             self._refuse_save(step, refusal)
         doctor_hooks.rebase_fingerprints(step)
-        durable = self._next_save_is_durable(entries)
-        if self.local is not None and self.rank == 0 and self.config.keep_best and metric is not None:
-            # keep_best judges the URL's steps: a save with a metric left on the local tier alone
-            # was dropped there by keep_local, and the best checkpoint with it (best_step() went
-            # 1 -> None -> 4 -> None). Rank 0's alone: only it uploads, and the metric is its own.
-            durable = True
+        durable = self._next_save_is_durable(entries, metric)
         replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)
         self._save_seq += 1
         args = (self._coord, self._target, entries, step, epoch, metric, self.run_id,
@@ -331,9 +326,10 @@ class CheckpointManager:
         """Where save() commits: the local tier when there is one, else the URL."""
         return self.local if self.local is not None else self.storage
 
-    def _next_save_is_durable(self, entries: list[Any]) -> bool:
+    def _next_save_is_durable(self, entries: list[Any], metric: Any = None) -> bool:
         """Every durable_every-th save, the one after a failed upload, and the pre-emption save
-        (decided alike on every rank: the counts and flags are agreed)."""
+        (decided alike on every rank: the counts and flags are agreed); on rank 0 also one whose
+        upload was put off, and with keep_best one given a metric."""
         if self.local is None:
             return False
         if self._nodes.count > 1 and (self.split_writes or any(e.scope == SHARDED for e in entries)):
@@ -341,11 +337,15 @@ class CheckpointManager:
                               "is not supported: each node's local tier would hold only its own ranks' shard "
                               "files; checkpoint such jobs to the URL only (no local_dir)")
         self._saves += 1
-        # _upload_deferred is rank 0's alone: only rank 0 uploads, and every rank's flag is the
-        # same whenever the flag matters elsewhere (the pre-emption save, which all make durable)
-        durable = self._saves % self.tiers.durable_every == 0 or self._catch_up or self._preempting \
-            or self._upload_deferred
+        durable = self._saves % self.tiers.durable_every == 0 or self._catch_up or self._preempting
         self._catch_up = False
+        # Rank 0's alone (only it uploads; the metric is its own), and every rank agrees wherever
+        # durability matters to the others (the pre-emption save, which all make durable).
+        # keep_best judges the URL's steps: a save with a metric left on the local tier alone was
+        # dropped there by keep_local, and the best checkpoint with it (best_step() went 1 -> None
+        # -> 4 -> None).
+        if self.rank == 0:
+            durable = durable or self._upload_deferred or (bool(self.config.keep_best) and metric is not None)
         return durable
 
     @property

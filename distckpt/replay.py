@@ -218,9 +218,8 @@ def _warn_if_the_resumed_position_is_left(loader: Any) -> None:
     message = (f"a new iterator of a loader resumed mid-pass (at batch {position}) was made after the resumed one "
                f"gave {yielded - position} batch(es): the new one starts the pass over, so unless the uninterrupted "
                "run made a new iterator at this point too, this run does not continue as it did. Take a pass's "
-               "batches from one iterator; a peek at an "
-               "epoch's start (`next(iter(loader))` to read the batch size) takes the resumed position: read "
-               "loader.batch_size instead. If the loop makes a new iterator here in every run (fixed-length "
+               "batches from one iterator; a peek at an epoch's start (`next(iter(loader))` to read the batch "
+               "size) takes the resumed position: read loader.batch_size instead. If the loop makes a new iterator here in every run (fixed-length "
                "passes with islice or break), this is expected and the run is exact")
     log.warning(message)
     warnings.warn(message, CheckpointWarning, stacklevel=4)
