@@ -152,9 +152,12 @@ def run(op: str, root: str, mib: int, count: int) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def table(shapes: list[tuple[int, int]], repeats: int) -> None:
-    print("| model (weights) | operation | median s | vs torch | peak extra memory, MiB |\n|---|---|---:|---:|---:|",
-          flush=True)
+def table(shapes: list[tuple[int, int]], repeats: int, echo: bool = False) -> str:
+    """The rows for every shape; with `echo`, each row is printed as soon as measured."""
+    lines = ["| model (weights) | operation | median s | vs torch | peak extra memory, MiB |",
+             "|---|---|---:|---:|---:|"]
+    if echo:
+        print("\n".join(lines), flush=True)
     for mib, count in shapes:
         root = tempfile.mkdtemp(prefix="distckpt-model-")
         try:
@@ -170,8 +173,11 @@ def table(shapes: list[tuple[int, int]], repeats: int) -> None:
         extra = {op: statistics.median(s["extra_mib"] for s in v) for op, v in samples.items()}
         for op in SAVES + LOADS:
             base = SAVES[0] if op in SAVES else LOADS[0]
-            print(f"| {mib} MiB, {count:,} parameters + AdamW | {op} | {median[op]:.3f} | "
-                  f"{median[base] / median[op]:.2f}x | {extra[op]:.0f} |", flush=True)
+            lines.append(f"| {mib} MiB, {count:,} parameters + AdamW | {op} | {median[op]:.3f} | "
+                         f"{median[base] / median[op]:.2f}x | {extra[op]:.0f} |")
+            if echo:
+                print(lines[-1], flush=True)
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -179,7 +185,7 @@ def main() -> int:
     parser.add_argument("--shapes", default="64x200,64x2000,16x20000")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    table([tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")], args.repeats)  # type: ignore[misc]
+    table([tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")], args.repeats, echo=True)  # type: ignore[misc]
     return 0
 
 

@@ -388,6 +388,10 @@ def main() -> int:
             fresh += "\n\n" + table(heavy, 1, cold=False)
             if os.geteuid() == 0:  # dropping the page cache takes root
                 fresh += "\n\n" + table([(256, 16), (1024, 16)], args.repeats, cold=True)
+            from model_state import table as model_table
+
+            fresh += "\n\n" + model_table([(64, 200), (64, 2000)], args.repeats)
+            fresh += "\n\n" + model_table([(16, 20000)], 1)  # dcp takes ~30 s a call here
         if not args.no_fresh and not args.no_s3:
             from s3_fresh import DEFAULT_SIZES as S3_SIZES
             from s3_fresh import table as s3_fresh_table
