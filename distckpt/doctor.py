@@ -34,6 +34,7 @@ import torch
 from .commit import list_committed
 from .copying import same_bits
 from .errors import ConfigError, DistCkptError
+from .replay import REPLAY_KEY
 from .staging import memory_of
 from .storage import open_storage
 
@@ -259,7 +260,18 @@ Stream = tuple[str, str]  # (where, "rng/<stream>"): one process stream of one r
 
 
 def _stream(d: Difference) -> str:
-    return f"rng/{d.path.split('/')[0]}" if d.entry == "rng" else ""
+    """The process stream a difference is a state of: the rank's own (rng/...), or the copy a
+    loader's sampler replay took of a global stream when its epoch started."""
+    if d.entry == "rng":
+        return f"rng/{d.path.split('/')[0]}"
+    replayed = _REPLAY_RECORD.search(d.path)
+    return f"rng/{_REPLAYED_AS[replayed.group(1)]}" if replayed else ""
+
+
+# A loader's saved state holds the global streams as its epoch started (replay.py); a stream the
+# run never seeds nor draws from differs there between the runs as it does under rng/.
+_REPLAY_RECORD = re.compile(rf"(?:^|/){re.escape(REPLAY_KEY)}/epoch_start/global/(torch|python|numpy)(?:/|$)")
+_REPLAYED_AS = {"torch": "torch_cpu", "python": "python", "numpy": "numpy"}
 
 
 def _unused_streams(steps: list[tuple[dict[Stream, Any], dict[Stream, Any]]]) -> set[Stream]:

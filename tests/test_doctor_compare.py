@@ -153,3 +153,56 @@ def test_the_doctors_own_work_folder_is_removed_when_identical_and_named_when_ke
     if how == "differ":
         assert f"both runs' roots are kept: {kept}/uninterrupted and {kept}/killed" in said
         assert (tmp_path / folders[0] / "killed").is_dir()
+
+
+def _loader_run(root, entropy: int, sampler_draws_numpy: bool) -> None:
+    """A loader whose epochs start with a record of the global streams (the sampler replay):
+    with NumPy never seeded, each run's record holds another NumPy state."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    random.seed(entropy)
+    np.random.seed(entropy)
+    torch.manual_seed(0)
+
+    class NumpyShuffle(torch.utils.data.Sampler):
+        def __len__(self) -> int:
+            return 32
+
+        def __iter__(self):
+            order = np.random.permutation(32) if sampler_draws_numpy else range(32)
+            return iter(int(i) for i in order)
+
+    sampler: torch.utils.data.Sampler = (NumpyShuffle() if sampler_draws_numpy else
+                                         torch.utils.data.RandomSampler(range(32), generator=torch.Generator().manual_seed(3)))
+    loader = StatefulDataLoader(list(range(32)), batch_size=4, sampler=sampler)
+    model = torch.nn.Linear(3, 2)
+    with distckpt.CheckpointManager(str(root)) as mgr:
+        assert mgr.load_latest({"model": model, "loader": loader}) is None
+        step = 0
+        for _ in range(2):
+            for batch in loader:
+                with torch.no_grad():
+                    model.weight.add_(batch.float().sum())
+                if step % 3 == 2:
+                    mgr.save(step, {"model": model, "loader": loader})
+                step += 1
+
+
+def test_the_loaders_record_of_a_stream_never_seeded_and_never_drawn_is_left_out(tmp_path):
+    """The sampler replay records the global streams at each epoch's start: a NumPy stream no run
+    seeds or draws from differs in that record too, and is left out there as well (it made the
+    doctor call every step different, steps before the kill included)."""
+    _loader_run(tmp_path / "a", 1, False)
+    _loader_run(tmp_path / "b", 2, False)
+    report = compare_roots(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert "rank 0: rng/numpy" in report.unused_streams, report
+    assert report.first_step is None, report.differences
+    assert len(report.common_steps) == 5
+
+
+def test_a_stream_the_sampler_draws_from_still_differs_in_the_loaders_record(tmp_path):
+    _loader_run(tmp_path / "a", 1, True)
+    _loader_run(tmp_path / "b", 2, True)
+    report = compare_roots(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert report.first_step is not None, report
+    assert "rank 0: rng/numpy" not in report.unused_streams
