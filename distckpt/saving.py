@@ -203,6 +203,7 @@ def capture_save(coord: Coordinator, storage: Storage, entries: list[Entry], ste
     t0 = time.perf_counter()
     split = split_writes and coord.world_size > 1
     def capture() -> _Captured:
+        consolidate_zero_optimizers(entries)  # first: a collective of every rank, before any can fail
         local = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable, take_lease, split,
                                durable, prepare, handover)
         if coord.world_size > 1:  # a module's GPU parameters at a manager's first save only (a device sync)
@@ -230,6 +231,36 @@ def capture_save(coord: Coordinator, storage: Storage, entries: list[Entry], ste
     kinds = {e.key: {"scope": e.scope, "kind": e.kind} for e in entries}
     return CapturedSave(step, epoch, metric, run_id, coord.rank, local, infos, kinds,
                         [] if own_write is None else keys, own_write, time.perf_counter() - t0)
+
+
+def is_zero_optimizer(obj: Any) -> bool:
+    """torch.distributed.optim.ZeroRedundancyOptimizer (or a subclass), told apart without
+    importing torch.distributed.optim."""
+    return any(c.__name__ == "ZeroRedundancyOptimizer" and c.__module__.startswith("torch.distributed.optim")
+               for c in type(obj).__mro__)
+
+
+def consolidate_zero_optimizers(entries: list[Entry]) -> None:
+    """Every ZeroRedundancyOptimizer in `state` gathers its shards on rank 0, which captures it.
+
+    Its state_dict() is what its last consolidate_state_dict() gathered, however old: a loop that
+    consolidated once and saved later wrote that step's weights with an earlier step's moments,
+    and resumed into another run without a word (and one that never consolidated failed the
+    save). Consolidating here, on every rank at the same point of the collective save, makes the
+    saved state the current one. The optimizer's own group must hold rank 0."""
+    import torch.distributed as dist
+
+    for e in entries:
+        if e.scope != REPLICATED or not is_zero_optimizer(e.target):
+            continue
+        group = getattr(e.target, "process_group", None)
+        try:
+            to = dist.get_group_rank(group, 0) if group is not None and dist.is_initialized() else 0
+        except (ValueError, RuntimeError) as err:
+            raise UnstorableValueError(
+                f"state[{e.key!r}] is a ZeroRedundancyOptimizer over a process group without rank 0, "
+                "which writes the replicated state: build it over a group holding rank 0 (the default group)") from err
+        e.target.consolidate_state_dict(to=to)
 
 
 def _own_write(rank: int, step: int, local: _Captured, infos: list[dict[str, Any]], key: str,

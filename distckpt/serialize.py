@@ -424,8 +424,12 @@ def _advice(value: Any) -> str:
     if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
         return ("objects with state_dict()/load_state_dict() are restored into only as an entry of `state` "
                 "itself or alone inside per_rank(...), not inside a dict or list: give each its own key")
+    if isinstance(value, (set, frozenset)):
+        return ("a set has no order a load could give back the same: store sorted(s) or list(s) and rebuild "
+                "the set in load_state_dict (or where the value is read back)")
     return ("store tensors and plain values only (None, bool, int, float, str, list, tuple, dict); "
-            "convert it, or give its owner state_dict()/load_state_dict()")
+            "convert it (where it comes from an object's state_dict(), there), or give the object that "
+            "holds it state_dict()/load_state_dict()")
 
 
 def is_dtensor(value: Any) -> bool:

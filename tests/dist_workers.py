@@ -994,3 +994,44 @@ def modules_trained_by_rank(rank: int, world: int, url: str, case: str, async_sa
         except distckpt.DistCkptError as e:
             outcome = f"{type(e).__name__}: {e}"
         return {"outcome": outcome, "committed": mgr.committed_steps()}
+
+
+def zero_optimizer_resume(rank: int, world: int, url: str, consolidate: str, async_save: bool) -> dict:
+    """A DDP model with a ZeroRedundancyOptimizer: 8 steps uninterrupted, then 8 steps where step 4
+    is saved (after the loop's own consolidation at step 2, at step 4, or none) and fresh objects
+    resume from it. Returns both runs' losses as hex."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    def built():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+        ddp = DistributedDataParallel(model)
+        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
+
+    def step_of(ddp, opt, step):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+        opt.zero_grad()
+        loss = ((ddp(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return float(loss).hex()
+
+    ddp, opt = built()
+    reference = [step_of(ddp, opt, s) for s in range(8)]
+    ddp, opt = built()
+    resumed = []
+    with distckpt.CheckpointManager(url, timeout=60, async_save=async_save) as mgr:
+        for s in range(5):
+            resumed.append(step_of(ddp, opt, s))
+            if consolidate == "stale" and s == 2:
+                opt.consolidate_state_dict(to=0)
+            if consolidate == "fresh" and s == 4:
+                opt.consolidate_state_dict(to=0)
+        mgr.save(4, {"model": ddp, "optimizer": opt})
+    ddp, opt = built()
+    with distckpt.CheckpointManager(url, timeout=60) as mgr:
+        assert mgr.load_latest({"model": ddp, "optimizer": opt}).step == 4
+    resumed += [step_of(ddp, opt, s) for s in range(5, 8)]
+    return {"reference": reference, "resumed": resumed}

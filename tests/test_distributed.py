@@ -681,3 +681,14 @@ def test_a_module_each_rank_trained_on_its_own_is_refused_at_save_on_every_rank(
     else:
         assert outcomes == ["committed", "committed"], outcomes
         assert all(r.value["committed"] == [1] for r in results)
+
+
+@pytest.mark.parametrize("consolidate,async_save", [("stale", False), ("none", True), ("fresh", False)])
+def test_zero_redundancy_optimizer_resumes_exactly_however_it_was_consolidated(ckpt_dir, consolidate, async_save):
+    """ZeroRedundancyOptimizer.state_dict() is what its last consolidate_state_dict() gathered: a
+    loop that consolidated at step 2 and saved at step 4 resumed with step 2's moments, silently
+    (and one that never consolidated failed the save). The save consolidates it on every rank."""
+    results = run_world(f"{W}:zero_optimizer_resume", 2, url=ckpt_dir, consolidate=consolidate, async_save=async_save)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    for r in results:
+        assert r.value["resumed"] == r.value["reference"], r.value

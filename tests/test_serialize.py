@@ -344,3 +344,26 @@ def test_a_cycle_is_refused_as_a_cycle_naming_both_places(tmp_path):
         state = {"v": None}
         mgr.load(state, step=1)
     assert state["v"] == {"x": [3], "y": ([3], [3])}
+
+
+class _SetMeter:
+    def __init__(self) -> None:
+        self.seen = {3, 1}
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = set(state["seen"])
+
+
+@pytest.mark.parametrize("value", [{3, 1}, frozenset({2})])
+def test_a_set_from_an_owners_state_dict_is_refused_with_advice_for_the_set(tmp_path, value):
+    """The advice for a set returned by a state_dict() was to give its owner state_dict() and
+    load_state_dict(), which it had: it now says what to store instead."""
+    meter = _SetMeter()
+    meter.seen = value
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(distckpt.UnstorableValueError, match=r"state\['meter'\]\['seen'\] is a builtins\.(frozen)?set.*sorted\(s\)") as err:
+            mgr.save(0, {"meter": meter})
+        assert "give its owner" not in str(err.value)
