@@ -251,8 +251,12 @@ def consolidate_zero_optimizers(entries: list[Entry]) -> None:
     import torch.distributed as dist
 
     for e in entries:
-        if e.scope != REPLICATED or not is_zero_optimizer(e.target):
+        if not is_zero_optimizer(e.target):
             continue
+        if e.scope == PER_RANK:  # its state_dict() exists on the rank it was consolidated to only
+            raise UnstorableValueError(
+                f"state[{e.key!r}] is a ZeroRedundancyOptimizer inside per_rank(...): it shards its state "
+                "across the ranks itself, and each save gathers it to rank 0; put it in `state` as it is")
         group = getattr(e.target, "process_group", None)
         try:
             to = dist.get_group_rank(group, 0) if group is not None and dist.is_initialized() else 0

@@ -1035,3 +1035,17 @@ def zero_optimizer_resume(rank: int, world: int, url: str, consolidate: str, asy
         assert mgr.load_latest({"model": ddp, "optimizer": opt}).step == 4
     resumed += [step_of(ddp, opt, s) for s in range(5, 8)]
     return {"reference": reference, "resumed": resumed}
+
+
+def zero_optimizer_per_rank(rank: int, world: int, url: str) -> str:
+    """A ZeroRedundancyOptimizer put in per_rank(...): refused at save, on every rank."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = nn.Linear(4, 2)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    with distckpt.CheckpointManager(url, timeout=60) as mgr:
+        try:
+            mgr.save(0, {"model": model, "optimizer": distckpt.per_rank(opt)})
+        except distckpt.DistCkptError as e:
+            return f"{type(e).__name__}: {e}"
+        return "saved"

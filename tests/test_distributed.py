@@ -692,3 +692,10 @@ def test_zero_redundancy_optimizer_resumes_exactly_however_it_was_consolidated(c
     assert all(r.error is None for r in results), [r.error for r in results]
     for r in results:
         assert r.value["resumed"] == r.value["reference"], r.value
+
+
+def test_zero_redundancy_optimizer_in_per_rank_is_refused_on_every_rank(ckpt_dir):
+    results = run_world(f"{W}:zero_optimizer_per_rank", 2, url=ckpt_dir)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    for r in results:
+        assert "ZeroRedundancyOptimizer inside per_rank" in r.value and "state['optimizer']" in r.value, r.value
