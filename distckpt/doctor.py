@@ -473,7 +473,9 @@ def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
     if not causes and entries & {"model", "optimizer", "scheduler"} or not causes:
         causes.append(f"every captured stream equal at the step before, {', '.join(sorted(entries))} differ at step "
                       f"{report.first_step} → a random stream outside `state` was drawn in between (a random.Random "
-                      "or np.random.Generator instance kept elsewhere, a dataset's own generator), or a batch "
+                      "or np.random.Generator instance kept elsewhere, a dataset's own generator), a value the "
+                      "loop carries from step to step outside `state` (an RNN's hidden state, a counter gating "
+                      "updates such as enumerate(loader)'s index, which restarts at 0 after a resume), or a batch "
                       "drawn before the save; put it in `state` (distckpt.per_rank for per-rank objects)")
     return causes
 
@@ -640,7 +642,9 @@ def report_text(report: Report) -> str:
     if report.only_uninterrupted or report.only_killed:
         lines.append(f"only uninterrupted: {report.only_uninterrupted}; only killed-and-resumed: {report.only_killed}")
     if not report.resumed:
-        lines.append("the killed run never reached the step to kill at: nothing was proven")
+        lines.append("the killed run was never killed: the kill follows the commit of the step --kill-at names, and "
+                     "that run committed no such step (name a step the job saves and reaches; `distckpt ls` on "
+                     "the uninterrupted run's root lists them): nothing was proven")
     elif report.common_steps and not report.compared_after_the_kill:
         lines.append(f"no step committed by both runs after the kill (after step {report.killed_after}): the resumed "
                      "run's checkpoints were not compared; save at least once after the step killed at")

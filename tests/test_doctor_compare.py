@@ -206,3 +206,22 @@ def test_a_stream_the_sampler_draws_from_still_differs_in_the_loaders_record(tmp
     report = compare_roots(str(tmp_path / "a"), str(tmp_path / "b"))
     assert report.first_step is not None, report
     assert "rank 0: rng/numpy" not in report.unused_streams
+
+
+def test_a_model_difference_with_every_stream_equal_names_values_carried_outside_state():
+    """An RNN's hidden state or an enumerate index kept outside `state` makes only the model differ;
+    the cause named it only as a random stream or a prefetched batch."""
+    from distckpt.doctor import Difference, Report, likely_causes
+
+    report = Report([5, 10], [], [], 10, killed_after=5, resumed=True)
+    causes = likely_causes([Difference(10, "replicated", "model", "state_dict/w", "3 of 9 elements differ")], report)
+    assert any("hidden state" in c and "enumerate(loader)'s index" in c for c in causes), causes
+
+
+def test_a_kill_step_the_job_never_commits_is_said_to_be_one():
+    """--kill-at on a step the job does not save never kills: the report said the run 'never
+    reached' a step it had passed."""
+    from distckpt.doctor import Report
+
+    text = report_text(Report([4, 9], [], [], None, resumed=False))
+    assert "committed no such step" in text and "--kill-at" in text and "never reached" not in text
