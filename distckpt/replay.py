@@ -143,7 +143,10 @@ def sampling_streams(loader: Any) -> dict[str, Any]:
     for name in ("batch_sampler", "sampler"):
         sampler = getattr(loader, name, None)
         if sampler is not None:
-            visit(sampler, name, 0 if isinstance(sampler, torch.utils.data.Sampler) else 5)
+            # A sampler need not subclass Sampler (any object with __iter__ and __len__): a bucketing
+            # batch sampler holding its own torch.Generator went unseen, and a resume in its second
+            # epoch replayed the first epoch's order, silently. Only plain sequences are not looked into.
+            visit(sampler, name, 5 if isinstance(sampler, (list, tuple, range)) else 0)
     dataset = getattr(loader, "dataset", None)
     if isinstance(dataset, torch.utils.data.IterableDataset):  # replayed item by item in this process
         for name, value in list(getattr(dataset, "__dict__", {}).items()):

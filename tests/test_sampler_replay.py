@@ -96,6 +96,37 @@ class EagerGlobal(Sampler[int]):
         return iter(torch.randperm(ITEMS).tolist())
 
 
+class DuckBucketBatches:
+    """A bucketing batch sampler that does not subclass Sampler (only __iter__ and __len__), with a
+    torch.Generator of its own: it went unseen, and a resume in the second epoch replayed the
+    first epoch's order, silently."""
+
+    def __init__(self) -> None:
+        self.g = torch.Generator().manual_seed(7)
+
+    def __len__(self) -> int:
+        return ITEMS // 2
+
+    def __iter__(self):
+        order = torch.randperm(ITEMS, generator=self.g).tolist()
+        batches = [order[i:i + 2] for i in range(0, ITEMS, 2)]
+        return iter([batches[j] for j in torch.randperm(len(batches), generator=self.g).tolist()])
+
+
+class DuckOwnRandom:
+    """A sampler that does not subclass Sampler, with a random.Random of its own, drawing lazily."""
+
+    def __init__(self) -> None:
+        self.rng = random.Random(5)
+
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __iter__(self):
+        for _ in range(ITEMS):
+            yield self.rng.randrange(ITEMS)
+
+
 def _g() -> torch.Generator:
     return torch.Generator().manual_seed(7)
 
@@ -114,6 +145,8 @@ SAMPLERS: dict[str, Callable[[], dict[str, Any]]] = {
     "eager-length-grouped": lambda: {"sampler": EagerLengthGrouped()},
     "eager-global": lambda: {"sampler": EagerGlobal()},
     "eager-batch-sampler": lambda: {"batch_sampler": BatchSampler(EagerLengthGrouped(), 2, False)},
+    "duck-bucket-batch-sampler": lambda: {"batch_sampler": DuckBucketBatches()},
+    "duck-own-random": lambda: {"sampler": DuckOwnRandom()},
 }
 
 
