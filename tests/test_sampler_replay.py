@@ -244,7 +244,8 @@ def test_an_iterable_dataset_seeding_each_pass_resumes_exactly(tmp_path, save_at
     _resumes_exactly(root, build, save_at)
 
 
-@pytest.mark.parametrize("name", ["random-own-generator", "random-global-stream", "weighted", "own-python-random"])
+@pytest.mark.parametrize("name", ["random-own-generator", "random-global-stream", "weighted", "own-python-random",
+                                  "duck-bucket-batch-sampler"])
 def test_a_random_sampler_whose_epoch_started_unseen_is_refused_at_save(tmp_path, name):
     # The first save in the middle of an epoch the manager did not see start (no load_latest
     # before the loop): its replay cannot be exact, so the save is refused and nothing committed.
@@ -537,3 +538,15 @@ def test_any_sampler_saved_anywhere_resumes_exactly(tmp_path_factory, name, work
         _resumes_exactly(str(tmp_path_factory.mktemp("any") / "c"), build, save_at)
     finally:
         ITEMS = saved_items
+
+
+@pytest.mark.parametrize("save_at", [3, 8])
+def test_a_duck_typed_batch_samplers_generator_also_in_state_resumes_exactly(tmp_path, save_at):
+    """The bucketing batch sampler's generator kept in `state` too (as the README allows for a
+    sampler's own generator): it once resumed differently from the first batch on."""
+    def build() -> tuple[StatefulDataLoader, dict]:
+        loader, state = _loader("duck-bucket-batch-sampler", 0, sampler_in_state=False)
+        state["bucket_generator"] = loader.batch_sampler.g
+        return loader, state
+
+    _resumes_exactly(str(tmp_path / "c"), build, save_at)
