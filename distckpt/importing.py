@@ -27,6 +27,7 @@ from .fencing import acquire
 from .saving import StagedSave, write_and_commit
 from .serialize import encode_tree, safetensors_chunks
 from .storage import open_storage
+from .validation import LARGEST_COUNT
 from .versions import collect_versions
 
 MAX_IMPORT_WORLD = 1 << 16  # one rank file each, written by this process: 10^6 took a GiB and minutes
@@ -156,16 +157,17 @@ def _optimizer_keys_as_ints(value: Any) -> Any:
 
 def _step_of(obj: dict[str, Any], step: int | None) -> int:
     if step is not None:
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"step={step!r}: must be an int >= 0")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= LARGEST_COUNT:
+            raise ConfigError(f"step={step!r}: must be an int >= 0 (at most 2**63-1, as save() takes)")
         return step
     for key in ("step", "global_step", "iteration"):
         if key not in obj:
             continue
         value = _integer(obj[key])
-        if value is None or value < 0:
-            raise ConfigError(f"the source's {key!r} is {obj[key]!r}, not a step number (an int >= 0); pass the "
-                              "step to commit it as (--step N, step=N)")
+        # beyond 2**63-1 the job resumed from it could never save again (save() refuses such steps)
+        if value is None or not 0 <= value <= LARGEST_COUNT:
+            raise ConfigError(f"the source's {key!r} is {obj[key]!r}, not a step number (an int from 0 to "
+                              "2**63-1); pass the step to commit it as (--step N, step=N)")
         return value
     return 0
 

@@ -281,6 +281,17 @@ def _read_index(index: str) -> dict[str, str]:
         raise CorruptCheckpointError(f"{index}: not a safetensors index: {e}") from e
 
 
+def local_path_of(url: str) -> str | None:
+    """The local path a plain path or a `file://` URL names (as fsspec reads it); None for any
+    other scheme. An exported directory given as file:///abs/out was taken for a checkpoint root
+    (load_weights) or written under ./file:/abs/out (export)."""
+    if "://" not in url:
+        return url
+    if url.startswith("file://"):
+        return url[len("file://"):] or "/"
+    return None
+
+
 def open_model_source(source: str, *, step: int | None = None, entry: str = "model",
                       storage_options: dict[str, Any] | None = None) -> ModelSource:
     """A distckpt root (it has committed steps) or a Hugging Face file / directory."""
@@ -288,9 +299,10 @@ def open_model_source(source: str, *, step: int | None = None, entry: str = "mod
         raise ConfigError(f"source={source!r}: must be a distckpt URL or a safetensors file / directory")
     source = os.fspath(source)
     _check_source_args(step, entry)
-    local = "://" not in source
-    if local and (source.endswith(".safetensors") or os.path.exists(os.path.join(source, INDEX_NAME))
-                  or os.path.exists(os.path.join(source, SINGLE_NAME))):
+    local = local_path_of(source)
+    if local is not None and (local.endswith(".safetensors") or os.path.exists(os.path.join(local, INDEX_NAME))
+                              or os.path.exists(os.path.join(local, SINGLE_NAME))):
+        source = local
         if _is_checkpoint_root(source):
             raise ConfigError(f"source={source!r} holds both distckpt checkpoints and exported safetensors "
                               f"({SINGLE_NAME} or {INDEX_NAME}): which to load is ambiguous; move the exported "
@@ -517,6 +529,13 @@ def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: st
         out_dir = os.fspath(out_dir)
     if not isinstance(out_dir, str) or not out_dir.strip() or "\0" in out_dir:
         raise ConfigError(f"out_dir={out_dir!r}: must be a directory path")
+    local = local_path_of(out_dir)
+    if local is None:
+        raise ConfigError(f"out_dir={out_dir!r}: the export is written to a local directory (a path or "
+                          "file://...); copy it to object storage afterwards")
+    out_dir = local
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"out_dir={out_dir!r} is a file: export into a directory (new or holding an earlier export)")
     if not callable(progress):
         raise ConfigError(f"progress={progress!r}: must be a callable taking a byte count")
     _check_source_args(step, entry)

@@ -85,7 +85,8 @@ def test_an_import_for_two_ranks_is_loadable_by_a_two_rank_job(tmp_path):
 
 @pytest.mark.parametrize("value, expected", [(torch.tensor(1500), 1500), (7, 7), (-5, None), ("abc", None),
                                              (3.7, None), (torch.tensor(2.5), None), (True, None),
-                                             (np.int64(42), 42), (np.int32(9), 9), (np.float64(2.0), None)])
+                                             (np.int64(42), 42), (np.int32(9), 9), (np.float64(2.0), None),
+                                             (2**63 - 1, 2**63 - 1), (2**63, None), (2**70, None)])
 def test_the_sources_step_is_taken_or_refused_never_replaced_by_0(tmp_path, value, expected):
     file = str(tmp_path / "src.pt")
     torch.save({"model": nn.Linear(2, 2).state_dict(), "step": value}, file)

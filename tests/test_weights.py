@@ -646,3 +646,25 @@ def test_a_child_named_like_the_compile_wrappers_attribute_is_no_wrapper(tmp_pat
     assert _bytes_of(fresh) == _bytes_of(model) and "body.weight" in report.loaded
     assert cli.main(["export", root, str(tmp_path / "hf")]) == 0
     assert sorted(load_file(str(tmp_path / "hf" / "model.safetensors"))) == sorted(model.state_dict())
+
+
+def test_export_and_load_weights_take_a_file_url_as_the_path_it_names(tmp_path, monkeypatch):
+    """export into file:///abs/out wrote under ./file:/abs/out (exit 0), and load_weights of an
+    exported directory given as file:// looked for a checkpoint root there; an object-store
+    out_dir and a file as out_dir are refused, naming out_dir."""
+    model = _trained()
+    _save(str(tmp_path / "ckpt"), model)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "hf"
+    assert cli.main(["export", str(tmp_path / "ckpt"), f"file://{out}"]) == 0
+    assert (out / "model.safetensors").is_file() and not (tmp_path / "file:").exists()
+    fresh = TinyLM()
+    report = distckpt.load_weights(f"file://{out}", fresh)
+    assert not report.missing and not report.unexpected
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    with pytest.raises(distckpt.ConfigError, match="out_dir='s3://bucket/x'.*local directory"):
+        distckpt.export_weights(str(tmp_path / "ckpt"), "s3://bucket/x")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(distckpt.ConfigError, match="out_dir=.*afile' is a file"):
+        distckpt.export_weights(str(tmp_path / "ckpt"), str(tmp_path / "afile"))
