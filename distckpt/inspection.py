@@ -160,7 +160,7 @@ def _describe_step(storage: Storage, step: int) -> dict[str, Any]:
     for rank in range(manifest.world_size):
         own, _ = _header_tree(storage.read_bytes(f"{base}/{rank_names[rank]}"),
                               f"{storage.url}/{base}/{rank_names[rank]} (rank {rank})")
-        ranks.append({"rank": rank, "epoch": own.get("epoch"), "rng_streams": sorted(own["rng"]),
+        ranks.append({"rank": rank, "epoch": own.get("epoch"), "rng_streams": sorted(own.get("rng") or {}),
                       "entries": {k: _summarise(v) for k, v in own["entries"].items()}})
     config = replicated["entries"].get("config", {}).get("state")
     shared = manifest.shared_bytes  # the referenced files' sizes, as `ls` counts them

@@ -31,7 +31,7 @@ from torch import nn
 
 from . import incremental
 from . import manifest as mf
-from .capture import loads_by_copy_alone, unwrap_module
+from .capture import IMPORTED, loads_by_copy_alone, unwrap_module
 from .commit import check_not_superseded, list_committed, read_marker, read_verified_manifest
 from .copying import byte_extent, elements_overlap, same_bits
 from .errors import (
@@ -151,12 +151,13 @@ def _model_of_step(storage: Storage, step: int, entry: str, bounded: bool = Fals
     extra = incremental.resolve(storage, manifest, where, _releaser if bounded else None, shared_buffers)
     tree = load_tree_file(data, f"{where}/{name}", extra)
     entries = tree.get("entries", {}) if isinstance(tree, dict) else {}
-    saved = entries.get(entry)
-    if not isinstance(saved, dict) or saved.get("kind") not in ("module", "sharded_module"):
-        modules = sorted(k for k, v in entries.items() if isinstance(v, dict) and v.get("kind") in ("module", "sharded_module"))
+    saved: Any = entries.get(entry)
+    if not _holds_weights(saved):
+        modules = sorted(k for k, v in entries.items() if _holds_weights(v))
         raise IncompatibleCheckpointError(f"{where}: no module entry {entry!r} (module entries: {modules}); "
                                           "pass entry=<the key of the model in `state`>")
-    state_dict = saved["state"]["state_dict"]
+    # an imported torch.save / DCP checkpoint holds the model's state_dict as it was saved
+    state_dict = saved["state"] if saved.get("kind") == IMPORTED else saved["state"]["state_dict"]
     reader = ShardReader(storage, base, manifest, where, bounded)
     reader.open_all()
     spec: dict[str, tuple[torch.dtype, list[int]]] = {}
@@ -181,6 +182,17 @@ def _model_of_step(storage: Storage, step: int, entry: str, bounded: bool = Fals
         reader.release()
 
     return ModelSource(list(spec), spec, getter, where, step, release if bounded else lambda: None)
+
+
+def _holds_weights(saved: Any) -> bool:
+    """A module entry, or an imported entry that is a state_dict (str keys, tensors only)."""
+    if not isinstance(saved, dict):
+        return False
+    if saved.get("kind") in ("module", "sharded_module"):
+        return True
+    state = saved.get("state")
+    return (saved.get("kind") == IMPORTED and isinstance(state, dict) and bool(state)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()))
 
 
 def _verify_rank_files(storage: Storage, manifest: mf.Manifest, where: str) -> None:

@@ -139,3 +139,24 @@ def test_numpy_scalars_come_through_the_restricted_unpickler_and_arrays_stay_ref
     with pytest.raises(distckpt.UnstorableValueError, match="not a torch.save file of tensors") as raised:
         import_torch(file, str(tmp_path / "other"), trust_pickle=True)
     assert "\x1b[" not in str(raised.value)  # torch's terminal emphasis left out of the message
+
+
+def test_an_imported_checkpoint_is_inspected_exported_and_loaded_as_weights(tmp_path, capsys):
+    """inspect of any imported step failed ("a tree does not have the structure distckpt writes":
+    its rank file holds no RNG streams), and export / load_weights found no module entry in it
+    (an imported model is the state_dict as saved)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    file = str(tmp_path / "t.pt")
+    torch.save({"model": model.state_dict(), "step": 5}, file)
+    url = str(tmp_path / "root")
+    assert cli.main(["import-torch", file, url, "--trust-pickle"]) == 0
+    assert cli.main(["inspect", url]) == 0
+    assert "rank 0" in capsys.readouterr().out
+    assert cli.main(["export", url, str(tmp_path / "hf")]) == 0
+    fresh = nn.Linear(3, 2)
+    report = distckpt.load_weights(url, fresh)
+    assert report.step == 5 and not report.missing and not report.unexpected
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    with pytest.raises(distckpt.IncompatibleCheckpointError, match=r"no module entry 'step' \(module entries: \['model'\]\)"):
+        distckpt.load_weights(url, nn.Linear(3, 2), entry="step")
