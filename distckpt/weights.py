@@ -376,8 +376,9 @@ def load_weights(source: str, module: nn.Module, *, step: int | None = None, str
     if report.cast and not allow_cast:
         problems.append(f"dtypes differ for {report.cast[:8]} (pass allow_cast=True)")
     if problems:
-        raise IncompatibleCheckpointError(f"{src.where} does not fit the module: {'; '.join(problems)}; "
-                                          "strict=False loads the common keys, prefix_map renames keys")
+        hint = ("strict=False loads the common keys, prefix_map renames keys" if strict else
+                "ignore=[...] leaves keys out, prefix_map renames keys")
+        raise IncompatibleCheckpointError(f"{src.where} does not fit the module: {'; '.join(problems)}; {hint}")
     with mappings_read_once():
         for key in wanted:
             if key in target:

@@ -668,3 +668,15 @@ def test_export_and_load_weights_take_a_file_url_as_the_path_it_names(tmp_path, 
     (tmp_path / "afile").write_text("x")
     with pytest.raises(distckpt.ConfigError, match="out_dir=.*afile' is a file"):
         distckpt.export_weights(str(tmp_path / "ckpt"), str(tmp_path / "afile"))
+
+
+def test_a_shape_refusal_under_strict_false_does_not_advise_strict_false(tmp_path):
+    model = _trained()
+    _save(str(tmp_path / "ckpt"), model)
+    other = TinyLM()
+    other.norm = nn.LayerNorm(8)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(distckpt.IncompatibleCheckpointError, match="norm.weight") as err:
+        distckpt.load_weights(str(tmp_path / "ckpt"), other, strict=False)
+    assert "strict=False" not in str(err.value) and "ignore=" in str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
