@@ -28,27 +28,22 @@ crosses the collector's threshold. Operations run interleaved, one of each per r
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 
+from process_cost import run_child
+
 CHILD = r"""
-import gc, json, os, sys, time
+import os, sys
 import torch
+from process_cost import fsync_dir, measure, report
 
 op, root, mib, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 torch.set_num_threads(1)
 numel = mib * 2**18 // count
-
-
-def rss_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
 
 
 def state_of(fill):
@@ -62,14 +57,6 @@ def state_of(fill):
 
 def raw_path():
     return os.path.join(root, "raw.bin")
-
-
-def fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def raw_write(state):
@@ -164,18 +151,11 @@ for previous in SAVE_OUTPUTS.get(op, ()):
     shutil_rm(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
 if op in SAVE_OUTPUTS:
     os.sync()
-before = rss_kib("VmRSS:")
-gc.collect()  # the first full collection after the imports (~70 ms) is owed by them, not by the operation
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-start = time.perf_counter()
-kept = fn(state)
-seconds = time.perf_counter() - start
-peak = rss_kib("VmHWM:")
+kept, measured = measure(lambda: fn(state))
 if fill in ("zeros", "empty"):  # a load into the state: it must hold the saved values now
     expected = state_of("random")
     assert all(torch.equal(state[k], expected[k]) for k in state), "loaded values differ"
-print(json.dumps({"seconds": seconds, "extra_mib": (peak - before) / 1024}))
+report(measured)
 """
 
 SAVES = ["raw write + fsync", "torch.save + fsync + rename", "dcp.save", "distckpt save"]
@@ -186,11 +166,7 @@ LOADS = ["raw read into fresh tensors", "torch.load (fresh tensors)", "torch.loa
 def run(op: str, root: str, mib: int, count: int, cold: bool) -> dict[str, float]:
     if cold and op in LOADS:
         subprocess.run("sync; echo 1 > /proc/sys/vm/drop_caches", shell=True, check=True)
-    out = subprocess.run([sys.executable, "-c", CHILD, op, root, str(mib), str(count)],
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"{op}: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(CHILD, [op, root, str(mib), str(count)])
 
 
 def table(sizes: list[tuple[int, int]], repeats: int, cold: bool, echo: bool = False) -> str:

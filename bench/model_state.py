@@ -16,34 +16,28 @@ Each load starts as a resume does: a model built from another seed and an optimi
 stepped (no state yet), and is checked to restore the saved values exactly. Peak extra memory
 therefore includes the optimizer state the load brings into being (2x the weights for AdamW).
 Operations run interleaved, one of each per round; each row is the median of --repeats. Peak
-extra memory is measured as in bench/fresh.py (VmHWM reset before the operation).
+extra memory is measured as in bench/fresh.py (bench/process_cost.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
+from process_cost import run_child
+
 CHILD = r"""
-import gc, json, os, sys, time
+import os, shutil, sys
 import torch
 from torch import nn
+from process_cost import fsync_dir, measure, report
 
 op, root, mib, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 torch.set_num_threads(1)
 numel = mib * 2**18 // count
-
-
-def rss_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
 
 
 def built(seed, trained=True):
@@ -56,14 +50,6 @@ def built(seed, trained=True):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return model, opt
-
-
-def fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def torch_save(model, opt):
@@ -121,24 +107,16 @@ import distckpt  # noqa: F401  (imports are not the operation's cost)
 import torch.distributed.checkpoint  # noqa: F401
 if op in OUTPUTS:  # every save writes into an empty place
     path = os.path.join(root, OUTPUTS[op])
-    shutil_rm = __import__("shutil").rmtree
-    shutil_rm(path, ignore_errors=True) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
+    shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
     os.sync()
-before = rss_kib("VmRSS:")
-gc.collect()
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-start = time.perf_counter()
-fn(model, opt)
-seconds = time.perf_counter() - start
-peak = rss_kib("VmHWM:")
+_, measured = measure(lambda: fn(model, opt))
 if loading:  # the saved values, exactly
     saved_model, saved_opt = built(0)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), saved_model.parameters())), "weights differ"
     for p, q in zip(model.parameters(), saved_model.parameters()):
         for k, v in saved_opt.state[q].items():
             assert torch.equal(opt.state[p][k], v), f"optimizer {k} differs"
-print(json.dumps({"seconds": seconds, "extra_mib": (peak - before) / 1024}))
+report(measured)
 """
 
 SAVES = ["torch.save + fsync + rename", "dcp.save (get_state_dict)", "distckpt save"]
@@ -146,10 +124,7 @@ LOADS = ["torch.load + load_state_dict", "dcp.load + set_state_dict", "distckpt 
 
 
 def run(op: str, root: str, mib: int, count: int) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", CHILD, op, root, str(mib), str(count)], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"{op}: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(CHILD, [op, root, str(mib), str(count)])
 
 
 def table(shapes: list[tuple[int, int]], repeats: int, echo: bool = False) -> str:

@@ -20,32 +20,26 @@ interleaved, one of each per round; each row is the median of --repeats.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
+
+from process_cost import run_child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "launch"))
 
 CHILD = r"""
-import gc, json, os, sys, time
+import os, sys
 import torch
+from process_cost import measure, report
 
 op, prefix, mib, count, endpoint = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 torch.set_num_threads(1)
 numel = mib * 2**18 // count
 ENV_OPTIONS = {"client_kwargs": {"endpoint_url": endpoint}}  # credentials: the AWS_* environment
-
-
-def rss_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
 
 
 def state_of(fill):
@@ -123,18 +117,11 @@ make, fill = OPS[op]
 state = state_of(fill) if fill else None
 fn = make(state)
 import distckpt, s3fs  # noqa: F401,E401  the imports are not the operation's cost
-before = rss_kib("VmRSS:")
-gc.collect()  # the first full collection after the imports (~70 ms) is owed by them, not by the operation
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-start = time.perf_counter()
-kept = fn()
-seconds = time.perf_counter() - start
-peak = rss_kib("VmHWM:")
+kept, measured = measure(fn)
 if fill == "zeros":  # a load into the state: it must hold the saved values now
     expected = state_of("random")
     assert all(torch.equal(state[k], expected[k]) for k in state), "loaded values differ"
-print(json.dumps({"seconds": seconds, "extra_mib": (peak - before) / 1024}))
+report(measured)
 """
 
 SAVES = ["s3fs pipe (one object)", "s3fs open().write (one object)", "distckpt save"]
@@ -143,12 +130,7 @@ LOADS = ["s3fs cat (one object, into memory)", "CRT client GET (one object, into
 
 
 def run(op: str, prefix: str, mib: int, count: int, server) -> dict[str, float]:
-    env = {**os.environ, **server.env()}
-    out = subprocess.run([sys.executable, "-c", CHILD, op, prefix, str(mib), str(count), server.endpoint],
-                         capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"{op}: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(CHILD, [op, prefix, str(mib), str(count), server.endpoint], {**os.environ, **server.env()})
 
 
 def table(sizes: list[tuple[int, int]], repeats: int, echo: bool = False) -> str:
