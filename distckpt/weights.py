@@ -49,7 +49,7 @@ from .reading import read_verified
 from .serialize import _DTYPE_TO_ST, _ST_TO_DTYPE, ShardRef, load_tree_file
 from .sharded import ShardReader
 from .staging import flat_bytes
-from .storage import Storage, open_storage, release_pages
+from .storage import Storage, normalize_url, open_storage, release_pages
 from .undo import module_copy_aside
 from .validation import check_step, check_writable, mappings_read_once
 
@@ -299,8 +299,8 @@ def local_path_of(url: str) -> str | None:
     (load_weights) or written under ./file:/abs/out (export)."""
     if "://" not in url:
         return url
-    if url.startswith("file://"):
-        return url[len("file://"):] or "/"
+    if url.startswith("file://"):  # checked as a root is (file://localhost/..., no host, not "/")
+        return normalize_url(url)[len("file://"):]
     return None
 
 
