@@ -9,9 +9,12 @@ would build, by every optimizer and group layout, and that the scan is gone.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import distckpt
@@ -101,3 +104,20 @@ def test_load_state_dict_does_not_scan_the_group_list(tmp_path, monkeypatch) -> 
         ckpt.load_latest({"model": model2, "opt": opt2})
     assert scans and not any(scans), "every id lookup went through the set"
     assert original is list.__contains__
+
+
+_ID = st.one_of(st.integers(-3, 40), st.text(max_size=2))
+
+
+@settings(max_examples=int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "40")) * 5, deadline=None, derandomize=True)
+@given(items=st.lists(_ID, max_size=30), probes=st.lists(st.one_of(_ID, st.floats(-2, 41), st.booleans(), st.none()),
+                                                        max_size=10), appended=st.lists(_ID, max_size=3))
+def test_param_ids_answer_generated_lookups_as_a_list_does(items, probes, appended) -> None:
+    ids = kinds._ParamIds(items)
+    plain = list(items)
+    for probe in probes + items[:3]:
+        assert (probe in ids) == (probe in plain), (items, probe)
+    ids.extend(appended)
+    plain.extend(appended)
+    for probe in probes + appended:
+        assert (probe in ids) == (probe in plain), (items, appended, probe)
