@@ -371,12 +371,15 @@ def load_weights(source: str, module: nn.Module, *, step: int | None = None, str
             problems.append(f"{key}: {shape} in the source, {list(target[key].shape)} here")
         elif dtype != target[key].dtype:
             report.cast.append(key)
+    nothing_loads = bool(target) and not any(k in target for k in wanted)
     if strict and (report.missing or report.unexpected):
         problems.append(f"missing {report.missing[:8]}, unexpected {report.unexpected[:8]}")
+    if nothing_loads:
+        problems.append(_nothing_loads(list(wanted), len(report.ignored), len(target)))
     if report.cast and not allow_cast:
         problems.append(f"dtypes differ for {report.cast[:8]} (pass allow_cast=True)")
     if problems:
-        hint = ("strict=False loads the common keys, prefix_map renames keys" if strict else
+        hint = ("strict=False loads the common keys, prefix_map renames keys" if strict and not nothing_loads else
                 "ignore=[...] leaves keys out, prefix_map renames keys")
         raise IncompatibleCheckpointError(f"{src.where} does not fit the module: {'; '.join(problems)}; {hint}")
     with mappings_read_once():
@@ -428,7 +431,21 @@ def _load_through_module(bare: nn.Module, src: ModelSource, wanted: dict[str, st
             f"loading code of its own; the module was left as it was): {e}") from e
     report.missing, report.unexpected = sorted(result.missing_keys), sorted(result.unexpected_keys)
     report.loaded = sorted(k for k in given if k not in set(result.unexpected_keys))
+    if target and not report.loaded:
+        put_back()
+        raise IncompatibleCheckpointError(f"{src.where} does not fit the module: "
+                                          f"{_nothing_loads(list(given), len(report.ignored), len(target))}; the module was left as it "
+                                          "was; prefix_map renames keys, ignore=[...] leaves keys out")
     return report
+
+
+def _nothing_loads(left: list[str], ignored: int, module_keys: int) -> str:
+    """Why a load that would copy no tensor at all is refused, under strict=False too: a prefix
+    that differs (`module.` of a DDP state_dict) or an ignore pattern that matches everything
+    leaves the module exactly as it was, which a caller reading only the return value would take
+    for a load."""
+    return (f"not one of the module's {module_keys} keys would be loaded: the source's {len(left)} keys left "
+            f"after ignore= ({ignored} ignored) match none of them (first: {sorted(left)[:3]})")
 
 
 def _view_of(t: torch.Tensor) -> tuple[Any, ...]:

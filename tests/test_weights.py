@@ -680,3 +680,40 @@ def test_a_shape_refusal_under_strict_false_does_not_advise_strict_false(tmp_pat
         distckpt.load_weights(str(tmp_path / "ckpt"), other, strict=False)
     assert "strict=False" not in str(err.value) and "ignore=" in str(err.value)
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("case", ["ignore everything", "ignore every source key", "prefix differs",
+                                  "prefix differs, module with loading code"])
+def test_a_load_that_would_copy_no_tensor_is_refused_and_changes_nothing(tmp_path, case, strict):
+    """`ignore=["*"]` under strict=True, or a source whose keys all carry another prefix under
+    strict=False, loaded nothing and returned a report as for a load: the module kept its values
+    and the caller had no error to read. Refused now, with either strict, naming the keys."""
+    model = _trained()
+    _save(str(tmp_path / "ckpt"), model)
+    if case == "prefix differs, module with loading code":
+        fresh: nn.Module = WithLoaders()
+        from safetensors.torch import save_file
+        (tmp_path / "hf").mkdir()
+        save_file({"module." + k: v.clone() for k, v in WithLoaders().state_dict().items()},
+                  str(tmp_path / "hf" / "model.safetensors"))
+        where = str(tmp_path / "hf")
+    else:
+        fresh, where = TinyLM(), str(tmp_path / "ckpt")
+    kwargs: dict = {"strict": strict}
+    if case == "ignore everything":
+        kwargs["ignore"] = ["*"]
+    elif case == "ignore every source key":
+        kwargs["ignore"] = [k for k in model.state_dict()]
+    else:
+        kwargs["prefix_map"] = {"": "model."} if case == "prefix differs" else None
+    before = _bytes_of(fresh)
+    with pytest.raises(distckpt.IncompatibleCheckpointError, match="does not fit the module") as err:
+        distckpt.load_weights(where, fresh, **{k: v for k, v in kwargs.items() if v is not None})
+    if not strict or "loading code" not in case:  # (torch's own strict refusal names the keys otherwise)
+        assert "not one of the module's" in str(err.value) and "would be loaded" in str(err.value)
+    assert _bytes_of(fresh) == before
+    if case == "ignore everything":  # one key left in is a load
+        keep = sorted(model.state_dict())[0]
+        report = distckpt.load_weights(where, fresh, strict=False, ignore=[k for k in model.state_dict() if k != keep])
+        assert report.loaded == [keep]
