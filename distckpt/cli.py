@@ -35,7 +35,13 @@ import time
 from typing import Any, Iterator, NoReturn
 
 from . import manifest as mf
-from .commit import CommitIndex, check_not_superseded, list_committed, read_marker, removed_meanwhile
+from .commit import (
+    CommitIndex,
+    check_not_superseded,
+    list_committed,
+    read_marker,
+    step_candidates,
+)
 from .errors import ConfigError, CorruptCheckpointError, DistCkptError, StorageError, SupersededCheckpointError
 from .fencing import Lease, read_leases, resumed_leases
 from .gcpause import collector_paused
@@ -129,7 +135,12 @@ def _steps(storage: Storage, args: argparse.Namespace) -> list[int]:
         return sorted(s.step for s in list_steps(storage) if not s.status.startswith(("uncommitted", "retired")))
     if args.step is not None:
         return [args.step]
-    return list_committed(storage)[:1]
+    # The newest step as load_latest sees it (a directory whose marker stands), not as the
+    # whole-root listing does: that listing does not follow a step directory replaced by a
+    # symbolic link, so verify said the step below "ok" while `ls` listed the newest as damaged
+    # and load_latest fell back past it.
+    standing = (step for step in step_candidates(storage) if marker_may_stand(storage, step))
+    return list(itertools.islice(standing, 1))
 
 
 def _in_load_order(storage: Storage, leases: list[Lease]) -> Iterator[tuple[bool, int]]:
@@ -241,8 +252,9 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
             superseded: list[str] | None = [] if args.step is None else None
             with _progress(root, [step]) as bar:
                 problems = verify_step(root, step, bar.update, leases, superseded)
-            if problems and args.step is None and removed_meanwhile(root, step):
+            if problems and args.step is None and not marker_may_stand(root, step):
                 continue  # a running writer's retention took it while it was read: not damage
+                # (a file standing where the step's directory goes stays damage, as `ls` says)
             rows.append({"step": step, "ok": not problems, "problems": problems,
                          "superseded": superseded[0] if superseded else None,
                          **({"tier": tier} if len(tiers) > 1 else {})})

@@ -478,3 +478,41 @@ def test_an_unreadable_step_directory_is_listed_and_verified_as_such_not_hidden(
     assert verify.returncode == 1, verify.stderr
     assert "step 1: ok" in verify.stdout and "step 2: ok" in verify.stdout and "step 3: BAD" in verify.stdout
     assert "Permission denied" in verify.stdout
+
+
+@pytest.mark.parametrize("stray", ["file", "marker-directory", "empty-directory", "uncommitted-save",
+                                   "symlinked-step", "dangling-symlink"])
+def test_verify_without_a_step_judges_the_newest_step_as_ls_lists_it(tmp_path, capsys, stray):
+    """`ls` listed a step directory replaced by a symbolic link as damaged and load_latest fell
+    back past it, while `verify` (newest step) said "step 2: ok": the whole-root listing does not
+    follow links. verify now takes the newest step as load_latest does, so each tool tells the
+    same story of the newest entry spelled like a step."""
+    import shutil
+
+    root = tmp_path / "c"
+    make_run(str(root), steps=(1, 2))
+    name = root / "step-000000009"
+    if stray == "file":
+        name.write_text("notes")
+    elif stray == "marker-directory":
+        (name / "COMMITTED").mkdir(parents=True)
+    elif stray == "empty-directory":
+        name.mkdir()
+    elif stray == "uncommitted-save":
+        (name / "replicated").mkdir(parents=True)
+        (name / "replicated" / "state.g000099.safetensors").write_bytes(b"unfinished")
+    elif stray == "symlinked-step":
+        shutil.copytree(root / "step-000000002", tmp_path / "elsewhere")
+        name.symlink_to(tmp_path / "elsewhere")
+    else:
+        name.symlink_to(tmp_path / "nothing-here")
+    assert cli.main(["ls", str(root), "--json"]) == 0
+    listed = {r["step"]: r["status"] for r in json.loads(capsys.readouterr().out)}
+    code = cli.main(["verify", str(root), "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    if listed[9].startswith("damaged"):
+        assert code == 1 and [r["step"] for r in rows] == [9] and not rows[0]["ok"]
+    else:
+        assert listed[9] == "uncommitted"
+        assert code == 0 and [(r["step"], r["ok"]) for r in rows] == [(2, True)]
+    assert listed[9].startswith("damaged") == (stray in ("file", "marker-directory", "symlinked-step"))
