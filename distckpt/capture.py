@@ -82,12 +82,14 @@ def _has_state_dict(obj: Any) -> bool:
 
 
 def unwrap_module(module: nn.Module) -> nn.Module:
-    """The bare module under DDP / DataParallel / torch.compile wrappers."""
+    """The bare module under DDP / DataParallel / torch.compile / Lightning Fabric wrappers."""
     while True:
         if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             module = module.module
         elif is_compiled_wrapper(module):
             module = cast(nn.Module, module._orig_mod)
+        elif is_fabric_wrapper(module):
+            module = cast(nn.Module, module._original_module)
         else:
             return module
 
@@ -98,6 +100,16 @@ def is_compiled_wrapper(module: nn.Module) -> bool:
     By name, since importing torch._dynamo to compare classes costs seconds."""
     return any(c.__name__ == "OptimizedModule" and c.__module__.startswith("torch._dynamo")
                for c in type(module).__mro__) and isinstance(getattr(module, "_orig_mod", None), nn.Module)
+
+
+def is_fabric_wrapper(module: nn.Module) -> bool:
+    """Lightning Fabric's wrapper (`fabric.setup(model)` returns a _FabricModule): the user's
+    module is its `_original_module`, its `_forward_module` that module's DDP wrapper. Taken as a
+    module of its own, its buffers were named through both paths while its state_dict() is the
+    inner module's: every save committed and no load could pass the buffer check (BatchNorm).
+    By name: Lightning need not be installed."""
+    return any(c.__name__ == "_FabricModule" and c.__module__.startswith(("lightning_fabric.", "lightning.fabric."))
+               for c in type(module).__mro__) and isinstance(getattr(module, "_original_module", None), nn.Module)
 
 
 # -- capture ----------------------------------------------------------------------------------

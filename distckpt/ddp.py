@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .capture import is_compiled_wrapper
+from .capture import is_compiled_wrapper, is_fabric_wrapper
 from .rng import capture_process_rng, restore_process_rng
 
 log = logging.getLogger("distckpt")
@@ -148,7 +148,8 @@ def _wrapper_chain(module: nn.Module) -> list[nn.Module]:
     chain = [module]
     while True:
         inner = getattr(chain[-1], "module", None) if isinstance(chain[-1], (_DDP, nn.DataParallel)) \
-            else getattr(chain[-1], "_orig_mod", None) if is_compiled_wrapper(chain[-1]) else None
+            else getattr(chain[-1], "_orig_mod", None) if is_compiled_wrapper(chain[-1]) \
+            else getattr(chain[-1], "_original_module", None) if is_fabric_wrapper(chain[-1]) else None
         if not isinstance(inner, nn.Module) or len(chain) > 8:
             return chain
         chain.append(inner)

@@ -245,6 +245,16 @@ class Loader(Kind):
                 "batch ahead and reseeds it each epoch, so a resume would not continue exactly. Keep the loader out "
                 "of accelerator.prepare(): build a torchdata StatefulDataLoader with a DistributedSampler and put "
                 "that in `state` (README: Hugging Face Accelerate)")
+        if any(c.__name__ == "_FabricDataLoader" and c.__module__.startswith(("lightning_fabric.", "lightning.fabric."))
+               for c in type(obj).__mro__):
+            # Its __iter__ calls set_epoch on the sampler with its own count of iter() calls, which
+            # restarts at 0 in a resumed process: a resume took another epoch's order, silently
+            raise UnstorableValueError(
+                f"state[{key!r}] is Lightning Fabric's loader wrapper (fabric.setup_dataloaders): each iter() sets the "
+                "sampler's epoch to its own count of iter() calls, which restarts at 0 in a resumed process, so a "
+                "resume would take another epoch's order. Iterate the torchdata StatefulDataLoader itself (with "
+                "a DistributedSampler you build, sampler.set_epoch(epoch) at each epoch start) and put that in "
+                "`state`; move batches with fabric.to_device (README: Lightning Fabric)")
         if isinstance(obj, torch.utils.data.DataLoader) and not _has_state_dict(obj):
             raise UnstorableValueError(
                 f"state[{key!r}] is a DataLoader without state_dict(): its position cannot be "
@@ -262,6 +272,7 @@ class Loader(Kind):
                 "the workers finish them, and torchdata cannot resume such a position. Build it with in_order=True "
                 "(the default) to checkpoint it, or leave it out of `state`")
         _warn_unwrapped_workers(entry)
+        replay.warn_lossy_dataset_state(entry.target, entry.key)
         saved = entry.target.state_dict()
         generator = _own_generator(entry.target)
         if generator is not None and isinstance(saved, dict):
@@ -276,6 +287,9 @@ class Loader(Kind):
             saved = {**saved, replay.REPLAY_KEY: sampling}
         if was_dropped and isinstance(saved, dict):
             saved = {**saved, replay.DROPPED_KEY: True}
+        epochs = replay.capture_epochs(entry.target, was_dropped)
+        if epochs is not None and isinstance(saved, dict):
+            saved = {**saved, replay.EPOCHS_KEY: epochs}
         return saved
 
     def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
@@ -303,11 +317,12 @@ class Loader(Kind):
                                                   f"generator: {e}") from e
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
-        sampling, was_dropped = None, False
-        if isinstance(value, dict) and ({_LOADER_GENERATOR, _LOADER_MAKEUP, replay.REPLAY_KEY, replay.DROPPED_KEY}
-                                        & set(value)):
+        sampling, was_dropped, epochs = None, False, None
+        if isinstance(value, dict) and ({_LOADER_GENERATOR, _LOADER_MAKEUP, replay.REPLAY_KEY, replay.DROPPED_KEY,
+                                         replay.EPOCHS_KEY} & set(value)):
             value = dict(value)
             value.pop(_LOADER_MAKEUP, None)
+            epochs = value.pop(replay.EPOCHS_KEY, None)
             sampling = value.pop(replay.REPLAY_KEY, None)
             was_dropped = value.pop(replay.DROPPED_KEY, False) is True
             generator_state = value.pop(_LOADER_GENERATOR, None)
@@ -316,7 +331,7 @@ class Loader(Kind):
                 generator.set_state(generator_state)
         _warn_iterator_made_before(entry)
         entry.target.load_state_dict(value)
-        replay.plan_resume(entry.target, sampling, was_dropped)
+        replay.plan_resume(entry.target, sampling, was_dropped, epochs, f"state[{entry.key!r}]")
         return []
 
     def observe(self, target: Any) -> None:

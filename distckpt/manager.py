@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, NoReturn
 
 from . import doctor as doctor_hooks
-from . import errors, faults
+from . import errors, faults, replay
 from . import manifest as mf
 from .async_writer import AsyncWriter, WriterStuckError
 from .capture import SHARDED, CheckpointWarning
@@ -276,6 +276,8 @@ class CheckpointManager:
             refusal, entries = self._refused(e), []
         if refusal is not None:
             self._refuse_save(step, refusal)
+        if self._save_seq < 2:  # a loop's loader left out of `state` (said once: a step-0 save may come first)
+            replay.warn_positions_left_out([e.target for e in entries if e.kind == "loader"])
         doctor_hooks.rebase_fingerprints(step)
         durable = self._next_save_is_durable(entries, metric)
         replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)

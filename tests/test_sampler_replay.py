@@ -5,6 +5,7 @@ epoch started with; the resumed run once drew another order, silently."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import warnings
@@ -15,8 +16,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import BatchSampler, Dataset, RandomSampler, Sampler, SubsetRandomSampler, WeightedRandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    Dataset,
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import RandomSampler as TorchdataRandomSampler
 
 import distckpt
 
@@ -127,8 +137,47 @@ class DuckOwnRandom:
             yield self.rng.randrange(ITEMS)
 
 
+class SamplerView(Dataset):
+    """A sampler's indices seen as a dataset, listed lazily at the first item (Lightning's
+    _DatasetSamplerWrapper): the sampler, and its generator, sit under a dataset attribute."""
+
+    def __init__(self, sampler: Any) -> None:
+        self._sampler = sampler
+        self._indices: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self._sampler)
+
+    def __getitem__(self, i: int) -> int:
+        if self._indices is None:
+            self._indices = list(self._sampler)
+        return self._indices[i]
+
+    def reset(self) -> None:
+        self._indices = None
+
+
+class DistributedOver(DistributedSampler):
+    """A DistributedSampler sharding another sampler's order (Lightning's DistributedSamplerWrapper,
+    which Fabric and Lightning put over a loader's sampler): the inner sampler's generator went
+    unseen, under `dataset._sampler`, and a resume drew another order, silently."""
+
+    def __init__(self, sampler: Any) -> None:
+        super().__init__(SamplerView(sampler), num_replicas=1, rank=0, shuffle=False)
+
+    def __iter__(self):
+        self.dataset.reset()
+        return (self.dataset[i] for i in super().__iter__())
+
+
 def _g() -> torch.Generator:
     return torch.Generator().manual_seed(7)
+
+
+def _lightning_wrapper(sampler: Any) -> Any:
+    from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
+
+    return DistributedSamplerWrapper(sampler, num_replicas=1, rank=0, shuffle=False)
 
 
 SAMPLERS: dict[str, Callable[[], dict[str, Any]]] = {
@@ -147,7 +196,12 @@ SAMPLERS: dict[str, Callable[[], dict[str, Any]]] = {
     "eager-batch-sampler": lambda: {"batch_sampler": BatchSampler(EagerLengthGrouped(), 2, False)},
     "duck-bucket-batch-sampler": lambda: {"batch_sampler": DuckBucketBatches()},
     "duck-own-random": lambda: {"sampler": DuckOwnRandom()},
+    "distributed-over-random": lambda: {"sampler": DistributedOver(RandomSampler(Items(), generator=_g()))},
+    "distributed-over-torchdata-random": lambda: {"sampler": DistributedOver(TorchdataRandomSampler(Items()))},
 }
+if importlib.util.find_spec("lightning_fabric") is not None:
+    SAMPLERS["lightning-wrapper-over-torchdata-random"] = lambda: {
+        "sampler": _lightning_wrapper(TorchdataRandomSampler(Items()))}
 
 
 def _loader(name: str, workers: int, sampler_in_state: bool) -> tuple[StatefulDataLoader, dict]:
@@ -550,3 +604,156 @@ def test_a_duck_typed_batch_samplers_generator_also_in_state_resumes_exactly(tmp
         return loader, state
 
     _resumes_exactly(str(tmp_path / "c"), build, save_at)
+
+
+def _epoch_run(root: str, save_at: int, change_epoch_to: int | None) -> tuple[list, list, list]:
+    """A DistributedSampler loop over 3 epochs of 6 batches saved at batch `save_at` (counted over
+    the run); the resumed run sets the sampler's epoch to `change_epoch_to` after load_latest (as
+    Lightning Fabric's loader wrapper does) or leaves it as restored. Returns the uninterrupted
+    batches, the resumed ones and the warnings the resume gave."""
+    def build() -> tuple[StatefulDataLoader, dict]:
+        sampler = DistributedSampler(Items(), num_replicas=1, rank=0, shuffle=True, seed=3)
+        loader = StatefulDataLoader(Items(), batch_size=2, sampler=sampler)
+        return loader, {"loader": loader, "sampler": sampler}
+
+    loader, state = build()
+    reference, taken = [], 0
+    with distckpt.CheckpointManager(root) as mgr:
+        mgr.load_latest(state)
+        for epoch in range(3):
+            state["sampler"].set_epoch(epoch)
+            for batch in loader:
+                reference.append(batch.tolist())
+                if taken == save_at:
+                    mgr.save(taken, state, epoch=epoch)
+                taken += 1
+    loader, state = build()
+    resumed = []
+    with warnings.catch_warnings(record=True) as caught, distckpt.CheckpointManager(root) as mgr:
+        warnings.simplefilter("always")
+        progress = mgr.load_latest(state)
+        for epoch in range(progress.epoch, 3):
+            state["sampler"].set_epoch(epoch if change_epoch_to is None or epoch > progress.epoch else change_epoch_to)
+            for batch in loader:
+                resumed.append(batch.tolist())
+    return reference[save_at + 1:], resumed, [w for w in caught if issubclass(w.category, distckpt.CheckpointWarning)]
+
+
+@pytest.mark.parametrize("save_at", [8, 11])  # mid-epoch; the last batch of epoch 1 (its iterator not yet ended)
+def test_a_resumed_pass_in_another_epoch_than_the_saved_one_is_refused_and_can_be_retried(tmp_path, save_at):
+    """Lightning Fabric's loader wrapper sets the sampler's epoch to its own count of iter()
+    calls, which restarts at 0 in a new process: a mid-epoch position resumed in epoch 0's order
+    and every batch after it differed, silently. The resumed iter() now refuses a sampler whose
+    epoch is not the saved one; the loop may set the right epoch and iterate again."""
+    expected, resumed, caught = _epoch_run(str(tmp_path / "ok"), save_at, None)
+    assert resumed == expected and not caught
+    with pytest.raises(distckpt.IncompatibleCheckpointError, match="epoch 1 of its sampler, but that sampler's epoch is 0"):
+        _epoch_run(str(tmp_path / "changed"), save_at, 0)
+    sampler = DistributedSampler(Items(), num_replicas=1, rank=0, shuffle=True, seed=3)
+    loader = StatefulDataLoader(Items(), batch_size=2, sampler=sampler)
+    with distckpt.CheckpointManager(str(tmp_path / "changed")) as mgr:
+        progress = mgr.load_latest({"loader": loader, "sampler": sampler})
+    sampler.set_epoch(0)
+    with pytest.raises(distckpt.IncompatibleCheckpointError):
+        iter(loader)
+    sampler.set_epoch(progress.epoch)  # the refusal left the resume planned: the right epoch continues exactly
+    retried = [b.tolist() for b in loader]
+    for epoch in range(progress.epoch + 1, 3):
+        sampler.set_epoch(epoch)
+        retried += [b.tolist() for b in loader]
+    assert retried == expected
+
+
+def test_a_pass_after_an_epoch_end_save_starting_an_earlier_epoch_is_warned_about(tmp_path):
+    """Saved after a pass ended (the loop's iterator finished), the next pass starts a new
+    epoch: a later one is what loops do (nothing said), an earlier one a count restarted."""
+    def run(root: str, next_epoch: int) -> list:
+        sampler = DistributedSampler(Items(), num_replicas=1, rank=0, shuffle=True, seed=3)
+        loader = StatefulDataLoader(Items(), batch_size=2, sampler=sampler)
+        state = {"loader": loader, "sampler": sampler}
+        with distckpt.CheckpointManager(root) as mgr:
+            mgr.load_latest(state)
+            for epoch in range(2):
+                sampler.set_epoch(epoch)
+                list(loader)
+            mgr.save(1, state, epoch=2)
+        sampler = DistributedSampler(Items(), num_replicas=1, rank=0, shuffle=True, seed=3)
+        loader = StatefulDataLoader(Items(), batch_size=2, sampler=sampler)
+        with warnings.catch_warnings(record=True) as caught, distckpt.CheckpointManager(root) as mgr:
+            warnings.simplefilter("always")
+            mgr.load_latest({"loader": loader, "sampler": sampler})
+            sampler.set_epoch(next_epoch)
+            list(loader)
+        return [str(w.message) for w in caught if issubclass(w.category, distckpt.CheckpointWarning)]
+
+    assert run(str(tmp_path / "later"), 2) == []
+    said = run(str(tmp_path / "earlier"), 0)
+    assert len(said) == 1 and "starts in epoch 0, an earlier one" in said[0] and "Lightning Fabric" in said[0]
+
+
+@pytest.mark.parametrize("case", ["plain-loader-left-out", "stateful-loader-left-out", "loader-in-state",
+                                  "left-out-saved-after-the-pass", "left-out-with-workers"])
+def test_a_loader_left_out_of_state_in_the_middle_of_its_pass_is_warned_about(tmp_path, case):
+    """The sampler in `state`, the loader not: a mid-epoch save resumed from the epoch's first
+    batch (the batches already taken came again, the run ran longer), silently. Said at the save
+    now; nothing is said for a loader in `state` or for a save after the pass ended."""
+    from torch.utils.data import DataLoader
+
+    sampler = DistributedSampler(Items(), num_replicas=1, rank=0, shuffle=True, seed=3)
+    workers = 2 if case == "left-out-with-workers" else 0
+    if case == "plain-loader-left-out":
+        loader: Any = DataLoader(Items(), batch_size=2, sampler=sampler)
+    else:
+        data = distckpt.with_worker_rng(Items()) if workers else Items()
+        loader = StatefulDataLoader(data, batch_size=2, sampler=sampler, num_workers=workers)
+    state: dict[str, Any] = {"sampler": sampler, **({"loader": loader} if case == "loader-in-state" else {})}
+    with warnings.catch_warnings(record=True) as caught, distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        warnings.simplefilter("always")
+        mgr.load_latest(state)
+        for i, _ in enumerate(loader):
+            if i == 2 and case != "left-out-saved-after-the-pass":
+                mgr.save(i, state)
+        if case == "left-out-saved-after-the-pass":
+            mgr.save(6, state, epoch=1)
+    said = [str(w.message) for w in caught if issubclass(w.category, distckpt.CheckpointWarning)
+            and "no loader in `state` reads its dataset" in str(w.message)]
+    if case in ("loader-in-state", "left-out-saved-after-the-pass"):
+        assert said == []
+    else:
+        assert len(said) == 1 and "at batch 3 of 6" in said[0] and "Put the loader in `state`" in said[0]
+
+
+@pytest.mark.parametrize("buffered", [True, False])
+def test_a_hugging_face_iterable_dataset_with_a_shuffle_buffer_is_warned_about_and_one_without_resumes_exactly(
+        tmp_path, buffered):
+    """datasets' IterableDataset saves where its source is, not its shuffle buffer's content
+    (it refills the buffer on load): a resume read other items and fewer of them, with nothing
+    raised. Said at the save now; shuffled before streaming, it resumes exactly, unsaid."""
+    datasets = pytest.importorskip("datasets")
+
+    def build() -> tuple[StatefulDataLoader, Any]:
+        source = datasets.Dataset.from_dict({"x": list(range(64))})
+        data = (source.to_iterable_dataset(num_shards=2).shuffle(seed=42, buffer_size=16) if buffered
+                else source.shuffle(seed=42).to_iterable_dataset(num_shards=2))
+        return StatefulDataLoader(data, batch_size=4), data
+
+    loader, data = build()
+    reference = []
+    with warnings.catch_warnings(record=True) as caught, distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        warnings.simplefilter("always")
+        mgr.load_latest({"loader": loader})
+        data.set_epoch(0)
+        for i, batch in enumerate(loader):
+            reference.append(batch["x"].tolist())
+            if i in (5, 7):
+                mgr.save(i, {"loader": loader})
+    said = [str(w.message) for w in caught if "shuffled through a buffer" in str(w.message)]
+    assert len(said) == (1 if buffered else 0)  # once per loader
+    if buffered:
+        assert "buffer_size=16" in said[0] and "Dataset.shuffle(seed=...).to_iterable_dataset()" in said[0]
+        return
+    loader, data = build()
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        assert mgr.load({"loader": loader}, step=5).step == 5
+    data.set_epoch(0)
+    assert [batch["x"].tolist() for batch in loader] == reference[6:]
