@@ -479,23 +479,23 @@ def warn_lossy_dataset_state(loader: Any, key: str) -> None:
 # -- loaders left out of `state` ----------------------------------------------------------------
 
 def positions_left_out(loaders: list[Any]) -> list[str]:
-    """Data loader iterators in the middle of a pass whose dataset no loader in `loaders` reads:
-    a loop that keeps its sampler in `state` but not its loader resumed a mid-epoch save from
-    the epoch's first batch, silently (the batches already taken came again and the run ran
-    longer). One scan of the collector's objects (~25 ms at 170,000 objects), so the manager
-    looks only at its first saves."""
+    """Data loader iterators in the middle of a pass that no loader in `loaders` holds: a loop
+    that keeps its sampler in `state` but not its loader resumed a mid-epoch save from the
+    epoch's first batch, silently (the batches already taken came again and the run ran longer);
+    so did one whose `state` held a loader a framework had replaced by another over the same
+    dataset (Lightning Fabric's setup_dataloaders). One scan of the collector's objects (~25 ms at
+    170,000 objects), so the manager looks only at its first saves."""
     import gc
 
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-    covered = {id(getattr(loader, "dataset", None)) for loader in loaders}
+    covered = {id(getattr(loader, "_iterator", None)) for loader in loaders}
     found = []
     for obj in gc.get_objects():
         if not issubclass(type(obj), _BaseDataLoaderIter):  # type(): __class__ of some objects warns
             continue
         yielded = getattr(obj, "_num_yielded", 0)
-        if not isinstance(yielded, int) or yielded <= 0 or getattr(obj, "_finished", False) \
-                or id(getattr(obj, "_dataset", None)) in covered:
+        if not isinstance(yielded, int) or yielded <= 0 or getattr(obj, "_finished", False) or id(obj) in covered:
             continue
         try:
             total = len(obj)
@@ -510,7 +510,7 @@ def warn_positions_left_out(loaders: list[Any]) -> None:
     found = positions_left_out(loaders)
     if not found:
         return
-    message = (f"{found[0]} is in the middle of its pass and no loader in `state` reads its dataset: its position "
+    message = (f"{found[0]} is in the middle of its pass and no loader in `state` is iterating it: its position "
                "does not travel, so a resume from this checkpoint takes that pass's batches from the start again "
                "and the run does not continue as it did. Put the loader in `state` (a torchdata "
                "StatefulDataLoader). A loop that skips the batches already taken itself after a resume, or a "
