@@ -106,6 +106,7 @@ def open_checkpoint_model(url: str, *, step: int | None = None, entry: str = "mo
             raise IncompatibleCheckpointError(f"step {step} is not committed at {storage.url} (committed: {steps[:10]})")
         return _model_of_step(storage, step, entry, bounded)
     if not steps:
+        storage.check_root()  # a root behind a dangling link (a volume not mounted) is said as such, as loads say it
         raise MissingFileError(2, f"no committed checkpoint at {storage.url}")
     # the loader's choice: the newest step that verifies, a superseded writer's output only as
     # the last resort (export and load_weights took the newest listed, a zombie's step included)

@@ -717,3 +717,16 @@ def test_a_load_that_would_copy_no_tensor_is_refused_and_changes_nothing(tmp_pat
         keep = sorted(model.state_dict())[0]
         report = distckpt.load_weights(where, fresh, strict=False, ignore=[k for k in model.state_dict() if k != keep])
         assert report.loaded == [keep]
+
+
+def test_a_root_behind_a_dangling_link_is_said_as_such_by_load_weights_and_export(tmp_path):
+    """load_latest said "a symbolic link to ... which does not exist (a volume not mounted on this
+    node?)"; load_weights and export said "no committed checkpoint", which reads as a run that
+    never saved."""
+    (tmp_path / "root").symlink_to(tmp_path / "not-mounted")
+    with pytest.raises(distckpt.StorageError, match="symbolic link to .*which does not exist"):
+        distckpt.load_weights(str(tmp_path / "root"), TinyLM())
+    with pytest.raises(distckpt.StorageError, match="symbolic link to .*which does not exist"):
+        distckpt.export_weights(str(tmp_path / "root"), str(tmp_path / "out"))
+    with pytest.raises(distckpt.MissingFileError, match="no committed checkpoint"):  # an empty root stays that
+        distckpt.load_weights(str(tmp_path / "empty"), TinyLM())
