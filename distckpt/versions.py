@@ -61,6 +61,14 @@ class VersionsProbe:
         self.close()
         return out if ok else None
 
+    def __del__(self) -> None:
+        # A manager dropped without close() or a save: its child, never waited for, was reaped
+        # at exit with a ResourceWarning ("subprocess ... is still running").
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn subprocess down
+            pass
+
     def close(self) -> None:
         """Ends the child if it still runs (a manager closed before its first save)."""
         child, self._child = self._child, None

@@ -120,3 +120,20 @@ def test_git_runs_without_optional_locks(tmp_path, monkeypatch):
         mgr.save(1, {"w": torch.zeros(2)})
     assert _manifest_versions(tmp_path / "root")["git_commit"] == "locks=0"
 
+
+
+def test_a_manager_dropped_without_close_leaves_no_child_or_file_to_warn_about(tmp_path):
+    """A manager never closed nor saved with: its git child and output file were reaped at exit
+    with ResourceWarnings ("subprocess ... is still running", "unclosed file")."""
+    script = ("import gc, tempfile, time, warnings\n"
+              "import distckpt\n"
+              "with warnings.catch_warnings(record=True) as caught:\n"
+              "    warnings.simplefilter('always')\n"
+              f"    mgr = distckpt.CheckpointManager({str(tmp_path / 'c')!r})\n"
+              "    time.sleep(0.3)\n"
+              "    del mgr\n"
+              "    gc.collect()\n"
+              "print([str(w.message) for w in caught if issubclass(w.category, ResourceWarning)])\n")
+    out = subprocess.run([sys.executable, "-X", "dev", "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
