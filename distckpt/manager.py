@@ -274,10 +274,13 @@ class CheckpointManager:
             entries = classify(state) if refusal is None else []
         except ConfigError as e:  # StateArgumentError: `state` refused before any exchange
             refusal, entries = self._refused(e), []
+        if refusal is None and self._save_seq < 2:  # the first two: a step-0 save may come before the loop
+            try:
+                replay.check_loaders_in_use({e.key: e.target for e in entries if e.kind == "loader"})
+            except ConfigError as e:
+                refusal = self._refused(e)
         if refusal is not None:
             self._refuse_save(step, refusal)
-        if self._save_seq < 2:  # a loop's loader left out of `state` (said once: a step-0 save may come first)
-            replay.warn_positions_left_out([e.target for e in entries if e.kind == "loader"])
         doctor_hooks.rebase_fingerprints(step)
         durable = self._next_save_is_durable(entries, metric)
         replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)

@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
 from .capture import CheckpointWarning, _has_state_dict
-from .errors import IncompatibleCheckpointError, UnstorableValueError
+from .errors import IncompatibleCheckpointError, StateArgumentError, UnstorableValueError
 from .rng import (
     as_python_state,
     numpy_global_state,
@@ -134,7 +134,7 @@ def sampling_streams(loader: Any) -> dict[str, Any]:
             return
         if not isinstance(obj, torch.utils.data.Sampler) and depth > 0 and not _holds_a_sampler(obj):
             return
-        for name, value in list(getattr(obj, "__dict__", {}).items()):
+        for name, value in _held(obj):
             if _stream_kind(value) is not None or isinstance(value, torch.utils.data.Sampler) \
                     or _holds_a_sampler(value):
                 visit(value, f"{path}.{name}", depth + 1)
@@ -156,6 +156,20 @@ def sampling_streams(loader: Any) -> dict[str, Any]:
     return found
 
 
+def _held(obj: Any) -> list[tuple[str, Any]]:
+    """What an object holds, by name: its attributes, and the items of a list, tuple or dict it
+    holds (a sampler keeping its samplers, each with its own generator, in a list or a dict: their
+    generators went unseen and a resume in the second epoch drew another order, silently)."""
+    out = []
+    for name, value in list(getattr(obj, "__dict__", {}).items()):
+        out.append((name, value))
+        if isinstance(value, (list, tuple)) and len(value) <= 64:
+            out += [(f"{name}[{i}]", item) for i, item in enumerate(value)]
+        elif isinstance(value, dict) and len(value) <= 64:
+            out += [(f"{name}[{key!r}]", item) for key, item in list(value.items())]
+    return out
+
+
 def _holds_a_sampler(obj: Any) -> bool:
     """An object that is no sampler but holds one: Lightning's DistributedSamplerWrapper keeps the
     loader's own sampler (and its generator) under `dataset._sampler`, a dataset view of its
@@ -163,7 +177,7 @@ def _holds_a_sampler(obj: Any) -> bool:
     (a dataset's own streams are drawn per item, not at an epoch's start)."""
     if isinstance(obj, (torch.utils.data.Sampler, type)) or not hasattr(obj, "__dict__"):
         return False
-    return any(isinstance(v, torch.utils.data.Sampler) for v in list(vars(obj).values()))
+    return any(isinstance(v, torch.utils.data.Sampler) for _, v in _held(obj))
 
 
 def _global_states() -> dict[str, Any]:
@@ -207,6 +221,7 @@ class _IteratorRecorder:
             _check_epochs(loader, pending.get("epochs"), pending.get("where", "the loader"))
         plan = vars(loader).pop(_PLAN, None)
         if plan is None:
+            _forget_a_restored_position(loader)
             start = _states(sampling_streams(loader))
             iterator = create()
         else:
@@ -216,6 +231,22 @@ class _IteratorRecorder:
             vars(loader)[_RESUMED] = (weakref.ref(iterator), getattr(iterator, "_num_yielded", None))
         _record(iterator, start)
         return iterator
+
+
+def _forget_a_restored_position(loader: Any) -> None:
+    """A pass after the resumed one starts at its beginning, as the uninterrupted run's did. A
+    Hugging Face IterableDataset keeps the position it was loaded with and applies it to every
+    pass while its epoch is the saved one: a loop that never calls its set_epoch (no shuffle)
+    started every later pass at the saved position, silently (items 0..11 of 22 never came
+    again). The loaded position has served the resumed pass; it is dropped here."""
+    dataset = getattr(loader, "dataset", None)
+    for candidate in (dataset, *list(getattr(dataset, "__dict__", {}).values())):  # with_worker_rng wraps it
+        if _is_hf_iterable(candidate) and getattr(candidate, "_starting_state_dict", None) is not None:
+            candidate._starting_state_dict = None
+
+
+def _is_hf_iterable(obj: Any) -> bool:
+    return any(c.__name__ == "IterableDataset" and c.__module__.startswith("datasets.") for c in type(obj).__mro__)
 
 
 def _warn_if_the_resumed_position_is_left(loader: Any) -> None:
@@ -438,7 +469,7 @@ def plan_resume(loader: Any, saved: dict[str, Any] | None, was_dropped: bool = F
 def shuffle_buffer_of(dataset: Any) -> int | None:
     """The size of a Hugging Face IterableDataset's shuffle buffer (`.shuffle(buffer_size=...)`),
     None without one. By name: `datasets` need not be installed."""
-    if not any(c.__name__ == "IterableDataset" and c.__module__.startswith("datasets.") for c in type(dataset).__mro__):
+    if not _is_hf_iterable(dataset):
         return None
     pending: list[Any] = [getattr(dataset, "_ex_iterable", None)]
     seen: set[int] = set()
@@ -478,45 +509,77 @@ def warn_lossy_dataset_state(loader: Any, key: str) -> None:
 
 # -- loaders left out of `state` ----------------------------------------------------------------
 
-def positions_left_out(loaders: list[Any]) -> list[str]:
-    """Data loader iterators in the middle of a pass that no loader in `loaders` holds: a loop
-    that keeps its sampler in `state` but not its loader resumed a mid-epoch save from the
-    epoch's first batch, silently (the batches already taken came again and the run ran longer);
-    so did one whose `state` held a loader a framework had replaced by another over the same
-    dataset (Lightning Fabric's setup_dataloaders). One scan of the collector's objects (~25 ms at
-    170,000 objects), so the manager looks only at its first saves."""
+def scan_loaders_in_use(loaders: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """One scan of the collector's objects (~25 ms at 170,000 objects, so the manager looks only
+    at its first saves) for what `state` cannot see of its loaders:
+
+    * data loader iterators in the middle of a pass that no loader in `loaders` holds: a loop
+      that keeps its sampler in `state` but not its loader resumed a mid-epoch save from the
+      epoch's first batch, silently (the batches already taken came again, the run ran longer);
+      so did one whose `state` held a loader a framework had replaced by another over the same
+      dataset (Lightning Fabric's setup_dataloaders);
+    * the keys of loaders in `loaders` iterated through Lightning Fabric's loader wrapper, which
+      sets the sampler's epoch to its own count of iter() calls, restarting at 0 in a resumed
+      process: a resume from an epoch-end save took epoch 0's order again, silently.
+    """
     import gc
 
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-    covered = {id(getattr(loader, "_iterator", None)) for loader in loaders}
-    found = []
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), _BaseDataLoaderIter):  # type(): __class__ of some objects warns
+    covered = {id(getattr(loader, "_iterator", None)) for loader in loaders.values()}
+    keys = {id(loader): key for key, loader in loaders.items()}
+    positions, wrapped = [], []
+    objects = gc.get_objects()
+    # An iterator a loader keeps (`_iterator`: torchdata's always, torch's with persistent workers)
+    # and nothing else holds is no pass the loop is in: a validation loop that broke out after two
+    # batches left one, and the warning was false.
+    kept = {id(vars(o).get("_iterator")) for o in objects if issubclass(type(o), torch.utils.data.DataLoader)
+            and "_iterator" in getattr(o, "__dict__", {})}
+    for obj in objects:
+        kind = type(obj)  # type(): __class__ of some objects warns
+        if kind.__name__ == "_FabricDataLoader" and kind.__module__.startswith(("lightning_fabric.", "lightning.fabric.")):
+            inner = vars(obj).get("_dataloader")
+            if id(inner) in keys and vars(obj).get("_num_iter_calls", 0):
+                wrapped.append(keys[id(inner)])
+            continue
+        if not issubclass(kind, _BaseDataLoaderIter):
             continue
         yielded = getattr(obj, "_num_yielded", 0)
         if not isinstance(yielded, int) or yielded <= 0 or getattr(obj, "_finished", False) or id(obj) in covered:
+            continue
+        # held here by `objects`, `obj` and the call's argument (3), by a loader that keeps it (1)
+        if sys.getrefcount(obj) <= 3 + (id(obj) in kept):
             continue
         try:
             total = len(obj)
         except TypeError:  # an iterable dataset without a length: where its pass ends is unknown
             continue
         if yielded < total:
-            found.append(f"a loader over {type(obj._dataset).__name__} at batch {yielded} of {total}")
-    return found
+            positions.append(f"a loader over {type(obj._dataset).__name__} at batch {yielded} of {total}")
+    return positions, sorted(wrapped)
 
 
-def warn_positions_left_out(loaders: list[Any]) -> None:
-    found = positions_left_out(loaders)
-    if not found:
+def check_loaders_in_use(loaders: dict[str, Any]) -> None:
+    """StateArgumentError for a loader in `state` iterated through Lightning Fabric's wrapper; a
+    CheckpointWarning for a loader in the middle of its pass that `state` does not hold."""
+    positions, wrapped = scan_loaders_in_use(loaders)
+    if wrapped:
+        raise StateArgumentError(
+            f"state[{wrapped[0]!r}] is iterated through Lightning Fabric's loader wrapper (fabric.setup_dataloaders): "
+            "each iter() of the wrapper sets the sampler's epoch to its own count of iter() calls, which restarts at "
+            "0 in a resumed process, so a resume would take another epoch's order. Iterate the StatefulDataLoader "
+            "itself and call sampler.set_epoch(epoch) at each epoch start; move batches with fabric.to_device "
+            "(README: Lightning Fabric)")
+    if not positions:
         return
-    message = (f"{found[0]} is in the middle of its pass and no loader in `state` is iterating it: its position "
+    message = (f"{positions[0]} is in the middle of its pass and no loader in `state` is iterating it: its position "
                "does not travel, so a resume from this checkpoint takes that pass's batches from the start again "
                "and the run does not continue as it did. Put the loader in `state` (a torchdata "
-               "StatefulDataLoader). A loop that skips the batches already taken itself after a resume, or a "
-               "validation loader in the middle of its pass at this save, may ignore this")
+               "StatefulDataLoader): skipping the batches already taken after a resume is not exact either, as the "
+               "new iterator draws its seed from torch's global stream again. A loader outside the training loop "
+               "(a validation pass under way at this save) may be left out")
     log.warning(message)
-    warnings.warn(message, CheckpointWarning, stacklevel=4)
+    warnings.warn(message, CheckpointWarning, stacklevel=5)
 
 
 # -- the samplers' epochs ------------------------------------------------------------------------
@@ -534,7 +597,12 @@ def sampler_epochs(loader: Any) -> dict[str, int]:
         epoch = getattr(obj, "__dict__", {}).get("epoch")
         if isinstance(epoch, int) and not isinstance(epoch, bool) and callable(getattr(obj, "set_epoch", None)):
             found[path] = epoch
-        visit(getattr(obj, "__dict__", {}).get("sampler"), f"{path}.sampler", depth + 1)
+        # Every sampler it holds, under any name (a batch sampler's `inner`; Lightning's wrapper keeps
+        # the loader's own sampler under `dataset._sampler`): only `.sampler` was followed, and a
+        # DistributedSampler held as `inner` resumed in another epoch's order, silently.
+        for name, value in _held(obj):
+            if isinstance(value, torch.utils.data.Sampler) or _holds_a_sampler(value):
+                visit(value, f"{path}.{name}", depth + 1)
 
     for name in ("sampler", "batch_sampler"):
         visit(getattr(loader, name, None), name, 0)
@@ -572,10 +640,10 @@ def _check_epochs(loader: Any, saved: Any, where: str) -> None:
     if not changed_now:
         return
     path, (was, is_) = sorted(changed_now.items())[0]
-    cause = ("something set the sampler's epoch after load_latest: Lightning Fabric's loader "
-             "(fabric.setup_dataloaders) calls set_epoch with its own count of iter() calls, which restarts at 0 "
-             "in a new process; iterate the StatefulDataLoader itself and call sampler.set_epoch(epoch) with the "
-             "epoch load_latest returned (README: Lightning Fabric)")
+    cause = ("something set the sampler's epoch after load_latest from a count that restarted with the process "
+             "(a loop's own counter, or Lightning Fabric's loader wrapper, which calls set_epoch with its count of "
+             "iter() calls); call sampler.set_epoch(epoch) with the epoch load_latest returned, and iterate the "
+             "StatefulDataLoader itself (README: Lightning Fabric)")
     if saved.get("mid_pass"):
         raise IncompatibleCheckpointError(
             f"{where}: the loader resumes in the middle of an epoch, at a position in the order of epoch {was} of its "

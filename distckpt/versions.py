@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -56,10 +57,10 @@ class VersionsProbe:
             self.close()
             return None
         self._output.seek(0)
-        out = self._output.read().decode(errors="replace").strip()
-        ok = self._child.returncode == 0 and out
+        out = self._output.read().decode(errors="replace")
+        ok = self._child.returncode == 0
         self.close()
-        return out if ok else None
+        return _commit_of_status(out) if ok else None
 
     def __del__(self) -> None:
         # A manager dropped without close() or a save: its child, never waited for, was reaped
@@ -116,10 +117,23 @@ def _platform() -> str:
 
 
 def _git_argv() -> list[str]:
-    """One call for the commit and its dirtiness (tracked files only, as `git status
-    --untracked-files=no` says); the pattern matches no tag, so the commit is spelled in full."""
-    return ["git", "-C", _training_code_dir(), "describe", "--always", "--dirty", "--abbrev=40",
-            "--match=distckpt-no-tag-matches-this"]
+    """One call for the commit and its dirtiness (tracked files only). `git status` honours
+    GIT_OPTIONAL_LOCKS=0; `git describe --dirty` (git 2.39) took .git/index.lock to refresh the
+    index anyway, and a job killed while it ran (a pre-emption kills the process group) left
+    the user's repository locked: their next `git commit` failed until the lock was removed."""
+    return ["git", "-C", _training_code_dir(), "status", "--porcelain=v2", "--branch", "--untracked-files=no"]
+
+
+def _commit_of_status(out: str) -> str | None:
+    """`# branch.oid <commit>` ("(initial)" before the first commit), then one line per changed
+    tracked file: the commit, `-dirty` after it when any changed, as `git describe --dirty`
+    spells it."""
+    lines = out.splitlines()
+    commit = next((line.split()[2] for line in lines if line.startswith("# branch.oid ") and len(line.split()) == 3),
+                  None)
+    if commit is None or not re.fullmatch(r"[0-9a-f]{40,64}", commit):
+        return None
+    return commit + ("-dirty" if any(line and not line.startswith("#") for line in lines) else "")
 
 
 def _training_code_dir() -> str:

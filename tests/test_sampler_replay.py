@@ -170,6 +170,26 @@ class DistributedOver(DistributedSampler):
         return (self.dataset[i] for i in super().__iter__())
 
 
+class Alternating(Sampler[int]):
+    """Two samplers, each with its own generator, held in a list (or a dict): their generators
+    went unseen and a resume in the second epoch drew another order, silently."""
+
+    def __init__(self, as_dict: bool = False) -> None:
+        halves = [RandomSampler(range(ITEMS // 2), generator=torch.Generator().manual_seed(1)),
+                  RandomSampler(range(ITEMS // 2), generator=torch.Generator().manual_seed(2))]
+        self.samplers: Any = {"a": halves[0], "b": halves[1]} if as_dict else halves
+
+    def __len__(self) -> int:
+        return ITEMS
+
+    def __iter__(self):
+        halves = list(self.samplers.values()) if isinstance(self.samplers, dict) else self.samplers
+        first, second = iter(halves[0]), iter(halves[1])
+        for _ in range(ITEMS // 2):
+            yield next(first)
+            yield ITEMS // 2 + next(second)
+
+
 def _g() -> torch.Generator:
     return torch.Generator().manual_seed(7)
 
@@ -196,6 +216,8 @@ SAMPLERS: dict[str, Callable[[], dict[str, Any]]] = {
     "eager-batch-sampler": lambda: {"batch_sampler": BatchSampler(EagerLengthGrouped(), 2, False)},
     "duck-bucket-batch-sampler": lambda: {"batch_sampler": DuckBucketBatches()},
     "duck-own-random": lambda: {"sampler": DuckOwnRandom()},
+    "samplers-in-a-list": lambda: {"sampler": Alternating()},
+    "samplers-in-a-dict": lambda: {"sampler": Alternating(as_dict=True)},
     "distributed-over-random": lambda: {"sampler": DistributedOver(RandomSampler(Items(), generator=_g()))},
     "distributed-over-torchdata-random": lambda: {"sampler": DistributedOver(TorchdataRandomSampler(Items()))},
 }
@@ -693,7 +715,7 @@ def test_a_pass_after_an_epoch_end_save_starting_an_earlier_epoch_is_warned_abou
 
 @pytest.mark.parametrize("case", ["plain-loader-left-out", "stateful-loader-left-out", "loader-in-state",
                                   "left-out-saved-after-the-pass", "left-out-with-workers",
-                                  "another-loader-over-the-dataset-in-state"])
+                                  "another-loader-over-the-dataset-in-state", "validation-loader-broken-off"])
 def test_a_loader_left_out_of_state_in_the_middle_of_its_pass_is_warned_about(tmp_path, case):
     """The sampler in `state`, the loader not: a mid-epoch save resumed from the epoch's first
     batch (the batches already taken came again, the run ran longer), silently. Said at the save
@@ -710,17 +732,24 @@ def test_a_loader_left_out_of_state_in_the_middle_of_its_pass_is_warned_about(tm
     state: dict[str, Any] = {"sampler": sampler, **({"loader": loader} if case == "loader-in-state" else {})}
     if case == "another-loader-over-the-dataset-in-state":  # a framework iterates a loader it built anew
         state["loader"] = StatefulDataLoader(loader.dataset, batch_size=2, sampler=sampler)
+    if case == "validation-loader-broken-off":  # kept by the loader, no pass under way: nothing to say
+        state["loader"] = loader
+        validation = StatefulDataLoader(Items(), batch_size=2)
     with warnings.catch_warnings(record=True) as caught, distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
         warnings.simplefilter("always")
         mgr.load_latest(state)
         for i, _ in enumerate(loader):
+            if case == "validation-loader-broken-off":
+                for j, _ in enumerate(validation):
+                    if j == 1:
+                        break
             if i == 2 and case != "left-out-saved-after-the-pass":
                 mgr.save(i, state)
         if case == "left-out-saved-after-the-pass":
             mgr.save(6, state, epoch=1)
     said = [str(w.message) for w in caught if issubclass(w.category, distckpt.CheckpointWarning)
             and "no loader in `state` is iterating it" in str(w.message)]
-    if case in ("loader-in-state", "left-out-saved-after-the-pass"):
+    if case in ("loader-in-state", "left-out-saved-after-the-pass", "validation-loader-broken-off"):
         assert said == []
     else:
         assert len(said) == 1 and "at batch 3 of 6" in said[0] and "Put the loader in `state`" in said[0]
@@ -760,3 +789,80 @@ def test_a_hugging_face_iterable_dataset_with_a_shuffle_buffer_is_warned_about_a
         assert mgr.load({"loader": loader}, step=5).step == 5
     data.set_epoch(0)
     assert [batch["x"].tolist() for batch in loader] == reference[6:]
+
+
+class HoldingBatches:
+    """A batch sampler (no Sampler subclass) holding its DistributedSampler as `inner`."""
+
+    def __init__(self, inner: DistributedSampler, size: int) -> None:
+        self.inner, self.size = inner, size
+
+    def __iter__(self):
+        batch: list[int] = []
+        for i in self.inner:
+            batch.append(i)
+            if len(batch) == self.size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    def __len__(self) -> int:
+        return (len(self.inner) + self.size - 1) // self.size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+
+def test_a_distributed_sampler_held_under_any_name_has_its_epoch_checked_at_the_resumed_iter(tmp_path):
+    """Only `.sampler` was followed: a DistributedSampler a batch sampler holds as `inner`, its
+    epoch set from a count restarting at 0, resumed a mid-epoch position in epoch 0's order."""
+    def build() -> tuple[StatefulDataLoader, DistributedSampler, HoldingBatches]:
+        sampler = DistributedSampler(Items(), num_replicas=1, rank=0, shuffle=True, seed=3)
+        batches = HoldingBatches(sampler, 4)
+        return StatefulDataLoader(Items(), batch_sampler=batches), sampler, batches
+
+    loader, sampler, batches = build()
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.load_latest({"loader": loader, "sampler": sampler})
+        for epoch in range(2):
+            batches.set_epoch(epoch)
+            for i, _ in enumerate(loader):
+                if epoch == 1 and i == 1:
+                    mgr.save(4, {"loader": loader, "sampler": sampler}, epoch=1)
+    loader, sampler, batches = build()
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        assert mgr.load_latest({"loader": loader, "sampler": sampler}).epoch == 1
+    batches.set_epoch(0)
+    with pytest.raises(distckpt.IncompatibleCheckpointError, match="batch_sampler.inner, but that sampler's epoch is 0"):
+        iter(loader)
+
+
+def test_a_hugging_face_iterable_dataset_starts_each_pass_after_the_resumed_one_at_its_beginning(tmp_path):
+    """datasets keeps the position an IterableDataset was loaded with and applies it to every
+    pass while its epoch is the saved one: a loop that never calls its set_epoch (no shuffle)
+    started every pass after the resume at the saved position, silently."""
+    datasets = pytest.importorskip("datasets")
+
+    def build() -> StatefulDataLoader:
+        source = datasets.Dataset.from_dict({"x": list(range(22))}).to_iterable_dataset(num_shards=2)
+        return StatefulDataLoader(source, batch_size=4)
+
+    def passes(loader: StatefulDataLoader, count: int, mgr=None, save_at=None) -> list:
+        out = []
+        for _ in range(count):
+            for batch in loader:
+                out.append(batch["x"].tolist())
+                if mgr is not None and len(out) == save_at:
+                    mgr.save(save_at, {"loader": loader})
+        return out
+
+    loader = build()
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.load_latest({"loader": loader})
+        reference = passes(loader, 3, mgr, save_at=4)
+    loader = build()
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.load_latest({"loader": loader})
+    resumed = passes(loader, 3)[:len(reference) - 4]
+    assert resumed == reference[4:]

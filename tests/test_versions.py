@@ -113,13 +113,35 @@ def test_git_runs_without_optional_locks(tmp_path, monkeypatch):
     """git must not take .git/index.lock to refresh the index: held while it runs, the user's own
     git commands failed; and a git ended by close() left the lock behind for good."""
     fake = tmp_path / "fake-git"
-    fake.write_text("#!/bin/sh\necho \"locks=$GIT_OPTIONAL_LOCKS\"\n")
+    fake.write_text("#!/bin/sh\n[ \"$GIT_OPTIONAL_LOCKS\" = 0 ] && echo '# branch.oid " + "ab" * 20 + "'\n")
     fake.chmod(0o755)
     monkeypatch.setattr(versions, "_git_argv", lambda: [str(fake)])
     with distckpt.CheckpointManager(str(tmp_path / "root")) as mgr:
         mgr.save(1, {"w": torch.zeros(2)})
-    assert _manifest_versions(tmp_path / "root")["git_commit"] == "locks=0"
+    assert _manifest_versions(tmp_path / "root")["git_commit"] == "ab" * 20
 
+
+@pytest.mark.skipif(subprocess.run(["git", "--version"], capture_output=True).returncode != 0, reason="no git")
+def test_the_real_git_never_writes_into_the_users_repository(tmp_path):
+    """`git describe --dirty` took .git/index.lock to refresh the index whatever
+    GIT_OPTIONAL_LOCKS said (git 2.39): a job killed while it ran left the user's repository
+    locked. Nothing is created in .git now (its modification time stays), also with a
+    tracked file touched since the index was written (what makes git want to refresh)."""
+    import time
+
+    repo = tmp_path / "code"
+    repo.mkdir()
+    (repo / "train.py").write_text(SCRIPT)
+    _git(repo, "init", "-q")
+    _git(repo, "add", "train.py")
+    _git(repo, "commit", "-q", "-m", "first")
+    head = _git(repo, "rev-parse", "HEAD")
+    time.sleep(0.05)
+    os.utime(repo / "train.py")  # stat changed, content not: a refresh would rewrite the index
+    before = os.stat(repo / ".git").st_mtime_ns, os.stat(repo / ".git" / "index").st_mtime_ns
+    subprocess.run([sys.executable, str(repo / "train.py"), str(tmp_path / "root")], check=True, cwd=str(tmp_path))
+    assert _manifest_versions(tmp_path / "root")["git_commit"] == head
+    assert (os.stat(repo / ".git").st_mtime_ns, os.stat(repo / ".git" / "index").st_mtime_ns) == before
 
 
 def test_a_manager_dropped_without_close_leaves_no_child_or_file_to_warn_about(tmp_path):
