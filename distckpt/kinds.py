@@ -273,6 +273,7 @@ class Loader(Kind):
                 "(the default) to checkpoint it, or leave it out of `state`")
         _warn_unwrapped_workers(entry)
         replay.warn_lossy_dataset_state(entry.target, entry.key)
+        replay.refuse_a_fabric_wrapper(entry.target, entry.key)
         saved = entry.target.state_dict()
         generator = _own_generator(entry.target)
         if generator is not None and isinstance(saved, dict):

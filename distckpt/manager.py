@@ -111,6 +111,7 @@ class CheckpointManager:
                                   incremental, overlap_snapshot)
         except Exception as e:  # a refused argument, an unreachable store: raised on every rank below
             refusal = e
+        replay.track_iterators()  # a loop's loader left out of `state` is told at the first saves
         self._coord = make_coordinator(self.config.timeout if refusal is None else DEFAULT_TIMEOUT_S)
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
         if refusal is not None and self.world_size == 1:
@@ -274,13 +275,10 @@ class CheckpointManager:
             entries = classify(state) if refusal is None else []
         except ConfigError as e:  # StateArgumentError: `state` refused before any exchange
             refusal, entries = self._refused(e), []
-        if refusal is None and self._save_seq < 2:  # the first two: a step-0 save may come before the loop
-            try:
-                replay.check_loaders_in_use({e.key: e.target for e in entries if e.kind == "loader"})
-            except ConfigError as e:
-                refusal = self._refused(e)
         if refusal is not None:
             self._refuse_save(step, refusal)
+        if self._save_seq < 2:  # a loop's loader left out of `state` (the first two: a step-0 save may come first)
+            replay.warn_positions_left_out([e.target for e in entries if e.kind == "loader"])
         doctor_hooks.rebase_fingerprints(step)
         durable = self._next_save_is_durable(entries, metric)
         replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)

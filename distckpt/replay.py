@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
 from .capture import CheckpointWarning, _has_state_dict
-from .errors import IncompatibleCheckpointError, StateArgumentError, UnstorableValueError
+from .errors import IncompatibleCheckpointError, UnstorableValueError
 from .rng import (
     as_python_state,
     numpy_global_state,
@@ -216,6 +216,7 @@ class _IteratorRecorder:
         assert loader is not None  # called through the loader
         create = self._replaced or (lambda: type(loader)._get_iterator(loader))
         _warn_if_the_resumed_position_is_left(loader)
+        _note_a_fabric_wrapper(loader)
         pending = vars(loader).get(_PLAN)
         if pending is not None:  # checked before the plan is taken: a caught refusal leaves it for the next try
             _check_epochs(loader, pending.get("epochs"), pending.get("where", "the loader"))
@@ -509,77 +510,99 @@ def warn_lossy_dataset_state(loader: Any, key: str) -> None:
 
 # -- loaders left out of `state` ----------------------------------------------------------------
 
-def scan_loaders_in_use(loaders: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """One scan of the collector's objects (~25 ms at 170,000 objects, so the manager looks only
-    at its first saves) for what `state` cannot see of its loaders:
+_ITERATORS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every data loader iterator made since tracking began
+_FABRIC_WRAPPED = "_distckpt_iterated_through_fabric"  # on a loader: Fabric's wrapper made an iterator of it
 
-    * data loader iterators in the middle of a pass that no loader in `loaders` holds: a loop
-      that keeps its sampler in `state` but not its loader resumed a mid-epoch save from the
-      epoch's first batch, silently (the batches already taken came again, the run ran longer);
-      so did one whose `state` held a loader a framework had replaced by another over the same
-      dataset (Lightning Fabric's setup_dataloaders);
-    * the keys of loaders in `loaders` iterated through Lightning Fabric's loader wrapper, which
-      sets the sampler's epoch to its own count of iter() calls, restarting at 0 in a resumed
-      process: a resume from an epoch-end save took epoch 0's order again, silently.
-    """
-    import gc
 
+def track_iterators() -> None:
+    """From now on, remember every data loader iterator made (weakly), so a save can tell a
+    loop's loader left out of `state` without a scan of every object in the process (a scan of
+    the collector's ~170,000-250,000 objects cost 25-250 ms at a fresh process's first saves).
+    Installed once, by the first manager."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-    covered = {id(getattr(loader, "_iterator", None)) for loader in loaders.values()}
-    keys = {id(loader): key for key, loader in loaders.items()}
-    positions, wrapped = [], []
-    objects = gc.get_objects()
-    # An iterator a loader keeps (`_iterator`: torchdata's always, torch's with persistent workers)
-    # and nothing else holds is no pass the loop is in: a validation loop that broke out after two
-    # batches left one, and the warning was false.
-    kept = {id(vars(o).get("_iterator")) for o in objects if issubclass(type(o), torch.utils.data.DataLoader)
-            and "_iterator" in getattr(o, "__dict__", {})}
-    for obj in objects:
-        kind = type(obj)  # type(): __class__ of some objects warns
-        if kind.__name__ == "_FabricDataLoader" and kind.__module__.startswith(("lightning_fabric.", "lightning.fabric.")):
-            inner = vars(obj).get("_dataloader")
-            if id(inner) in keys and vars(obj).get("_num_iter_calls", 0):
-                wrapped.append(keys[id(inner)])
-            continue
-        if not issubclass(kind, _BaseDataLoaderIter):
-            continue
-        yielded = getattr(obj, "_num_yielded", 0)
-        if not isinstance(yielded, int) or yielded <= 0 or getattr(obj, "_finished", False) or id(obj) in covered:
-            continue
-        # held here by `objects`, `obj` and the call's argument (3), by a loader that keeps it (1)
-        if sys.getrefcount(obj) <= 3 + (id(obj) in kept):
-            continue
+    original = _BaseDataLoaderIter.__init__
+    if getattr(original, "_distckpt_tracking", False):
+        return
+
+    def init(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, loader, *args, **kwargs)
         try:
-            total = len(obj)
-        except TypeError:  # an iterable dataset without a length: where its pass ends is unknown
-            continue
-        if yielded < total:
-            positions.append(f"a loader over {type(obj._dataset).__name__} at batch {yielded} of {total}")
-    return positions, sorted(wrapped)
+            _ITERATORS.add(self)
+        except TypeError:  # an iterator class that takes no weak reference
+            pass
+
+    init._distckpt_tracking = True  # type: ignore[attr-defined]
+    _BaseDataLoaderIter.__init__ = init  # type: ignore[method-assign]
 
 
-def check_loaders_in_use(loaders: dict[str, Any]) -> None:
-    """StateArgumentError for a loader in `state` iterated through Lightning Fabric's wrapper; a
-    CheckpointWarning for a loader in the middle of its pass that `state` does not hold."""
-    positions, wrapped = scan_loaders_in_use(loaders)
-    if wrapped:
-        raise StateArgumentError(
-            f"state[{wrapped[0]!r}] is iterated through Lightning Fabric's loader wrapper (fabric.setup_dataloaders): "
+def _note_a_fabric_wrapper(loader: Any) -> None:
+    """Whether this iterator of `loader` is being made by Lightning Fabric's loader wrapper
+    (`fabric.setup_dataloaders`), whose __iter__ calls set_epoch on the sampler with its own count
+    of iter() calls, restarting at 0 in a resumed process: marked on the loader, refused at its
+    next save. A look at a few frames up, once per pass."""
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return
+        code = frame.f_code
+        if code.co_name == "__iter__" and code.co_filename.replace("\\", "/").endswith(
+                ("lightning_fabric/wrappers.py", "lightning/fabric/wrappers.py")):
+            vars(loader)[_FABRIC_WRAPPED] = True
+            return
+        frame = frame.f_back  # type: ignore[assignment]
+
+
+def refuse_a_fabric_wrapper(loader: Any, key: str) -> None:
+    if vars(loader).get(_FABRIC_WRAPPED):
+        raise UnstorableValueError(
+            f"state[{key!r}] is iterated through Lightning Fabric's loader wrapper (fabric.setup_dataloaders): "
             "each iter() of the wrapper sets the sampler's epoch to its own count of iter() calls, which restarts at "
             "0 in a resumed process, so a resume would take another epoch's order. Iterate the StatefulDataLoader "
             "itself and call sampler.set_epoch(epoch) at each epoch start; move batches with fabric.to_device "
             "(README: Lightning Fabric)")
-    if not positions:
+
+
+def positions_left_out(loaders: list[Any]) -> list[str]:
+    """Data loader iterators in the middle of a pass, in use, that no loader in `loaders` holds:
+    a loop that keeps its sampler in `state` but not its loader resumed a mid-epoch save from the
+    epoch's first batch, silently (the batches already taken came again, the run ran longer); so
+    did one whose `state` held a loader a framework had replaced by another over the same dataset
+    (Lightning Fabric's setup_dataloaders)."""
+    covered = {id(getattr(loader, "_iterator", None)) for loader in loaders}
+    found = []
+    for iterator in list(_ITERATORS):
+        yielded = getattr(iterator, "_num_yielded", 0)
+        if not isinstance(yielded, int) or yielded <= 0 or getattr(iterator, "_finished", False) \
+                or id(iterator) in covered:
+            continue
+        # An iterator nothing but its loader keeps (torchdata's loaders keep theirs, torch's with
+        # persistent workers) is no pass under way: a validation loop broken off after two batches.
+        # Held here by the list, the loop's name and the call's argument (3), by its loader (1).
+        kept_by_its_loader = _is_torchdata(iterator, type(iterator).__name__) or getattr(iterator, "_persistent_workers", False)
+        if sys.getrefcount(iterator) <= 3 + int(bool(kept_by_its_loader)):
+            continue
+        try:
+            total = len(iterator)
+        except TypeError:  # an iterable dataset without a length: where its pass ends is unknown
+            continue
+        if yielded < total:
+            found.append(f"a loader over {type(iterator._dataset).__name__} at batch {yielded} of {total}")
+    return found
+
+
+def warn_positions_left_out(loaders: list[Any]) -> None:
+    found = positions_left_out(loaders)
+    if not found:
         return
-    message = (f"{positions[0]} is in the middle of its pass and no loader in `state` is iterating it: its position "
+    message = (f"{found[0]} is in the middle of its pass and no loader in `state` is iterating it: its position "
                "does not travel, so a resume from this checkpoint takes that pass's batches from the start again "
                "and the run does not continue as it did. Put the loader in `state` (a torchdata "
                "StatefulDataLoader): skipping the batches already taken after a resume is not exact either, as the "
                "new iterator draws its seed from torch's global stream again. A loader outside the training loop "
                "(a validation pass under way at this save) may be left out")
     log.warning(message)
-    warnings.warn(message, CheckpointWarning, stacklevel=5)
+    warnings.warn(message, CheckpointWarning, stacklevel=4)
 
 
 # -- the samplers' epochs ------------------------------------------------------------------------
