@@ -541,7 +541,10 @@ def _note_a_fabric_wrapper(loader: Any) -> None:
     (`fabric.setup_dataloaders`), whose __iter__ calls set_epoch on the sampler with its own count
     of iter() calls, restarting at 0 in a resumed process: marked on the loader, refused at its
     next save. A look at a few frames up, once per pass."""
-    frame = sys._getframe(2)
+    try:
+        frame = sys._getframe(2)
+    except ValueError:  # called from the bottom of the stack: nothing above it
+        return
     for _ in range(6):
         if frame is None:
             return
