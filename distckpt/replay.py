@@ -286,6 +286,7 @@ def _anew_after_a_dropped_iterator(loader: Any, restored: Any, start: Any, creat
         restored._reset(loader)  # the recorder: this pass's start is recorded
         return restored
     del restored  # its workers end with it, as the dropped iterator's did
+    _forget_a_restored_position(loader)  # the new pass starts at its beginning
     iterator = create()
     _record(iterator, _states(sampling_streams(loader)))
     return iterator
