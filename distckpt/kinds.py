@@ -366,6 +366,11 @@ def _loader_makeup(loader: Any) -> dict[str, Any]:
         makeup["dataset_len"] = len(loader.dataset)
     except (TypeError, NotImplementedError, AttributeError):  # an IterableDataset: no length to compare
         pass
+    # A batch sampler of the user's (batch_sampler=): the position counts its batches, so another
+    # batch size resumed at another item (5 batches of 2 saved, 5 batches of 3 skipped), silently
+    size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    if getattr(loader, "batch_size", 0) is None and isinstance(size, int) and not isinstance(size, bool):
+        makeup["batch_sampler_batch_size"] = size
     return makeup
 
 
@@ -378,6 +383,13 @@ def _check_loader_makeup(loader: Any, saved: Any, where: str) -> None:
             raise IncompatibleCheckpointError(
                 f"{where}: the loader was saved with {name} {saved[name]} and this one has {live[name]} (shuffle= or "
                 f"{name}= changed?): its position counts in that {name}'s order; build the loader as it was saved")
+    size = "batch_sampler_batch_size"
+    if size in saved and size in live and saved[size] != live[size]:
+        raise IncompatibleCheckpointError(
+            f"{where}: the loader's batch sampler was saved with batch_size={saved[size]} and this one has "
+            f"batch_size={live[size]}: a batch sampler's position counts its batches, so the resume would continue "
+            f"at another item (some never seen in this epoch, or seen twice); build it with batch_size={saved[size]}, "
+            "or change it at an epoch boundary with the loader left out of that load")
     if "dataset_len" in saved and "dataset_len" in live and saved["dataset_len"] != live["dataset_len"]:
         raise IncompatibleCheckpointError(
             f"{where}: the loader's dataset has {live['dataset_len']} items and had {saved['dataset_len']} when saved: "

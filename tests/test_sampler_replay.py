@@ -795,20 +795,20 @@ class HoldingBatches:
     """A batch sampler (no Sampler subclass) holding its DistributedSampler as `inner`."""
 
     def __init__(self, inner: DistributedSampler, size: int) -> None:
-        self.inner, self.size = inner, size
+        self.inner, self.batch_size = inner, size
 
     def __iter__(self):
         batch: list[int] = []
         for i in self.inner:
             batch.append(i)
-            if len(batch) == self.size:
+            if len(batch) == self.batch_size:
                 yield batch
                 batch = []
         if batch:
             yield batch
 
     def __len__(self) -> int:
-        return (len(self.inner) + self.size - 1) // self.size
+        return (len(self.inner) + self.batch_size - 1) // self.batch_size
 
     def set_epoch(self, epoch: int) -> None:
         self.inner.set_epoch(epoch)
@@ -866,3 +866,33 @@ def test_a_hugging_face_iterable_dataset_starts_each_pass_after_the_resumed_one_
         mgr.load_latest({"loader": loader})
     resumed = passes(loader, 3)[:len(reference) - 4]
     assert resumed == reference[4:]
+
+
+@pytest.mark.parametrize("kind", ["torch-batch-sampler", "custom-batch-sampler"])
+def test_a_batch_sampler_resumed_with_another_batch_size_is_refused_with_nothing_changed(tmp_path, kind):
+    """A batch sampler's position counts its batches: 5 batches of 2 saved, the resume with
+    batches of 3 skipped 15 items and never gave 5 of that epoch's items (torchvision's detection
+    reference, GroupedBatchSampler). Refused at the load now; the same size resumes exactly."""
+    def build(size: int) -> tuple[StatefulDataLoader, DistributedSampler]:
+        sampler = DistributedSampler(Items(), num_replicas=1, rank=0, shuffle=True, seed=3)
+        batches = BatchSampler(sampler, size, False) if kind == "torch-batch-sampler" else HoldingBatches(sampler, size)
+        return StatefulDataLoader(Items(), batch_sampler=batches), sampler
+
+    loader, sampler = build(2)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.load_latest({"loader": loader, "sampler": sampler})
+        taken = []
+        for i, batch in enumerate(loader):
+            taken += batch.tolist()
+            if i == 2:
+                mgr.save(2, {"loader": loader, "sampler": sampler})
+    loader, sampler = build(3)
+    before = {k: v for k, v in vars(loader).items() if k != "_get_iterator"}
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr, \
+            pytest.raises(distckpt.IncompatibleCheckpointError, match="saved with batch_size=2 and this one has batch_size=3"):
+        mgr.load_latest({"loader": loader, "sampler": sampler})
+    assert {k: v for k, v in vars(loader).items() if k != "_get_iterator"} == before
+    loader, sampler = build(2)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.load_latest({"loader": loader, "sampler": sampler})
+    assert [x for batch in loader for x in batch.tolist()] == taken[6:]
