@@ -32,7 +32,7 @@ from torch import nn
 from . import incremental
 from . import manifest as mf
 from .capture import IMPORTED, loads_by_copy_alone, unwrap_module
-from .commit import check_not_superseded, list_committed, read_marker, read_verified_manifest
+from .commit import check_not_superseded, list_committed, read_marker, read_verified_manifest, step_candidates
 from .copying import byte_extent, elements_overlap, same_bits
 from .errors import (
     ConfigError,
@@ -93,6 +93,22 @@ class ModelSource:
             yield name, self._get(name)
 
 
+def _newest_first(storage: Storage, committed: list[int]) -> list[int]:
+    """The steps to try, newest first, as load_latest sees them: the committed ones, and a step
+    directory the whole-root listing did not follow (replaced by a symbolic link) whose marker
+    stands behind it, so that it is tried and said damaged rather than passed over unsaid."""
+    listed = set(committed)
+    hidden = [s for s in step_candidates(storage) if s not in listed and _marker_stands(storage, s)]
+    return sorted(listed | set(hidden), reverse=True) if hidden else committed
+
+
+def _marker_stands(storage: Storage, step: int) -> bool:
+    try:
+        return storage.exists(f"{mf.step_dir(step)}/{mf.MARKER}")
+    except (DistCkptError, OSError):
+        return False
+
+
 def open_checkpoint_model(url: str, *, step: int | None = None, entry: str = "model",
                           storage_options: dict[str, Any] | None = None, bounded: bool = False) -> ModelSource:
     """The model entry of a committed distckpt checkpoint (the newest that verifies, or `step`).
@@ -112,7 +128,7 @@ def open_checkpoint_model(url: str, *, step: int | None = None, entry: str = "mo
     # the last resort (export and load_weights took the newest listed, a zombie's step included)
     leases = read_leases(storage)
     errors, superseded = [], []
-    for candidate in steps:
+    for candidate in _newest_first(storage, steps):
         try:
             check_not_superseded(read_marker(storage, candidate), leases, f"{storage.url}/{mf.step_dir(candidate)}")
             return _model_of_step(storage, candidate, entry, bounded)

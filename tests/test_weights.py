@@ -730,3 +730,27 @@ def test_a_root_behind_a_dangling_link_is_said_as_such_by_load_weights_and_expor
         distckpt.export_weights(str(tmp_path / "root"), str(tmp_path / "out"))
     with pytest.raises(distckpt.MissingFileError, match="no committed checkpoint"):  # an empty root stays that
         distckpt.load_weights(str(tmp_path / "empty"), TinyLM())
+
+
+def test_a_step_directory_replaced_by_a_link_is_said_damaged_by_load_weights_and_export(tmp_path, caplog):
+    """The whole-root listing does not follow a step directory replaced by a symbolic link:
+    load_weights and export took the step below without a word, while load_latest said the
+    newest step was damaged. They try it now, as load_latest does, and say why they pass it."""
+    import logging
+    import shutil
+
+    root = tmp_path / "ckpt"
+    with distckpt.CheckpointManager(str(root), keep_last=None) as mgr:
+        model = _trained()
+        mgr.load_latest({"model": model})
+        mgr.save(1, {"model": model})
+        newer = _trained(seed=1)
+        mgr.save(2, {"model": newer})
+    shutil.move(str(root / "step-000000002"), str(tmp_path / "moved"))
+    (root / "step-000000002").symlink_to(tmp_path / "moved")
+    with caplog.at_level(logging.WARNING, logger="distckpt"):
+        report = distckpt.load_weights(str(root), TinyLM())
+        distckpt.export_weights(str(root), str(tmp_path / "out"))
+    assert report.step == 1
+    said = [r.getMessage() for r in caplog.records if "step 2" in r.getMessage() and "symbolic link" in r.getMessage()]
+    assert len(said) == 2, caplog.text
