@@ -53,10 +53,16 @@ def read_marker(storage: Storage, step: int) -> mf.Marker:
     try:
         data = _bounded(storage, path, mf.MAX_MARKER_BYTES)
     except MissingFileError:
-        if storage.exists(path):  # something stands there, and it is no file
+        if not storage.exists(path):
+            raise
+        # Something stands there now: a directory (damage), or the marker a writer committed
+        # between the read and the look (a reader racing a keep_last=1 writer called that step's
+        # marker damaged, and with the step below already retired, found nothing to load).
+        try:
+            data = _bounded(storage, path, mf.MAX_MARKER_BYTES)
+        except MissingFileError:
             raise CorruptCheckpointError(f"{where} is not a file (a directory stands there): the step's marker "
                                          "is damaged") from None
-        raise
     return mf.Marker.parse(data, where)
 
 

@@ -204,3 +204,32 @@ def test_a_two_rank_reader_racing_a_keep_last_1_writer(tmp_path):
     assert zero["steps"] == sorted(zero["steps"]), "a later load returned an older step"
     assert all("faster than this process reads them" in e for e in zero["errors"]), zero["errors"]
     assert len(zero["errors"]) <= max(1, zero["loads"] // 20), zero
+
+
+def test_a_marker_committed_between_the_read_and_the_look_is_read_not_called_damaged(tmp_path, monkeypatch):
+    """A reader found a step directory without its marker (the writer had not committed it yet),
+    then looked again and found the marker: it called the marker damaged ("a directory stands
+    there"), and with the step below already retired by a keep_last=1 writer it had nothing to
+    load (CorruptCheckpointError; seen once in a whole-suite run). The marker is read again."""
+    import errno
+
+    from distckpt import commit
+    from distckpt.errors import CorruptCheckpointError, MissingFileError
+    from distckpt.storage import open_storage
+
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.save(1, {"w": torch.zeros(2)})
+    original, missed = commit._bounded, []
+
+    def committed_just_after_the_first_read(storage, path, limit):
+        if path.endswith("/COMMITTED") and not missed:
+            missed.append(path)
+            raise MissingFileError(errno.ENOENT, f"{path} does not exist")
+        return original(storage, path, limit)
+
+    monkeypatch.setattr(commit, "_bounded", committed_just_after_the_first_read)
+    storage = open_storage(str(tmp_path / "c"))
+    assert commit.read_marker(storage, 1).step == 1 and missed
+    (tmp_path / "c" / "step-000000002" / "COMMITTED").mkdir(parents=True)  # a directory stays damage
+    with pytest.raises(CorruptCheckpointError, match="a directory stands there"):
+        commit.read_marker(storage, 2)
