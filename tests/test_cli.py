@@ -260,6 +260,22 @@ def test_step_names_parse_strictly_and_stray_files_do_not_stop_gc(tmp_path, caps
     assert (root / "step-000000007").exists()  # not ours: left alone
 
 
+_STRAYS = ("file", "marker-directory", "empty-directory", "uncommitted-save")
+
+
+def _make_stray(name, stray: str) -> None:
+    """Something spelled like a step at `name` that no save made complete."""
+    if stray == "file":
+        name.write_text("notes")
+    elif stray == "marker-directory":
+        (name / "COMMITTED").mkdir(parents=True)
+    elif stray == "empty-directory":
+        name.mkdir()
+    else:
+        (name / "replicated").mkdir(parents=True)
+        (name / "replicated" / "state.g000099.safetensors").write_bytes(b"unfinished")
+
+
 @pytest.mark.parametrize("stray", ["file", "marker-directory", "empty-directory", "uncommitted-save"])
 def test_a_stray_name_spelled_like_a_newer_step_is_skipped_by_loads_and_gc_does_what_its_dry_run_says(tmp_path, capsys, stray):
     """A file named like a step, or a directory where the marker should be, is not a checkpoint:
@@ -271,15 +287,7 @@ def test_a_stray_name_spelled_like_a_newer_step_is_skipped_by_loads_and_gc_does_
     root = tmp_path / "c"
     make_run(str(root), steps=(1,))
     name = root / "step-000000009"
-    if stray == "file":
-        name.write_text("notes")
-    elif stray == "marker-directory":
-        (name / "COMMITTED").mkdir(parents=True)
-    elif stray == "empty-directory":
-        name.mkdir()
-    else:
-        (name / "replicated").mkdir(parents=True)
-        (name / "replicated" / "state.g000099.safetensors").write_bytes(b"unfinished")
+    _make_stray(name, stray)
     old = time.time() - 3600
     os.utime(name, (old, old))
     state = {"model": nn.Linear(3, 2), "config": {"lr": 0.1},
@@ -492,15 +500,8 @@ def test_verify_without_a_step_judges_the_newest_step_as_ls_lists_it(tmp_path, c
     root = tmp_path / "c"
     make_run(str(root), steps=(1, 2))
     name = root / "step-000000009"
-    if stray == "file":
-        name.write_text("notes")
-    elif stray == "marker-directory":
-        (name / "COMMITTED").mkdir(parents=True)
-    elif stray == "empty-directory":
-        name.mkdir()
-    elif stray == "uncommitted-save":
-        (name / "replicated").mkdir(parents=True)
-        (name / "replicated" / "state.g000099.safetensors").write_bytes(b"unfinished")
+    if stray in _STRAYS:
+        _make_stray(name, stray)
     elif stray == "symlinked-step":
         shutil.copytree(root / "step-000000002", tmp_path / "elsewhere")
         name.symlink_to(tmp_path / "elsewhere")

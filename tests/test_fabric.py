@@ -11,8 +11,6 @@ import sys
 
 import pytest
 
-pytest.importorskip("lightning_fabric")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 LOOP = os.path.join(HERE, "fabric_loop.py")

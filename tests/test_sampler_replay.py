@@ -5,7 +5,6 @@ epoch started with; the resumed run once drew another order, silently."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import warnings
@@ -221,9 +220,8 @@ SAMPLERS: dict[str, Callable[[], dict[str, Any]]] = {
     "distributed-over-random": lambda: {"sampler": DistributedOver(RandomSampler(Items(), generator=_g()))},
     "distributed-over-torchdata-random": lambda: {"sampler": DistributedOver(TorchdataRandomSampler(Items()))},
 }
-if importlib.util.find_spec("lightning_fabric") is not None:
-    SAMPLERS["lightning-wrapper-over-torchdata-random"] = lambda: {
-        "sampler": _lightning_wrapper(TorchdataRandomSampler(Items()))}
+SAMPLERS["lightning-wrapper-over-torchdata-random"] = lambda: {
+    "sampler": _lightning_wrapper(TorchdataRandomSampler(Items()))}
 
 
 def _loader(name: str, workers: int, sampler_in_state: bool) -> tuple[StatefulDataLoader, dict]:
@@ -761,7 +759,7 @@ def test_a_hugging_face_iterable_dataset_with_a_shuffle_buffer_is_warned_about_a
     """datasets' IterableDataset saves where its source is, not its shuffle buffer's content
     (it refills the buffer on load): a resume read other items and fewer of them, with nothing
     raised. Said at the save now; shuffled before streaming, it resumes exactly, unsaid."""
-    datasets = pytest.importorskip("datasets")
+    import datasets
 
     def build() -> tuple[StatefulDataLoader, Any]:
         source = datasets.Dataset.from_dict({"x": list(range(64))})
@@ -842,7 +840,7 @@ def test_a_hugging_face_iterable_dataset_starts_each_pass_after_the_resumed_one_
     """datasets keeps the position an IterableDataset was loaded with and applies it to every
     pass while its epoch is the saved one: a loop that never calls its set_epoch (no shuffle)
     started every pass after the resume at the saved position, silently."""
-    datasets = pytest.importorskip("datasets")
+    import datasets
 
     def build() -> StatefulDataLoader:
         source = datasets.Dataset.from_dict({"x": list(range(22))}).to_iterable_dataset(num_shards=2)

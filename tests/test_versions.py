@@ -33,16 +33,21 @@ def _git(repo, *args: str) -> str:
                            *args], check=True, capture_output=True, text=True).stdout.strip()
 
 
-@pytest.mark.skipif(subprocess.run(["git", "--version"], capture_output=True).returncode != 0, reason="no git")
-def test_the_manifest_names_the_training_codes_commit_and_whether_tracked_files_changed(tmp_path):
+def _committed_repo(tmp_path):
+    """A git repository holding SCRIPT as train.py in one commit: (its directory, the commit)."""
     repo = tmp_path / "code"
     repo.mkdir()
     (repo / "train.py").write_text(SCRIPT)
     _git(repo, "init", "-q")
     _git(repo, "add", "train.py")
     _git(repo, "commit", "-q", "-m", "first")
+    return repo, _git(repo, "rev-parse", "HEAD")
+
+
+@pytest.mark.skipif(subprocess.run(["git", "--version"], capture_output=True).returncode != 0, reason="no git")
+def test_the_manifest_names_the_training_codes_commit_and_whether_tracked_files_changed(tmp_path):
+    repo, head = _committed_repo(tmp_path)
     _git(repo, "tag", "v1")  # a tag must not replace the commit's name
-    head = _git(repo, "rev-parse", "HEAD")
 
     def saved_commit(run: str) -> str | None:
         root = tmp_path / run
@@ -129,13 +134,7 @@ def test_the_real_git_never_writes_into_the_users_repository(tmp_path):
     tracked file touched since the index was written (what makes git want to refresh)."""
     import time
 
-    repo = tmp_path / "code"
-    repo.mkdir()
-    (repo / "train.py").write_text(SCRIPT)
-    _git(repo, "init", "-q")
-    _git(repo, "add", "train.py")
-    _git(repo, "commit", "-q", "-m", "first")
-    head = _git(repo, "rev-parse", "HEAD")
+    repo, head = _committed_repo(tmp_path)
     time.sleep(0.05)
     os.utime(repo / "train.py")  # stat changed, content not: a refresh would rewrite the index
     before = os.stat(repo / ".git").st_mtime_ns, os.stat(repo / ".git" / "index").st_mtime_ns
