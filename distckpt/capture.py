@@ -98,8 +98,8 @@ def is_compiled_wrapper(module: nn.Module) -> bool:
     """torch.compile's wrapper (OptimizedModule), by its class: a model with a child of its own
     named `_orig_mod` is no wrapper (taken for one, only that child was saved, silently).
     By name, since importing torch._dynamo to compare classes costs seconds."""
-    return any(c.__name__ == "OptimizedModule" and c.__module__.startswith("torch._dynamo")
-               for c in type(module).__mro__) and isinstance(getattr(module, "_orig_mod", None), nn.Module)
+    return has_class_named(module, "OptimizedModule", "torch._dynamo") \
+        and isinstance(getattr(module, "_orig_mod", None), nn.Module)
 
 
 def is_fabric_wrapper(module: nn.Module) -> bool:
@@ -108,8 +108,17 @@ def is_fabric_wrapper(module: nn.Module) -> bool:
     module of its own, its buffers were named through both paths while its state_dict() is the
     inner module's: every save committed and no load could pass the buffer check (BatchNorm).
     By name: Lightning need not be installed."""
-    return any(c.__name__ == "_FabricModule" and c.__module__.startswith(("lightning_fabric.", "lightning.fabric."))
-               for c in type(module).__mro__) and isinstance(getattr(module, "_original_module", None), nn.Module)
+    return has_class_named(module, "_FabricModule", *FABRIC_MODULES) \
+        and isinstance(getattr(module, "_original_module", None), nn.Module)
+
+
+FABRIC_MODULES = ("lightning_fabric.", "lightning.fabric.")  # where Lightning Fabric's classes live
+
+
+def has_class_named(obj: Any, name: str, *modules: str) -> bool:
+    """Whether `obj`'s class, or a base of it, is `name` from a module under one of `modules`:
+    a third-party class told apart without importing its package (absent, or seconds to import)."""
+    return any(c.__name__ == name and c.__module__.startswith(modules) for c in type(obj).__mro__)
 
 
 # -- capture ----------------------------------------------------------------------------------

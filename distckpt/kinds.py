@@ -28,6 +28,7 @@ from torch import nn
 from . import copying, replay, sharded, undo, validation
 from .capture import (
     CONFIG_KEY,
+    FABRIC_MODULES,
     PER_RANK,
     REPLICATED,
     SHARDED,
@@ -45,6 +46,7 @@ from .capture import (
     _restore_sampler,
     config_differences,
     copy_released,
+    has_class_named,
     has_own_load_logic,
     note_user_error,
     parameter_flags,
@@ -245,8 +247,7 @@ class Loader(Kind):
                 "batch ahead and reseeds it each epoch, so a resume would not continue exactly. Keep the loader out "
                 "of accelerator.prepare(): build a torchdata StatefulDataLoader with a DistributedSampler and put "
                 "that in `state` (README: Hugging Face Accelerate)")
-        if any(c.__name__ == "_FabricDataLoader" and c.__module__.startswith(("lightning_fabric.", "lightning.fabric."))
-               for c in type(obj).__mro__):
+        if has_class_named(obj, "_FabricDataLoader", *FABRIC_MODULES):
             # Its __iter__ calls set_epoch on the sampler with its own count of iter() calls, which
             # restarts at 0 in a resumed process: a resume took another epoch's order, silently
             raise UnstorableValueError(

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
-from .capture import CheckpointWarning, _has_state_dict
+from .capture import CheckpointWarning, _has_state_dict, has_class_named
 from .errors import IncompatibleCheckpointError, UnstorableValueError
 from .rng import (
     as_python_state,
@@ -247,7 +247,7 @@ def _forget_a_restored_position(loader: Any) -> None:
 
 
 def _is_hf_iterable(obj: Any) -> bool:
-    return any(c.__name__ == "IterableDataset" and c.__module__.startswith("datasets.") for c in type(obj).__mro__)
+    return has_class_named(obj, "IterableDataset", "datasets.")
 
 
 def _warn_if_the_resumed_position_is_left(loader: Any) -> None:
@@ -348,7 +348,7 @@ def _replays_its_sampler(iterator: Any) -> bool:
 
 
 def _is_stateful_dataloader(loader: Any) -> bool:
-    return any(c.__name__ == "StatefulDataLoader" and c.__module__.startswith("torchdata.") for c in type(loader).__mro__)
+    return has_class_named(loader, "StatefulDataLoader", "torchdata.")
 
 
 def _is_torchdata(obj: Any, name: str) -> bool:

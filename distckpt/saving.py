@@ -33,6 +33,7 @@ from .capture import (
     SHARDED,
     Entry,
     capture_rank_buffers,
+    has_class_named,
 )
 from .commit import (
     ReplacePolicy,
@@ -236,8 +237,7 @@ def capture_save(coord: Coordinator, storage: Storage, entries: list[Entry], ste
 def is_zero_optimizer(obj: Any) -> bool:
     """torch.distributed.optim.ZeroRedundancyOptimizer (or a subclass), told apart without
     importing torch.distributed.optim."""
-    return any(c.__name__ == "ZeroRedundancyOptimizer" and c.__module__.startswith("torch.distributed.optim")
-               for c in type(obj).__mro__)
+    return has_class_named(obj, "ZeroRedundancyOptimizer", "torch.distributed.optim")
 
 
 def consolidate_zero_optimizers(entries: list[Entry]) -> None:
