@@ -372,6 +372,9 @@ def _loader_makeup(loader: Any) -> dict[str, Any]:
     size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
     if getattr(loader, "batch_size", 0) is None and isinstance(size, int) and not isinstance(size, bool):
         makeup["batch_sampler_batch_size"] = size
+    settings = replay.sampler_settings(loader)
+    if settings:
+        makeup["sampler_settings"] = settings
     return makeup
 
 
@@ -391,11 +394,28 @@ def _check_loader_makeup(loader: Any, saved: Any, where: str) -> None:
             f"batch_size={live[size]}: a batch sampler's position counts its batches, so the resume would continue "
             f"at another item (some never seen in this epoch, or seen twice); build it with batch_size={saved[size]}, "
             "or change it at an epoch boundary with the loader left out of that load")
+    _check_sampler_settings(saved.get("sampler_settings"), live.get("sampler_settings", {}), where)
     if "dataset_len" in saved and "dataset_len" in live and saved["dataset_len"] != live["dataset_len"]:
         raise IncompatibleCheckpointError(
             f"{where}: the loader's dataset has {live['dataset_len']} items and had {saved['dataset_len']} when saved: "
             "the saved position would continue another epoch's order (items seen before the save again, others never); "
             "resume over the same dataset, or start the new data at an epoch boundary without the loader's state")
+
+
+def _check_sampler_settings(saved: Any, live: dict[str, dict[str, bool]], where: str) -> None:
+    if not isinstance(saved, dict):
+        return  # saved before the settings were recorded
+    for path, settings in sorted(saved.items()):
+        if not isinstance(settings, dict) or path not in live:
+            continue
+        for name, was in sorted(settings.items()):
+            is_ = live[path].get(name)
+            if is_ is not None and is_ != was:
+                raise IncompatibleCheckpointError(
+                    f"{where}: the loader's {path} was saved with {name}={was} and has {name}={is_} here: its position "
+                    f"counts in the saved order, so the resume would continue another one (items seen before the save "
+                    f"again, others never); build the sampler with {name}={was}, or change it at an epoch boundary with "
+                    "the loader left out of that load")
 
 
 def _warn_iterator_made_before(entry: Entry) -> None:

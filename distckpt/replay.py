@@ -611,10 +611,10 @@ def warn_positions_left_out(loaders: list[Any]) -> None:
 
 # -- the samplers' epochs ------------------------------------------------------------------------
 
-def sampler_epochs(loader: Any) -> dict[str, int]:
-    """The epoch of every sampler in the loader that has one (DistributedSampler and its kin:
-    an int `epoch` and a `set_epoch`), by attribute path."""
-    found: dict[str, int] = {}
+def epoch_samplers(loader: Any) -> dict[str, Any]:
+    """Every sampler in the loader that has an epoch (DistributedSampler and its kin: an int
+    `epoch` and a `set_epoch`), by attribute path."""
+    found: dict[str, Any] = {}
     seen: set[int] = set()
 
     def visit(obj: Any, path: str, depth: int) -> None:
@@ -623,7 +623,7 @@ def sampler_epochs(loader: Any) -> dict[str, int]:
         seen.add(id(obj))
         epoch = getattr(obj, "__dict__", {}).get("epoch")
         if isinstance(epoch, int) and not isinstance(epoch, bool) and callable(getattr(obj, "set_epoch", None)):
-            found[path] = epoch
+            found[path] = obj
         # Every sampler it holds, under any name (a batch sampler's `inner`; Lightning's wrapper keeps
         # the loader's own sampler under `dataset._sampler`): only `.sampler` was followed, and a
         # DistributedSampler held as `inner` resumed in another epoch's order, silently.
@@ -634,6 +634,35 @@ def sampler_epochs(loader: Any) -> dict[str, int]:
     for name in ("sampler", "batch_sampler"):
         visit(getattr(loader, name, None), name, 0)
     return found
+
+
+def sampler_epochs(loader: Any) -> dict[str, int]:
+    """The epoch of every sampler in the loader that has one, by attribute path."""
+    return {path: sampler.epoch for path, sampler in epoch_samplers(loader).items()}
+
+
+# A sampler's settings that decide its order besides its epoch (DistributedSampler's): a position
+# saved under one and resumed under another continues another order (shuffle=False after a
+# shuffled save gave the items in sequence from the saved count on), silently.
+_ORDER_SETTINGS = ("shuffle", "drop_last")
+
+
+def sampler_settings(loader: Any) -> dict[str, dict[str, bool]]:
+    """The order-deciding settings of every sampler with an epoch, by attribute path; nothing
+    restores them, so they are checked at the load (the seed, which a sampler in `state` has
+    restored, is checked at the resumed iter())."""
+    out: dict[str, dict[str, bool]] = {}
+    for path, sampler in epoch_samplers(loader).items():
+        settings = {name: value for name in _ORDER_SETTINGS
+                    if isinstance(value := getattr(sampler, "__dict__", {}).get(name), bool)}
+        if settings:
+            out[path] = settings
+    return out
+
+
+def _sampler_seeds(loader: Any) -> dict[str, int]:
+    return {path: seed for path, sampler in epoch_samplers(loader).items()
+            if isinstance(seed := getattr(sampler, "__dict__", {}).get("seed"), int) and not isinstance(seed, bool)}
 
 
 def capture_epochs(loader: Any, was_dropped: bool) -> dict[str, Any] | None:
@@ -647,7 +676,7 @@ def capture_epochs(loader: Any, was_dropped: bool) -> dict[str, Any] | None:
     yielded = getattr(iterator, "_num_yielded", 0)
     mid_pass = (not was_dropped and iterator is not None and not getattr(iterator, "_finished", True)
                 and isinstance(yielded, int) and yielded > 0)
-    return {"epochs": epochs, "mid_pass": mid_pass}
+    return {"epochs": epochs, "mid_pass": mid_pass, "seeds": _sampler_seeds(loader)}
 
 
 def _check_epochs(loader: Any, saved: Any, where: str) -> None:
@@ -664,6 +693,7 @@ def _check_epochs(loader: Any, saved: Any, where: str) -> None:
         changed_now = changed
     else:  # a new pass: a later epoch is what the loop does; an earlier one is a count restarted
         changed_now = {p: (was, is_) for p, (was, is_) in changed.items() if is_ < was}
+    _check_seeds(loader, saved, where)
     if not changed_now:
         return
     path, (was, is_) = sorted(changed_now.items())[0]
@@ -681,6 +711,28 @@ def _check_epochs(loader: Any, saved: Any, where: str) -> None:
                f"not continue as it did; {cause}")
     log.warning(message)
     warnings.warn(message, CheckpointWarning, stacklevel=4)
+
+
+def _check_seeds(loader: Any, saved: dict[str, Any], where: str) -> None:
+    """A sampler's seed, as the resumed iter() sees it: one in `state` has the saved seed back by
+    now, so a different one is a sampler left out of `state` and built with another seed (its
+    order differs from the uninterrupted run's from the resumed batch on, silently before)."""
+    seeds = saved.get("seeds")
+    if not isinstance(seeds, dict):
+        return  # saved before seeds were recorded
+    now = _sampler_seeds(loader)
+    changed = sorted((path, seed, now[path]) for path, seed in seeds.items()
+                     if isinstance(seed, int) and path in now and now[path] != seed)
+    if not changed:
+        return
+    path, was, is_ = changed[0]
+    what = (f"{where}: its {path} was saved with seed={was} and has seed={is_} at this iter(), so its order is not "
+            "the uninterrupted run's: build the sampler with the saved seed, or put it in `state` (its seed "
+            "travels with it)")
+    if saved.get("mid_pass"):
+        raise IncompatibleCheckpointError(f"{what}; the loader resumes in the middle of an epoch")
+    log.warning(what)
+    warnings.warn(what, CheckpointWarning, stacklevel=4)
 
 
 def _resumed_iterator(loader: Any, plan: dict[str, Any], create: Callable[[], Any]) -> tuple[Any, Any]:

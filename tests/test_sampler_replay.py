@@ -894,3 +894,96 @@ def test_a_batch_sampler_resumed_with_another_batch_size_is_refused_with_nothing
     with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
         mgr.load_latest({"loader": loader, "sampler": sampler})
     assert [x for batch in loader for x in batch.tolist()] == taken[6:]
+
+
+@pytest.mark.parametrize("setting", ["shuffle", "drop_last"])
+@pytest.mark.parametrize("held", ["sampler", "batch-sampler-inner"])
+def test_a_distributed_sampler_resumed_with_another_order_setting_is_refused_with_nothing_changed(tmp_path, setting,
+                                                                                                   held):
+    """A mid-epoch position over DistributedSampler(shuffle=True) resumed into one built with
+    shuffle=False gave the items in sequence from the saved count on (items seen before the save
+    again, others never), silently; drop_last likewise changes which items the epoch holds."""
+    def build(flip: bool) -> tuple[StatefulDataLoader, DistributedSampler]:
+        options = {"shuffle": True, "drop_last": False}
+        if flip:
+            options[setting] = not options[setting]
+        sampler = DistributedSampler(Items(), num_replicas=5, rank=1, seed=3, **options)  # 3 items, or 2 dropping
+        if held == "sampler":
+            return StatefulDataLoader(Items(), batch_size=1, sampler=sampler), sampler
+        return StatefulDataLoader(Items(), batch_sampler=HoldingBatches(sampler, 1)), sampler
+
+    loader, sampler = build(False)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        taken = []
+        for i, batch in enumerate(loader):
+            taken += batch.tolist()
+            if i == 0:
+                mgr.save(2, {"loader": loader, "sampler": sampler})
+    loader, sampler = build(True)
+    before = {k: v for k, v in vars(loader).items() if k != "_get_iterator"}
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr, \
+            pytest.raises(distckpt.IncompatibleCheckpointError, match=f"saved with {setting}=.* and has {setting}="):
+        mgr.load_latest({"loader": loader, "sampler": sampler})
+    assert {k: v for k, v in vars(loader).items() if k != "_get_iterator"} == before
+    loader, sampler = build(False)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.load_latest({"loader": loader, "sampler": sampler})
+    assert len(taken) == 3 and [x for batch in loader for x in batch.tolist()] == taken[1:]
+
+
+def _save_a_distributed_position(root: str, batches: int | None, in_state: bool) -> list[int]:
+    """Saves after `batches` batches of the first pass, or after the whole pass (None)."""
+    sampler = DistributedSampler(Items(), num_replicas=1, rank=0, shuffle=True, seed=3)
+    loader = StatefulDataLoader(Items(), batch_size=2, sampler=sampler)
+    state: dict = {"loader": loader, **({"sampler": sampler} if in_state else {})}
+    taken: list[int] = []
+    with distckpt.CheckpointManager(root) as mgr:
+        for i, batch in enumerate(loader):
+            taken += batch.tolist()
+            if batches is not None and i == batches - 1:
+                mgr.save(2, state)
+                break
+        if batches is None:
+            mgr.save(2, state)
+    return taken
+
+
+def test_a_loaders_sampler_left_out_of_state_and_built_with_another_seed_is_refused_mid_epoch(tmp_path):
+    """The sampler's seed travels with the sampler when it is in `state`; left out, a sampler
+    built with another seed resumed the saved position in another order, silently. The resumed
+    iter() refuses it now, keeping the position, so the right seed continues exactly."""
+    taken = _save_a_distributed_position(str(tmp_path / "c"), 3, in_state=False)
+    sampler = DistributedSampler(Items(), num_replicas=1, rank=0, shuffle=True, seed=4)
+    loader = StatefulDataLoader(Items(), batch_size=2, sampler=sampler)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.load_latest({"loader": loader})
+    with pytest.raises(distckpt.IncompatibleCheckpointError, match="saved with seed=3 and has seed=4"):
+        iter(loader)
+    sampler.seed = 3
+    rest = [x for batch in loader for x in batch.tolist()]
+    assert rest and sorted(taken[:6] + rest) == list(range(ITEMS))
+    full = DistributedSampler(Items(), num_replicas=1, rank=0, shuffle=True, seed=3)
+    assert taken[:6] + rest == list(full)
+
+
+def test_a_sampler_in_state_built_with_another_seed_resumes_with_the_saved_one(tmp_path):
+    taken = _save_a_distributed_position(str(tmp_path / "c"), 3, in_state=True)
+    sampler = DistributedSampler(Items(), num_replicas=1, rank=0, shuffle=True, seed=4)
+    loader = StatefulDataLoader(Items(), batch_size=2, sampler=sampler)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.load_latest({"loader": loader, "sampler": sampler})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", distckpt.CheckpointWarning)
+        rest = [x for batch in loader for x in batch.tolist()]
+    assert taken[:6] + rest == list(DistributedSampler(Items(), num_replicas=1, rank=0, shuffle=True, seed=3))
+
+
+def test_a_loaders_sampler_built_with_another_seed_after_an_epoch_end_save_is_warned_about(tmp_path):
+    _save_a_distributed_position(str(tmp_path / "c"), None, in_state=False)
+    sampler = DistributedSampler(Items(), num_replicas=1, rank=0, shuffle=True, seed=4)
+    loader = StatefulDataLoader(Items(), batch_size=2, sampler=sampler)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.load_latest({"loader": loader})
+    sampler.set_epoch(1)
+    with pytest.warns(distckpt.CheckpointWarning, match="saved with seed=3 and has seed=4"):
+        iter(loader)
