@@ -184,7 +184,14 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
     def steps_of(root: Storage) -> list[tuple[bool, int]]:
         if args.step is not None:
             return [(False, step) for step in _steps(root, args)]
-        return list(itertools.islice(_in_load_order(root, leases), _INSPECT_TRIES))
+        in_order = list(itertools.islice(_in_load_order(root, leases), _INSPECT_TRIES))
+        # The newest entry spelled like a step whose marker may stand, as load_latest tries it: the
+        # root listing does not follow a step directory replaced by a symbolic link (nor shows a
+        # file standing there), and inspect described the step below without a word of it
+        newest = _steps(root, args)
+        if newest and newest[0] not in {step for _, step in in_order}:
+            in_order.insert(0, (False, newest[0]))
+        return in_order
 
     found = [(superseded, step, tier, root) for tier, root in _tiers(storage, args)
              for superseded, step in steps_of(root) if args.step is None or step in list_committed(root)] or \

@@ -517,3 +517,28 @@ def test_verify_without_a_step_judges_the_newest_step_as_ls_lists_it(tmp_path, c
         assert listed[9] == "uncommitted"
         assert code == 0 and [(r["step"], r["ok"]) for r in rows] == [(2, True)]
     assert listed[9].startswith("damaged") == (stray in ("file", "marker-directory", "symlinked-step"))
+
+
+@pytest.mark.parametrize("stray", ["file", "marker-directory", "empty-directory", "uncommitted-save",
+                                   "symlinked-step", "dangling-symlink"])
+def test_inspect_without_a_step_says_a_damaged_newest_step_as_ls_lists_it(tmp_path, capsys, stray):
+    """inspect (newest step) described step 2 and said nothing of step 9, a step directory
+    replaced by a symbolic link that `ls` lists as damaged and load_latest passes over saying so."""
+    import shutil
+
+    root = tmp_path / "c"
+    make_run(str(root), steps=(1, 2))
+    name = root / "step-000000009"
+    if stray in _STRAYS:
+        _make_stray(name, stray)
+    elif stray == "symlinked-step":
+        shutil.copytree(root / "step-000000002", tmp_path / "elsewhere")
+        name.symlink_to(tmp_path / "elsewhere")
+    else:
+        name.symlink_to(tmp_path / "nothing-here")
+    assert cli.main(["ls", str(root), "--json"]) == 0
+    listed = {r["step"]: r["status"] for r in json.loads(capsys.readouterr().out)}
+    code = cli.main(["inspect", str(root), "--json"])
+    out = capsys.readouterr()
+    assert code == 0 and json.loads(out.out)["manifest"]["step"] == 2
+    assert ("step 9" in out.err) == listed[9].startswith("damaged"), (listed[9], out.err)
