@@ -488,13 +488,7 @@ def test_an_unreadable_step_directory_is_listed_and_verified_as_such_not_hidden(
     assert "Permission denied" in verify.stdout
 
 
-@pytest.mark.parametrize("stray", ["file", "marker-directory", "empty-directory", "uncommitted-save",
-                                   "symlinked-step", "dangling-symlink"])
-def test_verify_without_a_step_judges_the_newest_step_as_ls_lists_it(tmp_path, capsys, stray):
-    """`ls` listed a step directory replaced by a symbolic link as damaged and load_latest fell
-    back past it, while `verify` (newest step) said "step 2: ok": the whole-root listing does not
-    follow links. verify now takes the newest step as load_latest does, so each tool tells the
-    same story of the newest entry spelled like a step."""
+def _steps_1_2_and_a_stray_step_9(tmp_path, stray: str):
     import shutil
 
     root = tmp_path / "c"
@@ -507,6 +501,17 @@ def test_verify_without_a_step_judges_the_newest_step_as_ls_lists_it(tmp_path, c
         name.symlink_to(tmp_path / "elsewhere")
     else:
         name.symlink_to(tmp_path / "nothing-here")
+    return root
+
+
+@pytest.mark.parametrize("stray", ["file", "marker-directory", "empty-directory", "uncommitted-save",
+                                   "symlinked-step", "dangling-symlink"])
+def test_verify_without_a_step_judges_the_newest_step_as_ls_lists_it(tmp_path, capsys, stray):
+    """`ls` listed a step directory replaced by a symbolic link as damaged and load_latest fell
+    back past it, while `verify` (newest step) said "step 2: ok": the whole-root listing does not
+    follow links. verify now takes the newest step as load_latest does, so each tool tells the
+    same story of the newest entry spelled like a step."""
+    root = _steps_1_2_and_a_stray_step_9(tmp_path, stray)
     assert cli.main(["ls", str(root), "--json"]) == 0
     listed = {r["step"]: r["status"] for r in json.loads(capsys.readouterr().out)}
     code = cli.main(["verify", str(root), "--json"])
@@ -524,18 +529,7 @@ def test_verify_without_a_step_judges_the_newest_step_as_ls_lists_it(tmp_path, c
 def test_inspect_without_a_step_says_a_damaged_newest_step_as_ls_lists_it(tmp_path, capsys, stray):
     """inspect (newest step) described step 2 and said nothing of step 9, a step directory
     replaced by a symbolic link that `ls` lists as damaged and load_latest passes over saying so."""
-    import shutil
-
-    root = tmp_path / "c"
-    make_run(str(root), steps=(1, 2))
-    name = root / "step-000000009"
-    if stray in _STRAYS:
-        _make_stray(name, stray)
-    elif stray == "symlinked-step":
-        shutil.copytree(root / "step-000000002", tmp_path / "elsewhere")
-        name.symlink_to(tmp_path / "elsewhere")
-    else:
-        name.symlink_to(tmp_path / "nothing-here")
+    root = _steps_1_2_and_a_stray_step_9(tmp_path, stray)
     assert cli.main(["ls", str(root), "--json"]) == 0
     listed = {r["step"]: r["status"] for r in json.loads(capsys.readouterr().out)}
     code = cli.main(["inspect", str(root), "--json"])
