@@ -92,7 +92,7 @@ class RankReport:
     rank: int
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> size and checksum, as in "files"
     shard_file: str | None = None
-    boxes: dict[str, list[list[int]]] | None = None  # the shard file's pieces: name -> [offsets, shape]
+    boxes: dict[str, list[Any]] | None = None  # the shard file's pieces: name -> [offsets, shape(, checksum)]
     failure: Outcome | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -120,7 +120,7 @@ class RankWrite:
     generation: int
     rank_file: bytes | None
     shard_tree: EncodedTree | None
-    boxes: dict[str, list[list[int]]]
+    boxes: dict[str, list[Any]]
     report_key: str
 
     def run(self, storage: Storage, reports: Reports, failure: BaseException | None = None) -> None:
@@ -275,7 +275,9 @@ def _own_write(rank: int, step: int, local: _Captured, infos: list[dict[str, Any
         return None
     tree = local.shards.file_tree(rank) if local.shards is not None else None
     boxes = {} if local.shards is None else \
-        {name: [local.shards.offsets[name], list(t.shape)] for name, t in local.shards.pieces.items()}
+        {name: [local.shards.offsets[name], list(t.shape)] + ([local.shards.digests[name]]
+                                                               if name in local.shards.digests else [])
+         for name, t in local.shards.pieces.items()}
     return RankWrite(rank, step, int(infos[0]["generation"]), None if handover else local.rank_file, tree,
                      boxes, key)
 

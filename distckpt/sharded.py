@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from . import manifest as mf
+from .checksums import checksum_of
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, UnstorableValueError
 from .reading import read_verified
 from .serialize import (
@@ -44,7 +45,7 @@ from .serialize import (
     key_path,
     load_tree_file,
 )
-from .staging import StagingPool, region_key
+from .staging import StagingPool, memory_of, region_key
 from .storage import Storage, release_pages
 
 SHARDED = "sharded"
@@ -151,6 +152,10 @@ class LocalShards:
         self.meta: dict[str, dict[str, Any]] = {}      # name -> global dtype and shape
         self.pieces: dict[str, torch.Tensor] = {}      # name -> the local piece this rank writes
         self.offsets: dict[str, list[int]] = {}
+        # Checksums of the pieces of DTensors on part of the world's ranks (tensor parallel on one
+        # dimension of a 2-D mesh): the ranks of the other dimensions hold copies the DTensor does
+        # not know of, each writes its own, and rank 0 keeps one after checking they are equal.
+        self.digests: dict[str, str] = {}
         self._by_id: dict[int, str] = {}
         self._by_region: dict[tuple[Any, ...], str] = {}
         self._assigned = [0] * world_size               # bytes of whole tensors given to each rank
@@ -185,9 +190,10 @@ class LocalShards:
         bad = [p for p in dt.placements if not _allowed_placement(p)]  # type: ignore[attr-defined]
         if bad:
             raise UnstorableValueError(
-                f"{key_path(path)} is a DTensor with placements {dt.placements} "  # type: ignore[attr-defined]
-                "; distckpt stores Shard(dim) and Replicate() placements (FSDP2, tensor parallel); "
-                "call .redistribute() to one of them first")
+                f"{key_path(path)} is a DTensor with placements {dt.placements}: distckpt "  # type: ignore[attr-defined]
+                "stores Shard(dim) and Replicate() placements only (FSDP2, HSDP, tensor parallel). A Partial "
+                "tensor: .redistribute() it to Replicate() first; a strided shard (FSDP2 over tensor parallel "
+                "on a 2-D mesh): shard the model with one of them, or HSDP (fully_shard over a 2-D mesh)")
         check_dtype(dt, path)
         name = "/".join(str(p) for p in path)
         self._by_id[id(dt)] = name
@@ -196,6 +202,8 @@ class LocalShards:
         if _owns(dt) and local.numel():
             self.offsets[name] = local_box(dt)[0]
             self.pieces[name] = self._snapshot(name, local)
+            if dt.device_mesh.size() < self.world_size:  # type: ignore[attr-defined]
+                self.digests[name] = checksum_of(memory_of(local if local.device.type == "cpu" else local.cpu()))
         return name
 
     def _snapshot(self, name: str, local: torch.Tensor) -> torch.Tensor:
@@ -221,17 +229,28 @@ class ShardReport:
     rank: int
     file: str | None = None
     record: dict[str, Any] | None = None           # size and checksum, as in manifest "files"
-    boxes: dict[str, list[list[int]]] | None = None  # name -> [offsets, shape]
+    boxes: dict[str, list[Any]] | None = None  # name -> [offsets, shape], + checksum for a piece on part of the mesh
 
 
 def chunk_table(meta: dict[str, dict[str, Any]], reports: list[ShardReport], where: str) -> dict[str, Any]:
     """The manifest's "sharded" table; raises if the reported chunks do not cover every tensor."""
     table = {name: {"dtype": m["dtype"], "shape": m["shape"], "chunks": []} for name, m in meta.items()}
+    written: dict[tuple[str, str], tuple[int, Any]] = {}  # (name, box) -> the first rank's (rank, checksum)
     for report in reports:
-        for name, (offsets, shape) in (report.boxes or {}).items():
+        for name, box in (report.boxes or {}).items():
+            offsets, shape = box[0], box[1]
             if name not in table:
                 raise IncompatibleCheckpointError(f"{where}: rank {report.rank} wrote a shard of {name!r}, "
                                                   "which rank 0's state does not hold; ranks hold different models")
+            digest = box[2] if len(box) > 2 else None
+            first = written.setdefault((name, repr((offsets, shape))), (report.rank, digest))
+            if first[0] != report.rank:  # a copy along a mesh dimension the DTensor does not span
+                if digest is None or digest != first[1]:
+                    raise IncompatibleCheckpointError(
+                        f"{where}: ranks {first[0]} and {report.rank} hold the same piece of {name!r} with different "
+                        "values: a DTensor on part of the mesh (tensor parallel inside data parallel) must be equal "
+                        "on every copy; average the gradients over the other mesh dimension too")
+                continue
             table[name]["chunks"].append({"file": report.file, "offsets": offsets, "shape": shape})
     for name, entry in table.items():
         covered = sum(math.prod(c["shape"]) for c in entry["chunks"])
@@ -383,6 +402,8 @@ def resolve(saved: Any, target: Any, reader: ShardReader, path: tuple[Any, ...],
     `may_alias`: the result is copied by its consumer, so it may view the file's buffer."""
     if isinstance(saved, ShardRef):
         return _resolve_ref(saved, target, reader, path, may_alias)
+    if isinstance(saved, torch.Tensor) and is_dtensor(target):
+        return _piece_of_whole(saved, target, path)
     if isinstance(saved, dict):
         return {k: resolve(v, target.get(k) if isinstance(target, dict) else None, reader, path + (k,), may_alias)
                 for k, v in saved.items()}
@@ -409,6 +430,23 @@ def _resolve_ref(ref: ShardRef, target: Any, reader: ShardReader, path: tuple[An
 
     offsets, local_shape = local_box(target)
     local = reader.assemble(ref.name, offsets, local_shape, may_alias).to(target.to_local().device)  # type: ignore[attr-defined]
+    return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,  # type: ignore[attr-defined]
+                              shape=target.shape, stride=target.stride())
+
+
+def _piece_of_whole(whole: torch.Tensor, target: Any, path: tuple[Any, ...]) -> torch.Tensor:
+    """A tensor saved whole (a plain parameter of a partly tensor-parallel model) loaded where this
+    job holds a DTensor (the same model under fully_shard): this rank's piece of it. Handed over as
+    it was, set_model_state_dict failed mixing a plain tensor and a DTensor in copy_."""
+    from torch.distributed.tensor import DTensor
+
+    if list(target.shape) != list(whole.shape):
+        raise IncompatibleCheckpointError(
+            f"{key_path(path)}: {list(whole.shape)} {whole.dtype} in the checkpoint, {list(target.shape)} "
+            f"{target.dtype} here")
+    offsets, local_shape = local_box(target)
+    piece = whole[tuple(slice(o, o + n) for o, n in zip(offsets, local_shape))]
+    local = piece.to(device=target.to_local().device, dtype=target.dtype).contiguous()
     return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,  # type: ignore[attr-defined]
                               shape=target.shape, stride=target.stride())
 

@@ -231,3 +231,57 @@ def a_layer_frozen_mid_run_stays_frozen(rank: int, world: int, url: str) -> list
     with distckpt.CheckpointManager(url, timeout=60) as mgr:
         mgr.load_latest(fresh)
     return [name for name, p in fresh["model"].named_parameters() if not p.requires_grad]
+
+
+def _tensor_parallel_net(seed: int, world: int, on_part_of_the_mesh: bool) -> nn.Module:
+    """Net with its body tensor parallel (column- then row-wise) and a plain head: over every
+    rank, or over the "tp" dimension of a (dp=world, tp=1) mesh, whose "dp" copies the DTensors
+    do not know of."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(seed)
+    model = Net()
+    if on_part_of_the_mesh:
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))["tp"]
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(model.body, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model
+
+
+def tensor_parallel_on_part_of_the_mesh(rank: int, world: int, url: str, diverge: bool = False) -> dict:
+    """Every "dp" copy writes the same pieces: one is kept after checking they are equal (the save
+    was refused as "overlapping pieces"); copies that differ are refused naming two ranks."""
+    model = _tensor_parallel_net(0, world, on_part_of_the_mesh=True)
+    if diverge and rank == 1:
+        with torch.no_grad():
+            model.body[0].weight.add_(1.0)
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        try:
+            mgr.save(1, {"model": model})
+        except distckpt.DistCkptError as e:
+            return {"error": str(e)}
+    saved = {k: _whole(v) for k, v in model.state_dict().items()}
+    other = _tensor_parallel_net(5, world, on_part_of_the_mesh=True)
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.load_latest({"model": other})
+    return {"saved": saved, "loaded": {k: _whole(v) for k, v in other.state_dict().items()}}
+
+
+def partly_tensor_parallel_into_fully_sharded(rank: int, world: int, url: str) -> dict:
+    """A checkpoint of a model whose head is a plain parameter beside tensor-parallel ones, loaded
+    into the same model under fully_shard: it failed inside torch's copy_ (a plain tensor into a
+    DTensor), after every check had passed."""
+    model = _tensor_parallel_net(0, world, on_part_of_the_mesh=False)
+    source = {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2),
+              "gen": torch.Generator().manual_seed(7)}
+    for p in model.parameters():  # a step, for the optimizer's moments (no forward needed)
+        p.grad = torch.ones_like(p)
+    source["optimizer"].step()
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.save(1, source)
+    target = build(9)
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        mgr.load_latest(target)
+    return {"expected": full_values(source), "loaded": full_values(target)}

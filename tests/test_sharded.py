@@ -200,3 +200,22 @@ def test_saves_and_loads_of_an_optimizer_without_state_leave_it_without_state(ck
 def test_a_layer_frozen_mid_run_stays_frozen_after_a_resume(ckpt_dir):
     for frozen in _ok(run_world(f"{W}:a_layer_frozen_mid_run_stays_frozen", 2, url=ckpt_dir)):
         assert frozen == ["head.weight", "head.bias"], frozen
+
+
+def test_tensor_parallel_on_part_of_the_mesh_saves_one_copy_and_loads_exactly(ckpt_dir):
+    for r in _ok(run_world(f"{W}:tensor_parallel_on_part_of_the_mesh", 2, url=ckpt_dir)):
+        assert "error" not in r, r
+        assert r["loaded"] == r["saved"]
+    table = _manifest(ckpt_dir, "step-000000001")["sharded"]
+    assert all(len(entry["chunks"]) == 1 for entry in table.values()), table  # one copy of each piece
+
+
+def test_tensor_parallel_copies_that_differ_are_refused_naming_the_ranks(ckpt_dir):
+    for r in _ok(run_world(f"{W}:tensor_parallel_on_part_of_the_mesh", 2, url=ckpt_dir, diverge=True)):
+        assert "ranks 0 and 1 hold the same piece of" in r["error"] and "body.0.weight" in r["error"], r
+    assert distckpt.CheckpointManager(ckpt_dir).committed_steps() == []
+
+
+def test_a_partly_tensor_parallel_checkpoint_loads_into_the_fully_sharded_model(ckpt_dir):
+    for r in _ok(run_world(f"{W}:partly_tensor_parallel_into_fully_sharded", 2, url=ckpt_dir)):
+        assert any(k.startswith("opt.") for k in r["expected"]) and r["loaded"] == r["expected"]
