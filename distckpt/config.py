@@ -14,7 +14,7 @@ import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, shown
 
 MIN_TIMEOUT_S = 0.001
 MAX_TIMEOUT_S = 30 * 24 * 3600.0  # beyond this a deadline is a mistake (and overflows C++ timers)
@@ -48,22 +48,25 @@ class ManagerConfig:
         for name in ("keep_last", "keep_best"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
-                raise ConfigError(f"{name}={value!r}: must be a positive int or None (keep all)")
+                raise ConfigError(f"{name}={shown(value)}: must be a positive int or None (keep all)")
             if value is not None:
                 object.__setattr__(self, name, int(value))  # a NumPy integer, as keep_local and step take
         _choice("best_mode", self.best_mode, ("min", "max"))
         for name in ("async_save", "split_writes", "allow_dtype_cast", "incremental", "overlap_snapshot"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r}: must be True or False")
+                raise ConfigError(f"{name}={shown(getattr(self, name))}: must be True or False")
         object.__setattr__(self, "timeout", seconds("timeout", self.timeout, default=DEFAULT_TIMEOUT_S))
         if self.world_size_policy not in ("refuse", "reshard", "replicated_only"):
-            raise ConfigError(f"world_size_policy={self.world_size_policy!r}: must be 'refuse' (default) or "
+            raise ConfigError(f"world_size_policy={shown(self.world_size_policy)}: must be 'refuse' (default) or "
                               "'reshard' (restore replicated and sharded state at another world size, keep "
                               "this run's per-rank state; 'replicated_only' is its older name)")
         grace = self.leftover_grace_s
         if isinstance(grace, bool) or not isinstance(grace, numbers.Real) or not (0 <= grace < math.inf):
-            raise ConfigError(f"leftover_grace_s={grace!r}: must be a finite number of seconds >= 0")
-        object.__setattr__(self, "leftover_grace_s", float(grace))
+            raise ConfigError(f"leftover_grace_s={shown(grace)}: must be a finite number of seconds >= 0")
+        try:
+            object.__setattr__(self, "leftover_grace_s", float(grace))
+        except OverflowError:  # an int past float's range: no finite number of seconds
+            raise ConfigError(f"leftover_grace_s={shown(grace)}: must be a finite number of seconds >= 0") from None
         _choice("missing_entries", self.missing_entries, ("refuse", "keep"))
         object.__setattr__(self, "preemption_signals", signals("preemption_signals", self.preemption_signals))
         if self.overlap_snapshot and not self.async_save:
@@ -73,7 +76,7 @@ class ManagerConfig:
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if not isinstance(value, str) or value not in allowed:
-        raise ConfigError(f"{name}={value!r}: must be one of {', '.join(repr(a) for a in allowed)}")
+        raise ConfigError(f"{name}={shown(value)}: must be one of {', '.join(repr(a) for a in allowed)}")
 
 
 def seconds(name: str, value: Any, default: float | None = None) -> float:
@@ -84,13 +87,13 @@ def seconds(name: str, value: Any, default: float | None = None) -> float:
     if isinstance(value, datetime.timedelta):
         value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(f"{name}={value!r}: must be a number of seconds or a datetime.timedelta")
+        raise ConfigError(f"{name}={shown(value)}: must be a number of seconds or a datetime.timedelta")
     try:
         value = float(value)
     except OverflowError:
         value = math.inf
     if not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:
-        raise ConfigError(f"{name}={value!r}: must be at least {MIN_TIMEOUT_S} s and at most {MAX_TIMEOUT_S:.0f} s "
+        raise ConfigError(f"{name}={shown(value)}: must be at least {MIN_TIMEOUT_S} s and at most {MAX_TIMEOUT_S:.0f} s "
                           "(30 days): every collective needs a finite deadline, and gloo counts it in whole "
                           "milliseconds (less than one is 0)")
     return value
@@ -99,12 +102,12 @@ def seconds(name: str, value: Any, default: float | None = None) -> float:
 def signals(name: str, value: Any) -> tuple[int, ...]:
     """Signals as numbers, from a signal, a name ("SIGTERM" or "TERM"), or a sequence of them."""
     if isinstance(value, (bytes, bytearray, dict)):  # bytes iterate as numbers: b"\x0f" read as SIGTERM
-        raise ConfigError(f"{name}={value!r}: must be a signal, a signal name, or a tuple of them")
+        raise ConfigError(f"{name}={shown(value)}: must be a signal, a signal name, or a tuple of them")
     items = [value] if isinstance(value, (int, str, signal.Signals)) and not isinstance(value, bool) else value
     try:
         items = list(items)
     except TypeError:
-        raise ConfigError(f"{name}={value!r}: must be a signal, a signal name, or a tuple of them") from None
+        raise ConfigError(f"{name}={shown(value)}: must be a signal, a signal name, or a tuple of them") from None
     out = []
     for item in items:
         sig = _one_signal(name, item)
@@ -141,11 +144,11 @@ def _one_signal(name: str, item: Any) -> int:
         key = item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()
         if key in signal.Signals.__members__:
             return int(signal.Signals[key])
-        raise ConfigError(f"{name}: {item!r} is not a signal name (e.g. 'SIGTERM')")
+        raise ConfigError(f"{name}: {shown(item)} is not a signal name (e.g. 'SIGTERM')")
     if isinstance(item, bool) or not isinstance(item, int):
-        raise ConfigError(f"{name}: {item!r} is not a signal (e.g. signal.SIGTERM)")
+        raise ConfigError(f"{name}: {shown(item)} is not a signal (e.g. signal.SIGTERM)")
     if int(item) not in {int(s) for s in signal.valid_signals()}:  # real-time signals have no Signals member
-        raise ConfigError(f"{name}: {item!r} is not a signal number on this system")
+        raise ConfigError(f"{name}: {shown(item)} is not a signal number on this system")
     return int(item)
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .config import seconds
-from .errors import ConfigError
+from .errors import ConfigError, shown
 
 log = logging.getLogger("distckpt")
 
@@ -51,7 +51,7 @@ def init_distributed(backend: str | None = None, timeout: float | timedelta = 60
     """
     timeout = seconds("timeout", timeout)
     if backend is not None and (not isinstance(backend, str) or backend.lower() not in _BACKENDS):
-        raise ConfigError(f"backend={backend!r}: must be None (NCCL on GPUs, else gloo) or one of "
+        raise ConfigError(f"backend={shown(backend)}: must be None (NCCL on GPUs, else gloo) or one of "
                           f"{sorted(_BACKENDS)}")
     env = os.environ
     try:

@@ -100,3 +100,15 @@ class SnapshotChangedError(DistCkptError, RuntimeError):
     """With overlap_snapshot: a tensor was changed in place while the writer thread copied it
     (by something other than an optimizer in `state`, whose step waits for the copy). The save
     is not committed; raised on every rank, inside AsyncSaveError, at the next save/wait/close."""
+
+
+SHOWN_CHARS = 120  # an argument's repr in a message: a 10**400 metric or a megabyte URL said in full buried the message
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """repr(value) for an error message, its middle elided past `limit` characters."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    keep = (limit - 30) // 2
+    return f"{text[:keep]}…<{len(text) - 2 * keep:,} characters>…{text[-keep:]}"

@@ -22,7 +22,7 @@ from typing import Any
 
 from .capture import IMPORTED
 from .commit import list_committed
-from .errors import CheckpointExistsError, ConfigError, CorruptCheckpointError, MissingFileError, UnstorableValueError
+from .errors import CheckpointExistsError, ConfigError, CorruptCheckpointError, MissingFileError, UnstorableValueError, shown
 from .fencing import acquire
 from .saving import StagedSave, write_and_commit
 from .serialize import encode_tree, safetensors_chunks
@@ -120,7 +120,7 @@ def _write_import(obj: Any, url: str, source: str, world_size: int, step: int | 
         raise UnstorableValueError(f"{source} holds a {type(obj).__name__}; an import needs a dict of named "
                                    "entries (e.g. {'model': model.state_dict(), 'optimizer': opt.state_dict()})")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 1 <= world_size <= MAX_IMPORT_WORLD:
-        raise ConfigError(f"world_size={world_size!r}: must be an int from 1 to {MAX_IMPORT_WORLD} (the ranks of the "
+        raise ConfigError(f"world_size={shown(world_size)}: must be an int from 1 to {MAX_IMPORT_WORLD} (the ranks of the "
                           "resuming job; the import writes one file per rank)")
     step = _step_of(obj, step)
     epoch = obj.get("epoch") if type(obj.get("epoch")) is int and obj["epoch"] >= 0 else None
@@ -158,7 +158,7 @@ def _optimizer_keys_as_ints(value: Any) -> Any:
 def _step_of(obj: dict[str, Any], step: int | None) -> int:
     if step is not None:
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= LARGEST_COUNT:
-            raise ConfigError(f"step={step!r}: must be an int >= 0 (at most 2**63-1, as save() takes)")
+            raise ConfigError(f"step={shown(step)}: must be an int >= 0 (at most 2**63-1, as save() takes)")
         return step
     for key in ("step", "global_step", "iteration"):
         if key not in obj:
@@ -166,7 +166,7 @@ def _step_of(obj: dict[str, Any], step: int | None) -> int:
         value = _integer(obj[key])
         # beyond 2**63-1 the job resumed from it could never save again (save() refuses such steps)
         if value is None or not 0 <= value <= LARGEST_COUNT:
-            raise ConfigError(f"the source's {key!r} is {obj[key]!r}, not a step number (an int from 0 to "
+            raise ConfigError(f"the source's {shown(key)} is {obj[key]!r}, not a step number (an int from 0 to "
                               "2**63-1); pass the step to commit it as (--step N, step=N)")
         return value
     return 0

@@ -36,6 +36,7 @@ from .errors import (
     MissingFileError,
     RunConflictError,
     StorageError,
+    shown,
 )
 from .fencing import Lease, acquire, read_leases
 from .fencing import check_current as check_fence
@@ -1006,14 +1007,14 @@ def _check_metric(metric: Any) -> float:
         except (RuntimeError, ValueError) as e:  # a meta tensor has no value to read
             raise ConfigError(f"metric: a tensor whose value cannot be read ({e}); pass a number") from None
     if isinstance(metric, bool) or not isinstance(metric, numbers.Real):
-        raise ConfigError(f"metric={metric!r}: must be a number (e.g. the validation loss), not "
+        raise ConfigError(f"metric={shown(metric)}: must be a number (e.g. the validation loss), not "
                           f"{type(metric).__name__}")
     try:
         value = float(metric)
     except OverflowError:
-        raise ConfigError(f"metric={metric!r}: too large for a float") from None
+        raise ConfigError(f"metric={shown(metric)}: too large for a float") from None
     if not math.isfinite(value):
-        raise ConfigError(f"metric={metric!r}: must be finite to rank checkpoints by it")
+        raise ConfigError(f"metric={shown(metric)}: must be finite to rank checkpoints by it")
     return value
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .checksums import RELEASE_CHUNK, Checksum, checksum_of, verify_file  # noqa: F401  (the format's checksums)
-from .errors import ConfigError, CorruptCheckpointError
+from .errors import ConfigError, CorruptCheckpointError, shown
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -48,7 +48,7 @@ def refuse_step_directory(url: str, name: str = "url") -> None:
     step = parse_step_dir(last)
     if step is not None:
         parent = trimmed[: -len(last)].rstrip("/") or "/"
-        raise ConfigError(f"{name}={url!r}: is the directory of step {step} inside the checkpoint root {parent!r}, "
+        raise ConfigError(f"{name}={shown(url)}: is the directory of step {step} inside the checkpoint root {shown(parent)}, "
                           f"not a root (a manager there finds nothing committed and starts over); pass {parent!r}, "
                           f"with load(state, step={step}) (or --step {step} on the command line) for that step")
 

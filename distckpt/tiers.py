@@ -31,7 +31,7 @@ from . import faults, fencing
 from . import manifest as mf
 from .commit import ReplacePolicy, clear_step_dir, create_manifest, create_marker, list_committed, read_marker
 from .coord import Coordinator, attempt_on_root, attempt_phase
-from .errors import ConfigError, CorruptCheckpointError, DistCkptError, MissingFileError, RunConflictError
+from .errors import ConfigError, CorruptCheckpointError, DistCkptError, MissingFileError, RunConflictError, shown
 from .fencing import Lease
 from .storage import Storage
 
@@ -58,21 +58,21 @@ class TierSettings:
         if local_dir is None:
             for name, value in (("durable_every", durable_every), ("keep_local", keep_local)):
                 if value is not None:
-                    raise ConfigError(f"{name}={value!r} needs local_dir= (the node-local tier it counts "
+                    raise ConfigError(f"{name}={shown(value)} needs local_dir= (the node-local tier it counts "
                                       "saves of); without local_dir every save goes to the URL")
             return cls()
         path = _local_path(local_dir)
         if os.path.exists(path) and not os.path.isdir(path):
-            raise ConfigError(f"local_dir={local_dir!r} is a file: the local tier is a directory on node-local disk")
+            raise ConfigError(f"local_dir={shown(local_dir)} is a file: the local tier is a directory on node-local disk")
         if "://" not in url or url.startswith("file://"):
             _refuse_nesting(local_dir, path, url[len("file://"):] if url.startswith("file://") else url)
         every = 10 if durable_every is None else durable_every
         if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
-            raise ConfigError(f"durable_every={durable_every!r}: must be an int >= 1 (every Nth save is also "
+            raise ConfigError(f"durable_every={shown(durable_every)}: must be an int >= 1 (every Nth save is also "
                               "made durable; 1: every save)")
         if keep_local is not None and (isinstance(keep_local, bool) or not isinstance(keep_local, numbers.Integral)
                                        or keep_local < 1):
-            raise ConfigError(f"keep_local={keep_local!r}: must be a positive int or None (keep all)")
+            raise ConfigError(f"keep_local={shown(keep_local)}: must be a positive int or None (keep all)")
         return cls(path, int(every), None if keep_local is None else int(keep_local))
 
 
@@ -82,11 +82,11 @@ def _refuse_nesting(local_dir: Any, path: str, url_path: str) -> None:
     uncommitted step to remove, though it held the newest checkpoint)."""
     local, durable = os.path.realpath(path), os.path.realpath(url_path)
     if local == durable:
-        raise ConfigError(f"local_dir={local_dir!r} is the checkpoint URL itself: the local tier must be "
+        raise ConfigError(f"local_dir={shown(local_dir)} is the checkpoint URL itself: the local tier must be "
                           "another directory, on node-local disk")
     if local.startswith(durable + os.sep) or durable.startswith(local + os.sep):
         inner = "inside the checkpoint URL" if local.startswith(durable + os.sep) else "around the checkpoint URL"
-        raise ConfigError(f"local_dir={local_dir!r} is {inner} ({url_path!r}): each tier's retention and gc would "
+        raise ConfigError(f"local_dir={shown(local_dir)} is {inner} ({shown(url_path)}): each tier's retention and gc would "
                           "take the other's files for its own leftovers; give two directories neither of which "
                           "holds the other")
 
@@ -95,17 +95,17 @@ def _local_path(local_dir: Any) -> str:
     if isinstance(local_dir, os.PathLike):
         local_dir = os.fspath(local_dir)
     if not isinstance(local_dir, str) or not local_dir.strip() or "\0" in local_dir:
-        raise ConfigError(f"local_dir={local_dir!r}: must be a directory path on node-local disk")
+        raise ConfigError(f"local_dir={shown(local_dir)}: must be a directory path on node-local disk")
     if local_dir.startswith("file://"):
         host, _, path = local_dir[len("file://"):].partition("/")
         if host not in ("", "localhost"):  # file://otherhost/x landed in ./otherhost/x
-            raise ConfigError(f"local_dir={local_dir!r}: file:// URLs name a local absolute path (file:///abs/path "
+            raise ConfigError(f"local_dir={shown(local_dir)}: file:// URLs name a local absolute path (file:///abs/path "
                               f"or file://localhost/abs/path), not the host {host!r}")
         if not path.strip():
-            raise ConfigError(f"local_dir={local_dir!r}: names no directory; give a path on node-local disk")
+            raise ConfigError(f"local_dir={shown(local_dir)}: names no directory; give a path on node-local disk")
         local_dir = "/" + path
     if "://" in local_dir or re.match(r"[A-Za-z][A-Za-z0-9+.\-]+:", local_dir):  # s3:/x is no local path either
-        raise ConfigError(f"local_dir={local_dir!r}: must be a path on node-local disk, not a URL; the durable "
+        raise ConfigError(f"local_dir={shown(local_dir)}: must be a path on node-local disk, not a URL; the durable "
                           "tier is the first argument")
     return local_dir
 

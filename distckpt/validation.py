@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .capture import unwrap_module
-from .errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
+from .errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError, shown
 
 # Optimizer state keys that hold one value per parameter element (torch.optim's optimizers):
 # their shape must be the parameter's. Others (Adafactor's factored row/column statistics,
@@ -322,5 +322,5 @@ def check_step(name: str, value: Any) -> int:
     """An argument that counts (a step, an epoch): an int from 0 to 2**63-1, not a bool (step=False
     was step 0); an IntEnum member or a NumPy integer is taken as its plain int."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= int(value) <= LARGEST_COUNT:
-        raise ConfigError(f"{name}={value!r}: must be an int >= 0 (at most 2**63-1)")
+        raise ConfigError(f"{name}={shown(value)}: must be an int >= 0 (at most 2**63-1)")
     return int(value)

@@ -42,6 +42,7 @@ from .errors import (
     MissingFileError,
     StorageError,
     SupersededCheckpointError,
+    shown,
 )
 from .fencing import FENCE_DIR, read_leases
 from .gcpause import paused_while_running
@@ -325,7 +326,7 @@ def open_model_source(source: str, *, step: int | None = None, entry: str = "mod
                       storage_options: dict[str, Any] | None = None) -> ModelSource:
     """A distckpt root (it has committed steps) or a Hugging Face file / directory."""
     if not isinstance(source, (str, os.PathLike)):
-        raise ConfigError(f"source={source!r}: must be a distckpt URL or a safetensors file / directory")
+        raise ConfigError(f"source={shown(source)}: must be a distckpt URL or a safetensors file / directory")
     source = os.fspath(source)
     _check_source_args(step, entry)
     local = local_path_of(source)
@@ -333,11 +334,11 @@ def open_model_source(source: str, *, step: int | None = None, entry: str = "mod
                               or os.path.exists(os.path.join(local, SINGLE_NAME))):
         source = local
         if _is_checkpoint_root(source):
-            raise ConfigError(f"source={source!r} holds both distckpt checkpoints and exported safetensors "
+            raise ConfigError(f"source={shown(source)} holds both distckpt checkpoints and exported safetensors "
                               f"({SINGLE_NAME} or {INDEX_NAME}): which to load is ambiguous; move the exported "
                               "files to a directory of their own")
         if step is not None:
-            raise ConfigError(f"step={step!r}: {source!r} is an exported safetensors file or directory, which holds "
+            raise ConfigError(f"step={shown(step)}: {shown(source)} is an exported safetensors file or directory, which holds "
                               "one set of weights; step= applies to a distckpt checkpoint root")
         return open_hf_model(source)
     return open_checkpoint_model(source, step=step, entry=entry, storage_options=storage_options)
@@ -473,10 +474,10 @@ def _view_of(t: torch.Tensor) -> tuple[Any, ...]:
 def _check_patterns(prefix_map: Any, ignore: Any) -> None:
     if prefix_map is not None and (not isinstance(prefix_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in prefix_map.items())):
-        raise ConfigError(f"prefix_map={prefix_map!r}: must be a dict of str to str (source prefix -> module prefix)")
+        raise ConfigError(f"prefix_map={shown(prefix_map)}: must be a dict of str to str (source prefix -> module prefix)")
     if isinstance(ignore, (str, bytes)) or not isinstance(ignore, (list, tuple)) or not all(
             isinstance(p, str) for p in ignore):
-        raise ConfigError(f"ignore={ignore!r}: must be a list or tuple of fnmatch patterns (a single pattern "
+        raise ConfigError(f"ignore={shown(ignore)}: must be a list or tuple of fnmatch patterns (a single pattern "
                           "too: ignore=['head.*'])")
 
 
@@ -546,16 +547,16 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int) and not isinstance(text, bool) and text > 0:
         return text
     if not isinstance(text, str):  # 1.5 was taken as a byte count of 1
-        raise ConfigError(f"max_shard_size={text!r}: a positive int of bytes, or a size such as 5GB, 500MB or 2GiB")
+        raise ConfigError(f"max_shard_size={shown(text)}: a positive int of bytes, or a size such as 5GB, 500MB or 2GiB")
     match = _SIZE.fullmatch(text.strip())
     if not match:
-        raise ConfigError(f"max_shard_size={text!r}: a size such as 5GB, 500MB or 2GiB")
+        raise ConfigError(f"max_shard_size={shown(text)}: a size such as 5GB, 500MB or 2GiB")
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
     size = int(number * scale)
     if size <= 0:
-        raise ConfigError(f"max_shard_size={text!r}: must be positive")
+        raise ConfigError(f"max_shard_size={shown(text)}: must be positive")
     return size
 
 
@@ -564,7 +565,7 @@ def _check_source_args(step: Any, entry: Any) -> None:
     if step is not None:
         check_step("step", step)
     if not isinstance(entry, str) or not entry:
-        raise ConfigError(f"entry={entry!r}: must be the key of the model in the saved `state` (a str)")
+        raise ConfigError(f"entry={shown(entry)}: must be the key of the model in the saved `state` (a str)")
 
 
 def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: str = "model",
@@ -575,27 +576,27 @@ def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: st
     if isinstance(out_dir, os.PathLike):
         out_dir = os.fspath(out_dir)
     if not isinstance(out_dir, str) or not out_dir.strip() or "\0" in out_dir:
-        raise ConfigError(f"out_dir={out_dir!r}: must be a directory path")
+        raise ConfigError(f"out_dir={shown(out_dir)}: must be a directory path")
     local = local_path_of(out_dir)
     if local is None:
-        raise ConfigError(f"out_dir={out_dir!r}: the export is written to a local directory (a path or "
+        raise ConfigError(f"out_dir={shown(out_dir)}: the export is written to a local directory (a path or "
                           "file://...); copy it to object storage afterwards")
     out_dir = local
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ConfigError(f"out_dir={out_dir!r} is a file: export into a directory (new or holding an earlier export)")
+        raise ConfigError(f"out_dir={shown(out_dir)} is a file: export into a directory (new or holding an earlier export)")
     if not callable(progress):
-        raise ConfigError(f"progress={progress!r}: must be a callable taking a byte count")
+        raise ConfigError(f"progress={shown(progress)}: must be a callable taking a byte count")
     _check_source_args(step, entry)
     cast = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else None
     if dtype is not None and cast is None:
-        raise ConfigError(f"dtype={dtype!r}: one of {sorted(_DTYPES)}")
+        raise ConfigError(f"dtype={shown(dtype)}: one of {sorted(_DTYPES)}")
     limit = parse_size(max_shard_size)
     if _is_checkpoint_root(out_dir):
-        raise ConfigError(f"out_dir={out_dir!r} is a distckpt checkpoint root (it holds step directories or "
+        raise ConfigError(f"out_dir={shown(out_dir)} is a distckpt checkpoint root (it holds step directories or "
                           f"{FENCE_DIR}/): export into a directory of its own")
     inside = _inside_a_step_directory(out_dir)
     if inside is not None:
-        raise ConfigError(f"out_dir={out_dir!r} lies in {inside}, a step directory (or the leases) of a distckpt "
+        raise ConfigError(f"out_dir={shown(out_dir)} lies in {inside}, a step directory (or the leases) of a distckpt "
                           "checkpoint root, which ls, gc and the loader own: export into a directory of its own")
     src = open_checkpoint_model(url, step=step, entry=entry, storage_options=storage_options, bounded=True)
     out_spec = {name: (_out_dtype(d, cast), shape) for name, (d, shape) in src.spec.items()}

@@ -309,3 +309,29 @@ def test_a_state_key_that_is_not_a_plain_str_is_refused_naming_it(tmp_path, key)
             with pytest.raises(distckpt.ConfigError, match=r"state=: its key .* plain str keys"):
                 call()
         assert mgr.committed_steps() == []
+
+
+HUGE = [10**400, "x" * 100_000, list(range(20_000)), {"k" * 50_000: 1}]
+
+
+@pytest.mark.parametrize("huge", HUGE, ids=["int", "str", "list", "dict"])
+@pytest.mark.parametrize("name", sorted(set(SETTINGS) | {"metric", "step", "epoch", "url", "storage_options",
+                                                          "local_dir"}))
+def test_a_huge_bad_argument_is_named_in_a_message_of_readable_length(tmp_path, name, huge):
+    """metric=10**400 was refused with its 401 digits in the message; a megabyte string, list or
+    dict passed where a setting goes was said in full the same way."""
+    if name in ("metric", "step", "epoch"):
+        with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+            args = {"step": 1, name: huge}
+            with pytest.raises(distckpt.ConfigError) as caught:
+                mgr.save(args.pop("step"), {"x": 1}, **args)
+    else:
+        kwargs = {"url": huge} if name == "url" else {name: huge}
+        url = kwargs.pop("url", str(tmp_path / "root"))
+        try:
+            distckpt.CheckpointManager(url, **kwargs).close()
+            return  # a value this setting takes (keep_last=10**400: keep that many)
+        except distckpt.DistCkptError as e:
+            caught = pytest.ExceptionInfo.from_exception(e)
+    assert isinstance(caught.value, distckpt.ConfigError), caught.value
+    assert name in str(caught.value) and len(str(caught.value)) < 1_000, str(caught.value)[:2000]

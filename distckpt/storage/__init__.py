@@ -30,7 +30,7 @@ from typing import Any, Iterable, Protocol
 
 import fsspec
 
-from ..errors import ConfigError, StorageError
+from ..errors import ConfigError, StorageError, shown
 from .capabilities import Capabilities
 from .fsspec_fs import EXCLUSIVE_CREATE_PROTOCOLS, FsspecStorage
 from .local import LocalStorage
@@ -120,10 +120,10 @@ def normalize_url(url: Any) -> str:
     if isinstance(url, os.PathLike):
         url = os.fspath(url)
     if not isinstance(url, str) or not url.strip():  # "   " made a directory named by spaces
-        raise ConfigError(f"url={url!r}: must be a local path (str or pathlib.Path) or an fsspec URL "
+        raise ConfigError(f"url={shown(url)}: must be a local path (str or pathlib.Path) or an fsspec URL "
                           "such as s3://bucket/prefix")
     if "\x00" in url:
-        raise ConfigError(f"url={url!r}: contains a NUL byte")
+        raise ConfigError(f"url={shown(url)}: contains a NUL byte")
     if "::" in url:
         return url  # an fsspec chain (simplecache::s3://...): fsspec parses and checks it
     match = _SCHEME.fullmatch(url)
@@ -131,45 +131,45 @@ def normalize_url(url: Any) -> str:
         return url
     scheme, slashes, rest = match.groups()
     if not slashes:
-        raise ConfigError(f"url={url!r}: looks like a URL without '//' ({scheme}://{rest.lstrip('/')}?); "
+        raise ConfigError(f"url={shown(url)}: looks like a URL without '//' ({scheme}://{rest.lstrip('/')}?); "
                           "a local path must not start with a scheme")
     if scheme != scheme.lower():
-        raise ConfigError(f"url={url!r}: URL schemes are lower case: use {scheme.lower()}://{rest}")
+        raise ConfigError(f"url={shown(url)}: URL schemes are lower case: use {scheme.lower()}://{rest}")
     if scheme == "file":
         host, _, path = rest.partition("/")
         if host not in ("", "localhost"):
-            raise ConfigError(f"url={url!r}: file:// URLs name a local absolute path (file:///abs/path or "
+            raise ConfigError(f"url={shown(url)}: file:// URLs name a local absolute path (file:///abs/path or "
                               f"file://localhost/abs/path), not the host {host!r}")
         if not path.strip("/ "):  # file:// and file:/// are the file system's root, never a run's directory
-            raise ConfigError(f"url={url!r}: names no directory (it would be the file system's root); "
+            raise ConfigError(f"url={shown(url)}: names no directory (it would be the file system's root); "
                               "use file:///abs/path/to/run")
         return "file:///" + path
     if scheme in ("s3", "s3a") and not rest.split("/", 1)[0]:
-        raise ConfigError(f"url={url!r}: names no bucket; use s3://bucket/prefix")
+        raise ConfigError(f"url={shown(url)}: names no bucket; use s3://bucket/prefix")
     if not rest.strip("/ "):  # memory:// is the whole file system: every run's steps beside each other
-        raise ConfigError(f"url={url!r}: names no directory; use {scheme}://<path of this run>")
+        raise ConfigError(f"url={shown(url)}: names no directory; use {scheme}://<path of this run>")
     if scheme in READ_ONLY_SCHEMES:
-        raise ConfigError(f"url={url!r}: fsspec's {scheme!r} file system {READ_ONLY_SCHEMES[scheme]}; a checkpoint "
+        raise ConfigError(f"url={shown(url)}: fsspec's {shown(scheme)} file system {READ_ONLY_SCHEMES[scheme]}; a checkpoint "
                           "root must be a writable directory (a local path, s3://, gs://, az://, ...)")
     if "//" in rest.rstrip("/"):
         # An empty path segment: some stores fold "a//b" into "a/b" when writing and not when
         # listing (SeaweedFS: a save committed, and every load after it found nothing and started over).
         cleaned = "/".join(part for part in rest.split("/") if part)
-        raise ConfigError(f"url={url!r}: has an empty path segment ('//'), which object stores treat "
+        raise ConfigError(f"url={shown(url)}: has an empty path segment ('//'), which object stores treat "
                           f"differently when writing and when listing; use {scheme}://{cleaned}")
     try:
         fsspec.get_filesystem_class(scheme)
     except ValueError as e:
-        raise ConfigError(f"url={url!r}: unknown scheme {scheme!r} (fsspec knows "
+        raise ConfigError(f"url={shown(url)}: unknown scheme {shown(scheme)} (fsspec knows "
                           f"{', '.join(sorted(fsspec.available_protocols())[:12])}, ...)") from e
     except ImportError as e:
-        raise ConfigError(f"url={url!r}: the {scheme!r} filesystem needs a package that is not installed: {e}") from e
+        raise ConfigError(f"url={shown(url)}: the {shown(scheme)} filesystem needs a package that is not installed: {e}") from e
     return url
 
 
 def _open_local(url: str, options: dict[str, Any]) -> Storage:
     if options:
-        raise ConfigError(f"storage_options were given for the local path {url!r}; they apply to remote URLs only")
+        raise ConfigError(f"storage_options were given for the local path {shown(url)}; they apply to remote URLs only")
     return LocalStorage(url[len("file://"):] if url.startswith("file://") else url)
 
 
@@ -195,7 +195,7 @@ def _open_fsspec(url: str, options: dict[str, Any]) -> Storage:
     try:
         fs, root = fsspec.core.url_to_fs(url, **options)
     except (TypeError, ValueError) as e:  # an option the file system does not take
-        raise ConfigError(f"url={url!r}: fsspec could not make its file system with storage_options="
+        raise ConfigError(f"url={shown(url)}: fsspec could not make its file system with storage_options="
                           f"{sorted(options)}: {type(e).__name__}: {e}") from e
     except OSError as e:  # ftp://host connects at once: an unknown or unreachable host
         raise StorageError(e.errno, f"{url}: opening the file system failed ({type(e).__name__}: {e}); check "
@@ -217,7 +217,7 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Sto
     """A backend for a local path, ``file://`` URL, ``s3://`` URL, or any other fsspec URL."""
     url = normalize_url(url)
     if storage_options is not None and not isinstance(storage_options, dict):
-        raise ConfigError(f"storage_options={storage_options!r}: must be a dict of fsspec options or None")
+        raise ConfigError(f"storage_options={shown(storage_options)}: must be a dict of fsspec options or None")
     scheme = url.split("://", 1)[0] if "://" in url and "::" not in url else ""
     if "::" in url:
         return _open_fsspec(url, storage_options or {})

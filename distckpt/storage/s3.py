@@ -26,7 +26,7 @@ import logging
 import time
 from typing import Any, Iterable, Iterator
 
-from ..errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError
+from ..errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError, shown
 from .conditional import ConditionalCreateStorage
 from .fsspec_fs import _join
 from .jitter import keep_jitter_private
@@ -361,7 +361,7 @@ def _number(options: dict[str, Any], name: str, default: Any, kind: type, low: f
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or float(value).is_integer())
     if not ok or not low <= value <= high:
         bound = f"at least {low:g}" + (f" and at most {high:g}" if high != float("inf") else "")
-        raise ConfigError(f"storage option {name}={value!r}: must be {'an integer' if kind is int else 'a number'} "
+        raise ConfigError(f"storage option {name}={shown(value)}: must be {'an integer' if kind is int else 'a number'} "
                           f"{bound}")
     return kind(value)
 

@@ -26,7 +26,7 @@ import os
 import threading
 from typing import Any
 
-from ..errors import ConfigError, StorageError
+from ..errors import ConfigError, StorageError, shown
 from ..interrupts import Task, start_thread
 from .spill import write_at
 
@@ -47,7 +47,7 @@ def crt_available() -> bool:
 def choose_client(choice: object, options: dict[str, Any]) -> bool:
     """Whether payload reads go through the CRT client (the `client` storage option)."""
     if choice not in CLIENT_CHOICES:
-        raise ConfigError(f"client={choice!r}: must be one of {', '.join(map(repr, CLIENT_CHOICES))} "
+        raise ConfigError(f"client={shown(choice)}: must be one of {', '.join(map(repr, CLIENT_CHOICES))} "
                           "(crt: the CRT client of s3torchconnector reads payload files)")
     if choice == "s3fs":
         return False

@@ -19,7 +19,7 @@ import os
 import tempfile
 from typing import Callable
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 
 SMALL_READ_BYTES = 4 * 2**20  # read in one request into memory; larger files go to a download file
 
@@ -34,11 +34,11 @@ def check_spill_dir(value: object) -> str | None:
     if value is None or value is False or value == "":
         return None
     if not isinstance(value, (str, os.PathLike)):
-        raise ConfigError(f"spill_dir={value!r}: must be a directory path (or None to keep S3 "
+        raise ConfigError(f"spill_dir={shown(value)}: must be a directory path (or None to keep S3 "
                           "downloads in memory)")
     path = os.fspath(value)
     if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"spill_dir={path!r} is not a writable directory; pass an existing one "
+        raise ConfigError(f"spill_dir={shown(path)} is not a writable directory; pass an existing one "
                           "(local disk with room for the largest checkpoint file), or None to keep "
                           "S3 downloads in memory")
     return path
