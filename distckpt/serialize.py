@@ -54,7 +54,7 @@ from typing import Any, Iterator, Protocol
 import numpy as np
 import torch
 
-from .errors import CorruptCheckpointError, UnstorableValueError
+from .errors import CorruptCheckpointError, UnstorableValueError, shown
 from .staging import StagingPool, memory_of, region_key
 
 TREE_METADATA_KEY = "distckpt.tree"
@@ -90,7 +90,7 @@ _MAX_INT_KEY_BITS = 14_000  # ~4,214 decimal digits: under Python's default 4,30
 
 def key_path(path: tuple[Any, ...], root: str = "state") -> str:
     """`("config", "lr")` -> `state['config']['lr']`, the form used in every error message."""
-    return root + "".join(f"[{p!r}]" for p in path)
+    return root + "".join(f"[{shown(p, 80)}]" for p in path)
 
 
 @dataclass

@@ -335,3 +335,11 @@ def test_a_huge_bad_argument_is_named_in_a_message_of_readable_length(tmp_path, 
             caught = pytest.ExceptionInfo.from_exception(e)
     assert isinstance(caught.value, distckpt.ConfigError), caught.value
     assert name in str(caught.value) and len(str(caught.value)) < 1_000, str(caught.value)[:2000]
+
+
+def test_a_refused_value_under_a_huge_key_is_named_in_a_message_of_readable_length(tmp_path):
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(distckpt.UnstorableValueError) as caught:
+            mgr.save(1, {"config": {"k" * 50_000: {"fn": object()}}})
+    message = str(caught.value)
+    assert "state['config']['kkkk" in message and "['fn']" in message and len(message) < 1_000, message[:2000]
