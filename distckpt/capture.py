@@ -402,13 +402,28 @@ def has_own_load_logic(module: nn.Module) -> bool:
     _load_from_state_dict, load_state_dict or set_extra_state): such code may transform what it is
     given, or refuse it."""
     for m in module.modules():
-        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
+        hooks = [*m._load_state_dict_pre_hooks.values(), *m._load_state_dict_post_hooks.values()]
+        if any(not _is_fsdp2_hook(hook) for hook in hooks):
             return True
         for method in ("_load_from_state_dict", "load_state_dict", "set_extra_state"):
             defined_in = getattr(type(m), method).__module__ or ""
             if not defined_in.startswith("torch."):
                 return True
     return False
+
+
+# FSDP2's own load hooks: one puts the module's parameters in their sharded form (a load puts
+# every FSDP2 module in it first, sharded.reshard_fully_sharded), one re-pads a local piece that
+# load_state_dict(assign=True) replaced (a copy in place keeps it). Neither transforms nor refuses
+# what is loaded; counted as load logic of the module's own, they made every FSDP2 load copy the
+# whole model aside first for its undo: 0.27 of a 0.68 s load of 256 MiB at 2 ranks
+# (bench/profile_sharded.py --what load).
+_FSDP2_MODULES = "torch.distributed.fsdp._fully_shard."
+
+
+def _is_fsdp2_hook(hook: Any) -> bool:
+    fn = getattr(hook, "hook", hook)  # a module's pre-hook comes wrapped (torch's _WrappedHook)
+    return (getattr(fn, "__module__", None) or "").startswith(_FSDP2_MODULES)
 
 
 def _restore_sampler(sampler: Any, saved: dict[str, Any]) -> None:

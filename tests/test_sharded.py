@@ -219,3 +219,8 @@ def test_tensor_parallel_copies_that_differ_are_refused_naming_the_ranks(ckpt_di
 def test_a_partly_tensor_parallel_checkpoint_loads_into_the_fully_sharded_model(ckpt_dir):
     for r in _ok(run_world(f"{W}:partly_tensor_parallel_into_fully_sharded", 2, url=ckpt_dir)):
         assert any(k.startswith("opt.") for k in r["expected"]) and r["loaded"] == r["expected"]
+
+
+def test_a_failed_load_leaves_the_sharded_model_and_optimizer_as_they_were(ckpt_dir):
+    for r in _ok(run_world(f"{W}:a_failed_load_leaves_the_sharded_model_as_it_was", 2, url=ckpt_dir)):
+        assert "refused by the user's object" in r["error"] and r["unchanged"], r
