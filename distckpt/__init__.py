@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 from .capture import CheckpointWarning, PerRank, per_rank
 from .dist import DistInfo, init_distributed, shutdown_distributed
 from .errors import (
+                     ArgumentNameError,
                      AsyncSaveError,
                      CheckpointExistsError,
                      ConfigError,
@@ -36,7 +37,7 @@ from .weights import WeightsReport, export_weights, load_weights
 from .workers import preemption_safe_worker_init, with_worker_rng
 
 __all__ = [
-    "AsyncSaveError", "CheckpointExistsError", "CheckpointFallbackWarning", "CheckpointManager",
+    "ArgumentNameError", "AsyncSaveError", "CheckpointExistsError", "CheckpointFallbackWarning", "CheckpointManager",
     "CheckpointWarning", "ConfigError", "CoordinationError", "CorruptCheckpointError", "DistCkptError",
     "DeviceAbsentWarning", "DistInfo", "DurableUploadWarning", "FencedError", "IncompatibleCheckpointError", "MissingFileError", "NonAtomicStorageWarning", "PREEMPTED_EXIT_CODE", "PerRank", "Progress",
     "RankDisagreementError", "ReplayWarning", "ReshardWarning", "RngRestoreWarning", "RunConflictError", "SnapshotChangedError", "StateArgumentError", "StorageError",

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from . import sharded
+from .config import arguments_checked
 from .copying import PageRelease, copy_released, same_bits
 from .errors import ConfigError, IncompatibleCheckpointError
 from .serialize import key_path
@@ -52,6 +53,7 @@ class PerRank:
     obj: Any
 
 
+@arguments_checked
 def per_rank(obj: Any) -> PerRank:
     """Mark `obj` as per rank: each rank stores its own copy instead of rank 0's."""
     if isinstance(obj, PerRank):

@@ -43,7 +43,7 @@ from .commit import (
     step_candidates,
 )
 from .errors import ConfigError, CorruptCheckpointError, DistCkptError, StorageError, SupersededCheckpointError
-from .fencing import Lease, read_leases, resumed_leases
+from .fencing import Lease, newest_commit_record, read_leases, resumed_leases
 from .gcpause import collector_paused
 from .inspection import describe_step, diff_steps, list_steps, marker_may_stand, read_manifest, verify_step
 from .retention import (
@@ -119,8 +119,12 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
                      + f"{_s(r['metric']):>12} {created:>20}  {r['status']}" + (f"  {r['tier']}" if "tier" in r else ""))
     if not any(str(r["status"]).startswith(("committed", "superseded")) for r in rows):
         resumed = resumed_leases(read_leases(storage))
+        record = None if resumed else newest_commit_record(storage)
         if resumed:  # what load_latest raises about: the run's history is gone
             lines.append(f"no committed step, but {resumed[-1].describe()} had resumed from one: this run's "
+                         "checkpoints are gone, and load_latest refuses to start it over silently")
+        elif record is not None:
+            lines.append(f"no committed step, but generation {record['generation']} committed one here: this run's "
                          "checkpoints are gone, and load_latest refuses to start it over silently")
     _emit(args, rows, "\n".join(lines))
     return EXIT_OK

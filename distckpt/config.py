@@ -8,13 +8,16 @@ string) escapes from deeper in the code. SETTINGS lists them for the one test th
 from __future__ import annotations
 
 import datetime
+import difflib
+import functools
+import inspect
 import math
 import numbers
 import signal
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-from .errors import ConfigError, shown
+from .errors import ArgumentNameError, ConfigError, shown
 
 MIN_TIMEOUT_S = 0.001
 MAX_TIMEOUT_S = 30 * 24 * 3600.0  # beyond this a deadline is a mistake (and overflows C++ timers)
@@ -159,3 +162,39 @@ SETTINGS = {
     "allow_dtype_cast": "yes", "missing_entries": "ignore", "preemption_signals": signal.SIGKILL,
     "incremental": 1, "overlap_snapshot": "on",
 }
+
+
+_Call = TypeVar("_Call", bound=Callable[..., Any])
+
+
+def arguments_checked(function: _Call) -> _Call:
+    """A call with an argument `function` does not take raises ArgumentNameError (a ConfigError
+    and a TypeError) naming it and the closest parameter, not Python's bare TypeError
+    (`CheckpointManager(url, keeplast=2)`). Checked only when the call raised TypeError, by
+    binding the arguments again: a TypeError from inside the function is raised as it was."""
+    signature = inspect.signature(function)
+    name = function.__qualname__.replace(".__init__", "")
+
+    @functools.wraps(function)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except TypeError as e:
+            try:
+                signature.bind(*args, **kwargs)
+            except TypeError as bad:
+                raise ArgumentNameError(_argument_advice(name, signature, kwargs, bad)) from e
+            raise
+
+    return checked  # type: ignore[return-value]
+
+
+def _argument_advice(name: str, signature: inspect.Signature, kwargs: dict[str, Any], bad: TypeError) -> str:
+    known = [p for p in signature.parameters if p != "self"]
+    unknown = [k for k in kwargs if k not in signature.parameters]
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=1)
+        hints.append(f"{key}= (did you mean {close[0]}=?)" if close else f"{key}=")
+    said = f"{name}() does not take {', '.join(hints)}" if hints else f"{name}(): {bad}"
+    return f"{said}; it takes {', '.join(known)}"

@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .config import seconds
+from .config import arguments_checked, seconds
 from .errors import ConfigError, shown
 
 log = logging.getLogger("distckpt")
@@ -43,6 +43,7 @@ class DistInfo:
 _BACKENDS = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
 
 
+@arguments_checked
 def init_distributed(backend: str | None = None, timeout: float | timedelta = 600.0) -> DistInfo:
     """Start the default process group from torchrun's environment (every rank calls it).
 
@@ -143,6 +144,7 @@ def _device_for(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+@arguments_checked
 def shutdown_distributed() -> None:
     """Tear the default process group down cleanly (every rank calls it).
 

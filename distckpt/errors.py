@@ -6,6 +6,7 @@ builtin, so code that already handles ``OSError`` keeps working::
 
     DistCkptError(Exception)
     ├── ConfigError(ValueError)            a constructor or call argument is invalid
+    │   └── ArgumentNameError(TypeError)   a keyword the call does not take (misspelled?)
     ├── UnstorableValueError(TypeError)    a value in `state` cannot be stored (save time)
     ├── StorageError(OSError)              reading or writing storage failed
     │   ├── CheckpointExistsError(FileExistsError)  the step is already committed
@@ -42,6 +43,12 @@ class UnstorableValueError(DistCkptError, TypeError):
 class StateArgumentError(ConfigError, UnstorableValueError):
     """`state` itself is not a dict of entries: a bad argument (ConfigError) and nothing that
     could be stored (UnstorableValueError), so code catching either sees it."""
+
+
+class ArgumentNameError(ConfigError, TypeError):
+    """A call with an argument it does not take (a misspelled keyword, one too many, a missing
+    one): a ConfigError naming it, and the TypeError Python raises for it, so code catching
+    either sees it."""
 
 
 class StorageError(DistCkptError, OSError):

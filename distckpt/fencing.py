@@ -43,6 +43,7 @@ log = logging.getLogger("distckpt")
 
 FENCE_DIR = "fence"
 _LEASE_RE = re.compile(r"gen-(\d{9,})\.json")
+_RECORD_RE = re.compile(r"committed-gen-(\d{9,})\.json")
 _ACQUIRE_ATTEMPTS = 20
 
 
@@ -107,6 +108,55 @@ def read_leases(storage: Storage, known: dict[int, Lease] | None = None) -> list
             known[gen] = lease
         leases.append(lease)
     return leases
+
+
+# -- the record that the root held a commit ------------------------------------------------------
+#
+# A lease says an incarnation resumed from a committed step only when one resumed and then saved:
+# a first run that committed steps 1-3 (floor -1) and lost every step directory afterwards (removed
+# by hand, a bucket's lifecycle rule) left nothing saying so, and the next load started the run
+# over without a word. Each incarnation's first commit at the URL leaves a small record beside
+# the leases; a load that finds nothing committed but a record refuses to start over silently.
+
+
+def record_path(generation: int) -> str:
+    return f"{FENCE_DIR}/committed-gen-{generation:09d}.json"
+
+
+def record_commit(storage: Storage, lease: Lease, step: int) -> None:
+    """After the first commit of `lease`'s incarnation at `storage`: the record, then older ones
+    removed (one stays however many incarnations came). Best effort: the commit stands anyway."""
+    try:
+        storage.write_file(record_path(lease.generation), [json.dumps(
+            {"generation": lease.generation, "step": step, "run_id": lease.run_id, "host": lease.host,
+             "created_unix": time.time()}).encode()])
+        for gen in commit_record_generations(storage):
+            if gen < lease.generation:
+                storage.remove_file(record_path(gen))
+    except OSError as e:
+        log.warning("rank 0: could not record the first commit of generation %d at %s (%s); a load that later "
+                    "finds every step of this URL removed may take it for a fresh start", lease.generation,
+                    storage.url, e)
+
+
+def commit_record_generations(storage: Storage) -> list[int]:
+    return sorted(int(m.group(1)) for m in map(_RECORD_RE.fullmatch, storage.list_dir(FENCE_DIR)) if m)
+
+
+def newest_commit_record(storage: Storage) -> dict[str, object] | None:
+    """The newest record of a commit at this root ({"generation", "step", ...}), or None. One that
+    cannot be parsed still says that a commit happened (its generation from its name)."""
+    generations = commit_record_generations(storage)
+    if not generations:
+        return None
+    gen = generations[-1]
+    try:
+        d = json.loads(storage.read_bytes(record_path(gen), _MAX_LEASE_BYTES))
+        return {"generation": gen, "step": int(d["step"]), "run_id": str(d.get("run_id", ""))}
+    except MissingFileError:
+        return None  # replaced by a newer record meanwhile
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return {"generation": gen, "step": None, "run_id": ""}
 
 
 def _parse_lease(gen: int, data: bytes) -> Lease:

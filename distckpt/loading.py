@@ -243,7 +243,7 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
     split: set[int] | None = None  # the steps split between ranks at every read so far
     for attempt in range(1, _LISTING_ATTEMPTS + 1):
         if not candidates:
-            _check_nothing_was_committed(storage, leases, local)
+            _check_nothing_was_committed(coord, storage, leases, local)
             return None
         prefault = Prefault(copy_destinations(entries))  # while the files are read and verified
         try:
@@ -267,7 +267,7 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
         if read.error is not None and not changed and not read.split:
             raise read.error  # the damage stands
         if read.found is None and read.error is None and not changed and not read.split and attempt > 1:
-            _check_nothing_was_committed(storage, leases, local)
+            _check_nothing_was_committed(coord, storage, leases, local)
             return None  # step directories, none committed, twice the same: a fresh start
         # Otherwise read again: a step was committed or removed meanwhile (a None is retried once
         # even on the same listing: a step's marker read before its commit and the previous
@@ -332,7 +332,8 @@ def _apply(coord: Coordinator, entries: list[Entry], state: dict[str, Any], foun
                     f"{storages[tier].url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept), tier)
 
 
-def _check_nothing_was_committed(storage: Storage, leases: list[Lease] | None, local: Storage | None) -> None:
+def _check_nothing_was_committed(coord: Coordinator, storage: Storage, leases: list[Lease] | None,
+                                 local: Storage | None) -> None:
     """Nothing committed: a fresh start. Unless a lease says an incarnation of this job resumed from a
     committed step: then its history is gone (removed by hand, or a writer killed while it
     replaced a superseded writer's step: fencing.py), and starting over would be a silent wrong
@@ -354,6 +355,19 @@ def _check_nothing_was_committed(storage: Storage, leases: list[Lease] | None, l
             f"node's local disk before any step reached the URL; or with a writer killed while it replaced a "
             f"superseded writer's step). Starting over silently would not resume the run; to start it over on "
             f"purpose, remove {storage.url} (or its {fencing.FENCE_DIR}/ directory) first")
+    if local is not None or leases is None:
+        return
+    # No incarnation resumed, but one may have committed steps that are gone now (a first run
+    # whose every step directory was removed afterwards): its record says so (fencing.py)
+    record = run_on_root(coord, "load/record", "reading the record of earlier commits",
+                         lambda: {"record": fencing.newest_commit_record(storage)})["record"]
+    if record is not None:
+        step = "" if record.get("step") is None else f" step {record['step']} (the first it committed)"
+        raise CorruptCheckpointError(
+            f"no committed checkpoint at {storage.url}, but generation {record['generation']} of a job committed"
+            f"{step} there: the run's checkpoints are gone (removed by hand, or by a storage lifecycle rule). "
+            f"Starting over silently would not resume the run; to start it over on purpose, remove {storage.url} "
+            f"(or its {fencing.FENCE_DIR}/ directory) first")
 
 
 def _choose_phase(coord: Coordinator, storage: Storage, step: int | None,

@@ -23,7 +23,7 @@ from . import manifest as mf
 from .async_writer import AsyncWriter, WriterStuckError
 from .capture import SHARDED, CheckpointWarning
 from .commit import CommitIndex, ReplacePolicy, committed_generations, list_committed
-from .config import DEFAULT_TIMEOUT_S, ManagerConfig
+from .config import DEFAULT_TIMEOUT_S, ManagerConfig, arguments_checked
 from .coord import Coordinator, Outcome, agree, make_coordinator
 from .copying import Prefault
 from .ddp import install_bucket_warmup
@@ -38,7 +38,7 @@ from .errors import (
     StorageError,
     shown,
 )
-from .fencing import Lease, acquire, read_leases
+from .fencing import Lease, acquire, read_leases, record_commit
 from .fencing import check_current as check_fence
 from .fencing import prune as prune_leases
 from .gcpause import collector_paused
@@ -94,6 +94,7 @@ class CheckpointManager:
     guarantees: the replicated entries hold the same values on every rank. Off by default.
     """
 
+    @arguments_checked
     def __init__(self, url: str | os.PathLike[str], *, keep_last: int | None = None,
                  keep_best: int | None = None, best_mode: str = "min", async_save: bool = False,
                  storage_options: dict[str, Any] | None = None,
@@ -131,6 +132,7 @@ class CheckpointManager:
         self._save_seq = 0  # counts save() calls (the same on every rank): names shard reports
         self._floor: int | None = None   # the step this job resumed from (-1: found nothing)
         self._lease: Lease | None = None  # rank 0, taken at the first save (fencing.py)
+        self._commit_recorded = False  # rank 0: this incarnation's first commit at the URL was recorded
         self._closed = False
         self._warned_below_newest = False
         self._newest_committed: dict[str, int] = {}  # rank 0, per tier: the highest live step committed, for that warning
@@ -229,6 +231,7 @@ class CheckpointManager:
 
     # -- save -----------------------------------------------------------------------------
 
+    @arguments_checked
     def save(self, step: int, state: dict[str, Any], *, epoch: int | None = None,
              metric: float | None = None) -> None:
         """Save `state` as checkpoint `step` (collective).
@@ -395,6 +398,7 @@ class CheckpointManager:
             if durable:
                 self._start_upload(staged.step)
         else:
+            self._record_first_commit(staged.step)
             self._retain(self.storage, staged.step, self.config.keep_last, self.config.keep_best)
         faults.point("save/retained", step=staged.step, rank=0)
         t = staged.timings
@@ -425,6 +429,13 @@ class CheckpointManager:
         if self._versions_probe is None:  # not rank 0: no rank but 0 writes a manifest today
             self._versions_probe = VersionsProbe()
         return self._versions_probe.collect()
+
+    def _record_first_commit(self, step: int) -> None:
+        """Rank 0, after a commit at the URL: the first of this incarnation leaves its record
+        (fencing.record_commit), so a load that later finds every step gone does not start over."""
+        if self._lease is not None and not self._commit_recorded:
+            self._commit_recorded = True
+            record_commit(self.storage, self._lease, step)
 
     def _take_lease(self) -> Lease:
         """Rank 0's write lease, taken once: from here on older incarnations cannot commit."""
@@ -628,6 +639,7 @@ class CheckpointManager:
         if upload_step(self.local, self.storage, step, self._lease):
             log.info("rank 0: step %d made durable at %s in %.3fs", step, self.storage.url,
                      time.perf_counter() - start)
+        self._record_first_commit(step)
         faults.point("upload/committed", step=step, rank=0)
         self._retain(self.storage, step, self.config.keep_last, self.config.keep_best)
 
@@ -765,6 +777,7 @@ class CheckpointManager:
 
     # -- load -----------------------------------------------------------------------------
 
+    @arguments_checked
     def load_latest(self, state: dict[str, Any]) -> Progress | None:
         """Restore `state` from the newest committed checkpoint that verifies (collective).
 
@@ -784,6 +797,7 @@ class CheckpointManager:
         if self.rank == 0 and self.local is None:
             self._index(self.storage).prefetch()
 
+    @arguments_checked
     def load(self, state: dict[str, Any], step: int) -> Progress:
         """Restore `state` from committed checkpoint `step` (collective); no fallback."""
         self._check_open()
@@ -842,6 +856,7 @@ class CheckpointManager:
         if warming is not None:
             warming.stop()
 
+    @arguments_checked
     def preemption_requested(self) -> bool:
         """True on every rank if any rank received a pre-emption signal (collective).
 
@@ -864,6 +879,7 @@ class CheckpointManager:
             log.warning("rank 0: pre-emption requested by rank(s) %s", [r for r, f in enumerate(flags) if f])
         return any(flags)
 
+    @arguments_checked
     def committed_steps(self) -> list[int]:
         """Committed steps, newest first (reads storage; not collective; also after close()). With
         two tiers: the steps committed on either, as this rank sees them (its node's local tier and
@@ -873,6 +889,7 @@ class CheckpointManager:
             steps |= set(list_committed(self.local))
         return sorted(steps, reverse=True)
 
+    @arguments_checked
     def best_step(self) -> int | None:
         """The committed step with the best metric by `best_mode` (the one `keep_best` keeps
         first; of equal metrics the newest), None when no committed step has one. Reads storage,
@@ -889,6 +906,7 @@ class CheckpointManager:
 
     # -- lifecycle ------------------------------------------------------------------------
 
+    @arguments_checked
     def wait(self) -> None:
         """Wait for the save in flight and raise its failure on every rank (collective). With
         two tiers it also waits for the upload in flight; a failed upload is a warning here
@@ -898,6 +916,7 @@ class CheckpointManager:
             self._finish_pending()
             self._report_uploads(block=True)
 
+    @arguments_checked
     def close(self) -> None:
         """Wait for the save in flight, then release the manager's process group (collective).
         With two tiers the newest local step is made durable first; AsyncSaveError on every rank

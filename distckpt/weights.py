@@ -33,6 +33,7 @@ from . import incremental
 from . import manifest as mf
 from .capture import IMPORTED, loads_by_copy_alone, unwrap_module
 from .commit import check_not_superseded, list_committed, read_marker, read_verified_manifest, step_candidates
+from .config import arguments_checked
 from .copying import byte_extent, elements_overlap, same_bits
 from .errors import (
     ConfigError,
@@ -347,6 +348,7 @@ def open_model_source(source: str, *, step: int | None = None, entry: str = "mod
 # -- load_weights -----------------------------------------------------------------------------
 
 @paused_while_running
+@arguments_checked
 def load_weights(source: str, module: nn.Module, *, step: int | None = None, strict: bool = True,
                  entry: str = "model", prefix_map: dict[str, str] | None = None,
                  ignore: tuple[str, ...] | list[str] = (), allow_cast: bool = True,
@@ -568,6 +570,7 @@ def _check_source_args(step: Any, entry: Any) -> None:
         raise ConfigError(f"entry={shown(entry)}: must be the key of the model in the saved `state` (a str)")
 
 
+@arguments_checked
 def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: str = "model",
                    dtype: str | None = None, max_shard_size: str | int = "5GB",
                    storage_options: dict[str, Any] | None = None,

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from .config import arguments_checked
 from .errors import ConfigError
 from .rng import capture_process_rng, restore_process_rng
 
@@ -168,6 +169,7 @@ class WorkerRngIterableDataset(_WorkerRngMixin, IterableDataset):
         self._replay_ended = state.get(_ENDED) is True
 
 
+@arguments_checked
 def with_worker_rng(dataset: Any) -> Dataset:
     """Wrap `dataset` so each loader worker's Python/NumPy/torch streams are saved and restored."""
     if not isinstance(dataset, IterableDataset) and not callable(getattr(dataset, "__getitem__", None)):

@@ -343,3 +343,57 @@ def test_a_refused_value_under_a_huge_key_is_named_in_a_message_of_readable_leng
             mgr.save(1, {"config": {"k" * 50_000: {"fn": object()}}})
     message = str(caught.value)
     assert "state['config']['kkkk" in message and "['fn']" in message and len(message) < 1_000, message[:2000]
+
+
+def _public_calls(tmp_path):
+    mgr = distckpt.CheckpointManager(str(tmp_path / "m"))
+    return mgr, {
+        "CheckpointManager": lambda **kw: distckpt.CheckpointManager(str(tmp_path / "c"), **kw),
+        "CheckpointManager.save": lambda **kw: mgr.save(1, {"x": 1}, **kw),
+        "CheckpointManager.load_latest": lambda **kw: mgr.load_latest({"x": 1}, **kw),
+        "CheckpointManager.load": lambda **kw: mgr.load({"x": 1}, 1, **kw),
+        "CheckpointManager.wait": lambda **kw: mgr.wait(**kw),
+        "CheckpointManager.committed_steps": lambda **kw: mgr.committed_steps(**kw),
+        "CheckpointManager.best_step": lambda **kw: mgr.best_step(**kw),
+        "CheckpointManager.close": lambda **kw: mgr.close(**kw),
+        "load_weights": lambda **kw: distckpt.load_weights(str(tmp_path / "m"), torch.nn.Linear(1, 1), **kw),
+        "export_weights": lambda **kw: distckpt.export_weights(str(tmp_path / "m"), str(tmp_path / "o"), **kw),
+        "init_distributed": lambda **kw: distckpt.init_distributed(**kw),
+        "per_rank": lambda **kw: distckpt.per_rank({"a": 1}, **kw),
+        "with_worker_rng": lambda **kw: distckpt.with_worker_rng([1, 2], **kw),
+    }
+
+
+@pytest.mark.parametrize("call", ["CheckpointManager", "CheckpointManager.save", "CheckpointManager.load_latest",
+                                  "CheckpointManager.load", "CheckpointManager.wait",
+                                  "CheckpointManager.committed_steps", "CheckpointManager.best_step",
+                                  "CheckpointManager.close", "load_weights", "export_weights", "init_distributed",
+                                  "per_rank", "with_worker_rng"])
+def test_a_keyword_a_call_does_not_take_is_a_config_error_naming_it(tmp_path, call):
+    """`CheckpointManager(url, keeplast=2)` raised Python's bare TypeError, although every bad
+    argument is said to raise ConfigError. It is an ArgumentNameError now: a ConfigError (and the
+    TypeError it was), naming the keyword and the closest parameter."""
+    mgr, calls = _public_calls(tmp_path)
+    with mgr, pytest.raises(distckpt.ConfigError) as caught:
+        calls[call](stepp=1)
+    assert isinstance(caught.value, TypeError) and isinstance(caught.value, distckpt.ArgumentNameError)
+    assert f"{call}() does not take stepp=" in str(caught.value), caught.value
+
+
+def test_a_misspelled_setting_names_the_setting_it_resembles(tmp_path):
+    with pytest.raises(distckpt.ConfigError, match=r"does not take keeplast= \(did you mean keep_last=\?\)"):
+        distckpt.CheckpointManager(str(tmp_path), keeplast=2)
+    with pytest.raises(distckpt.ConfigError, match="missing a required argument: 'state'"):
+        distckpt.CheckpointManager(str(tmp_path)).save(1)
+
+
+def test_a_type_error_raised_inside_a_checked_call_is_raised_as_it_was():
+    from distckpt.config import arguments_checked
+
+    @arguments_checked
+    def inner(a: int, *, b: int = 0) -> None:
+        raise TypeError("from inside")
+
+    with pytest.raises(TypeError, match="from inside") as caught:
+        inner(1, b=2)
+    assert not isinstance(caught.value, distckpt.ConfigError)

@@ -503,3 +503,51 @@ def test_housekeeping_never_loses_the_live_jobs_newest_step(tmp_path_factory, ke
     live.close()
     if zombie is not None:
         zombie.close()
+
+
+@pytest.mark.parametrize("second", ["none", "resumed-without-saving"])
+def test_a_run_whose_every_step_was_removed_is_never_started_over_silently(where, second, capsys):
+    """A first run committed steps 1-3 (its lease: resumed from nothing) and every step directory
+    was removed afterwards (by hand, a bucket's lifecycle rule); also after a second incarnation
+    that resumed but never saved (it takes no lease). The next load started the run over without
+    a word. Its first commit's record says the root held a commit: refused now, and `ls` says so;
+    removing fence/ (starting over on purpose) is a fresh start again."""
+    url, options = where
+    with manager(where) as first:
+        for step in (1, 2, 3):
+            first.save(step, {"w": torch.full((4,), float(step))})
+    if second == "resumed-without-saving":
+        assert value_of(where) == (3, 3.0)
+    storage = open_storage(url, options)
+    for step in (1, 2, 3):
+        storage.remove_tree(f"step-{step:09d}")
+    with pytest.raises(distckpt.CorruptCheckpointError, match="generation 1 of a job committed step 1 "):
+        value_of(where)
+    assert cli_main(["ls", url]) == 0
+    assert "no committed step, but generation 1 committed one here" in capsys.readouterr().out
+    storage.remove_tree(fencing.FENCE_DIR)
+    with manager(where) as mgr:
+        assert mgr.load_latest({"w": torch.zeros(4)}) is None
+
+
+def test_one_record_of_a_first_commit_stays_however_many_incarnations_commit(where):
+    url, options = where
+    for generation in (1, 2, 3):
+        with manager(where) as mgr:
+            mgr.load_latest({"w": torch.zeros(4)})
+            mgr.save(10 * generation, {"w": torch.full((4,), float(generation))})
+            mgr.save(10 * generation + 1, {"w": torch.full((4,), float(generation))})
+    storage = open_storage(url, options)
+    assert fencing.commit_record_generations(storage) == [3]
+    assert fencing.newest_commit_record(storage)["step"] == 30
+
+
+def test_a_record_that_cannot_be_written_fails_no_save(tmp_path, monkeypatch, caplog):
+    def full_disk(generation: int) -> str:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fencing, "record_path", full_disk)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+        assert mgr.committed_steps() == [1]
+    assert "could not record the first commit of generation 1" in caplog.text
