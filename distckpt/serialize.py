@@ -342,9 +342,13 @@ class _Encoder:
 
 def check_dtype(tensor: torch.Tensor, path: tuple[Any, ...]) -> None:
     if tensor.dtype not in _DTYPE_TO_ST:
+        if tensor.is_complex():
+            how = "store torch.view_as_real(t) (complex32: t.to(torch.complex64) first) and view_as_complex it back"
+        else:
+            how = ("store it as a dtype safetensors holds (e.g. t.to(torch.float32), or its raw bits: "
+                   "t.view(torch.uint8)) and convert it back after the load")
         raise UnstorableValueError(
-            f"{key_path(path)} has dtype {tensor.dtype}, which the safetensors format "
-            "cannot hold; convert it (complex: torch.view_as_real)")
+            f"{key_path(path)} has dtype {tensor.dtype}, which the safetensors format cannot hold: {how}")
 
 
 def dim_order(tensor: torch.Tensor) -> list[int] | None:

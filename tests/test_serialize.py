@@ -367,3 +367,28 @@ def test_a_set_from_an_owners_state_dict_is_refused_with_advice_for_the_set(tmp_
         with pytest.raises(distckpt.UnstorableValueError, match=r"state\['meter'\]\['seen'\] is a builtins\.(frozen)?set.*sorted\(s\)") as err:
             mgr.save(0, {"meter": meter})
         assert "give its owner" not in str(err.value)
+
+
+def _unstorable_dtypes() -> list:
+    """Every dtype torch makes a plain tensor of that safetensors cannot hold (quantized dtypes,
+    which torch.zeros cannot make, are refused as quantized tensors elsewhere)."""
+    from distckpt.serialize import _DTYPE_TO_ST
+
+    out = []
+    for dtype in {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}:
+        try:
+            torch.zeros(2, dtype=dtype)
+        except (RuntimeError, TypeError):
+            continue
+        if dtype not in _DTYPE_TO_ST:
+            out.append(dtype)
+    return sorted(out, key=str)
+
+
+@pytest.mark.parametrize("dtype", _unstorable_dtypes(), ids=str)
+def test_an_unstorable_dtype_is_refused_with_advice_for_that_dtype(tmp_path, dtype):
+    """float8_e4m3fnuz was refused with the complex numbers' advice (torch.view_as_real)."""
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr, pytest.raises(distckpt.UnstorableValueError) as caught:
+        mgr.save(1, {"v": torch.zeros(2, dtype=dtype)})
+    assert str(dtype) in str(caught.value)
+    assert ("view_as_real" in str(caught.value)) == dtype.is_complex, caught.value
