@@ -551,3 +551,17 @@ def test_a_record_that_cannot_be_written_fails_no_save(tmp_path, monkeypatch, ca
         mgr.save(1, {"w": torch.ones(4)})
         assert mgr.committed_steps() == [1]
     assert "could not record the first commit of generation 1" in caplog.text
+
+
+def test_a_damaged_commit_record_still_says_the_root_held_a_commit(tmp_path):
+    url = str(tmp_path / "c")
+    with distckpt.CheckpointManager(url) as mgr:
+        mgr.save(4, {"w": torch.ones(4)})
+    storage = open_storage(url, None)
+    record = fencing.record_path(1)
+    with open(os.path.join(url, record), "wb") as f:
+        f.write(b"\x00not json")
+    storage.remove_tree("step-000000004")
+    with pytest.raises(distckpt.CorruptCheckpointError, match="generation 1 of a job committed there"):
+        with distckpt.CheckpointManager(url) as mgr:
+            mgr.load_latest({"w": torch.zeros(4)})

@@ -124,11 +124,13 @@ def test_a_mutated_manifest_is_refused_or_loads_identically(tmp_path_factory, da
 
 @SETTINGS
 @given(data=st.data())
-def test_a_mutated_marker_or_lease_is_refused_or_loads_identically(tmp_path_factory, data):
+def test_a_mutated_marker_lease_or_commit_record_is_refused_or_loads_identically(tmp_path_factory, data):
     root = str(tmp_path_factory.mktemp("k"))
     original = _build(root)
-    lease = os.path.join(root, "fence", sorted(os.listdir(os.path.join(root, "fence")))[0])
-    which = data.draw(st.sampled_from([os.path.join(_step_dir(root), "COMMITTED"), lease]))
+    fence = os.path.join(root, "fence")
+    lease = os.path.join(fence, min(n for n in os.listdir(fence) if n.startswith("gen-")))
+    record = os.path.join(fence, min(n for n in os.listdir(fence) if n.startswith("committed-gen-")))
+    which = data.draw(st.sampled_from([os.path.join(_step_dir(root), "COMMITTED"), lease, record]))
     doc = json.load(open(which))
     _mutate_some_field(data, doc)
     with open(which, "w") as f:
