@@ -50,7 +50,10 @@ def replicated_digests(entries: list[Entry], gpu_modules: bool = False, save_seq
     with `gpu_modules` — a manager's first save —, else a window of them moving with `save_seq`)."""
     out = {}
     for entry in entries:
-        if entry.scope != PER_RANK and entry.kind == "module":
+        # A sharded module's plain parameters too (a partly tensor-parallel model's head): its
+        # DTensors count by name and shape only, and a head each rank trained apart was saved as
+        # rank 0's and resumed on every rank, silently
+        if entry.scope != PER_RANK and entry.kind in ("module", "sharded_module"):
             out[entry.key] = MODULE_DIGEST_PREFIX + module_digest(entry.target, gpu_modules, save_seq)
         if entry.scope != PER_RANK and entry.kind in COMPARED_KINDS:
             if isinstance(entry.target, torch.optim.Optimizer):

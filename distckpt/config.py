@@ -197,4 +197,4 @@ def _argument_advice(name: str, signature: inspect.Signature, kwargs: dict[str, 
         close = difflib.get_close_matches(key, known, n=1)
         hints.append(f"{key}= (did you mean {close[0]}=?)" if close else f"{key}=")
     said = f"{name}() does not take {', '.join(hints)}" if hints else f"{name}(): {bad}"
-    return f"{said}; it takes {', '.join(known)}"
+    return f"{said}; it takes {', '.join(known) if known else 'no arguments'}"

@@ -661,8 +661,11 @@ def sampler_settings(loader: Any) -> dict[str, dict[str, bool]]:
 
 
 def _sampler_seeds(loader: Any) -> dict[str, int]:
+    """Seeds that decide an order: not a sampler's built with shuffle=False, which ignores it (a
+    validation sampler rebuilt with another seed was refused, its order unchanged)."""
     return {path: seed for path, sampler in epoch_samplers(loader).items()
-            if isinstance(seed := getattr(sampler, "__dict__", {}).get("seed"), int) and not isinstance(seed, bool)}
+            if isinstance(seed := getattr(sampler, "__dict__", {}).get("seed"), int) and not isinstance(seed, bool)
+            and getattr(sampler, "__dict__", {}).get("shuffle", True) is not False}
 
 
 def capture_epochs(loader: Any, was_dropped: bool) -> dict[str, Any] | None:

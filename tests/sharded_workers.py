@@ -321,3 +321,18 @@ def a_failed_load_leaves_the_sharded_model_as_it_was(rank: int, world: int, url:
         else:
             error = ""
     return {"error": error, "unchanged": full_values(state) == before}
+
+
+def a_tensor_parallel_model_whose_plain_head_differs(rank: int, world: int, url: str, differ: bool) -> str:
+    """The module comparison sampled a bare model's parameters only: a partly tensor-parallel
+    model whose plain head each rank changed on its own saved rank 0's head, resumed everywhere."""
+    model = _tensor_parallel_net(0, world, on_part_of_the_mesh=False)
+    if differ:
+        with torch.no_grad():
+            model.head.weight.add_(float(rank))
+    with distckpt.CheckpointManager(url, timeout=30) as mgr:
+        try:
+            mgr.save(1, {"model": model})
+        except distckpt.DistCkptError as e:
+            return str(e)
+    return "saved"

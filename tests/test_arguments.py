@@ -385,6 +385,8 @@ def test_a_misspelled_setting_names_the_setting_it_resembles(tmp_path):
         distckpt.CheckpointManager(str(tmp_path), keeplast=2)
     with pytest.raises(distckpt.ConfigError, match="missing a required argument: 'state'"):
         distckpt.CheckpointManager(str(tmp_path)).save(1)
+    with pytest.raises(distckpt.ConfigError, match=r"does not take reverse=; it takes no arguments"):
+        distckpt.CheckpointManager(str(tmp_path)).committed_steps(reverse=True)
 
 
 def test_a_type_error_raised_inside_a_checked_call_is_raised_as_it_was():

@@ -987,3 +987,22 @@ def test_a_loaders_sampler_built_with_another_seed_after_an_epoch_end_save_is_wa
     sampler.set_epoch(1)
     with pytest.warns(distckpt.CheckpointWarning, match="saved with seed=3 and has seed=4"):
         iter(loader)
+
+
+def test_an_unshuffled_sampler_rebuilt_with_another_seed_resumes_without_a_word(tmp_path):
+    """shuffle=False ignores the seed: a validation sampler left out of `state` and rebuilt with
+    another seed was refused mid-epoch (and warned about after a dropped iterator), its order
+    unchanged."""
+    sampler = DistributedSampler(Items(), num_replicas=1, rank=0, shuffle=False, seed=1)
+    loader = StatefulDataLoader(Items(), batch_size=2, sampler=sampler)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        it = iter(loader)
+        taken = next(it).tolist() + next(it).tolist()
+        mgr.save(1, {"loader": loader})
+    sampler = DistributedSampler(Items(), num_replicas=1, rank=0, shuffle=False, seed=2)
+    loader = StatefulDataLoader(Items(), batch_size=2, sampler=sampler)
+    with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:
+        mgr.load_latest({"loader": loader})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", distckpt.CheckpointWarning)
+        assert taken + [x for batch in loader for x in batch.tolist()] == list(range(ITEMS))

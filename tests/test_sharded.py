@@ -224,3 +224,10 @@ def test_a_partly_tensor_parallel_checkpoint_loads_into_the_fully_sharded_model(
 def test_a_failed_load_leaves_the_sharded_model_and_optimizer_as_they_were(ckpt_dir):
     for r in _ok(run_world(f"{W}:a_failed_load_leaves_the_sharded_model_as_it_was", 2, url=ckpt_dir)):
         assert "refused by the user's object" in r["error"] and r["unchanged"], r
+
+
+@pytest.mark.parametrize("differ", [True, False])
+def test_a_tensor_parallel_models_plain_parameters_differing_between_ranks_are_refused(ckpt_dir, differ):
+    for said in _ok(run_world(f"{W}:a_tensor_parallel_model_whose_plain_head_differs", 2, url=ckpt_dir,
+                              differ=differ)):
+        assert ("parameters differ between ranks" in said) if differ else said == "saved", said
