@@ -548,13 +548,29 @@ COMMANDS = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune":
             "import-dcp": cmd_import}
 
 
+_TAKES_A_VALUE = ("--max-shard-size", "--step", "--keep-last", "--keep-best")
+
+
+def _joined_values(argv: list[str]) -> list[str]:
+    """`--max-shard-size -1GB` as `--max-shard-size=-1GB`: argparse takes a value starting with '-'
+    (that is not a plain negative number) for an option and said only "expected one argument";
+    joined, the option's own check says what is wrong with the value."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if out and out[-1] in _TAKES_A_VALUE and arg.startswith("-") and arg != "--" and i > 0:
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     if raw[:1] == ["doctor"]:  # its own parser: everything after -- is the user's command
         with collector_paused():  # its own process compares whole states (gcpause.py)
             return doctor_main(raw[1:])
     _ARGV[:] = list(argv or [])
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_joined_values(raw))
     if getattr(args, "keep_last", 1) is not None and getattr(args, "keep_last", 1) < 1:
         return _fail(args, "--keep-last must be >= 1", EXIT_USAGE)
     if getattr(args, "keep_best", None) is not None and args.keep_best < 1:

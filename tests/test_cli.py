@@ -536,3 +536,20 @@ def test_inspect_without_a_step_says_a_damaged_newest_step_as_ls_lists_it(tmp_pa
     out = capsys.readouterr()
     assert code == 0 and json.loads(out.out)["manifest"]["step"] == 2
     assert ("step 9" in out.err) == listed[9].startswith("damaged"), (listed[9], out.err)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["export", "{root}", "{out}", "--max-shard-size", "-1GB"], "max_shard_size='-1GB': a size such as"),
+    (["prune", "{root}", "--keep-last", "-1"], "--keep-last must be >= 1"),
+    (["verify", "{root}", "--step", "-2"], "is not a step number"),
+])
+def test_an_option_value_starting_with_a_dash_is_judged_by_the_option(tmp_path, capsys, argv, said):
+    """`--max-shard-size -1GB` was taken for an option by argparse, which said only "expected one
+    argument"; the value now reaches the option's own check."""
+    root = tmp_path / "c"
+    make_run(str(root), steps=(1,))
+    try:
+        code = cli.main([a.format(root=root, out=tmp_path / "o") for a in argv])
+    except SystemExit as e:  # argparse's own refusal of a value (exit status 2, said on stderr)
+        code = e.code
+    assert code == 2 and said in capsys.readouterr().err
