@@ -419,6 +419,9 @@ def _describe(x: Any, y: Any) -> str:
     return f"{str(x)[:60]} uninterrupted, {str(y)[:60]} resumed"
 
 
+_TORCHDATA_FIELDS = frozenset({"fetcher_state", "dataset_state", "dataset_iter_state", "sampler_iter_state"})
+
+
 def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
     """What usually makes these entries differ, and the fix."""
     by_entry = {(d.where, d.entry) for d in diffs}
@@ -452,10 +455,17 @@ def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
         causes.append(f"`{key}` worker streams differ (not saved) → `{key}` is read by loader workers and its dataset is "
                       "not wrapped with distckpt.with_worker_rng, so their random draws (augmentation) restart "
                       "differently after a resume; wrap the dataset")
-    if any(d.entry == "loader" and "worker_rng" not in d.path for d in diffs):
+    positions = [d for d in diffs if d.entry == "loader" and "worker_rng" not in d.path]
+    # torchdata's loader state names its fields with a leading underscore (_num_yielded, _snapshot)
+    # or as below; a position the loop keeps itself (a custom loader's counters in a per_rank dict) does not
+    if any(any(part.startswith("_") or part in _TORCHDATA_FIELDS for part in d.path.split("/")) for d in positions):
         causes.append("the loader's position differs → a batch drawn before the save (prefetching) is not in "
                       "state (keep it there: the README's loop patterns), or an iterator made twice after the resume "
                       "(a peek `next(iter(loader))` at an epoch's start) took the resumed position")
+    elif positions:
+        causes.append(f"the position your loop keeps in `state['loader']` differs ({positions[0].path}: "
+                      f"{positions[0].detail}) → it is not applied back to your loader after the load, or it is "
+                      "written into `state` at another point than right before each save")
     if any(d.entry == "sampler" and d.path.endswith("epoch") for d in diffs):
         causes.append("the sampler's epoch differs → call sampler.set_epoch(epoch) at every epoch start "
                       "(and pass epoch= to save)")

@@ -225,3 +225,16 @@ def test_a_kill_step_the_job_never_commits_is_said_to_be_one():
 
     text = report_text(Report([4, 9], [], [], None, resumed=False))
     assert "committed no such step" in text and "--kill-at" in text and "never reached" not in text
+
+
+def test_a_position_the_loop_keeps_itself_is_said_as_such_not_as_prefetching():
+    """llm.c's DistributedDataLoader position kept in a per_rank dict and never applied back after
+    the load: the cause given was prefetching or a peek at an epoch's start."""
+    from distckpt.doctor import Difference, Report, likely_causes
+
+    own = [Difference(14, "rank 0", "loader", "state/current_position", "2304 uninterrupted, 2560 resumed")]
+    causes = likely_causes(own, Report([4, 9, 14], [], [], 9))
+    assert any("the position your loop keeps in `state['loader']`" in c and "not applied back" in c for c in causes)
+    assert not any("prefetching" in c for c in causes), causes
+    torchdata = [Difference(14, "rank 0", "loader", "state/_num_yielded", "3 uninterrupted, 4 resumed")]
+    assert any("prefetching" in c for c in likely_causes(torchdata, Report([4, 9, 14], [], [], 9)))
