@@ -812,17 +812,16 @@ def check_destinations_apart(entries: list[Entry], saved: dict[str, Any]) -> Non
     memory (`{"a": t, "b": t}` loaded from a checkpoint where a and b differed; a checkpoint of an
     untied model loaded into a tied one): the second copy would overwrite the first, and one of
     them would silently hold the other's values. Equal bytes into the same live tensor are fine."""
-    by_storage: dict[tuple[Any, int], list[tuple[int, int, str, torch.Tensor, torch.Tensor]]] = {}
+    by_storage: dict[tuple[Any, int], list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for where, stored, live in _in_place_copies(entries, saved):
         if live.numel() == 0 or live.device.type == "meta":
             continue
-        start, end = copying.byte_extent(live)
-        by_storage.setdefault((live.device, live.untyped_storage().data_ptr()), []).append(
-            (start, end, where, stored, live))
-    for copies in by_storage.values():
-        if len(copies) < 2:
-            continue
-        copies.sort(key=lambda c: c[0])
+        by_storage.setdefault((live.device, live.untyped_storage().data_ptr()), []).append((where, stored, live))
+    for alone_or_not in by_storage.values():
+        if len(alone_or_not) < 2:
+            continue  # most tensors own their storage: their extents are never needed (a 20,000-tensor load paid ~4 us each)
+        copies = sorted(((*copying.byte_extent(live), where, stored, live) for where, stored, live in alone_or_not),
+                        key=lambda c: c[0])
         for i, (_, end, where, stored, live) in enumerate(copies):
             for other_start, _, other_where, other_stored, other_live in copies[i + 1:]:
                 if other_start >= end:
