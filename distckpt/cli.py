@@ -556,8 +556,8 @@ def _joined_values(argv: list[str]) -> list[str]:
     (that is not a plain negative number) for an option and said only "expected one argument";
     joined, the option's own check says what is wrong with the value."""
     out: list[str] = []
-    for i, arg in enumerate(argv):
-        if out and out[-1] in _TAKES_A_VALUE and arg.startswith("-") and arg != "--" and i > 0:
+    for arg in argv:
+        if out and out[-1] in _TAKES_A_VALUE and arg.startswith("-") and arg != "--":
             out[-1] = f"{out[-1]}={arg}"
         else:
             out.append(arg)

@@ -275,7 +275,13 @@ class Loader(Kind):
         _warn_unwrapped_workers(entry)
         replay.warn_lossy_dataset_state(entry.target, entry.key)
         replay.refuse_a_fabric_wrapper(entry.target, entry.key)
-        saved = entry.target.state_dict()
+        untouched = replay.restored_untouched(entry.target)
+        if untouched is not None:  # restored and not iterated since: saved as it was loaded (state_dict()
+            # would start the next pass here, after a dropped iterator, and save that pass's start: the
+            # same future in other bytes, which made `distckpt doctor` report a resume that was exact)
+            saved, was_dropped = dict(untouched.state), untouched.dropped
+        else:
+            saved = entry.target.state_dict()
         generator = _own_generator(entry.target)
         if generator is not None and isinstance(saved, dict):
             # The loader's generator= shuffles and seeds every later epoch; the loader's state
@@ -284,12 +290,13 @@ class Loader(Kind):
             saved = {**saved, _LOADER_GENERATOR: generator.get_state()}
         if isinstance(saved, dict):
             saved = {**saved, _LOADER_MAKEUP: _loader_makeup(entry.target)}
-        sampling = replay.capture(entry.target, entry.key)
+        sampling = replay.capture(entry.target, entry.key) if untouched is None else untouched.replay
         if sampling is not None and isinstance(saved, dict):
             saved = {**saved, replay.REPLAY_KEY: sampling}
         if was_dropped and isinstance(saved, dict):
             saved = {**saved, replay.DROPPED_KEY: True}
-        epochs = replay.capture_epochs(entry.target, was_dropped)
+        epochs = replay.capture_epochs(entry.target, was_dropped,
+                                       mid_pass=None if untouched is None else untouched.mid_pass)
         if epochs is not None and isinstance(saved, dict):
             saved = {**saved, replay.EPOCHS_KEY: epochs}
         return saved
@@ -333,7 +340,7 @@ class Loader(Kind):
                 generator.set_state(generator_state)
         _warn_iterator_made_before(entry)
         entry.target.load_state_dict(value)
-        replay.plan_resume(entry.target, sampling, was_dropped, epochs, f"state[{entry.key!r}]")
+        replay.plan_resume(entry.target, sampling, was_dropped, epochs, f"state[{entry.key!r}]", restored=value)
         return []
 
     def observe(self, target: Any) -> None:

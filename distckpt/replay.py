@@ -34,7 +34,7 @@ import random
 import sys
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -287,8 +287,9 @@ def _anew_after_a_dropped_iterator(loader: Any, restored: Any, start: Any, creat
         return restored
     del restored  # its workers end with it, as the dropped iterator's did
     _forget_a_restored_position(loader)  # the new pass starts at its beginning
+    start = _states(sampling_streams(loader))  # before create(), which draws the base seed (as above)
     iterator = create()
-    _record(iterator, _states(sampling_streams(loader)))
+    _record(iterator, start)
     return iterator
 
 
@@ -458,12 +459,39 @@ def check(loader: Any, saved: Any, where: str) -> None:
 
 
 def plan_resume(loader: Any, saved: dict[str, Any] | None, was_dropped: bool = False,
-                epochs: dict[str, Any] | None = None, where: str = "the loader") -> None:
+                epochs: dict[str, Any] | None = None, where: str = "the loader", restored: Any = None) -> None:
     """Have the loader's next iterator replay the saved epoch (checked by `check`); with
     `was_dropped`, then start a new pass as the uninterrupted run did. `epochs` (from
-    `capture_epochs`) is checked against the samplers' epochs when that iterator is made."""
+    `capture_epochs`) is checked against the samplers' epochs when that iterator is made.
+    `restored`: the state given to the loader's load_state_dict (`restored_untouched`)."""
     watch(loader)
-    loader.__dict__[_PLAN] = {"replay": saved, "dropped": was_dropped, "epochs": epochs, "where": where}
+    loader.__dict__[_PLAN] = {"replay": saved, "dropped": was_dropped, "epochs": epochs, "where": where,
+                              "restored": restored}
+
+
+class Untouched(NamedTuple):
+    """A loader as its restore left it: what a save of it holds."""
+    state: dict[str, Any]          # the state its load_state_dict was given
+    dropped: bool                  # the saved iterator had been dropped mid-pass
+    replay: dict[str, Any] | None  # the saved epoch's start
+    mid_pass: bool | None          # the saved loader was mid-pass (None: not recorded)
+
+
+def restored_untouched(loader: Any) -> Untouched | None:
+    """The loader's restored state when nothing has iterated it since the restore (its resume
+    plan is pending and torchdata still holds the very state it was given): saved again, it is
+    saved as it was loaded, as the uninterrupted run saved the same loader."""
+    plan: dict[str, Any] = vars(loader).get(_PLAN) or {}
+    restored: Any = plan.get("restored")
+    if not isinstance(restored, dict) or getattr(loader, "_iterator", None) is not None \
+            or id(getattr(loader, "next_iter_state", None)) != id(restored):  # ids: `is` narrowed it to Optional
+        return None
+    epochs = plan.get("epochs")
+    mid_pass = epochs.get("mid_pass") if isinstance(epochs, dict) else None
+    replay = plan.get("replay")
+    return Untouched(state=restored, dropped=bool(plan.get("dropped")),
+                     replay=replay if isinstance(replay, dict) else None,
+                     mid_pass=mid_pass if isinstance(mid_pass, bool) else None)
 
 
 # -- datasets whose state is not their position ------------------------------------------------
@@ -660,26 +688,30 @@ def sampler_settings(loader: Any) -> dict[str, dict[str, bool]]:
     return out
 
 
-def _sampler_seeds(loader: Any) -> dict[str, int]:
+def _sampler_seeds(loader: Any, samplers: dict[str, Any] | None = None) -> dict[str, int]:
     """Seeds that decide an order: not a sampler's built with shuffle=False, which ignores it (a
-    validation sampler rebuilt with another seed was refused, its order unchanged)."""
-    return {path: seed for path, sampler in epoch_samplers(loader).items()
+    validation sampler rebuilt with another seed was refused, its order unchanged). `samplers`:
+    the loader's `epoch_samplers`, when the caller walked them already."""
+    samplers = epoch_samplers(loader) if samplers is None else samplers
+    return {path: seed for path, sampler in samplers.items()
             if isinstance(seed := getattr(sampler, "__dict__", {}).get("seed"), int) and not isinstance(seed, bool)
             and getattr(sampler, "__dict__", {}).get("shuffle", True) is not False}
 
 
-def capture_epochs(loader: Any, was_dropped: bool) -> dict[str, Any] | None:
+def capture_epochs(loader: Any, was_dropped: bool, mid_pass: bool | None = None) -> dict[str, Any] | None:
     """What the resumed iter() checks: the samplers' epochs now, and whether the loader is in
-    the middle of a pass (its position then lies in this epoch's order). Call after
-    `loader.state_dict()`."""
-    epochs = sampler_epochs(loader)
-    if not epochs:
+    the middle of a pass (its position then lies in this epoch's order; `mid_pass` given: a
+    restored loader not iterated since, as it was saved). Call after `loader.state_dict()`."""
+    samplers = epoch_samplers(loader)  # one walk of the loader for the epochs and the seeds
+    if not samplers:
         return None
+    epochs = {path: sampler.epoch for path, sampler in samplers.items()}
     iterator = getattr(loader, "_iterator", None)
     yielded = getattr(iterator, "_num_yielded", 0)
-    mid_pass = (not was_dropped and iterator is not None and not getattr(iterator, "_finished", True)
-                and isinstance(yielded, int) and yielded > 0)
-    return {"epochs": epochs, "mid_pass": mid_pass, "seeds": _sampler_seeds(loader)}
+    if mid_pass is None:
+        mid_pass = (not was_dropped and iterator is not None and not getattr(iterator, "_finished", True)
+                    and isinstance(yielded, int) and yielded > 0)
+    return {"epochs": epochs, "mid_pass": mid_pass, "seeds": _sampler_seeds(loader, samplers)}
 
 
 def _check_epochs(loader: Any, saved: Any, where: str) -> None:

@@ -1006,3 +1006,78 @@ def test_an_unshuffled_sampler_rebuilt_with_another_seed_resumes_without_a_word(
     with warnings.catch_warnings():
         warnings.simplefilter("error", distckpt.CheckpointWarning)
         assert taken + [x for batch in loader for x in batch.tolist()] == list(range(ITEMS))
+
+
+def _saved_entries(root: str, step: int) -> dict[str, Any]:
+    from distckpt.inspection import load_trees
+    from distckpt.storage import open_storage
+    trees = load_trees(open_storage(root), step)
+    return {name: tree["entries"] for name, tree in trees.items() if name.startswith("ranks/")}
+
+
+def _bitwise_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8)
+                                                       if b.dim() else b))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_bitwise_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_bitwise_equal(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("workers, persistent, sampling", [
+    (0, False, "in-order"), (0, False, "shuffle"), (0, False, "random-global-stream"),
+    (0, False, "eager-length-grouped"), (2, False, "shuffle"), (2, True, "shuffle")])
+@pytest.mark.parametrize("save_at", [2, 4])  # right after an evaluation that dropped its iterator, and later
+def test_a_resumed_loader_saved_before_it_is_iterated_again_is_saved_as_the_uninterrupted_run_saved_it(
+        tmp_path, workers, persistent, sampling, save_at):
+    # A loader restored after its iterator was dropped (`next(iter(val))`) and saved again before
+    # its next iter() was saved as the start of its next pass (state_dict() made that iterator):
+    # the same future in other bytes, so `distckpt doctor` said the exact resume "differs" at
+    # every save until the next evaluation. The training loader, restored mid-pass and saved
+    # before its first batch, is covered too (the save right after the load).
+    uninterrupted, resumed = str(tmp_path / "a"), str(tmp_path / "b")
+
+    def build():
+        train = StatefulDataLoader(Items(), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(1))
+        val = StatefulDataLoader(Items(), batch_size=2, num_workers=workers, persistent_workers=persistent,
+                                 **VAL_SAMPLING[sampling]())
+        return train, val, {"train": train, "val": val}
+
+    def run(train, val, steps, mgr, state):
+        out, it = [], iter(train)
+        for step in steps:
+            batch = next(it, None)
+            if batch is None:
+                it = iter(train)
+                batch = next(it)
+            row = [step, batch.tolist()]
+            if step % 3 == 2:
+                row.append(next(iter(val)).tolist())
+            row.append(torch.rand(1).item())
+            out.append(row)
+            mgr.save(step, state)
+        return out
+
+    _seed_all(0)
+    train, val, state = build()
+    with distckpt.CheckpointManager(uninterrupted, keep_last=100) as mgr:
+        assert mgr.load_latest(state) is None
+        reference = run(train, val, range(12), mgr, state)
+    _seed_all(99)
+    train, val, state = build()
+    with distckpt.CheckpointManager(uninterrupted) as mgr:
+        assert mgr.load(state, step=save_at).step == save_at
+    with distckpt.CheckpointManager(resumed, keep_last=100) as mgr:
+        mgr.save(save_at, state)  # right after the load, nothing iterated
+        assert run(train, val, range(save_at + 1, 12), mgr, state) == reference[save_at + 1:]
+    for step in range(save_at, 12):
+        before, after = _saved_entries(uninterrupted, step), _saved_entries(resumed, step)
+        assert list(before) == list(after)
+        for name in before:
+            for key in ("train", "val"):
+                assert _bitwise_equal(before[name][key], after[name][key]), (step, key)
