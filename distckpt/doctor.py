@@ -204,6 +204,9 @@ class Report:
     # loader entries read by workers whose dataset is not wrapped with with_worker_rng (their
     # draws are in no checkpoint, so they never show as a difference of their own)
     unwrapped_worker_loaders: list[str] = field(default_factory=list)
+    # the kind of each entry of `state` at the first differing step ("module", "loader", ...;
+    # "optimizer" for a torch.optim optimizer): what the likely causes can tell was left out
+    entry_kinds: dict[str, str] = field(default_factory=dict)
     killed_after: int | None = None  # the step whose commit the kill followed (from the mark)
     workdir: str | None = None  # where both runs' roots are kept (None: a temporary one, removed)
 
@@ -251,7 +254,9 @@ def compare_roots(reference: str, resumed: str) -> Report:
         report.per_step[step] = sorted({f"{d.where}: {d.entry}" for d in diffs})
         if diffs and report.first_step is None:
             report.first_step, report.differences = step, diffs
-            report.unwrapped_worker_loaders = _unwrapped_worker_loaders(_trees(where_b[step], step))
+            trees = _trees(where_b[step], step)
+            report.unwrapped_worker_loaders = _unwrapped_worker_loaders(trees)
+            report.entry_kinds = _entry_kinds(trees)
             report.causes = likely_causes(diffs, report)
     return report
 
@@ -356,6 +361,20 @@ def _unwrapped_worker_loaders(trees: dict[str, Any]) -> list[str]:
     return sorted(workers - wrapped)
 
 
+def _entry_kinds(trees: dict[str, Any]) -> dict[str, str]:
+    """Each saved entry's kind, from any file that holds it; a torch.optim optimizer (saved with
+    its class name, or sharded) as "optimizer"."""
+    kinds: dict[str, str] = {}
+    for tree in trees.values():
+        entries = tree.get("entries") if isinstance(tree, dict) else None
+        for key, saved in (entries.items() if isinstance(entries, dict) else []):
+            if not isinstance(saved, dict) or not isinstance(saved.get("kind"), str):
+                continue
+            optimizer = saved["kind"] == "sharded_optimizer" or isinstance(saved.get("type"), str)
+            kinds[key] = "optimizer" if optimizer else saved["kind"]
+    return kinds
+
+
 def _streams(trees: dict[str, Any]) -> dict[Stream, Any]:
     out = {}
     for where, tree in trees.items():
@@ -439,7 +458,10 @@ def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
     if plain:
         causes.append(f"a plain value in `state` differs ({'; '.join(plain[:3])}) → a loop variable is not written into "
                       "`state` before each save, or not read back from it after the load (README: plain loop variables)")
-    if report.fingerprint_every is not None and not report.fingerprints_taken:
+    kinds = report.entry_kinds
+    models_differ = any(kinds.get(e) in ("module", "sharded_module") for e in entries)
+    if (report.fingerprint_every is not None and not report.fingerprints_taken) or (
+            models_differ and kinds and "optimizer" not in kinds.values()):
         causes.append("no torch.optim optimizer in `state` → after a resume its moments and step count start over; "
                       "put the optimizer in `state`")
     if "scheduler" in entries:
@@ -466,9 +488,15 @@ def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
         causes.append(f"the position your loop keeps in `state['loader']` differs ({positions[0].path}: "
                       f"{positions[0].detail}) → it is not applied back to your loader after the load, or it is "
                       "written into `state` at another point than right before each save")
-    if any(d.entry == "sampler" and d.path.endswith("epoch") for d in diffs):
-        causes.append("the sampler's epoch differs → call sampler.set_epoch(epoch) at every epoch start "
-                      "(and pass epoch= to save)")
+    if any((d.entry == "sampler" or kinds.get(d.entry) == "sampler") and d.path.endswith("epoch") for d in diffs):
+        if kinds and "loader" not in kinds.values():
+            causes.append("the sampler's epoch differs and no data loader is in `state` → the resumed run started the "
+                          "saved epoch over (its position inside the epoch is lost), so its steps fell in other epochs "
+                          "than the uninterrupted run's: put the loader (a torchdata StatefulDataLoader) in `state` "
+                          "(README: keep the loader in `state`)")
+        else:
+            causes.append("the sampler's epoch differs → call sampler.set_epoch(epoch) at every epoch start "
+                          "(and pass epoch= to save)")
     if any(d.path.startswith("training/") or "/training/" in d.path for d in diffs):
         causes.append("a module's training flag differs → a validation pass left a submodule in eval mode "
                       "differently; put the model in state as trained and call .train() after validation")

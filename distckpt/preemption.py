@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from typing import Any
 
 from .workers import note_preempted, note_preemption_signals
@@ -24,31 +25,23 @@ EXIT_CODE = 128 + signal.SIGTERM  # what a shell reports for a process ended by 
 
 
 class PreemptionFlag:
-    """Records pre-emption signals; installs itself only where the handler is still the default."""
+    """Records pre-emption signals for one manager. One handler per signal serves every live
+    manager's flag (`_dispatch`), installed only where the handler was still the default: the
+    signal module held each flag's bound method, so a manager dropped without close() (a
+    notebook cell run again, a sweep in one process) kept the handler, and the next manager,
+    finding a handler not the default, installed none and never learned of a notice."""
 
     def __init__(self, signals: tuple[int, ...]) -> None:
         self.armed = False  # set once the loop asks; until then a signal keeps its default effect
         self.received_at: float | None = None
         self.signal: int | None = None
-        self._installed: dict[int, Any] = {}
-        self._pid = os.getpid()  # a forked child (a DataLoader worker) inherits the handler
+        self._signals: tuple[int, ...] = ()
         if threading.current_thread() is not threading.main_thread():
             return  # handlers can only be set from the main thread
-        for sig in signals:
-            if signal.getsignal(sig) in (signal.SIG_DFL, None):
-                self._installed[sig] = signal.signal(sig, self._record)
-        note_preemption_signals(tuple(self._installed))  # loader workers forked from here outlive them
+        self._signals = tuple(sig for sig in signals if _listen(sig, self))
+        note_preemption_signals(self._signals)  # loader workers forked from here outlive them
 
-    def _record(self, signum: int, frame: Any) -> None:
-        if os.getpid() != self._pid:  # a forked child: the signal's default effect, not the rank's flag
-            self.uninstall()
-            os.kill(os.getpid(), signum)
-            return
-        if not self.armed:
-            # Nobody will ask at a step boundary: behave as if no handler had been installed.
-            self.uninstall()
-            os.kill(os.getpid(), signum)
-            return
+    def record(self, signum: int) -> None:
         if self.received_at is None:
             note_preempted()  # before anything else: the loader workers got it too, and wait for this
             self.received_at, self.signal = time.monotonic(), signum
@@ -59,10 +52,55 @@ class PreemptionFlag:
         return self.received_at is not None
 
     def uninstall(self) -> None:
-        for sig, previous in self._installed.items():
-            if signal.getsignal(sig) == self._record:
-                signal.signal(sig, previous)
-        self._installed.clear()
+        for sig in self._signals:
+            _stop_listening(sig, self)
+        self._signals = ()
+
+
+# Per signal: the handler before ours (put back when no flag listens any more) and the flags
+# listening, held weakly so that a manager dropped without close() stops listening with it.
+_PREVIOUS: dict[int, Any] = {}
+_LISTENERS: dict[int, "weakref.WeakSet[PreemptionFlag]"] = {}
+_INSTALLED_IN: dict[int, int] = {}  # the pid that installed it: a forked child (a loader worker) inherits it
+
+
+def _listen(sig: int, flag: PreemptionFlag) -> bool:
+    current = signal.getsignal(sig)
+    if current is not _dispatch:
+        if current not in (signal.SIG_DFL, None):
+            return False  # the user's own handler (or a framework's) stays in charge
+        _PREVIOUS[sig] = current
+        _LISTENERS[sig] = weakref.WeakSet()
+        _INSTALLED_IN[sig] = os.getpid()
+        signal.signal(sig, _dispatch)
+    _LISTENERS[sig].add(flag)
+    return True
+
+
+def _stop_listening(sig: int, flag: PreemptionFlag) -> None:
+    listeners = _LISTENERS.get(sig)
+    if listeners is not None:
+        listeners.discard(flag)
+    if not listeners and signal.getsignal(sig) is _dispatch:
+        _put_back(sig)
+
+
+def _put_back(sig: int) -> None:
+    signal.signal(sig, _PREVIOUS.pop(sig, signal.SIG_DFL))
+    _LISTENERS.pop(sig, None)
+    _INSTALLED_IN.pop(sig, None)
+
+
+def _dispatch(signum: int, frame: Any) -> None:
+    armed = [flag for flag in list(_LISTENERS.get(signum, ())) if flag.armed]
+    if os.getpid() != _INSTALLED_IN.get(signum) or not armed:
+        # A forked child, or nobody will ask at a step boundary: the signal's default effect, as
+        # if no handler had been installed.
+        _put_back(signum)
+        os.kill(os.getpid(), signum)
+        return
+    for flag in armed:
+        flag.record(signum)
 
 
 def signal_name(signum: int) -> str:

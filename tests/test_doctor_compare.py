@@ -238,3 +238,61 @@ def test_a_position_the_loop_keeps_itself_is_said_as_such_not_as_prefetching():
     assert not any("prefetching" in c for c in causes), causes
     torchdata = [Difference(14, "rank 0", "loader", "state/_num_yielded", "3 uninterrupted, 4 resumed")]
     assert any("prefetching" in c for c in likely_causes(torchdata, Report([4, 9, 14], [], [], 9)))
+
+
+def _momentum_run(root, resume_at: int | None, optimizer_in_state: bool) -> None:
+    """SGD with momentum; at `resume_at` the optimizer is built anew, as a relaunch builds it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with distckpt.CheckpointManager(str(root)) as mgr:
+        for step in range(6):
+            if step == resume_at:
+                opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+                if optimizer_in_state:
+                    mgr.load({"model": model, "optimizer": opt}, step=step - 1)
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.save(step, {"model": model, "optimizer": opt} if optimizer_in_state else {"model": model})
+
+
+def test_a_model_that_differs_with_no_optimizer_in_state_names_the_optimizer(tmp_path):
+    # The cause given was a random stream outside `state`, with every stream equal and the
+    # optimizer simply left out (momentum started over at the resume).
+    _momentum_run(tmp_path / "a", None, False)
+    _momentum_run(tmp_path / "b", 3, False)
+    report = compare_roots(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert report.first_step == 3 and report.entry_kinds == {"model": "module"}, report
+    assert any("no torch.optim optimizer in `state`" in c for c in report.causes), report.causes
+    assert not any("random stream outside" in c for c in report.causes), report.causes
+
+
+def test_a_model_that_differs_with_its_optimizer_in_state_is_not_blamed_on_a_missing_optimizer(tmp_path):
+    _momentum_run(tmp_path / "a", None, True)
+    _momentum_run(tmp_path / "b", 3, True)
+    assert compare_roots(str(tmp_path / "a"), str(tmp_path / "b")).first_step is None  # resumed exactly
+    torch.manual_seed(0)
+    model, bumped = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        bumped.weight.copy_(model.weight)
+        bumped.bias.copy_(model.bias + 1)
+    for root, m in (("c", model), ("d", bumped)):
+        with distckpt.CheckpointManager(str(tmp_path / root)) as mgr:
+            mgr.save(0, {"model": m, "optimizer": torch.optim.SGD(m.parameters(), lr=0.1)})
+    report = compare_roots(str(tmp_path / "c"), str(tmp_path / "d"))
+    assert report.entry_kinds == {"model": "module", "optimizer": "optimizer"}, report.entry_kinds
+    assert not any("no torch.optim optimizer" in c for c in report.causes), report.causes
+
+
+@pytest.mark.parametrize("loader_in_state", [False, True])
+def test_a_sampler_epoch_difference_without_a_loader_in_state_names_the_loader(loader_in_state):
+    # The loop called set_epoch at every epoch start; the loader was left out, so the resume
+    # started the epoch over and the steps fell in other epochs. The cause said to call set_epoch.
+    from distckpt.doctor import Difference, Report, likely_causes
+
+    kinds = {"model": "module", "sampler": "sampler", **({"loader": "loader"} if loader_in_state else {})}
+    report = Report([2, 5, 8], [], [], 8, killed_after=5, resumed=True, entry_kinds=kinds)
+    causes = likely_causes([Difference(8, "rank 0", "sampler", "state/epoch", "1 uninterrupted, 0 resumed")], report)
+    assert any("no data loader is in `state`" in c for c in causes) is not loader_in_state, causes
+    assert any("call sampler.set_epoch" in c for c in causes) is loader_in_state, causes

@@ -153,3 +153,55 @@ def test_loader_workers_signalled_with_their_rank_serve_on_until_it_saves(tmp_pa
     out = run(code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "with the rank: True 20 [None, None]" in out.stdout, out.stdout
+
+
+# How the manager before the one that asks ended: each must leave the next one hearing the notice,
+# and nothing installed once every manager is closed.
+_ENDINGS = {
+    "closed": "old.close()",
+    "dropped": "del old; gc.collect()",               # a notebook cell run again, a sweep in one process
+    "dropped-armed": "old.preemption_requested(); del old; gc.collect()",
+    "with-block-raised": "old.__exit__(RuntimeError, RuntimeError('x'), None); del old",
+    "still-open": "pass",                              # two managers live at once
+}
+
+
+@pytest.mark.parametrize("ending", sorted(_ENDINGS))
+def test_the_next_manager_hears_the_notice_however_the_one_before_ended(tmp_path, ending):
+    out = run(f"""
+        import gc, os, signal, distckpt, torch
+        state = {{"w": torch.zeros(2)}}
+        old = distckpt.CheckpointManager({str(tmp_path / "a")!r})
+        old.load_latest(state)
+        old.save(0, state)
+        {_ENDINGS[ending]}
+        new = distckpt.CheckpointManager({str(tmp_path / "b")!r})
+        assert new.load_latest(state) is None
+        assert new.preemption_requested() is False
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("asked:", new.preemption_requested())
+        new.close()
+        if {ending!r} == "still-open":
+            print("old asked:", old.preemption_requested())
+            old.close()
+        gc.collect()
+        print("after close:", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert "asked: True" in out.stdout, out.stdout + out.stderr
+    assert "after close: True" in out.stdout, out.stdout
+    if ending == "still-open":  # it never asked: not armed, so it records nothing
+        assert "old asked: False" in out.stdout
+
+
+def test_a_dropped_managers_handler_gives_the_signal_its_default_effect_when_nobody_asks(tmp_path):
+    out = run(f"""
+        import gc, os, signal, time, distckpt
+        old = distckpt.CheckpointManager({str(tmp_path)!r})
+        old.preemption_requested()
+        del old; gc.collect()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        print("ignored the signal")
+    """)
+    assert out.returncode == -15 and "ignored" not in out.stdout
