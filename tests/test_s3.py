@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -371,3 +374,52 @@ def test_gc_names_the_abandoned_uploads_it_aborts_and_leaves_a_sibling_roots_alo
     assert open_keys() == {sibling}  # the sibling root's upload is not ours
     with distckpt.CheckpointManager(s3_url, storage_options=s3_server.storage_options()) as mgr:
         assert mgr.committed_steps() == [1]
+
+
+def test_managers_with_the_same_options_share_one_client_and_others_do_not(s3_server, s3_url):
+    # Each manager built its own s3fs client, and botocore keeps what each resolves in module-level
+    # caches: a sweep building a manager per trial grew by ~1-10 MiB per manager (266 -> 442 MiB
+    # over 81 managers). One client per set of options and process now.
+    import os
+
+    opts = s3_server.storage_options()
+    with distckpt.CheckpointManager(s3_url, storage_options=opts) as a, \
+            distckpt.CheckpointManager(s3_url + "-other", storage_options=dict(opts)) as b:
+        assert a.storage.fs is b.storage.fs  # equal options: one client (another prefix, same store)
+        with distckpt.CheckpointManager(s3_url, storage_options={**opts, "retries": 5}) as c:
+            assert c.storage.fs is not a.storage.fs and c.storage.fs.retries == 5 and a.storage.fs.retries == 3
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a forked child (a loader worker, a multiprocessing pool) builds its own
+            try:
+                with distckpt.CheckpointManager(s3_url, storage_options=opts) as child:
+                    os.write(write, b"own" if child.storage.fs is not a.storage.fs else b"shared")
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.read(read, 16) == b"own"
+
+
+def test_a_process_building_a_manager_per_trial_does_not_grow(s3_server, s3_url):
+    code = textwrap.dedent(f"""
+        import gc, torch, distckpt
+        opts = {s3_server.storage_options()!r}
+        state = {{"w": torch.zeros(1024)}}
+        def rss():
+            return int([l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]) // 1024
+        for i in range(25):
+            mgr = distckpt.CheckpointManager({s3_url!r}, keep_last=2, storage_options=opts)
+            mgr.load_latest(state)
+            state["w"] += 1
+            mgr.save(i, state)
+            mgr.close()
+            if i == 4:
+                gc.collect()
+                after_five = rss()
+        gc.collect()
+        print("growth MiB", rss() - after_five)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    growth = int(out.stdout.split("growth MiB")[1])
+    assert growth < 25, out.stdout  # 20 more managers: ~90 MiB before, 0 after (botocore's caches per client)

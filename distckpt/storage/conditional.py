@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError
 from .capabilities import Capabilities
+from .clients import shared_client
 from .fsspec_fs import FsspecStorage, _join
 from .redact import protect_credentials
 from .spill import SMALL_READ_BYTES, SpillError, check_spill_dir, default_spill_dir, download_mapped, write_at
@@ -48,9 +49,9 @@ class ConditionalCreateStorage(FsspecStorage):
         options = dict(storage_options)
         protect_credentials(options)
         spill_dir = check_spill_dir(options.pop("spill_dir", default_spill_dir()))
-        options.setdefault("skip_instance_cache", True)  # one owned client per manager
+        options.setdefault("skip_instance_cache", True)  # shared by distckpt's rule, not fsspec's (clients.py)
         try:
-            fs = cls.make_client(options)
+            fs = shared_client(cls.__name__, options, lambda: cls.make_client(options))
         except (ValueError, TypeError) as e:  # the client's own check of its options
             raise ConfigError(f"storage_options for {url} were refused by {cls.client_name}: {e}") from e
         storage = cls(fs, url.split("://", 1)[1].rstrip("/"), url)

@@ -27,6 +27,7 @@ import time
 from typing import Any, Iterable, Iterator
 
 from ..errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError, shown
+from .clients import shared_client
 from .conditional import ConditionalCreateStorage
 from .fsspec_fs import _join
 from .jitter import keep_jitter_private
@@ -93,10 +94,15 @@ class S3Storage(ConditionalCreateStorage):
         # A deep copy: botocore rewrites the "retries" dict it is given (max_attempts becomes
         # total_max_attempts), which left every later client with its default retries.
         config = copy.deepcopy({**DEFAULT_CONFIG, **options.pop("config_kwargs", {})})
-        options.setdefault("skip_instance_cache", True)  # one owned client per manager
+        options.setdefault("skip_instance_cache", True)  # shared by distckpt's rule, not fsspec's (clients.py)
         keep_jitter_private("s3")  # botocore's retry backoff drew from the global `random` stream
-        fs = s3fs.S3FileSystem(config_kwargs=config, **options)
-        fs.retries = retries  # s3fs's own retries, on top of botocore's: keep the product bounded
+
+        def make() -> Any:
+            fs = s3fs.S3FileSystem(config_kwargs=config, **options)
+            fs.retries = retries  # s3fs's own retries, on top of botocore's: keep the product bounded
+            return fs
+
+        fs = shared_client("s3", {**options, "config_kwargs": config, "retries": retries}, make)
         root = url.split("://", 1)[1].rstrip("/")
         return cls(fs, root, url, part_bytes, concurrency, call_timeout, range_bytes, spill_dir, crt)
 

@@ -1,0 +1,38 @@
+"""One object-store client per set of options in a process, shared by the managers that use it.
+
+Each s3fs client builds a botocore client, and botocore keeps what each one resolves (endpoint
+rules, parsed models) in module-level caches of up to 100 entries: a process that built a
+manager per evaluation or per sweep trial on the same bucket grew by ~1-10 MiB per manager,
+with nothing a manager could close (measured on loopback SeaweedFS: 266 -> 442 MiB resident over
+81 managers, each created, loaded, saved once and closed; one manager doing the same stayed
+flat). fsspec's own instance cache would share clients too, but its key holds the thread that
+asked, and `retries` (set after construction) is not part of it.
+
+A client is shared only within one process (a forked child builds its own: its parent's event
+loop and connections are not its own) and only between identical options.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable
+
+from fsspec.utils import tokenize
+
+_MAX_CLIENTS = 32  # distinct option sets kept; the oldest is let go (a process moving between many stores)
+_CLIENTS: dict[str, Any] = {}
+_LOCK = threading.Lock()
+
+
+def shared_client(kind: str, options: dict[str, Any], make: Callable[[], Any]) -> Any:
+    """The client made by `make()` for these options, made once per process."""
+    key = tokenize(kind, os.getpid(), sorted(options.items(), key=lambda kv: kv[0]))
+    with _LOCK:
+        client = _CLIENTS.pop(key, None)
+        if client is None:
+            client = make()
+        _CLIENTS[key] = client  # the newest last: what is let go first is the longest unused
+        while len(_CLIENTS) > _MAX_CLIENTS:
+            _CLIENTS.pop(next(iter(_CLIENTS)))
+        return client
