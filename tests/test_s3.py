@@ -423,3 +423,11 @@ def test_a_process_building_a_manager_per_trial_does_not_grow(s3_server, s3_url)
     assert out.returncode == 0, out.stderr
     growth = int(out.stdout.split("growth MiB")[1])
     assert growth < 25, out.stdout  # 20 more managers: ~90 MiB before, 0 after (botocore's caches per client)
+
+
+def test_credentials_rotated_in_the_environment_get_a_new_client(s3_server, s3_url, monkeypatch):
+    opts = s3_server.storage_options()
+    with distckpt.CheckpointManager(s3_url, storage_options=opts) as a:
+        monkeypatch.setenv("AWS_SESSION_TOKEN", "rotated")
+        with distckpt.CheckpointManager(s3_url, storage_options=opts) as b:
+            assert b.storage.fs is not a.storage.fs

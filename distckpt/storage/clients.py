@@ -27,7 +27,7 @@ _LOCK = threading.Lock()
 
 def shared_client(kind: str, options: dict[str, Any], make: Callable[[], Any]) -> Any:
     """The client made by `make()` for these options, made once per process."""
-    key = tokenize(kind, os.getpid(), sorted(options.items(), key=lambda kv: kv[0]))
+    key = tokenize(kind, os.getpid(), sorted(options.items(), key=lambda kv: kv[0]), _credential_environment())
     with _LOCK:
         client = _CLIENTS.pop(key, None)
         if client is None:
@@ -36,3 +36,12 @@ def shared_client(kind: str, options: dict[str, Any], make: Callable[[], Any]) -
         while len(_CLIENTS) > _MAX_CLIENTS:
             _CLIENTS.pop(next(iter(_CLIENTS)))
         return client
+
+
+# Where clients read credentials and endpoints from besides their options: a process that rotates
+# them in its environment (a new session token) gets a new client for its next manager, as before.
+_CREDENTIAL_PREFIXES = ("AWS_", "BOTO_", "GOOGLE_", "GCLOUD", "CLOUDSDK_", "AZURE_", "FSSPEC_")
+
+
+def _credential_environment() -> list[tuple[str, str]]:
+    return sorted((name, value) for name, value in os.environ.items() if name.startswith(_CREDENTIAL_PREFIXES))
