@@ -351,8 +351,15 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
     if coord.rank == 0:
         tree: dict[str, Any] = {"step": step, "epoch": epoch,
                 "entries": {e.key: capture_entry(e) for e in entries if e.scope in (REPLICATED, SHARDED)}}
-        out.replicated = _encode_checked(tree, ("replicated",), entries, stage=stage, shards=out.shards,
-                                         split=split, placed=_handed_over(("replicated",), entries))
+        try:
+            out.replicated = _encode_checked(tree, ("replicated",), entries, stage=stage, shards=out.shards,
+                                             split=split, placed=_handed_over(("replicated",), entries))
+        except UnstorableValueError as e:
+            if coord.world_size > 1:  # "failed on rank(s) [0]" read as if the other ranks' copies were fine
+                notes = [*getattr(e, "__notes__", []),  # add_note from Python 3.11; the outcome reads these
+                         "a replicated entry: every rank holds it, rank 0 checks and writes it for all"]
+                e.__notes__ = notes  # type: ignore[attr-defined]
+            raise
     elif out.shards is not None:
         scopes = (REPLICATED, SHARDED) if split else (SHARDED,)
         tree = {"entries": {e.key: capture_entry(e) for e in entries if e.scope in scopes}}

@@ -553,6 +553,18 @@ def entries_on_some_ranks(rank: int, world: int, url: str, case: str) -> dict:
         return {"outcome": outcome, "committed": sorted(mgr.committed_steps())}
 
 
+def unstorable_replicated_entry(rank: int, world: int, url: str) -> dict:
+    """Every rank holds the same unstorable replicated value (a function in the config)."""
+    state = {"w": torch.ones(2), "config": {"schedule": len}}
+    with distckpt.CheckpointManager(url, timeout=60) as mgr:
+        mgr.load_latest({"w": torch.ones(2)})
+        try:
+            mgr.save(1, state)
+            return {"outcome": "saved"}
+        except distckpt.DistCkptError as e:
+            return {"outcome": f"{type(e).__name__}: {e}"}
+
+
 class _LossEma:
     """A user's object with state_dict: an EMA of the loss each rank sees (its own)."""
 

@@ -699,3 +699,14 @@ def test_zero_redundancy_optimizer_in_per_rank_is_refused_on_every_rank(ckpt_dir
     assert all(r.error is None for r in results), [r.error for r in results]
     for r in results:
         assert "ZeroRedundancyOptimizer inside per_rank" in r.value and "state['optimizer']" in r.value, r.value
+
+
+def test_an_unstorable_replicated_entry_is_said_to_be_every_ranks(ckpt_dir):
+    # Only rank 0 encodes replicated entries, so the refusal said "failed on rank(s) [0]", which
+    # read as if the other ranks' copies were fine.
+    results = run_world(f"{W}:unstorable_replicated_entry", 2, url=ckpt_dir)
+    outcomes = {r.value["outcome"] for r in results}
+    assert len(outcomes) == 1, outcomes
+    outcome = outcomes.pop()
+    assert outcome.startswith("UnstorableValueError") and "state['config']['schedule']" in outcome, outcome
+    assert "every rank holds it, rank 0 checks and writes it for all" in outcome, outcome
