@@ -36,9 +36,10 @@ class PreemptionFlag:
         self.received_at: float | None = None
         self.signal: int | None = None
         self._signals: tuple[int, ...] = ()
-        if threading.current_thread() is not threading.main_thread():
-            return  # handlers can only be set from the main thread
-        self._signals = tuple(sig for sig in signals if _listen(sig, self))
+        # Handlers can only be set from the main thread; a manager built in another listens where
+        # the main thread's manager installed the handler already.
+        in_main = threading.current_thread() is threading.main_thread()
+        self._signals = tuple(sig for sig in signals if _listen(sig, self, install=in_main))
         note_preemption_signals(self._signals)  # loader workers forked from here outlive them
 
     def record(self, signum: int) -> None:
@@ -64,10 +65,19 @@ _LISTENERS: dict[int, "weakref.WeakSet[PreemptionFlag]"] = {}
 _INSTALLED_IN: dict[int, int] = {}  # the pid that installed it: a forked child (a loader worker) inherits it
 
 
-def _listen(sig: int, flag: PreemptionFlag) -> bool:
+# Handlers that count as "not the program's own": SIGINT's default raises KeyboardInterrupt, and
+# `preemption_signals=("SIGINT",)` is asked for by name.
+_DEFAULTS = (signal.SIG_DFL, None, signal.default_int_handler)
+
+
+def _listen(sig: int, flag: PreemptionFlag, install: bool = True) -> bool:
     current = signal.getsignal(sig)
-    if current is not _dispatch:
-        if current not in (signal.SIG_DFL, None):
+    if current is _dispatch and _INSTALLED_IN.get(sig) != os.getpid():
+        # a forked child: the parent's handler and listeners came with the fork; this process's own
+        _LISTENERS[sig] = weakref.WeakSet()
+        _INSTALLED_IN[sig] = os.getpid()
+    elif current is not _dispatch:
+        if current not in _DEFAULTS or not install:
             return False  # the user's own handler (or a framework's) stays in charge
         _PREVIOUS[sig] = current
         _LISTENERS[sig] = weakref.WeakSet()
@@ -81,7 +91,10 @@ def _stop_listening(sig: int, flag: PreemptionFlag) -> None:
     listeners = _LISTENERS.get(sig)
     if listeners is not None:
         listeners.discard(flag)
-    if not listeners and signal.getsignal(sig) is _dispatch:
+    if not listeners and signal.getsignal(sig) is _dispatch \
+            and threading.current_thread() is threading.main_thread():
+        # (closed from another thread: the handler stays, listening to nobody, which gives the
+        # signal its default effect; signal.signal raised there and close() stopped half-way)
         _put_back(sig)
 
 

@@ -458,6 +458,22 @@ def check(loader: Any, saved: Any, where: str) -> None:
                                           f"{type(e).__name__}: {e}") from e
 
 
+def make_first_iterator(loader: Any) -> None:
+    """Have a torchdata loader that was never iterated make its first iterator now, before a save
+    records the random streams. Its state_dict() makes it anyway, and making it draws a base seed
+    (from the loader's generator or torch's global stream): drawn after the streams were recorded,
+    the uninterrupted run was a draw ahead of every resume (a validation loader saved before its
+    first pass; every later torch.rand differed, silently). Drawn before, the checkpoint holds the
+    streams after the draw and the iterator that drew, as for a loader saved mid-pass; the loop's
+    first iter() takes that iterator (torchdata's own rule)."""
+    if not _is_stateful_dataloader(loader) or "_iterator" not in vars(loader) or loader._iterator is not None \
+            or getattr(loader, "next_iter_state", None) is not None or _PLAN in vars(loader):
+        return
+    if getattr(loader, "in_order", True) is False and getattr(loader, "num_workers", 0) > 0:
+        return  # refused by the save, with its reason
+    loader.state_dict()
+
+
 def plan_resume(loader: Any, saved: dict[str, Any] | None, was_dropped: bool = False,
                 epochs: dict[str, Any] | None = None, where: str = "the loader", restored: Any = None) -> None:
     """Have the loader's next iterator replay the saved epoch (checked by `check`); with

@@ -54,6 +54,7 @@ from .errors import (
 from .fencing import Lease
 from .incremental import ContentTable
 from .kinds import capture_entry
+from .replay import make_first_iterator
 from .rng import capture_process_rng
 from .serialize import EncodedTree, encode_tree, key_path, safetensors_chunks
 from .staging import StagingPool, region_key
@@ -326,6 +327,9 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
                    handover: bool = False) -> _Captured:
     """This rank's capture: RNG first, then its per-rank entries; rank 0 the replicated ones."""
     out = _Captured()
+    for entry in entries:  # their first iterators draw: before the streams are recorded
+        if entry.kind == "loader":
+            make_first_iterator(entry.target)
     rng = capture_process_rng()  # first: nothing below may draw before it is recorded
     if coord.rank == 0:
         if prepare is not None:

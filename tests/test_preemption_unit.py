@@ -205,3 +205,82 @@ def test_a_dropped_managers_handler_gives_the_signal_its_default_effect_when_nob
         print("ignored the signal")
     """)
     assert out.returncode == -15 and "ignored" not in out.stdout
+
+
+def test_a_manager_in_a_forked_child_hears_its_own_notice_beside_a_parents_manager(tmp_path):
+    # The child inherited the parent's handler, which saw another pid and gave the signal its
+    # default effect: the child's manager, which had asked, never heard it.
+    out = run(f"""
+        import os, signal, distckpt
+        parent = distckpt.CheckpointManager({str(tmp_path / "p")!r})
+        parent.preemption_requested()
+        pid = os.fork()
+        if pid == 0:
+            child = distckpt.CheckpointManager({str(tmp_path / "c")!r})
+            child.preemption_requested()
+            os.kill(os.getpid(), signal.SIGTERM)
+            heard = child.preemption_requested()
+            child.close()
+            os._exit(0 if heard else 3)
+        _, status = os.waitpid(pid, 0)
+        print("child status", status, "parent heard", parent.preemption_requested())
+        parent.close()
+    """)
+    assert out.returncode == 0, out.stderr
+    assert "child status 0 parent heard False" in out.stdout, out.stdout + out.stderr
+
+
+def test_close_from_another_thread_closes_everything(tmp_path):
+    # signal.signal raised there ("only works in main thread") half-way through close(): the
+    # writer and the other threads of the manager were never closed.
+    out = run(f"""
+        import threading, torch, distckpt
+        mgr = distckpt.CheckpointManager({str(tmp_path)!r}, async_save=True)
+        mgr.preemption_requested()
+        mgr.save(0, {{"w": torch.zeros(2)}})
+        errors = []
+        def close():
+            try:
+                mgr.close()
+            except BaseException as e:
+                errors.append(repr(e))
+        t = threading.Thread(target=close)
+        t.start(); t.join()
+        print("errors", errors)
+        print("threads", sorted(t.name for t in threading.enumerate() if t.name.startswith("distckpt") and not t.daemon))
+    """)
+    assert out.returncode == 0, out.stderr
+    assert "errors []" in out.stdout and "threads []" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("where", ["sigint", "thread-manager"])
+def test_a_configured_signal_and_a_manager_built_in_a_thread_hear_the_notice(tmp_path, where):
+    # SIGINT's default handler is not SIG_DFL, so preemption_signals=("SIGINT",) installed nothing
+    # (a KeyboardInterrupt mid-step instead); a manager built in a thread never listened, and once
+    # the main thread's manager closed, SIGTERM ended the process although it had asked.
+    signal_name = "SIGINT" if where == "sigint" else "SIGTERM"
+    out = run(f"""
+        import os, signal, threading, distckpt
+        if {where!r} == "sigint":
+            mgr = distckpt.CheckpointManager({str(tmp_path)!r}, preemption_signals=("SIGINT",))
+            mgr.preemption_requested()
+            os.kill(os.getpid(), signal.SIGINT)
+            print("heard", mgr.preemption_requested())
+            mgr.close()
+            print("after close", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        else:
+            main = distckpt.CheckpointManager({str(tmp_path / "a")!r})
+            main.preemption_requested()
+            made = {{}}
+            def build():
+                made["b"] = distckpt.CheckpointManager({str(tmp_path / "b")!r})
+                made["b"].preemption_requested()
+            t = threading.Thread(target=build); t.start(); t.join()
+            main.close()
+            os.kill(os.getpid(), signal.{signal_name})
+            print("heard", made["b"].preemption_requested())
+            made["b"].close()
+            print("after close", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+    """)
+    assert out.returncode == 0, out.stderr
+    assert "heard True" in out.stdout and "after close True" in out.stdout, out.stdout + out.stderr

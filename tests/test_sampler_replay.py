@@ -1081,3 +1081,44 @@ def test_a_resumed_loader_saved_before_it_is_iterated_again_is_saved_as_the_unin
         for name in before:
             for key in ("train", "val"):
                 assert _bitwise_equal(before[name][key], after[name][key]), (step, key)
+
+
+@pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
+@pytest.mark.parametrize("sampling", ["in-order", "shuffle", "shuffle-own-generator", "random-global-stream"])
+def test_a_loader_saved_before_its_first_pass_resumes_exactly(tmp_path, workers, persistent, sampling):
+    # torchdata's state_dict() made the first iterator inside the save, drawing its base seed from
+    # the global stream after the streams were captured: the uninterrupted run was a draw ahead of
+    # every resume (every later torch.rand, dropout mask... differed, silently).
+    root = str(tmp_path / "c")
+    options = {"in-order": {}, "shuffle": {"shuffle": True},
+               "shuffle-own-generator": {"shuffle": True, "generator": torch.Generator().manual_seed(5)},
+               "random-global-stream": {"sampler": RandomSampler(Items())}}
+
+    def build():
+        fresh = {k: (torch.Generator().manual_seed(5) if k == "generator" else v)
+                 for k, v in options[sampling].items()}
+        if sampling == "random-global-stream":
+            fresh["sampler"] = RandomSampler(Items())
+        val = StatefulDataLoader(Items(), batch_size=2, num_workers=workers, persistent_workers=persistent, **fresh)
+        return val, {"val": val, "x": torch.zeros(1)}
+
+    def run(val, steps, mgr=None, state=None):
+        out = []
+        for step in steps:
+            drawn = torch.rand(1).item()
+            out.append((step, drawn, [b.tolist() for b in val] if step == 4 else None))  # the first evaluation
+            if mgr is not None:
+                mgr.save(step, state)
+        return out
+
+    _seed_all(0)
+    val, state = build()
+    with distckpt.CheckpointManager(root, keep_last=10) as mgr:
+        assert mgr.load_latest(state) is None
+        reference = run(val, range(7), mgr, state)
+    for resume_at in (0, 1, 3, 5):  # 0: the save that made its first iterator
+        _seed_all(99)
+        val, state = build()
+        with distckpt.CheckpointManager(root) as mgr:
+            assert mgr.load(state, step=resume_at).step == resume_at
+        assert run(val, range(resume_at + 1, 7)) == reference[resume_at + 1:], resume_at
