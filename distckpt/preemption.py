@@ -35,11 +35,10 @@ class PreemptionFlag:
         self.armed = False  # set once the loop asks; until then a signal keeps its default effect
         self.received_at: float | None = None
         self.signal: int | None = None
-        self._signals: tuple[int, ...] = ()
         # Handlers can only be set from the main thread; a manager built in another listens where
         # the main thread's manager installed the handler already.
         in_main = threading.current_thread() is threading.main_thread()
-        self._signals = tuple(sig for sig in signals if _listen(sig, self, install=in_main))
+        self._signals: tuple[int, ...] = tuple(sig for sig in signals if _listen(sig, self, install=in_main))
         note_preemption_signals(self._signals)  # loader workers forked from here outlive them
 
     def record(self, signum: int) -> None:

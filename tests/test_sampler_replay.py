@@ -480,6 +480,25 @@ def test_an_iterator_made_before_the_load_is_warned_about(tmp_path):
         mgr.load_latest(state)  # nothing made before: nothing said
 
 
+def _train_with_evaluations(train, val, steps, after_step: Callable[[int], Any]) -> list:
+    """A batch of `train` per step (a new pass when one ends), `next(iter(val))` every third step
+    (an evaluation that drops its iterator), a draw from the global stream; `after_step(step)`
+    (a save) after each. The rows say what each step saw."""
+    out, it = [], iter(train)
+    for step in steps:
+        batch = next(it, None)
+        if batch is None:
+            it = iter(train)
+            batch = next(it)
+        row = [step, batch.tolist()]
+        if step % 3 == 2:
+            row.append(next(iter(val)).tolist())
+        row.append(torch.rand(1).item())
+        out.append(row)
+        after_step(step)
+    return out
+
+
 VAL_SAMPLING = {
     "in-order": lambda: {},
     "shuffle": lambda: {"shuffle": True},
@@ -504,20 +523,8 @@ def test_a_loader_whose_iterator_the_loop_drops_resumes_with_a_new_pass(tmp_path
         return train, val, {"train": train, "val": val}
 
     def run(train, val, steps, mgr=None, state=None):
-        out, it = [], iter(train)
-        for step in steps:
-            batch = next(it, None)
-            if batch is None:
-                it = iter(train)
-                batch = next(it)
-            row = [step, batch.tolist()]
-            if step % 3 == 2:
-                row.append(next(iter(val)).tolist())
-            row.append(torch.rand(1).item())
-            out.append(row)
-            if step == save_at and mgr is not None:
-                mgr.save(step, state)
-        return out
+        return _train_with_evaluations(train, val, steps, lambda step: step == save_at and mgr is not None
+                                       and mgr.save(step, state))
 
     _seed_all(0)
     train, val, state = build()
@@ -1049,19 +1056,7 @@ def test_a_resumed_loader_saved_before_it_is_iterated_again_is_saved_as_the_unin
         return train, val, {"train": train, "val": val}
 
     def run(train, val, steps, mgr, state):
-        out, it = [], iter(train)
-        for step in steps:
-            batch = next(it, None)
-            if batch is None:
-                it = iter(train)
-                batch = next(it)
-            row = [step, batch.tolist()]
-            if step % 3 == 2:
-                row.append(next(iter(val)).tolist())
-            row.append(torch.rand(1).item())
-            out.append(row)
-            mgr.save(step, state)
-        return out
+        return _train_with_evaluations(train, val, steps, lambda step: mgr.save(step, state))
 
     _seed_all(0)
     train, val, state = build()
