@@ -37,7 +37,7 @@ from faultproxy import FaultProxy  # noqa: E402
 from seaweed import SeaweedS3  # noqa: E402
 
 import distckpt  # noqa: E402
-from distckpt import manifest as mf  # noqa: E402
+from distckpt.io import manifest as mf  # noqa: E402
 
 ROOT = "bench/history"
 

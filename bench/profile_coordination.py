@@ -47,7 +47,8 @@ class Clock:
 
 
 def _instrument(clock: Clock) -> None:
-    from distckpt import coord, manager
+    from distckpt import manager
+    from distckpt.protocol import coord
     from distckpt.storage.local import LocalStorage
 
     for method in ("all_gather", "gather", "broadcast"):

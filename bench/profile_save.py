@@ -45,7 +45,8 @@ def worker(root: str, saves: int) -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     import distckpt
-    from distckpt import coord, manager, saving
+    from distckpt import manager
+    from distckpt.protocol import coord, saving
 
     torch.set_num_threads(1)
     info = distckpt.init_distributed()

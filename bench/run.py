@@ -159,8 +159,8 @@ def _evicted_fresh_dir(path: str) -> None:
 
 def _drop_checkpoints(mgr: distckpt.CheckpointManager, keep_newest: int = 0) -> None:
     """Remove committed checkpoints but the newest `keep_newest`, their pages evicted first."""
-    from distckpt.manifest import step_dir
-    from distckpt.retention import delete_checkpoint
+    from distckpt.io.manifest import step_dir
+    from distckpt.protocol.retention import delete_checkpoint
 
     for step in mgr.committed_steps()[keep_newest:]:
         _evict_tree(os.path.join(mgr.storage.url, step_dir(step)))

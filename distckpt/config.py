@@ -17,7 +17,7 @@ import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, TypeVar
 
-from .errors import ArgumentNameError, ConfigError, shown
+from distckpt.errors import ArgumentNameError, ConfigError, shown
 
 MIN_TIMEOUT_S = 0.001
 MAX_TIMEOUT_S = 30 * 24 * 3600.0  # beyond this a deadline is a mistake (and overflows C++ timers)

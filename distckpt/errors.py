@@ -1,4 +1,4 @@
-"""Errors raised by distckpt.
+"""Errors and warnings raised by distckpt.
 
 Every error derives from :class:`DistCkptError`, so ``except distckpt.DistCkptError`` catches
 everything the library raises on purpose. Storage failures also derive from the matching
@@ -23,6 +23,20 @@ builtin, so code that already handles ``OSError`` keeps working::
     │                                      holding another run's commits
     └── AsyncSaveError(RuntimeError)       a background save failed (surfaced at the
                                            next save/wait/close, on every rank)
+
+Every warning derives from :class:`DistCkptWarning` (a ``UserWarning``), so one
+``warnings.filterwarnings("error", category=distckpt.DistCkptWarning)`` catches them all; each is
+raised with a ``stacklevel`` that points at the user's own call::
+
+    DistCkptWarning(UserWarning)
+    ├── CheckpointWarning                  something in a load deserves attention (extra entries, config)
+    │   └── ReplayWarning                  a loader's epoch may not be replayed exactly
+    ├── CheckpointFallbackWarning          the newest checkpoint was damaged; an older one was loaded
+    │   └── ReshardWarning                 only part of the state was restored exactly (another world size)
+    ├── DurableUploadWarning               a locally committed step is not durable (yet)
+    ├── NonAtomicStorageWarning            the storage cannot create a file exclusively
+    ├── RngRestoreWarning                  a random stream could not be restored exactly on this rank
+    └── DeviceAbsentWarning                tensors saved on an absent accelerator came back on the CPU
 """
 
 from __future__ import annotations
@@ -119,3 +133,44 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
         return text
     keep = (limit - 30) // 2
     return f"{text[:keep]}…<{len(text) - 2 * keep:,} characters>…{text[-keep:]}"
+
+
+# Warnings: one root, so a single filter catches every warning distckpt gives.
+
+
+class DistCkptWarning(UserWarning):
+    """Root of every warning distckpt gives."""
+
+
+class CheckpointWarning(DistCkptWarning):
+    """Something in a load deserves attention but did not stop it (extra entries, config)."""
+
+
+class ReplayWarning(CheckpointWarning):
+    """A loader's epoch may not be replayed exactly on resume (its start was not seen)."""
+
+
+class CheckpointFallbackWarning(DistCkptWarning):
+    """The newest committed checkpoint was damaged; an older one was loaded instead."""
+
+
+class ReshardWarning(CheckpointFallbackWarning):
+    """A load restored only part of the state exactly: a checkpoint of another world size
+    (world_size_policy="reshard") or an import with no per-rank state. A CheckpointFallbackWarning
+    (what it was before it had a class of its own), so filters on that class still see it."""
+
+
+class DurableUploadWarning(DistCkptWarning):
+    """A checkpoint committed on the local tier could not be made durable (yet)."""
+
+
+class NonAtomicStorageWarning(DistCkptWarning):
+    """The storage cannot create a file exclusively: two writers of one step could both commit."""
+
+
+class RngRestoreWarning(DistCkptWarning):
+    """A random stream in the checkpoint could not be restored exactly on this rank."""
+
+
+class DeviceAbsentWarning(DistCkptWarning):
+    """Tensors saved on an accelerator this process does not have came back on the CPU."""

@@ -17,17 +17,9 @@ import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, NoReturn
 
-from . import doctor as doctor_hooks
-from . import errors, faults, replay
-from . import manifest as mf
-from .async_writer import AsyncWriter, WriterStuckError
-from .capture import SHARDED, CheckpointWarning
-from .commit import CommitIndex, ReplacePolicy, committed_generations, list_committed
-from .config import DEFAULT_TIMEOUT_S, ManagerConfig, arguments_checked
-from .coord import Coordinator, Outcome, agree, make_coordinator
-from .copying import Prefault
-from .ddp import install_bucket_warmup
-from .errors import (
+from distckpt import errors
+from distckpt.config import DEFAULT_TIMEOUT_S, ManagerConfig, arguments_checked
+from distckpt.errors import (
     AsyncSaveError,
     ConfigError,
     CoordinationError,
@@ -38,16 +30,19 @@ from .errors import (
     StorageError,
     shown,
 )
-from .fencing import Lease, acquire, read_leases, record_commit
-from .fencing import check_current as check_fence
-from .fencing import prune as prune_leases
-from .gcpause import collector_paused
-from .incremental import ContentTable
-from .interrupts import sigint_deferred
-from .kinds import classify, staged_tensors
-from .loading import Progress, load, refuse_load_request
-from .preemption import PreemptionFlag
-from .retention import (
+from distckpt.io import manifest as mf
+from distckpt.io.copying import Prefault
+from distckpt.io.staging import StagingPool
+from distckpt.protocol import doctor_hooks
+from distckpt.protocol.async_writer import AsyncWriter, WriterStuckError
+from distckpt.protocol.commit import CommitIndex, ReplacePolicy, committed_generations, list_committed
+from distckpt.protocol.coord import Coordinator, Outcome, agree, make_coordinator
+from distckpt.protocol.fencing import Lease, acquire, read_leases, record_commit
+from distckpt.protocol.fencing import check_current as check_fence
+from distckpt.protocol.fencing import prune as prune_leases
+from distckpt.protocol.incremental import ContentTable
+from distckpt.protocol.loading import Progress, load, refuse_load_request
+from distckpt.protocol.retention import (
     Committed,
     Sweeper,
     best_first,
@@ -58,7 +53,7 @@ from .retention import (
     retire,
     superseded_to_retire,
 )
-from .saving import (
+from distckpt.protocol.saving import (
     CapturedSave,
     RankWrite,
     StagedSave,
@@ -69,12 +64,27 @@ from .saving import (
     stage_save,
     write_and_commit,
 )
-from .snapshot import OverlappedSnapshot
-from .staging import StagingPool
-from .storage import Storage, open_storage
-from .tiers import DurableUploadWarning, Nodes, TierSettings, node_name, remove_foreign, ship_to_nodes, upload_step
-from .validation import LoadRules, check_step
-from .versions import VersionsProbe
+from distckpt.protocol.snapshot import OverlappedSnapshot
+from distckpt.protocol.tiers import (
+    DurableUploadWarning,
+    Nodes,
+    TierSettings,
+    node_name,
+    remove_foreign,
+    ship_to_nodes,
+    upload_step,
+)
+from distckpt.runtime import faults
+from distckpt.runtime.gcpause import collector_paused
+from distckpt.runtime.interrupts import sigint_deferred
+from distckpt.runtime.preemption import PreemptionFlag
+from distckpt.runtime.versions import VersionsProbe
+from distckpt.state import replay
+from distckpt.state.capture import SHARDED, CheckpointWarning
+from distckpt.state.ddp import install_bucket_warmup
+from distckpt.state.kinds import classify, staged_tensors
+from distckpt.state.validation import LoadRules, check_step
+from distckpt.storage import Storage, open_storage
 
 log = logging.getLogger("distckpt")
 

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import Dataset, DistributedSampler
 
 import distckpt
-from distckpt import faults
+from distckpt.runtime import faults
 
 CORPUS_WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
                 "jovial bankers near the old mill and every checkpoint is a message to a "

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def pytest_configure(config):
     """torch on one thread in the test process, as torchrun sets it for every rank: a load's
-    copies then run on distckpt.copying's own threads (one per core), so every in-process load
+    copies then run on distckpt.io.copying's own threads (one per core), so every in-process load
     of the suite goes through them, not only the tests that ask for them."""
     import torch
 

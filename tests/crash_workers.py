@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import distckpt
-from distckpt import faults
+from distckpt.runtime import faults
 
 TIMEOUT_S = 8.0
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import distckpt
-from distckpt import faults
+from distckpt.runtime import faults
 
 
 def _state(rank: int) -> dict:
@@ -123,8 +123,7 @@ def count_exchanges_of_saves(rank: int, world: int, url: str, async_save: bool =
     """Which thread ran each of the manager's exchanges, per save (every save after the first)."""
     import threading
 
-    from distckpt import coord
-
+    from distckpt.protocol import coord
     seen: list[tuple[str, str]] = []
     run = coord.GlooCoordinator._run
 
@@ -266,7 +265,7 @@ def split_save_and_load(rank: int, world: int, url: str, async_save: bool = Fals
 
 def exchange_objects_larger_than_a_slot(rank: int, world: int) -> dict:
     """all_gather / gather / broadcast where some objects exceed coord.SLOT_BYTES."""
-    from distckpt.coord import SLOT_BYTES, GlooCoordinator
+    from distckpt.protocol.coord import SLOT_BYTES, GlooCoordinator
 
     coord = GlooCoordinator(timeout_s=30)
     mine = {"rank": rank, "blob": bytes([rank]) * (3 * SLOT_BYTES if rank == 1 else 10)}
@@ -284,7 +283,7 @@ def fail_before_sending_a_large_object(rank: int, world: int, timeout_s: float, 
     longer than the timeout, before sending it."""
     import torch.distributed as dist
 
-    from distckpt.coord import SLOT_BYTES, GlooCoordinator
+    from distckpt.protocol.coord import SLOT_BYTES, GlooCoordinator
 
     coord = GlooCoordinator(timeout_s=timeout_s)
     if rank == 1 and how == "killed":
@@ -299,8 +298,7 @@ def overlapped_failures(rank: int, world: int, url: str, how: str) -> dict:
     how="rank1-fails": rank 1's writer fails before the gather. Returns what wait() raised."""
     import threading
 
-    from distckpt import faults
-
+    from distckpt.runtime import faults
     release = threading.Event()
 
     def hook(name: str, context: dict) -> None:
@@ -377,8 +375,7 @@ def rank_0_slower_than_the_timeout(rank: int, world: int, url: str, async_save: 
     outcome. Then: another save with the same manager, and one with a new manager."""
     import time
 
-    from distckpt import faults
-
+    from distckpt.runtime import faults
     def slow(name: str, context: dict) -> None:
         if name == "save/replicated-written" and context["step"] == 1 and rank == 0:
             time.sleep(3.5)  # past the others' 2 s wait for the outcome
@@ -415,8 +412,7 @@ def rank_0_writer_stuck(rank: int, world: int, url: str) -> dict:
     import threading
     import time
 
-    from distckpt import faults
-
+    from distckpt.runtime import faults
     release = threading.Event()
 
     def hang(name: str, context: dict) -> None:
@@ -590,7 +586,7 @@ def interrupted_inside_an_exchange(rank: int, world: int, url: str) -> dict:
     import torch
 
     import distckpt
-    from distckpt.coord import GlooCoordinator
+    from distckpt.protocol.coord import GlooCoordinator
 
     state = {"t": torch.arange(4.0)}
     out: dict = {}
@@ -638,8 +634,8 @@ def metric_on_rank_0_only(rank: int, world: int, url: str, async_save: bool) -> 
 
 def split_view_load(rank: int, world: int, url: str) -> str:
     """Rank 1 cannot see the markers rank 0 reads (a local path not shared by the nodes)."""
-    from distckpt import loading
     from distckpt.errors import MissingFileError
+    from distckpt.protocol import loading
 
     state = _state(rank)
     with distckpt.CheckpointManager(url, timeout=30) as mgr:

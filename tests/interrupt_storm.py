@@ -236,7 +236,7 @@ def _closes(storm: _Storm, mode: str, seconds: float, root: str) -> int:
 
 
 def _gate(storm: _Storm, mode: str, seconds: float, root: str) -> int:
-    from distckpt.interrupts import Gate
+    from distckpt.runtime.interrupts import Gate
 
     gate, rounds, end = Gate(), 0, time.monotonic() + seconds
     while _going(end, rounds, storm):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import distckpt
-from distckpt import faults
+from distckpt.runtime import faults
 
 
 class Net(nn.Module):

@@ -43,9 +43,11 @@ def test_errors_form_one_tree():
     assert issubclass(distckpt.StorageError, OSError)
 
 
-LEAVES = {"capture", "kinds", "validation", "undo", "rng", "serialize", "manifest", "storage/__init__", "storage/local",
-          "storage/fsspec_fs", "storage/s3", "errors", "async_writer", "workers", "config", "faults",
-          "versions", "copying"}
+# The rooms of the package, bottom up: a module imports only from its own room or rooms below it.
+LAYERS = {"errors": 0, "config": 0, "runtime": 1, "storage": 2, "io": 3, "state": 4, "protocol": 5,
+          "manager": 6, "testing": 6, "tools": 7, "__init__": 8, "__main__": 8}
+# Rooms that never touch torch.distributed (pure bytes, files and formats).
+NO_COLLECTIVES = {"errors", "config", "storage", "io"}
 
 
 def _imports(path: str) -> set[str]:
@@ -55,18 +57,51 @@ def _imports(path: str) -> set[str]:
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            names.add(("." * node.level) + (node.module or ""))
+            assert node.level == 0, f"{path}: relative import (the package imports absolutely)"
+            names.add(node.module or "")
     return names
 
 
-def test_layering():
-    pkg = os.path.dirname(distckpt.__file__)
-    for leaf in LEAVES:
-        names = _imports(os.path.join(pkg, f"{leaf}.py"))
-        assert not any(n.startswith("torch.distributed") for n in names), leaf
-        assert not names & {".manager", ".protocol", ".coord", ".cli", "..manager", "..protocol", "..coord"}, leaf
-    assert not {".storage", ".manifest", ".serialize"} & _imports(os.path.join(pkg, "coord.py"))
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "distckpt":
+        return None
+    return parts[1] if len(parts) > 1 else "errors"  # `from distckpt import errors, __version__`
 
+
+def _modules():
+    pkg = os.path.dirname(distckpt.__file__)
+    for folder, _, files in os.walk(pkg):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, pkg)
+                yield rel, rel.split(os.sep)[0].removesuffix(".py")
+
+
+def test_layering():
+    """Dependencies point one way, bottom up through LAYERS; every module's room is known."""
+    wrong = []
+    for rel, room in _modules():
+        assert room in LAYERS, f"{rel}: a room the layering test does not know"
+        for name in _imports(os.path.join(os.path.dirname(distckpt.__file__), rel)):
+            if room in NO_COLLECTIVES and name.startswith("torch.distributed"):
+                wrong.append(f"{rel} imports {name}")
+            other = _room(name)
+            if other is not None and LAYERS[other] > LAYERS[room]:
+                wrong.append(f"{rel} ({room}) imports {name} ({other})")
+    assert not wrong, "\n".join(wrong)
+    coord = _imports(os.path.join(os.path.dirname(distckpt.__file__), "protocol", "coord.py"))
+    assert not {n for n in coord if n.startswith(("distckpt.storage", "distckpt.io"))}, "coordination never touches storage"
+
+
+def test_import_distckpt_does_not_import_torch():
+    """`import distckpt` (and the command line's --help) stays light: names load on first use."""
+    import subprocess
+    import sys
+
+    code = "import sys, distckpt; assert 'torch' not in sys.modules, 'torch'; distckpt.CheckpointManager; assert 'torch' in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize("workers, wrapped, warned", [(2, False, True), (2, True, False), (0, False, False)])

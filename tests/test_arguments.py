@@ -116,8 +116,7 @@ def test_a_host_that_cannot_be_reached_is_a_storage_error_naming_the_url():
 def test_a_step_directory_given_as_the_root_is_refused_naming_the_root(tmp_path, capsys):
     """Progress.url is a step's directory: a manager there found nothing committed, the run started
     over, and its saves nested inside the committed step."""
-    from distckpt import cli
-
+    from distckpt.tools import cli
     with distckpt.CheckpointManager(str(tmp_path / "run")) as mgr:
         mgr.save(3, {"w": torch.ones(2)})
         step_url = mgr.load_latest({"w": torch.zeros(2)}).url

@@ -11,8 +11,8 @@ import time
 import pytest
 
 import distckpt
-from distckpt import async_writer
-from distckpt.async_writer import AsyncWriter
+from distckpt.protocol import async_writer
+from distckpt.protocol.async_writer import AsyncWriter
 
 
 def test_one_thread_serves_every_job_and_hands_back_results_and_errors():
@@ -131,7 +131,7 @@ def test_no_subprocess_is_started_off_the_training_thread(tmp_path, monkeypatch,
 def test_the_exit_line_says_what_is_known_of_the_commit():
     # It read share_outcome's message text; now the flag the error carries. A message merely
     # quoting "IS committed" (a user's exception text) no longer passes for a commit.
-    from distckpt.async_writer import _commit_state_of
+    from distckpt.protocol.async_writer import _commit_state_of
 
     def failed_telling(committed):
         error = distckpt.CoordinationError("telling every rank failed")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import distckpt
-from distckpt import cli
+from distckpt.tools import cli
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import distckpt
-from distckpt import loading
+from distckpt.protocol import loading
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -213,8 +213,8 @@ def test_a_marker_committed_between_the_read_and_the_look_is_read_not_called_dam
     load (CorruptCheckpointError; seen once in a whole-suite run). The marker is read again."""
     import errno
 
-    from distckpt import commit
     from distckpt.errors import CorruptCheckpointError, MissingFileError
+    from distckpt.protocol import commit
     from distckpt.storage import open_storage
 
     with distckpt.CheckpointManager(str(tmp_path / "c")) as mgr:

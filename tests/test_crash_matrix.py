@@ -13,8 +13,8 @@ from __future__ import annotations
 import crash_workers
 import pytest
 
-from distckpt.cli import main as cli_main
 from distckpt.testing import run_world
+from distckpt.tools.cli import main as cli_main
 
 # (point, rank killed, the step a restart must resume from)
 MATRIX = [

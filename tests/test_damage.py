@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import distckpt
-from distckpt import cli
-from distckpt import manifest as mf
+from distckpt.io import manifest as mf
 from distckpt.storage import open_storage
+from distckpt.tools import cli
 
 FILES = {"replicated": mf.replicated_file(1), "rank": mf.rank_file(0, 1), "manifest": mf.MANIFEST,
          "marker": mf.MARKER}

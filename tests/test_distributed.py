@@ -215,8 +215,8 @@ def test_an_overlapped_save_failing_on_one_rank_fails_on_every_rank_and_commits_
 
 def _rewrite_rank_epoch(ckpt_dir: str, rank: int, epoch: int) -> None:
     """Forge a checkpoint whose files all verify but whose ranks disagree on the epoch."""
-    from distckpt import manifest as mf
-    from distckpt.serialize import encode_tree, load_tree_file, safetensors_chunks
+    from distckpt.io import manifest as mf
+    from distckpt.io.serialize import encode_tree, load_tree_file, safetensors_chunks
 
     path = os.path.join(ckpt_dir, "step-000000005", *mf.rank_file(rank, 1).split("/"))
     tree = load_tree_file(open(path, "rb").read(), path)
@@ -226,8 +226,7 @@ def _rewrite_rank_epoch(ckpt_dir: str, rank: int, epoch: int) -> None:
 
 def _reseal_rank_file(ckpt_dir: str, rank: int, data: bytes) -> None:
     """Step 5's rank file replaced by `data`, its manifest record and marker made to match."""
-    from distckpt import manifest as mf
-
+    from distckpt.io import manifest as mf
     base = os.path.join(ckpt_dir, "step-000000005")
     open(os.path.join(base, *mf.rank_file(rank, 1).split("/")), "wb").write(data)
     manifest = json.load(open(os.path.join(base, "manifest.json")))
@@ -251,8 +250,7 @@ def test_a_rank_file_recording_another_epoch_is_damage_on_every_rank(ckpt_dir):
 def test_a_rank_file_of_another_step_resealed_into_a_step_falls_back_on_every_rank(ckpt_dir):
     """Step 1's rank file put in step 5's place, manifest and marker re-sealed: rank 1 resumed step
     1's RNG streams and per-rank state under a step-5 resume, silently, when the epochs matched."""
-    from distckpt import manifest as mf
-
+    from distckpt.io import manifest as mf
     assert all(r.error is None for r in run_world(f"{W}:save_steps_1_and_5", 2, url=ckpt_dir))
     older = os.path.join(ckpt_dir, "step-000000001", *mf.rank_file(1, 1).split("/"))
     _reseal_rank_file(ckpt_dir, 1, open(older, "rb").read())
@@ -348,7 +346,7 @@ def test_ranks_loading_into_states_of_different_entries_all_refuse(ckpt_dir):
 def test_objects_larger_than_a_slot_take_one_more_message():
     results = run_world(f"{W}:exchange_objects_larger_than_a_slot", 3)
     assert all(r.error is None for r in results), [r.error for r in results]
-    from distckpt.coord import SLOT_BYTES
+    from distckpt.protocol.coord import SLOT_BYTES
 
     for r in results:
         assert r.value["all_gather"] == [10, 3 * SLOT_BYTES, 10]
@@ -368,7 +366,7 @@ def test_a_rank_failing_before_its_large_object_is_an_error_within_the_timeout(h
 
 
 def test_coordination_messages_round_trip_without_pickle():
-    from distckpt.coord import Outcome, decode_message, encode_message
+    from distckpt.protocol.coord import Outcome, decode_message, encode_message
 
     msg = [Outcome(1, "StorageError", "disk full", {"step": 5, "files": ["a", "b"]}), b"\x00\xff" * 10,
            {"nested": [b"", bytearray(b"xy"), None, 1.5, True]}]
@@ -585,7 +583,7 @@ mgr.save(1, {"x": torch.ones(4)})
 DURING = native_threads()
 pid = os.fork()
 if pid == 0:  # a forked child runs distckpt's exit hook (sys.exit itself hangs there, in torch's
-    from distckpt import coord  # own default group, so the hook is called and the child leaves)
+    from distckpt.protocol import coord  # own default group, so the hook is called and the child leaves)
     coord._close_open_groups()
     os._exit(0)
 for _ in range(200):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from distckpt import cli
+from distckpt.tools import cli
 
 pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -186,8 +186,7 @@ def test_a_run_that_hangs_is_killed_with_its_children_at_the_timeout(tmp_path, c
 ])
 def test_the_doctors_exit_status_says_differ_only_when_they_differ(monkeypatch, capsys, resumed, common, first,
                                                                    killed_after, fingerprint, code):
-    from distckpt import doctor
-
+    from distckpt.tools import doctor
     report = doctor.Report(common, [], [], first, resumed=resumed, killed_after=killed_after,
                            fingerprint_every=1 if fingerprint else None, first_fingerprint_step=fingerprint,
                            fingerprints_taken=bool(fingerprint))
@@ -226,8 +225,7 @@ def test_steps_only_one_run_committed_after_the_kill_are_a_difference(monkeypatc
                                                                      only_killed, code):
     """"Every common step equal" alone said bitwise identical (exit 0) while the resumed loop ran
     other steps than the uninterrupted one."""
-    from distckpt import doctor
-
+    from distckpt.tools import doctor
     report = doctor.Report([4, 9, 14], only_uninterrupted, only_killed, None, resumed=True, killed_after=4)
     monkeypatch.setattr(doctor, "run_doctor", lambda *a, **k: report)
     assert cli.main(["doctor", "--", "true"]) == code
@@ -252,7 +250,7 @@ def test_a_workdir_holding_an_earlier_run_is_refused_before_anything_runs(tmp_pa
 def test_the_likely_cause_names_a_plain_value_a_missing_optimizer_a_scheduler_and_a_script_that_differs_unkilled():
     """Each said "a random stream outside `state`": a loop counter 15 vs 5, no optimizer to hook,
     the scheduler's own state differing, and runs that differed before the kill at all."""
-    from distckpt.doctor import Difference, Report, likely_causes
+    from distckpt.tools.doctor import Difference, Report, likely_causes
 
     counter = Difference(14, "replicated", "counter", "state", "15 uninterrupted, 5 resumed")
     weights = Difference(14, "replicated", "model", "state/state_dict/0.weight", "128 of 128 elements differ, max |diff| 0.1")
@@ -270,7 +268,7 @@ def test_the_likely_cause_names_a_plain_value_a_missing_optimizer_a_scheduler_an
 
 
 def test_a_failed_runs_raised_line_names_the_ranks_exception_before_torchruns():
-    from distckpt.doctor import _failure
+    from distckpt.tools.doctor import _failure
 
     stderr = ("Traceback (most recent call last):\n  File \"train.py\", line 3\n"
               "[rank1]: ValueError: boom on rank 1\n"
@@ -283,7 +281,7 @@ def test_a_failed_runs_raised_line_names_the_ranks_exception_before_torchruns():
 
 
 def test_difference_rows_show_a_long_parameter_path_whole():
-    from distckpt.doctor import Difference, Report, report_text
+    from distckpt.tools.doctor import Difference, Report, report_text
 
     path = "state/state_dict/_fsdp_wrapped_module.layers.11.attention.in_proj.weight"
     report = Report(common_steps=[4], only_uninterrupted=[], only_killed=[], first_step=4,
@@ -294,7 +292,7 @@ def test_difference_rows_show_a_long_parameter_path_whole():
 def test_worker_streams_that_differ_in_a_wrapped_dataset_point_at_an_iterator_made_twice():
     """Worker streams are saved only for a dataset wrapped with with_worker_rng, so "wrap the
     dataset" was wrong advice (the PyTorch DDP tutorial's epoch-start peek, already wrapped)."""
-    from distckpt.doctor import Difference, Report, likely_causes
+    from distckpt.tools.doctor import Difference, Report, likely_causes
 
     streams = Difference(14, "rank 0", "loader", "state/worker_rng/0/torch", "5000 of 5056 elements differ")
     causes = likely_causes([streams], Report([9, 14], [], [], 14, resumed=True, killed_after=9))

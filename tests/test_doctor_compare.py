@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import distckpt
-from distckpt.doctor import compare_roots, report_text
+from distckpt.tools.doctor import compare_roots, report_text
 
 
 def _run(root, entropy: int, draw_python: bool, model_bump_at: int | None) -> None:
@@ -62,7 +62,7 @@ def test_identical_runs_leave_nothing_out(tmp_path):
 def test_every_k_without_an_optimizer_says_no_fingerprints_were_taken(tmp_path):
     """A loop stepping its parameters by hand gives --every nothing to hook: said so, never
     'equal at every common step'."""
-    from distckpt.doctor import run_doctor
+    from distckpt.tools.doctor import run_doctor
 
     script = tmp_path / "manual_sgd.py"
     script.write_text(
@@ -89,7 +89,7 @@ def test_every_k_without_an_optimizer_says_no_fingerprints_were_taken(tmp_path):
 def test_a_difference_in_a_tensor_that_requires_grad_is_described_without_a_warning():
     import warnings
 
-    from distckpt.doctor import _describe
+    from distckpt.tools.doctor import _describe
 
     a, b = torch.zeros(3, requires_grad=True), torch.ones(3, requires_grad=True)
     with warnings.catch_warnings():
@@ -100,7 +100,7 @@ def test_a_difference_in_a_tensor_that_requires_grad_is_described_without_a_warn
 def test_a_learning_rate_difference_points_at_the_scheduler():
     """A scheduler left out of `state`: the optimizer's lr differs after the resume, and the cause
     given was a random stream outside `state`, which sent the user the wrong way."""
-    from distckpt.doctor import Difference, Report, likely_causes
+    from distckpt.tools.doctor import Difference, Report, likely_causes
 
     diffs = [Difference(14, "replicated", "optimizer", "state/param_groups/0/lr", "0.000625 uninterrupted, 0.00166 resumed"),
              Difference(14, "replicated", "model", "state_dict/0.weight", "12 of 12 elements differ")]
@@ -135,8 +135,7 @@ def test_the_doctors_own_work_folder_is_removed_when_identical_and_named_when_ke
     import sys
     import tempfile
 
-    from distckpt import cli
-
+    from distckpt.tools import cli
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     script = tmp_path / "loop.py"
     script.write_text(_SCRIPT if how != "fails" else "raise SystemExit('ValueError: no data')\n")
@@ -211,7 +210,7 @@ def test_a_stream_the_sampler_draws_from_still_differs_in_the_loaders_record(tmp
 def test_a_model_difference_with_every_stream_equal_names_values_carried_outside_state():
     """An RNN's hidden state or an enumerate index kept outside `state` makes only the model differ;
     the cause named it only as a random stream or a prefetched batch."""
-    from distckpt.doctor import Difference, Report, likely_causes
+    from distckpt.tools.doctor import Difference, Report, likely_causes
 
     report = Report([5, 10], [], [], 10, killed_after=5, resumed=True)
     causes = likely_causes([Difference(10, "replicated", "model", "state_dict/w", "3 of 9 elements differ")], report)
@@ -221,7 +220,7 @@ def test_a_model_difference_with_every_stream_equal_names_values_carried_outside
 def test_a_kill_step_the_job_never_commits_is_said_to_be_one():
     """--kill-at on a step the job does not save never kills: the report said the run 'never
     reached' a step it had passed."""
-    from distckpt.doctor import Report
+    from distckpt.tools.doctor import Report
 
     text = report_text(Report([4, 9], [], [], None, resumed=False))
     assert "committed no such step" in text and "--kill-at" in text and "never reached" not in text
@@ -230,7 +229,7 @@ def test_a_kill_step_the_job_never_commits_is_said_to_be_one():
 def test_a_position_the_loop_keeps_itself_is_said_as_such_not_as_prefetching():
     """llm.c's DistributedDataLoader position kept in a per_rank dict and never applied back after
     the load: the cause given was prefetching or a peek at an epoch's start."""
-    from distckpt.doctor import Difference, Report, likely_causes
+    from distckpt.tools.doctor import Difference, Report, likely_causes
 
     own = [Difference(14, "rank 0", "loader", "state/current_position", "2304 uninterrupted, 2560 resumed")]
     causes = likely_causes(own, Report([4, 9, 14], [], [], 9))
@@ -289,7 +288,7 @@ def test_a_model_that_differs_with_its_optimizer_in_state_is_not_blamed_on_a_mis
 def test_a_sampler_epoch_difference_without_a_loader_in_state_names_the_loader(loader_in_state):
     # The loop called set_epoch at every epoch start; the loader was left out, so the resume
     # started the epoch over and the steps fell in other epochs. The cause said to call set_epoch.
-    from distckpt.doctor import Difference, Report, likely_causes
+    from distckpt.tools.doctor import Difference, Report, likely_causes
 
     kinds = {"model": "module", "sampler": "sampler", **({"loader": "loader"} if loader_in_state else {})}
     report = Report([2, 5, 8], [], [], 8, killed_after=5, resumed=True, entry_kinds=kinds)

@@ -17,9 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distckpt
-from distckpt import faults, fencing
-from distckpt.cli import main as cli_main
+from distckpt.protocol import fencing
+from distckpt.runtime import faults
 from distckpt.storage import open_storage
+from distckpt.tools.cli import main as cli_main
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -377,8 +378,8 @@ def test_the_commit_index_reads_generations_from_the_listing_as_the_markers_say(
     the same directory may only lower it (which keeps more leases)."""
     import torch
 
-    from distckpt import manifest as mf
-    from distckpt.commit import CommitIndex, read_marker
+    from distckpt.io import manifest as mf
+    from distckpt.protocol.commit import CommitIndex, read_marker
     from distckpt.storage import open_storage
 
     root = str(tmp_path / "c")

@@ -18,7 +18,7 @@ import torch
 import xxhash
 
 import distckpt
-from distckpt.manifest import _marker_sum
+from distckpt.io.manifest import _marker_sum
 
 
 def _resign(step_dir: str) -> None:
@@ -145,8 +145,7 @@ def test_another_steps_files_under_this_steps_name_fall_back_and_verify_names_th
     recomputed) too. Both verified 'ok'."""
     import shutil
 
-    from distckpt import cli
-
+    from distckpt.tools import cli
     root = str(tmp_path)
     with distckpt.CheckpointManager(root, keep_last=5) as mgr:
         for step in (1, 2):

@@ -70,8 +70,7 @@ def test_coordination_never_imports_storage_or_the_format():
 
 
 def test_every_fault_point_the_protocol_names_is_listed():
-    from distckpt import faults
-
+    from distckpt.runtime import faults
     named = set()
     for name in ("saving", "loading", "manager", "commit", "sharded"):
         for node in ast.walk(ast.parse(open(os.path.join(PKG, f"{name}.py")).read())):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import distckpt
-from distckpt import gcpause
-from distckpt.gcpause import collector_paused
+from distckpt.runtime import gcpause
+from distckpt.runtime.gcpause import collector_paused
 
 
 @pytest.fixture(autouse=True)
@@ -126,8 +126,7 @@ def test_the_collector_is_off_while_a_save_captures_and_a_load_restores(tmp_path
 def test_an_async_saves_background_write_leaves_the_collector_on_for_the_training_loop(tmp_path):
     """The switch is the whole process's: a write in flight must not hold it off for the steps
     the loop runs meanwhile."""
-    from distckpt import faults
-
+    from distckpt.runtime import faults
     gc.enable()
     in_write, release, seen = threading.Event(), threading.Event(), []
 
@@ -151,7 +150,7 @@ def test_an_async_saves_background_write_leaves_the_collector_on_for_the_trainin
 
 
 def test_the_decorated_weights_functions_run_paused_and_keep_their_signature():
-    from distckpt.gcpause import paused_while_running
+    from distckpt.runtime.gcpause import paused_while_running
 
     gc.enable()
 
@@ -217,7 +216,7 @@ def test_ctrl_c_at_any_instant_of_a_pause_leaves_the_collector_on_by_the_next_pa
 def test_ctrl_c_during_the_wait_for_a_background_save_never_hangs_the_next_wait():
     """An interrupt inside wait() leaves the job pending; the next wait() collects it. (With a
     threading.Event, an interrupt inside Event.wait() could leave its lock held: both hung.)"""
-    from distckpt.async_writer import AsyncWriter
+    from distckpt.protocol.async_writer import AsyncWriter
 
     armed = [False]
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import distckpt
-from distckpt import manifest as mf
-from distckpt.serialize import FORMAT_NAME, TREE_METADATA_KEY, encode_tree, load_tree_file, safetensors_chunks
+from distckpt.io import manifest as mf
+from distckpt.io.serialize import FORMAT_NAME, TREE_METADATA_KEY, encode_tree, load_tree_file, safetensors_chunks
 
 
 def file_with(header: dict, data: bytes = b"", tree: object = None, reference: bool = True) -> bytes:
@@ -57,8 +57,7 @@ def test_two_hundred_thousand_unreferenced_entries_are_refused_quickly():
 
 
 def test_more_tensors_than_the_limit_are_refused_on_load_and_at_save(monkeypatch):
-    from distckpt import serialize
-
+    from distckpt.io import serialize
     monkeypatch.setattr(serialize, "MAX_TENSORS", 1000)
     header = {f"t{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(1001)}
     assert refused(file_with(header), "more than any checkpoint holds") < 1

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distckpt
-from distckpt import cli
-from distckpt.manifest import _marker_sum
+from distckpt.io.manifest import _marker_sum
+from distckpt.tools import cli
 
 EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "15"))
 hostile_values = st.one_of(
@@ -198,9 +198,8 @@ def test_a_directory_symlink_planted_in_a_step_is_not_followed(tmp_path):
     _load_is_refused_or_identical(root, original)
 
 
-def _valid_manifest() -> "distckpt.manifest.Manifest":
-    from distckpt import manifest as mf
-
+def _valid_manifest() -> "distckpt.io.manifest.Manifest":
+    from distckpt.io import manifest as mf
     return mf.Manifest(step=7, world_size=2, run_id="run", created_unix=1.7e9, epoch=1, metric=0.5, generation=3,
                        files={mf.replicated_file(3): {"size": 10, "xxh3_64": "ab"},
                               mf.rank_file(0, 3): {"size": 1, "xxh3_64": "cd"},
@@ -216,8 +215,7 @@ def test_a_manifest_that_saves_also_loads(data):
     manifest is written (UnstorableValueError) or reads back as the same manifest."""
     import dataclasses
 
-    from distckpt import manifest as mf
-
+    from distckpt.io import manifest as mf
     base = _valid_manifest()
     names = data.draw(st.lists(st.sampled_from([f.name for f in dataclasses.fields(mf.Manifest)]),
                                min_size=1, max_size=3, unique=True))
@@ -233,8 +231,7 @@ def test_a_manifest_that_saves_also_loads(data):
 def test_a_save_whose_manifest_would_not_load_is_refused_and_names_the_field():
     import dataclasses
 
-    from distckpt import manifest as mf
-
+    from distckpt.io import manifest as mf
     with pytest.raises(distckpt.UnstorableValueError, match="'created_unix'"):
         dataclasses.replace(_valid_manifest(), created_unix=float("inf")).to_bytes()
     with pytest.raises(distckpt.UnstorableValueError, match="not storable as JSON"):
@@ -268,7 +265,7 @@ def test_a_mutated_tree_inside_a_payload_is_refused_or_loads_identically(tmp_pat
     """The tree a payload file carries (entries, rank, epoch, RNG streams, each kind's state),
     mutated at any depth and re-signed: refused with a distckpt error, never a raw
     KeyError/TypeError from the checks or the restore; or loaded as saved."""
-    from distckpt.serialize import TREE_METADATA_KEY
+    from distckpt.io.serialize import TREE_METADATA_KEY
 
     root = str(tmp_path_factory.mktemp("t"))
     if rich:

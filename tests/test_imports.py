@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import distckpt
-from distckpt import cli
-from distckpt.importing import import_torch
+from distckpt.tools import cli
+from distckpt.tools.importing import import_torch
 
 
 def _trained():
@@ -74,7 +74,7 @@ def test_a_dcp_checkpoint_imports_and_resumes(tmp_path):
 def test_an_import_for_two_ranks_is_loadable_by_a_two_rank_job(tmp_path):
     model, opt = _trained()
     torch.save({"model": model.state_dict()}, tmp_path / "c.pt")
-    from distckpt.importing import import_torch
+    from distckpt.tools.importing import import_torch
 
     import_torch(str(tmp_path / "c.pt"), str(tmp_path / "root"), trust_pickle=True, world_size=2)
     import json

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import distckpt
-from distckpt import cli
-from distckpt import manifest as mf
-from distckpt.commit import list_committed
+from distckpt.io import manifest as mf
+from distckpt.protocol.commit import list_committed
 from distckpt.storage import open_storage
+from distckpt.tools import cli
 
 EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "8"))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -330,7 +330,7 @@ def test_saving_a_lower_step_than_the_last_references_no_newer_steps_file(tmp_pa
 
 CRASHING_SAVE = r"""
 import os, signal, sys, torch, distckpt
-from distckpt import faults
+from distckpt.runtime import faults
 root, point, at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 sys.path.insert(0, sys.argv[4])
 from test_incremental import lora_state, train_step
@@ -385,8 +385,7 @@ def test_tensors_that_only_hold_equal_bytes_come_back_as_separate_objects(tmp_pa
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_shared_file_damaged_after_it_was_written_is_not_referenced_again(tmp_path, damage):
-    from distckpt import incremental
-
+    from distckpt.protocol import incremental
     root = str(tmp_path / "ckpt")
     state = lora_state()
     saved = {}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import distckpt
-from distckpt.interrupts import Gate, Helpers
+from distckpt.runtime.interrupts import Gate, Helpers
 
 
 class _CtrlCWhileLoading(torch.nn.Linear):
@@ -66,7 +66,7 @@ def test_ctrl_c_during_a_load_is_raised_after_every_entry_is_restored(tmp_path):
 
 
 def test_ctrl_c_while_an_async_save_is_handed_over_leaves_it_pending_for_the_next_wait(tmp_path, monkeypatch):
-    from distckpt.async_writer import AsyncWriter
+    from distckpt.protocol.async_writer import AsyncWriter
 
     submit = AsyncWriter.submit
 
@@ -181,7 +181,7 @@ def test_helpers_run_tasks_hand_back_errors_and_restart_in_a_forked_child():
 
 
 def test_a_sweeper_drain_interrupted_leaves_its_removals_to_the_next_and_a_fork_forgets_them(tmp_path):
-    from distckpt.retention import Sweeper
+    from distckpt.protocol.retention import Sweeper
 
     release = threading.Event()
     sweeper = Sweeper()
@@ -206,13 +206,12 @@ def test_a_sweeper_drain_interrupted_leaves_its_removals_to_the_next_and_a_fork_
 
 
 def retention_sweeping() -> Helpers:
-    from distckpt import retention
-
+    from distckpt.protocol import retention
     return retention._SWEEPING
 
 
 def test_a_ctrl_c_held_back_is_not_lost_when_the_block_fails():
-    from distckpt.interrupts import sigint_deferred
+    from distckpt.runtime.interrupts import sigint_deferred
 
     with pytest.raises(KeyboardInterrupt) as caught:
         with sigint_deferred():
@@ -226,7 +225,7 @@ def test_a_ctrl_c_held_back_is_not_lost_when_the_block_fails():
 
 
 def test_the_programs_own_sigint_and_sigterm_handlers_run_after_the_block():
-    from distckpt.interrupts import sigint_deferred
+    from distckpt.runtime.interrupts import sigint_deferred
 
     ran: list[tuple[str, int]] = []
 
@@ -256,8 +255,7 @@ def test_the_programs_own_sigint_and_sigterm_handlers_run_after_the_block():
 
 
 def _stall_step_2_write(seconds: float):
-    from distckpt import faults
-
+    from distckpt.runtime import faults
     def hook(name, context):
         if name == "save/replicated-written" and context.get("step") == 2:
             time.sleep(seconds)
@@ -296,7 +294,7 @@ def test_ctrl_c_inside_close_leaves_the_save_in_flight_for_the_next_close(tmp_pa
 def test_an_uncaught_ctrl_c_inside_close_still_finishes_the_save_at_exit(tmp_path):
     script = f"""
 import signal, threading, time, torch, distckpt
-from distckpt import faults
+from distckpt.runtime import faults
 faults.on_point(lambda name, c: time.sleep(1.0) if name == "save/replicated-written" and c.get("step") == 2 else None)
 mgr = distckpt.CheckpointManager({str(tmp_path / 'ckpt')!r}, async_save=True)
 mgr.save(1, {{"t": torch.arange(4.0)}})

@@ -6,7 +6,7 @@ import dataclasses
 import subprocess
 import sys
 
-from distckpt.liveness import ProcessIdentity
+from distckpt.protocol.liveness import ProcessIdentity
 
 
 def test_this_process_is_alive_and_an_ended_one_is_gone():
@@ -87,8 +87,8 @@ def test_rank_0s_wait_for_reports_fails_at_once_when_the_peer_is_gone():
 
     import pytest
 
-    from distckpt.coord import StoreReports, _identity_key
     from distckpt.errors import CoordinationError
+    from distckpt.protocol.coord import StoreReports, _identity_key
 
     store = _store()
     reports = StoreReports(store, timeout_s=30, rank=0)

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from distckpt import copying
+from distckpt.io import copying
 
 CHILD = r"""
 import json, sys
@@ -25,8 +25,8 @@ import distckpt
 root, layout, fill, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 threads = int(sys.argv[5])
 if threads:  # the load's copies on this many threads (copying.copy_threads decides otherwise)
-    import distckpt.copying
-    distckpt.copying.copy_threads = lambda: threads
+    import distckpt.io.copying
+    distckpt.io.copying.copy_threads = lambda: threads
 MIB = 2**20 // 4  # float32 elements per MiB
 
 

@@ -197,7 +197,7 @@ def test_an_async_save_in_flight_at_exit_without_close_is_finished_and_said(tmp_
 def test_an_async_save_failing_at_exit_is_reported_as_an_error(tmp_path):
     # The background write fails after save() returned (a fault at a named point of the write).
     script = ("import sys, torch, distckpt\n"
-              "from distckpt import faults\n"
+              "from distckpt.runtime import faults\n"
               "def fail(name, ctx):\n"
               "    if name == 'save/replicated-written':\n"
               "        raise OSError(28, 'No space left on device')\n"

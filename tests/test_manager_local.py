@@ -240,8 +240,7 @@ def test_a_retired_step_is_uncommitted_at_once_and_its_files_go_before_the_next_
     never holds more than keep_last + 1 checkpoints; close() waits for the last of them."""
     import threading
 
-    from distckpt import faults
-
+    from distckpt.runtime import faults
     removing, release = threading.Event(), threading.Event()
     remove_tree = storage_mod.LocalStorage.remove_tree
 
@@ -708,7 +707,7 @@ def test_directories_of_saves_that_never_committed_are_skipped_silently(tmp_path
     nothing but such directories loads as empty."""
     import warnings
 
-    from distckpt import manifest as mf
+    from distckpt.io import manifest as mf
     from distckpt.storage import open_storage
 
     empty = open_storage(str(tmp_path / "only-leftovers"))
@@ -746,7 +745,7 @@ def test_the_commit_index_agrees_with_a_full_listing_after_every_save(tmp_path_f
     directories of unfinished saves and step numbers that gain digits (step-1000000000 sorts
     before step-999999999 by name) came before, with a full listing every 2, 3 or 64 scans."""
     from distckpt import manager
-    from distckpt.commit import CommitIndex, is_committed
+    from distckpt.protocol.commit import CommitIndex, is_committed
 
     real_retire = manager.retire
 
@@ -765,8 +764,8 @@ def test_the_commit_index_agrees_with_a_full_listing_after_every_save(tmp_path_f
 
 
 def _index_agrees_after_every_save(tmp_path_factory, keep_last, start, actions):
-    from distckpt import manifest as mf
-    from distckpt.commit import list_committed
+    from distckpt.io import manifest as mf
+    from distckpt.protocol.commit import list_committed
     from distckpt.storage import open_storage
 
     root = str(tmp_path_factory.mktemp("index"))
@@ -951,7 +950,7 @@ def test_different_tensors_into_views_of_one_buffer_are_still_refused(tmp_path, 
 def test_the_overlap_decision_matches_enumerated_offsets(shape, data):
     # Any shape, strides and offset a view can have (as_strided over a buffer large enough):
     # whether two elements share memory is decided exactly as enumerating their offsets says.
-    from distckpt.validation import _has_internal_overlap
+    from distckpt.state.validation import _has_internal_overlap
 
     strides = data.draw(st.lists(st.integers(0, 12), min_size=len(shape), max_size=len(shape)))
     offset = data.draw(st.integers(0, 3))

@@ -8,7 +8,7 @@ import copy
 import torch
 from torch import nn
 
-from distckpt.agreement import module_digest
+from distckpt.protocol.agreement import module_digest
 
 
 def _model() -> nn.Module:
@@ -59,7 +59,7 @@ def test_after_the_first_save_a_window_of_parameters_moves_with_each_save_and_co
     """Every parameter at a manager's first save; later a window of SAMPLED_PARAMETERS moving
     with the save count (the same on every rank), so each parameter is looked at every few saves
     at a bounded cost per save (a 2,000-parameter model cost 16 ms at every save)."""
-    from distckpt.agreement import SAMPLED_PARAMETERS
+    from distckpt.protocol.agreement import SAMPLED_PARAMETERS
 
     count = 3 * SAMPLED_PARAMETERS + 5
     a = nn.ModuleList([nn.Linear(2, 2, bias=False) for _ in range(count)])
@@ -74,7 +74,7 @@ def test_after_the_first_save_a_window_of_parameters_moves_with_each_save_and_co
 
 
 def test_the_parameter_list_is_walked_again_so_a_new_parameter_is_looked_at():
-    from distckpt.agreement import REWALK_SAVES
+    from distckpt.protocol.agreement import REWALK_SAVES
 
     a = nn.Sequential(nn.Linear(2, 2))
     b = copy.deepcopy(a)

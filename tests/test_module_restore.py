@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import distckpt
-from distckpt.capture import loads_by_copy_alone
+from distckpt.state.capture import loads_by_copy_alone
 
 
 class WithExtraState(nn.Module):

@@ -17,7 +17,8 @@ from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import distckpt
-from distckpt import faults, kinds
+from distckpt.runtime import faults
+from distckpt.state import kinds
 
 
 def build(seed: int = 0, **changes):
@@ -123,7 +124,7 @@ def test_an_entry_failing_while_restored_leaves_every_entry_as_it_was(saved_root
             raise RuntimeError(f"injected failure after restoring {failing}")
         return notes
 
-    monkeypatch.setattr("distckpt.loading.restore_entry", failing_restore)
+    monkeypatch.setattr("distckpt.protocol.loading.restore_entry", failing_restore)
     with distckpt.CheckpointManager(saved_root) as mgr:
         with pytest.raises(distckpt.IncompatibleCheckpointError, match=f"state\\['{failing}'\\].*injected"):
             mgr.load_latest(state)
@@ -133,7 +134,7 @@ def test_an_entry_failing_while_restored_leaves_every_entry_as_it_was(saved_root
 
 
 def test_a_plain_torch_module_is_checked_completely_instead_of_copied(saved_root):
-    from distckpt.capture import has_own_load_logic as _has_own_load_logic
+    from distckpt.state.capture import has_own_load_logic as _has_own_load_logic
 
     plain = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
     assert not _has_own_load_logic(plain)
@@ -346,8 +347,7 @@ def test_a_tensor_that_cannot_take_the_copy_is_refused_before_anything_changes(t
 def test_a_queued_copy_that_fails_is_raised_naming_what_it_restores():
     """A copy that fails for a reason no check sees stops the others before their next piece
     and is raised as CopyFailed, naming the entry."""
-    from distckpt import copying
-
+    from distckpt.io import copying
     release = copying.PageRelease([], threads=2)
     release.copy(torch.zeros(3 << 20), torch.ones(3 << 20), "state['before']")
     release.copy(torch.zeros(1).expand(8), torch.arange(8.0), "state['bad']")  # bypasses the checks

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import distckpt
-from distckpt import kinds
+from distckpt.state import kinds
 
 
 def _trained(opt_cls, groups: int, **kwargs):

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import distckpt
-from distckpt import faults
+from distckpt.runtime import faults
 
 HOLD_S = 0.3
 

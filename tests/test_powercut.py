@@ -12,8 +12,8 @@ from powercut import PowerCut, PowerCutNow
 from step_states import blank, state_for
 
 import distckpt
-from distckpt import retention
-from distckpt.cli import main as cli_main
+from distckpt.protocol import retention
+from distckpt.tools.cli import main as cli_main
 
 
 @pytest.fixture(autouse=True, params=["retired-files-inline", "retired-files-after-save"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import distckpt
-from distckpt.rng import capture_process_rng, restore_process_rng
+from distckpt.state.rng import capture_process_rng, restore_process_rng
 
 
 def draws(gen: torch.Generator, np_gen: np.random.Generator) -> tuple[float, ...]:
@@ -95,7 +95,7 @@ class _NoisyStream(torch.utils.data.IterableDataset):
 def gpu_host_with_forked_workers(monkeypatch):
     """This process looks like a GPU host; a loader worker touching CUDA fails as a worker forked
     after CUDA was used does ("Cannot re-initialize CUDA in forked subprocess")."""
-    import distckpt.rng as rng
+    import distckpt.state.rng as rng
 
     device_state = [torch.zeros(16, dtype=torch.uint8)]
 

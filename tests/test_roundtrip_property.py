@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import distckpt
-from distckpt.serialize import encode_tree, load_tree_file, safetensors_chunks
+from distckpt.io.serialize import encode_tree, load_tree_file, safetensors_chunks
 
 EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "40"))
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -170,8 +170,8 @@ def test_every_stored_tree_comes_back_identical(tmp_path_factory, value, options
 def test_every_stored_tree_can_be_inspected(tmp_path_factory, value, options):
     """`distckpt inspect` reads what any save wrote (it failed on transposed, expanded,
     channels_last tensors and Parameters: its placeholders could not be re-strided)."""
-    from distckpt.inspection import describe_step
     from distckpt.storage import open_storage
+    from distckpt.tools.inspection import describe_step
 
     root = tmp_path_factory.mktemp("inspect")
     with distckpt.CheckpointManager(str(root), **options) as mgr:
@@ -220,8 +220,8 @@ def test_a_tree_held_directly_as_an_entry_comes_back_identical_whatever_the_live
 
 
 def _replicated_digest(value):
-    from distckpt.agreement import replicated_digests
-    from distckpt.capture import Entry
+    from distckpt.protocol.agreement import replicated_digests
+    from distckpt.state.capture import Entry
 
     return replicated_digests([Entry("v", "replicated", "value", value)])["v"]
 
@@ -357,8 +357,7 @@ def test_a_long_plain_list_is_stored_and_loaded(tmp_path):
 
 
 def test_the_tree_limits_are_the_same_for_save_and_load():
-    from distckpt import serialize
-
+    from distckpt.io import serialize
     data = b"".join(bytes(c) for c in safetensors_chunks(encode_tree({"x": [torch.zeros(1)] * 3})))
     assert load_tree_file(bytearray(data), "t")["x"][0].shape == (1,)
     assert serialize.MAX_TENSORS >= 4_000_000  # a million parameters with their AdamW state
@@ -392,8 +391,7 @@ def test_a_tensor_held_by_two_entries_comes_back_as_one_object(tmp_path):
 def test_a_plain_tensor_is_classified_as_every_kind_in_turn_would(key):
     """classify takes a short cut for plain tensors and Parameters: it gives what asking each
     kind in KINDS order gives, under any key (a tensor named "config" is a config entry)."""
-    from distckpt import kinds
-
+    from distckpt.state import kinds
     for obj in (torch.zeros(3), torch.nn.Parameter(torch.zeros(2)), torch.zeros(2).to_sparse(),
                 torch.zeros((), dtype=torch.int64)):
         by_kinds = next(k for k in kinds.KINDS if k.matches(key, obj))
@@ -445,8 +443,8 @@ def test_a_single_element_with_an_odd_stride_saves_in_every_mode(tmp_path, dtype
 def test_diff_reports_a_change_exactly_when_a_load_would_differ(tmp_path_factory, a, b, same):
     """`distckpt diff` compares what a load restores: types (1 against 1.0), float bits (-0.0),
     an OrderedDict's order, Parameters and requires_grad, a tensor against a number."""
-    from distckpt.inspection import diff_steps
     from distckpt.storage import open_storage
+    from distckpt.tools.inspection import diff_steps
 
     if same:
         b = a
@@ -467,8 +465,8 @@ def test_diff_reports_a_change_exactly_when_a_load_would_differ(tmp_path_factory
                                   ([1.0], [1]), (collections.OrderedDict(a=1, b=2), collections.OrderedDict(b=2, a=1)),
                                   ({"t": torch.ones(1)}, {"t": 1.0}), ({}, [])])
 def test_diff_sees_each_change_a_load_would_show(tmp_path, a, b):
-    from distckpt.inspection import diff_steps
     from distckpt.storage import open_storage
+    from distckpt.tools.inspection import diff_steps
 
     with distckpt.CheckpointManager(str(tmp_path)) as mgr:
         mgr.save(0, {"v": {"x": a}})

@@ -15,7 +15,7 @@ from seaweed import ACCESS_KEY, SECRET_KEY
 from torch import nn
 
 import distckpt
-from distckpt import faults
+from distckpt.runtime import faults
 from distckpt.testing import run_world
 
 
@@ -342,8 +342,7 @@ def test_gc_names_the_abandoned_uploads_it_aborts_and_leaves_a_sibling_roots_alo
 
     import s3fs
 
-    from distckpt import cli
-
+    from distckpt.tools import cli
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options())

@@ -1016,8 +1016,8 @@ def test_an_unshuffled_sampler_rebuilt_with_another_seed_resumes_without_a_word(
 
 
 def _saved_entries(root: str, step: int) -> dict[str, Any]:
-    from distckpt.inspection import load_trees
     from distckpt.storage import open_storage
+    from distckpt.tools.inspection import load_trees
     trees = load_trees(open_storage(root), step)
     return {name: tree["entries"] for name, tree in trees.items() if name.startswith("ranks/")}
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 import distckpt
-from distckpt.serialize import encode_tree, load_tree_file, safetensors_chunks
+from distckpt.io.serialize import encode_tree, load_tree_file, safetensors_chunks
 
 
 def roundtrip(value):
@@ -227,8 +227,7 @@ def _deep_equal(a, b) -> bool:
 def test_a_tree_whose_escaped_json_passes_the_header_limit_is_refused_at_save(tmp_path, monkeypatch, text):
     # The tree's JSON is a JSON string inside the header: quotes and backslashes double there. The
     # limit was counted on the unescaped JSON: committed, then refused by every load.
-    from distckpt import serialize
-
+    from distckpt.io import serialize
     monkeypatch.setattr(serialize, "MAX_HEADER_BYTES", 40_000)
     value = {"notes": [text, text]}
     assert len(json.dumps(value)) < 40_000 < len(json.dumps(json.dumps(value)))
@@ -372,7 +371,7 @@ def test_a_set_from_an_owners_state_dict_is_refused_with_advice_for_the_set(tmp_
 def _unstorable_dtypes() -> list:
     """Every dtype torch makes a plain tensor of that safetensors cannot hold (quantized dtypes,
     which torch.zeros cannot make, are refused as quantized tensors elsewhere)."""
-    from distckpt.serialize import _DTYPE_TO_ST
+    from distckpt.io.serialize import _DTYPE_TO_ST
 
     out = []
     for dtype in {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}:

@@ -40,7 +40,7 @@ def test_every_rank_writes_its_shards_under_one_commit(ckpt_dir):
     # the shard files open with the standard safetensors reader, and the CLI verifies them
     from safetensors.torch import load_file
 
-    from distckpt.cli import main
+    from distckpt.tools.cli import main
 
     pieces = load_file(os.path.join(ckpt_dir, STEP_DIR, "shards/rank-00001.g000001.safetensors"))
     weight = next(v for k, v in pieces.items() if k.endswith("body.0.weight"))
@@ -132,7 +132,7 @@ def test_a_flipped_byte_in_a_shard_file_is_caught_on_load(ckpt_dir, capsys):
     for r in results:  # the only commit is damaged: nothing to fall back to, on every rank
         assert r.error_type == "CorruptCheckpointError", r.error
         assert "no committed checkpoint" in r.error and "committed steps tried: [3]" in r.error
-    from distckpt.cli import main
+    from distckpt.tools.cli import main
 
     assert main(["verify", ckpt_dir]) != 0
     out = capsys.readouterr().out

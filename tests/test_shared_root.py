@@ -54,8 +54,7 @@ def test_a_fresh_start_on_an_empty_root_saves_freely(tmp_path):
 def test_a_full_disk_with_retention_says_the_disk_must_hold_keep_last_plus_one(tmp_path):
     import errno
 
-    from distckpt import faults
-
+    from distckpt.runtime import faults
     with distckpt.CheckpointManager(str(tmp_path), keep_last=2) as mgr:
         mgr.save(0, {"x": 0})
 

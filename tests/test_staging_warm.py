@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import distckpt
-from distckpt.staging import WARM_MIN_BYTES, StagingPool
+from distckpt.io.staging import WARM_MIN_BYTES, StagingPool
 
 PAGE = resource.getpagesize()
 
@@ -52,8 +52,7 @@ def _model_state():
 
 def _kernel_faults_in_ahead() -> bool:
     """Whether madvise(MADV_POPULATE_WRITE) works here (Linux 5.14 and later)."""
-    from distckpt import copying
-
+    from distckpt.io import copying
     madvise = copying._libc_madvise()
     if madvise is None:
         return False
@@ -117,7 +116,7 @@ def test_sync_managers_allocate_nothing_at_the_load(tmp_path):
 
 
 def test_a_tied_weight_is_allocated_ahead_once():
-    from distckpt.kinds import classify, staged_tensors
+    from distckpt.state.kinds import classify, staged_tensors
 
     emb = torch.nn.Embedding(1000, 64)
     head = torch.nn.Linear(64, 1000, bias=False)

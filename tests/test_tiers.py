@@ -17,12 +17,12 @@ from faultproxy import Rule
 from test_s3 import fast_options
 
 import distckpt
-from distckpt import faults
-from distckpt import manifest as mf
-from distckpt.commit import list_committed
+from distckpt.io import manifest as mf
+from distckpt.protocol.commit import list_committed
+from distckpt.protocol.tiers import DurableUploadWarning
+from distckpt.runtime import faults
 from distckpt.storage import open_storage
 from distckpt.testing import run_world
-from distckpt.tiers import DurableUploadWarning
 
 
 def steps_at(root: str) -> list[int]:
@@ -515,7 +515,7 @@ def test_sigterm_pre_emption_save_reaches_the_durable_tier(tmp_path):
 def test_the_command_line_shows_and_verifies_both_tiers(roots, capsys):
     import json
 
-    from distckpt.cli import main
+    from distckpt.tools.cli import main
 
     durable, local = roots
     run_saves(durable, local, range(3), durable_every=2)  # durable: 1, 2; local: 0, 1, 2
@@ -552,7 +552,7 @@ def _upload_under_cut(tmp_path, k: int | None):
     at its k-th durability operation. Returns (the cut, whether the upload finished)."""
     from powercut import PowerCut, PowerCutNow
 
-    from distckpt.tiers import upload_step
+    from distckpt.protocol.tiers import upload_step
 
     durable, local = str(tmp_path / f"durable{k}"), str(tmp_path / f"local{k}")
     mgr = distckpt.CheckpointManager(durable, local_dir=local, durable_every=100)
@@ -586,7 +586,7 @@ def test_a_power_cut_at_every_operation_of_an_upload_leaves_the_durable_tier_loa
         progress, state = load(found, None)  # the durable tier alone, as a replaced node sees it
         assert progress.step in (1, 2) and (progress.step == 2 or not finished)
         assert_holds(state, progress.step)
-        from distckpt.cli import main as cli_main
+        from distckpt.tools.cli import main as cli_main
 
         assert cli_main(["verify", found, "--all"]) == 0
         outcomes.append(progress.step)
@@ -662,7 +662,7 @@ def test_an_unreadable_durable_root_is_a_warning_on_load(tmp_path):
 
 
 def test_a_missing_local_dir_on_the_command_line_is_an_error(roots, capsys):
-    from distckpt.cli import main
+    from distckpt.tools.cli import main
 
     durable, local = roots
     run_saves(durable, local, range(1), durable_every=1)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import distckpt
-from distckpt import versions
+from distckpt.runtime import versions
 
 SCRIPT = """
 import sys, torch, distckpt

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import distckpt
-from distckpt import cli
+from distckpt.tools import cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -193,7 +193,7 @@ def test_export_of_a_trained_multi_rank_checkpoint_equals_the_trained_weights(tm
 
 EXPORT_IN_A_CHILD = r"""
 import json, sys, distckpt
-from distckpt.weights import export_weights
+from distckpt.tools.weights import export_weights
 
 def status(field):
     for line in open("/proc/self/status"):
@@ -415,8 +415,7 @@ def test_an_export_failing_half_way_leaves_the_earlier_export_whole(tmp_path, mo
     """A sharded export of another step into the same directory fails at its Nth shard, its index
     or while moving files into place: the earlier export is still there byte for byte, no temporary
     file is left (each shard used to replace the old one as it was written: two steps, one index)."""
-    from distckpt import weights
-
+    from distckpt.tools import weights
     root, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     with distckpt.CheckpointManager(root) as mgr:
         mgr.save(1, {"model": _trained(0)})

@@ -30,10 +30,15 @@ from typing import Any, Iterable, Protocol
 
 import fsspec
 
-from ..errors import ConfigError, StorageError, shown
-from .capabilities import Capabilities
-from .fsspec_fs import EXCLUSIVE_CREATE_PROTOCOLS, FsspecStorage
-from .local import LocalStorage
+from distckpt.errors import (
+    ConfigError,
+    NonAtomicStorageWarning,  # noqa: F401  (re-exported where it was defined)
+    StorageError,
+    shown,
+)
+from distckpt.storage.capabilities import Capabilities
+from distckpt.storage.fsspec_fs import EXCLUSIVE_CREATE_PROTOCOLS, FsspecStorage
+from distckpt.storage.local import LocalStorage
 
 
 class Storage(Protocol):
@@ -92,9 +97,6 @@ class Storage(Protocol):
         """Abort uploads under the root that never completed and are older than `grace_s`;
         returns their paths (relative to the root). `dry_run`: only name them."""
 
-
-class NonAtomicStorageWarning(UserWarning):
-    """The storage cannot create a file exclusively: two writers of one step could both commit."""
 
 
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*):(//)?(.*)", re.DOTALL)
@@ -174,19 +176,19 @@ def _open_local(url: str, options: dict[str, Any]) -> Storage:
 
 
 def _open_s3(url: str, options: dict[str, Any]) -> Storage:
-    from .s3 import S3Storage  # s3fs is an optional dependency
+    from distckpt.storage.s3 import S3Storage  # s3fs is an optional dependency
 
     return S3Storage.from_url(url, options)
 
 
 def _open_gcs(url: str, options: dict[str, Any]) -> Storage:
-    from .gcs import GcsStorage  # gcsfs is an optional dependency
+    from distckpt.storage.gcs import GcsStorage  # gcsfs is an optional dependency
 
     return GcsStorage.from_url(url, options)
 
 
 def _open_azure(url: str, options: dict[str, Any]) -> Storage:
-    from .azure import AzureStorage  # adlfs is an optional dependency
+    from distckpt.storage.azure import AzureStorage  # adlfs is an optional dependency
 
     return AzureStorage.from_url(url, options)
 

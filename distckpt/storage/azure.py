@@ -17,8 +17,8 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-from ..errors import CheckpointExistsError, MissingFileError, StorageError
-from .conditional import ConditionalCreateStorage
+from distckpt.errors import CheckpointExistsError, MissingFileError, StorageError
+from distckpt.storage.conditional import ConditionalCreateStorage
 
 
 class AzureStorage(ConditionalCreateStorage):
@@ -31,7 +31,7 @@ class AzureStorage(ConditionalCreateStorage):
     def make_client(options: dict[str, Any]) -> Any:
         from adlfs import AzureBlobFileSystem
 
-        from .jitter import keep_jitter_private
+        from distckpt.storage.jitter import keep_jitter_private
 
         keep_jitter_private("azure")  # retry / token-refresh jitter drew from the global `random` stream
         return AzureBlobFileSystem(**options)

@@ -16,12 +16,12 @@ import errno
 import logging
 from typing import Any
 
-from ..errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError
-from .capabilities import Capabilities
-from .clients import shared_client
-from .fsspec_fs import FsspecStorage, _join
-from .redact import protect_credentials
-from .spill import SMALL_READ_BYTES, SpillError, check_spill_dir, default_spill_dir, download_mapped, write_at
+from distckpt.errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError
+from distckpt.storage.capabilities import Capabilities
+from distckpt.storage.clients import shared_client
+from distckpt.storage.fsspec_fs import FsspecStorage, _join
+from distckpt.storage.redact import protect_credentials
+from distckpt.storage.spill import SMALL_READ_BYTES, SpillError, check_spill_dir, default_spill_dir, download_mapped, write_at
 
 RANGE_BYTES = 8 * 2**20  # one ranged request at a time: what a download holds in memory
 

@@ -10,8 +10,8 @@ import errno
 import posixpath
 from typing import Any, Iterable
 
-from ..errors import CheckpointExistsError, MissingFileError, StorageError
-from .capabilities import Capabilities
+from distckpt.errors import CheckpointExistsError, MissingFileError, StorageError
+from distckpt.storage.capabilities import Capabilities
 
 # fsspec protocols whose open(..., "xb") is a real exclusive create (checked by the contract
 # suite); object stores have backends of their own (conditional.py). Others check, then write.

@@ -18,8 +18,8 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-from ..errors import MissingFileError, StorageError
-from .conditional import ConditionalCreateStorage
+from distckpt.errors import MissingFileError, StorageError
+from distckpt.storage.conditional import ConditionalCreateStorage
 
 
 class GcsStorage(ConditionalCreateStorage):
@@ -34,7 +34,7 @@ class GcsStorage(ConditionalCreateStorage):
         # only after its 60 s timeout. Zonal buckets are not supported through it.
         from gcsfs.core import GCSFileSystem
 
-        from .jitter import keep_jitter_private
+        from distckpt.storage.jitter import keep_jitter_private
 
         keep_jitter_private("gcs")  # retry / token-refresh jitter drew from the global `random` stream
         return GCSFileSystem(**options)

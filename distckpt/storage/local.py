@@ -13,8 +13,8 @@ import sys
 import uuid
 from typing import Any, Iterable, Iterator
 
-from ..errors import CheckpointExistsError, MissingFileError, StorageError
-from .capabilities import LOCAL_DISK
+from distckpt.errors import CheckpointExistsError, MissingFileError, StorageError
+from distckpt.storage.capabilities import LOCAL_DISK
 
 READ_AHEAD_BYTES = 512 << 20  # asked of the kernel at once when a file is mapped for a load
 

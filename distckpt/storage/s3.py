@@ -26,14 +26,14 @@ import logging
 import time
 from typing import Any, Iterable, Iterator
 
-from ..errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError, shown
-from .clients import shared_client
-from .conditional import ConditionalCreateStorage
-from .fsspec_fs import _join
-from .jitter import keep_jitter_private
-from .redact import protect_credentials
-from .s3_crt import CrtReader, choose_client
-from .spill import SpillError, check_spill_dir, default_spill_dir, write_at
+from distckpt.errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError, shown
+from distckpt.storage.clients import shared_client
+from distckpt.storage.conditional import ConditionalCreateStorage
+from distckpt.storage.fsspec_fs import _join
+from distckpt.storage.jitter import keep_jitter_private
+from distckpt.storage.redact import protect_credentials
+from distckpt.storage.s3_crt import CrtReader, choose_client
+from distckpt.storage.spill import SpillError, check_spill_dir, default_spill_dir, write_at
 
 log = logging.getLogger("distckpt")
 

@@ -26,9 +26,9 @@ import os
 import threading
 from typing import Any
 
-from ..errors import ConfigError, StorageError, shown
-from ..interrupts import Task, start_thread
-from .spill import write_at
+from distckpt.errors import ConfigError, StorageError, shown
+from distckpt.runtime.interrupts import Task, start_thread
+from distckpt.storage.spill import write_at
 
 CLIENT_CHOICES = ("s3fs", "crt")
 EXPLICIT_CREDENTIALS = ("key", "secret", "token", "anon", "aws_access_key_id", "aws_secret_access_key",

@@ -19,7 +19,7 @@ import os
 import tempfile
 from typing import Callable
 
-from ..errors import ConfigError, shown
+from distckpt.errors import ConfigError, shown
 
 SMALL_READ_BYTES = 4 * 2**20  # read in one request into memory; larger files go to a download file
 

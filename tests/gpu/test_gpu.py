@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import distckpt
-from distckpt.rng import capture_process_rng, restore_process_rng
+from distckpt.state.rng import capture_process_rng, restore_process_rng
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no CUDA device on this machine")]

@@ -1,0 +1,83 @@
+"""Checksums of payload files: xxh3-64, streamed while writing and verified while reading.
+
+This module never touches storage or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import xxhash
+
+from distckpt.errors import CorruptCheckpointError
+from distckpt.runtime.interrupts import Helpers, Task
+
+
+class Checksum:
+    """Counts and hashes chunks as they stream past (xxh3-64: several GB/s on one core).
+
+    A large chunk is hashed on a helper thread while the consumer writes it (xxhash releases
+    the GIL): the hash was 0.024 s of a 0.25 s save of 256 MiB, run before each write. One
+    chunk at a time is in flight, so the hash sees the chunks in order.
+    """
+
+    algorithm = "xxh3_64"
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+        self.size = 0
+        self._pending: Task | None = None
+
+    def wrap(self, chunks: Iterable[memoryview | bytes]) -> Iterator[memoryview | bytes]:
+        try:
+            for chunk in chunks:
+                n = memoryview(chunk).nbytes
+                self._settle()
+                if n >= _HASH_AHEAD_BYTES:
+                    self._pending = _HASHER.submit(self._h.update, chunk)
+                else:
+                    self._h.update(chunk)
+                self.size += n
+                yield chunk
+        finally:
+            self._settle()
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def hexdigest(self) -> str:
+        self._settle()
+        return self._h.hexdigest()
+
+
+_HASH_AHEAD_BYTES = 256 << 10  # smaller ones: handing over costs more than it saves
+_HASHER = Helpers(2, "distckpt-hash")
+
+
+def checksum_of(data: bytes | bytearray | memoryview) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+RELEASE_CHUNK = 8 << 20  # xxh3 over 8 MiB pieces runs as fast as over the whole file
+
+
+def verify_file(data: bytes | bytearray | memoryview, record: dict[str, Any], where: str,
+                release: Any = None) -> None:
+    """Size and checksum against the manifest's record. With `release` (a function of a byte
+    range), the bytes are hashed in 8 MiB pieces and each piece released after it is hashed, so
+    verifying a mapped file does not keep it resident (export's bounded memory)."""
+    if len(data) != record["size"]:
+        raise CorruptCheckpointError(f"{where}: {len(data)} bytes, the manifest says {record['size']} (truncated or replaced)")
+    if release is None:
+        actual = checksum_of(data)
+    else:
+        h = xxhash.xxh3_64()
+        view = memoryview(data)
+        for start in range(0, len(view), RELEASE_CHUNK):
+            h.update(view[start:start + RELEASE_CHUNK])
+            release(start, min(RELEASE_CHUNK, len(view) - start))
+        actual = h.hexdigest()
+    if actual != record["xxh3_64"]:
+        raise CorruptCheckpointError(f"{where}: checksum {actual} does not match the manifest's {record['xxh3_64']} (damaged)")

@@ -1,0 +1,49 @@
+"""Reading a committed file and verifying it against its manifest record, with one second read.
+
+A checksum that does not match, or a read the client itself refused (botocore's
+FlexibleChecksumError surfaces as EIO), may be a transfer corrupted on its way rather than a
+damaged object: one byte flipped in a single S3 response made an intact newest step count as
+damaged, and the load fell back to an older step (whose next save then replaced the good one).
+So a file that fails is read once more, whole, before it counts as damaged. A file damaged at
+rest fails both reads; the cost falls on the failure path only.
+
+This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from typing import Any, Callable
+
+from distckpt.errors import CorruptCheckpointError, MissingFileError, StorageError
+from distckpt.io.checksums import verify_file
+
+log = logging.getLogger("distckpt")
+
+Release = Callable[[Any], Callable[[int, int], None]]  # buffer -> release(start, length)
+
+
+def read_verified(storage: Any, path: str, record: dict[str, Any], where: str,
+                  release: Release | None = None) -> Any:
+    """The bytes of `path` (a buffer; maybe mapped), their size and checksum those of `record`.
+    Raises CorruptCheckpointError when both reads fail to verify, the storage's own error when
+    both reads fail (MissingFileError at once: a missing file stays missing)."""
+    for attempt in (1, 2):
+        try:
+            data = storage.read_buffer(path)
+        except MissingFileError:
+            raise
+        except StorageError as e:
+            if attempt == 2 or e.errno != errno.EIO:
+                raise
+            log.warning("%s: the read failed (%s); reading it again before counting it as damage", where, e)
+            continue
+        try:
+            verify_file(data, record, where, release(data) if release is not None else None)
+            return data
+        except CorruptCheckpointError as e:
+            if attempt == 2:
+                raise
+            log.warning("%s; reading it again before counting it as damage", e)
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,588 @@
+"""Coordination between ranks: bounded object collectives, and one outcome for all ranks.
+
+Object collectives (a fixed-size gather to rank 0, a broadcast back) run on a dedicated gloo
+group (so jobs whose default group is NCCL work too), created with the manager's timeout, so a
+dead or stopped peer turns into an error, never a hang. Every phase ends in :func:`agree`: each
+rank contributes an :class:`Outcome`, all ranks see all outcomes, and if any rank failed every
+rank raises the same error.
+
+This module never imports storage.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Optional, Protocol, TypeVar
+
+from distckpt import errors
+from distckpt.errors import CoordinationError, DistCkptError, RankDisagreementError
+from distckpt.protocol.liveness import ProcessIdentity
+
+log = logging.getLogger("distckpt")
+
+
+class Coordinator(Protocol):
+    rank: int
+    world_size: int
+    reports: "Reports"
+
+    def all_gather(self, obj: Any, phase: str) -> list[Any]: ...
+
+    def gather(self, obj: Any, phase: str) -> list[Any] | None: ...
+
+    def broadcast(self, obj: Any, phase: str) -> Any: ...
+
+    def check_usable(self) -> None: ...
+
+    def distrust(self, reason: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SingleProcess:
+    """World of one: no process group (notebooks, scripts)."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self) -> None:
+        self.reports: Reports = LocalReports()
+
+    def all_gather(self, obj: Any, phase: str) -> list[Any]:
+        return [obj]
+
+    def gather(self, obj: Any, phase: str) -> list[Any] | None:
+        return [obj]
+
+    def broadcast(self, obj: Any, phase: str) -> Any:
+        return obj
+
+    def check_usable(self) -> None:
+        pass
+
+    def distrust(self, reason: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class GlooCoordinator:
+    """Object collectives on a private gloo group bounded by `timeout_s` (call on every rank)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        try:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        except Exception as e:  # the store's wait timeout, or gloo's connect refused by a peer that gave up
+            reason = str(e).splitlines()[0] if str(e) else ""
+            raise CoordinationError(
+                f"rank {self.rank}: creating distckpt's gloo group failed ({type(e).__name__}: {reason[:300]}). "
+                f"Every rank must create its CheckpointManager, in the same order, within the timeout "
+                f"({timeout_s:g}s); another rank has probably not reached it yet, died, or gave up first. "
+                "Raise timeout= if ranks reach it far apart") from e
+        self.reports = StoreReports(dist.distributed_c10d._get_default_store(), timeout_s, self.rank)
+        self.broken: str | None = None  # the first failed collective: gloo closes its pairs after one
+        self.running = 0  # collectives in progress (an exit hook does not destroy the group under one)
+        self._pid = os.getpid()
+        _OPEN_GROUPS.add(self)
+
+    def check_usable(self) -> None:
+        """Raise if a collective of this group failed before: after a timeout gloo closes the
+        group's connections, and an exchange that half-works could let one rank commit what
+        another was told had failed; every later call fails here instead, at once, saying why."""
+        if self.broken is not None:
+            raise CoordinationError(
+                f"rank {self.rank}: this CheckpointManager's process group failed earlier ({self.broken}) "
+                "and cannot be trusted for another exchange; the job should restart (torchrun does) or "
+                "create a new CheckpointManager; committed checkpoints are unaffected")
+
+    def distrust(self, reason: str) -> None:
+        """No exchange goes through this group again (`reason` is said by every later call):
+        the peers gave up on an exchange this rank has not finished."""
+        if self.broken is None:
+            self.broken = reason
+
+    def _run(self, phase: str, fn: Any) -> Any:
+        self.check_usable()
+        started = time.monotonic()
+        self.running += 1
+        try:
+            return fn()
+        except Exception as e:  # gloo reports peers' deaths and timeouts as RuntimeError
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.broken = f"collective {phase!r}: {reason}"
+            elapsed = time.monotonic() - started
+            when = (f"after {elapsed:.1f}s (the timeout is {self.timeout_s:g}s)" if elapsed < 0.9 * self.timeout_s
+                    else f"at the {self.timeout_s:g}s timeout")
+            raise CoordinationError(
+                f"rank {self.rank}: collective {phase!r} failed {when}: {reason}. Another rank has probably "
+                "died, stopped, is slower than the timeout, or is not calling the same distckpt method; "
+                "see its log") from e
+        except BaseException as e:
+            # Ctrl-C (or SystemExit) inside the exchange: this rank left it part-way, and its next
+            # exchange would pair with the other ranks' rest of this one (an independent check saw
+            # raw KeyErrors on both ranks); nothing more goes through this group.
+            self.broken = f"collective {phase!r}: interrupted ({type(e).__name__})"
+            raise
+        finally:
+            self.running -= 1
+
+    def all_gather(self, obj: Any, phase: str) -> list[Any]:
+        # A gather to rank 0 and a broadcast back: 3-4 ms at 8 ranks on 2 CPUs, against 28 ms
+        # for all_gather_object (two all-gathers: the sizes, then the padded bytes)
+        # (bench/profile_coordination.py).
+        # Each object travels with its phase: ranks in different calls (one saving while another
+        # loads) got raw TypeErrors from each other's objects; now a RankDisagreementError on each.
+        tagged = self._run(phase, lambda: self._broadcast_object(self._gather_objects([phase, obj])))
+        return _untagged(tagged, phase)
+
+    def gather(self, obj: Any, phase: str) -> list[Any] | None:
+        tagged = self._run(phase, lambda: self._gather_objects([phase, obj]))
+        return None if tagged is None else _untagged(tagged, phase)
+
+    def broadcast(self, obj: Any, phase: str) -> Any:
+        tagged = self._run(phase, lambda: self._broadcast_object([phase, obj] if self.rank == 0 else None))
+        return _untagged([tagged], phase, root_only=True)[0]
+
+    def _gather_objects(self, obj: Any) -> list[Any] | None:
+        """One fixed-size gather; an object larger than a slot follows as one message to rank 0."""
+        import torch
+
+        data = encode_message(obj)
+        slot = _packed_slot(data)
+        slots = [torch.empty_like(slot) for _ in range(self.world_size)] if self.rank == 0 else None
+        self._dist.gather(slot, slots, dst=0, group=self._group)
+        if self.rank != 0:
+            if len(data) > SLOT_BYTES:
+                self._dist.send(_byte_tensor(data), dst=0, group=self._group)
+            return None
+        assert slots is not None
+        out = []
+        for rank, got in enumerate(slots):
+            size = _slot_length(got)
+            if size <= SLOT_BYTES:
+                payload = got[_HEADER:_HEADER + size].numpy().tobytes()
+            elif rank == 0:
+                payload = data
+            else:
+                big = torch.empty(size, dtype=torch.uint8)
+                self._dist.recv(big, src=rank, group=self._group)
+                payload = big.numpy().tobytes()
+            out.append(decode_message(payload))
+        return out
+
+    def _broadcast_object(self, obj: Any) -> Any:
+        """One fixed-size broadcast; a larger object follows in a second one of its exact size."""
+        import torch
+
+        data = encode_message(obj) if self.rank == 0 else b""
+        slot = _packed_slot(data) if self.rank == 0 else torch.empty(_HEADER + SLOT_BYTES, dtype=torch.uint8)
+        self._dist.broadcast(slot, src=0, group=self._group)
+        size = _slot_length(slot)
+        if size > SLOT_BYTES:
+            big = _byte_tensor(data) if self.rank == 0 else torch.empty(size, dtype=torch.uint8)
+            self._dist.broadcast(big, src=0, group=self._group)
+            payload = big.numpy().tobytes()
+        else:
+            payload = slot[_HEADER:_HEADER + size].numpy().tobytes()
+        return obj if self.rank == 0 else decode_message(payload)
+
+    def close(self) -> None:
+        """Destroy the group and drop the last reference to it, which joins its gloo threads.
+
+        Why the join matters: each collective's work object is released by a gloo thread a moment
+        after the caller's wait returns, and its tensors were made in Python, so that release
+        takes the GIL. Reached after the interpreter started finalizing, taking the GIL ends the
+        thread inside a C++ destructor: "terminate called without an active exception", SIGABRT
+        at the exit of about one 2-rank job in 20-40 on 2 CPUs (core dumps showed the thread in
+        ``~AsyncBroadcastWork``). ``destroy_process_group`` only shuts the group down; its
+        threads are joined when the object dies, which torch does with the GIL released."""
+        if os.getpid() != self._pid:
+            # a forked child (a DataLoader worker) holds a copy of the group without its threads:
+            # destroying it there would join threads that exist only in the parent
+            return
+        group, self._group = self._group, None
+        if group is None:
+            return
+        if self.broken is None:
+            self.broken = "this CheckpointManager was closed"
+        _OPEN_GROUPS.discard(self)
+        try:
+            if group in self._dist.distributed_c10d._world.pg_map:
+                self._dist.destroy_process_group(group)
+        except Exception as e:  # the default group may already be gone at interpreter exit
+            log.debug("destroying the distckpt gloo group failed: %s", e)
+        del group  # the last reference: the gloo threads are joined here, not during finalization
+
+
+_OPEN_GROUPS: weakref.WeakSet[GlooCoordinator] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_groups() -> None:
+    """At interpreter exit (atexit runs before finalization), close the groups of managers never
+    closed, so their gloo threads are joined while they can still take the GIL (see
+    GlooCoordinator.close). A group with a collective still running (a daemon thread's save) is
+    left alone: destroying it would wait for that collective's timeout."""
+    for coord in list(_OPEN_GROUPS):
+        if coord.running == 0:
+            coord.close()
+
+
+def _untagged(tagged: list[Any], phase: str, root_only: bool = False) -> list[Any]:
+    """The objects of [phase, object] pairs, once every rank's phase is this rank's."""
+    phases = [t[0] if isinstance(t, list) and len(t) == 2 else None for t in tagged]
+    if any(p != phase for p in phases):
+        who = f"rank 0 is in {phases[0]!r}" if root_only else ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(phases))
+        raise RankDisagreementError(
+            f"the ranks are in different distckpt calls ({who}; this rank: {phase!r}): every manager method is "
+            "collective; call save, load_latest, load, wait and close on every rank in the same order")
+    return [t[1] for t in tagged]
+
+
+SLOT_BYTES = 64 * 2**10  # messages up to this size travel in the collective itself (outcomes are ~1 KiB)
+_HEADER = 8  # the message length, int64
+
+
+def encode_message(obj: Any) -> bytes:
+    """JSON (no pickle between ranks either), with bytes carried after it and Outcomes tagged.
+
+    Layout: the JSON's length (8 bytes, little-endian), the JSON, then the byte strings it
+    refers to as {"__bytes__": [start, length]}. Dict keys must be str; tuples arrive as lists.
+    """
+    blobs: list[bytes] = []
+    used = [0]
+
+    def tag(o: Any) -> Any:
+        if isinstance(o, (bytes, bytearray, memoryview)):
+            blob = bytes(o)
+            blobs.append(blob)
+            used[0] += len(blob)
+            return {"__bytes__": [used[0] - len(blob), len(blob)]}
+        if isinstance(o, Outcome):
+            return {"__outcome__": [o.rank, o.error_type, o.message, o.info, o.traceback]}
+        raise TypeError(f"a coordination message cannot carry {type(o).__name__}")
+
+    text = json.dumps(obj, default=tag).encode()
+    return len(text).to_bytes(8, "little") + text + b"".join(blobs)
+
+
+def decode_message(data: bytes) -> Any:
+    size = int.from_bytes(data[:8], "little")
+    blobs = memoryview(data)[8 + size:]
+
+    def untag(d: dict[str, Any]) -> Any:
+        if "__bytes__" in d:
+            start, length = d["__bytes__"]
+            return bytes(blobs[start:start + length])
+        if "__outcome__" in d:
+            rank, error_type, message, info, *trace = d["__outcome__"]
+            return Outcome(rank, error_type, message, info, trace[0] if trace else None)
+        return d
+
+    return json.loads(data[8:8 + size], object_hook=untag)
+
+
+def _packed_slot(data: bytes) -> Any:
+    """A fixed-size uint8 tensor: the length of `data`, then `data` if it fits."""
+    import torch
+
+    slot = torch.zeros(_HEADER + SLOT_BYTES, dtype=torch.uint8)
+    slot[:_HEADER] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if len(data) <= SLOT_BYTES:
+        slot[_HEADER:_HEADER + len(data)] = _byte_tensor(data)
+    return slot
+
+
+def _slot_length(slot: Any) -> int:
+    import torch
+
+    return int(slot[:_HEADER].view(torch.int64).item())
+
+
+def _byte_tensor(data: bytes) -> Any:
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+class Reports(Protocol):
+    """Small JSON reports from any thread, without collectives (background writers use them)."""
+
+    def post(self, key: str, value: dict[str, Any]) -> None: ...
+
+    def collect(self, keys: list[str], phase: str) -> list[dict[str, Any]]: ...
+
+
+class LocalReports:
+    """A world of one: the reports of this process."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def post(self, key: str, value: dict[str, Any]) -> None:
+        with self._lock:
+            self._values[key] = value
+
+    def collect(self, keys: list[str], phase: str) -> list[dict[str, Any]]:
+        with self._lock:
+            missing = [k for k in keys if k not in self._values]
+            if missing:
+                raise CoordinationError(f"{phase}: no report under {missing}")
+            return [self._values.pop(k) for k in keys]
+
+
+class StoreReports:
+    """Reports through the process group's key-value store (TCPStore under torchrun).
+
+    A background writer must not call a collective (async_writer.py); a store key needs none:
+    each rank posts its report, rank 0 waits for every key (bounded by the manager's timeout),
+    reads them and deletes them. The wait polls instead of blocking in the store: a signal
+    (SIGTERM, Ctrl-C) is handled meanwhile, and a peer whose process is gone (liveness.py) fails
+    the wait at once, named, instead of after the whole timeout.
+    """
+
+    POLL_MAX_S = 0.05      # the longest pause between two looks at the keys
+    LIVENESS_EVERY_S = 0.5  # how often the peers that have not reported are looked at
+
+    def __init__(self, store: Any, timeout_s: float, rank: int | None = None) -> None:
+        self._store = store
+        self.timeout_s = timeout_s
+        self._peers: dict[int, ProcessIdentity] = {}
+        self._here = ProcessIdentity.current()
+        if rank is not None and self._here is not None:
+            try:
+                self._store.set(_identity_key(rank), json.dumps(self._here.to_json()))
+            except Exception as e:  # noqa: BLE001  (without it, a dead peer is found at the timeout)
+                log.debug("publishing this rank's process identity failed: %s", e)
+
+    def post(self, key: str, value: dict[str, Any]) -> None:
+        self._store.set(key, json.dumps(value))
+
+    def collect(self, keys: list[str], phase: str) -> list[dict[str, Any]]:
+        self._wait(keys, phase)
+        out = [json.loads(self._store.get(k)) for k in keys]
+        for k in keys:
+            try:
+                self._store.delete_key(k)
+            except Exception as e:  # a few stale bytes in the store; nothing depends on them
+                log.debug("deleting report %s failed: %s", k, e)
+        return out
+
+    def _wait(self, keys: list[str], phase: str) -> None:
+        started = time.monotonic()
+        pause, looked = 0.001, started
+        while True:
+            try:
+                if self._store.check(keys):
+                    return
+            except Exception as e:  # the store's host is gone
+                raise CoordinationError(f"{phase}: the key-value store stopped answering ({type(e).__name__}: {e}); "
+                                        "the job's launcher or rank 0 has probably died") from e
+            now = time.monotonic()
+            if now - started >= self.timeout_s:
+                raise CoordinationError(
+                    f"{phase}: no report under {self._missing(keys)[:4]} within the {self.timeout_s:g}s timeout; "
+                    "a rank has probably died or stopped before its files were durable; see its log")
+            if now - looked >= self.LIVENESS_EVERY_S:
+                looked = now
+                self._raise_if_a_peer_died(keys, phase, now - started)
+            time.sleep(min(pause, max(0.0, self.timeout_s - (now - started))))
+            pause = min(pause * 2, self.POLL_MAX_S)
+
+    def _missing(self, keys: list[str]) -> list[str]:
+        try:
+            return [k for k in keys if not self._store.check([k])]
+        except Exception:  # noqa: BLE001
+            return keys
+
+    def _raise_if_a_peer_died(self, keys: list[str], phase: str, waited_s: float) -> None:
+        for key in self._missing(keys):
+            match = _RANK_OF_KEY.search(key)
+            rank = int(match.group(1)) if match else None
+            peer = self._peer(rank) if rank is not None else None
+            if peer is not None and peer.is_gone(self._here):
+                raise CoordinationError(
+                    f"{phase}: rank {rank} (pid {peer.pid} on this machine) ended before it reported "
+                    f"its files (after {waited_s:.1f}s of waiting for it): it was killed or crashed; see its log. "
+                    "This save is not committed; the previous checkpoint is intact")
+
+    def _peer(self, rank: int) -> ProcessIdentity | None:
+        if rank not in self._peers:
+            try:
+                if not self._store.check([_identity_key(rank)]):
+                    return None
+                peer = ProcessIdentity.from_json(json.loads(self._store.get(_identity_key(rank))))
+            except Exception:  # noqa: BLE001  (an unreadable identity: that peer is not judged)
+                return None
+            if peer is None:
+                return None
+            self._peers[rank] = peer
+        return self._peers[rank]
+
+
+_RANK_OF_KEY = re.compile(r"rank-(\d+)$")
+
+
+def _identity_key(rank: int) -> str:
+    return f"distckpt/process/rank-{rank}"
+
+
+def make_coordinator(timeout_s: float) -> Coordinator:
+    """A gloo coordinator when a process group is initialised with >1 rank, else a world of one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return GlooCoordinator(timeout_s)  # type: ignore[return-value]  # StoreReports is a Reports
+    return SingleProcess()
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class Outcome:
+    """What one rank reports at the end of a phase."""
+
+    rank: int
+    error_type: str | None = None
+    message: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    traceback: str | None = None  # where it failed on that rank (the last frames)
+
+    @property
+    def ok(self) -> bool:
+        return self.error_type is None
+
+    @classmethod
+    def failure(cls, rank: int, exc: BaseException, info: dict[str, Any] | None = None) -> "Outcome":
+        frames = traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-6)
+        info = dict(info or {})
+        if getattr(exc, "rank_tracebacks", None) is not None:
+            info["names_ranks"] = True  # already the error naming the ranks that failed: passed on as it is
+        notes = getattr(exc, "__notes__", None)  # where a user's own error came from (capture_entry)
+        message = str(exc) + ("".join(f" ({note})" for note in notes if isinstance(note, str)) if notes else "")
+        return cls(rank, type(exc).__name__, message, info, "".join(frames)[-4000:])
+
+
+# The phase runner. Every collective step of a save or a load is one of four shapes: run on
+# every rank or on rank 0 alone, then either raise the same error everywhere (run_*) or hand
+# the outcomes to a caller that decides from them (attempt_*: a damaged step falls back, an
+# unreadable durable tier is a warning while local steps remain).
+
+
+Attempt = tuple[Optional[T], Optional[BaseException], list[Outcome]]  # result, exception, every outcome
+
+
+def attempt_phase(coord: Coordinator, phase: str, fn: Callable[[], T],
+                  info: Callable[[Any], dict[str, Any]] | None = None) -> Attempt[T]:
+    """Run `fn` on every rank as the phase `phase` and exchange the outcomes, raising nothing:
+    (this rank's result or None, its exception or None, every rank's outcome)."""
+    try:
+        result = fn()
+    except Exception as e:  # every rank hears it: none may be left waiting in the exchange
+        return None, e, coord.all_gather(Outcome.failure(coord.rank, e), phase)
+    except (KeyboardInterrupt, SystemExit) as e:
+        # Raised out of user code on this rank (a state_dict(), a Ctrl-C handler): the peers hear
+        # it too, then it goes on as it is. Left out of the exchange, they waited in it for the
+        # timeout, or paired it with this rank's next call (two steps "disagreeing"; a retried save
+        # waited the whole timeout for a report filed under another save's key).
+        coord.all_gather(Outcome.failure(coord.rank, e), phase)
+        raise
+    return result, None, coord.all_gather(Outcome(coord.rank, info=info(result) if info else {}), phase)
+
+
+def run_phase(coord: Coordinator, phase: str, what: str, fn: Callable[[], T],
+              info: Callable[[T], dict[str, Any]] | None = None) -> tuple[T, list[Outcome]]:
+    """Run `fn` on this rank as the phase `phase`, then agree: if it failed on any rank, every
+    rank raises the same error, naming each failed rank with its traceback (`rank_tracebacks`
+    of the raised error); otherwise returns (this rank's result, every rank's outcome)."""
+    result, exc, outcomes = attempt_phase(coord, phase, fn, info)
+    raise_if_failed(coord, outcomes, what, exc)
+    return result, outcomes  # type: ignore[return-value]  # no rank failed: fn returned
+
+
+def attempt_on_root(coord: Coordinator, phase: str,
+                    fn: Callable[[], dict[str, Any]]) -> tuple[Outcome, BaseException | None]:
+    """Run `fn` on rank 0 only and broadcast its outcome, raising nothing: (rank 0's outcome, its
+    result in `info`, on every rank; rank 0's exception there, None elsewhere)."""
+    exc = mine = None
+    if coord.rank == 0:
+        try:
+            mine = Outcome(0, info=fn())
+        except Exception as e:  # every rank hears it: none may be left waiting in the broadcast
+            exc, mine = e, Outcome.failure(0, e)
+    return coord.broadcast(mine, phase), exc
+
+
+def run_on_root(coord: Coordinator, phase: str, what: str, fn: Callable[[], dict[str, Any]],
+                local_exc: BaseException | None = None) -> dict[str, Any]:
+    """Run `fn` on rank 0 only and broadcast its outcome: every rank returns rank 0's result (a
+    JSON-able dict), or every rank raises the same error if it failed there (chained to
+    `local_exc` on a rank that has its own)."""
+    outcome, exc = attempt_on_root(coord, phase, fn)
+    raise_if_failed(coord, [outcome], what, exc or local_exc)
+    return outcome.info
+
+
+def agree(coord: Coordinator, outcome: Outcome, phase: str, what: str,
+          local_exc: BaseException | None = None) -> list[Outcome]:
+    """Exchange outcomes; if any rank failed, raise the same error on every rank."""
+    outcomes = coord.all_gather(outcome, phase)
+    raise_if_failed(coord, outcomes, what, local_exc)
+    return outcomes
+
+
+def raise_if_failed(coord: Coordinator, outcomes: list[Outcome], what: str,
+                    local_exc: BaseException | None = None) -> None:
+    """Raise one error, built the same way on every rank, if any outcome is a failure."""
+    failed = [o for o in outcomes if not o.ok]
+    if not failed:
+        return
+    if coord.world_size == 1 and local_exc is not None:
+        raise local_exc  # a world of one: the original error, untouched
+    raise error_of(failed, what) from local_exc
+
+
+def error_of(failed: list[Outcome], what: str) -> DistCkptError:
+    """The one error for failed outcomes: the class of the first (a distckpt class, else
+    CoordinationError), naming every failed rank, with their tracebacks in `rank_tracebacks`."""
+    cls = _error_class(failed[0].error_type)
+    if len(failed) == 1 and failed[0].info.get("names_ranks"):  # rank 0 sharing who failed: said once
+        error = cls(failed[0].message or what)
+        error.rank_tracebacks = {failed[0].rank: failed[0].traceback}  # type: ignore[attr-defined]
+        return error
+    lines = "; ".join(f"rank {o.rank}: {o.error_type}: {o.message}" for o in failed)
+    error = cls(f"{what} failed on rank(s) {[o.rank for o in failed]} — {lines}")
+    error.rank_tracebacks = {o.rank: o.traceback for o in failed}  # type: ignore[attr-defined]
+    return error
+
+
+def _error_class(name: str | None) -> type[DistCkptError]:
+    """The distckpt class a peer raised, so every rank raises the same type; else CoordinationError."""
+    cls = getattr(errors, name or "", None)
+    if isinstance(cls, type) and issubclass(cls, DistCkptError):
+        return cls
+    return CoordinationError
+
+
+def hostname() -> str:
+    return socket.gethostname()

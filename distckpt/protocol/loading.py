@@ -1,0 +1,821 @@
+"""The load protocol, as short functions of named phases (the overview: protocol.py).
+
+    choose    rank 0 lists committed steps, newest first, and broadcasts the list (with a local
+              tier: the steps every node holds, checked against the durable root's leases)
+    read      every rank: marker, manifest, replicated file and its own rank file, verified by
+              checksum and checked against `state` before anything is changed; a damaged
+              candidate makes all ranks move to the previous one together, with a warning
+    again     a candidate committed or removed while it was read (a concurrent writer): every rank
+              lists again together, up to _LISTING_ATTEMPTS listings (see load)
+    agree     all ranks hold the same (step, epoch, manifest digest), or all raise
+    apply     every rank restores its entries, RNG last; outcomes exchanged once more, and a
+              failure anywhere is undone everywhere (undo.py)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import logging
+import random
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from distckpt.errors import (  # noqa: F401  (re-exported where it was defined)
+    CheckpointFallbackWarning,
+    ConfigError,
+    CorruptCheckpointError,
+    DistCkptError,
+    IncompatibleCheckpointError,
+    MissingFileError,
+    NotCommittedError,
+    RankDisagreementError,
+    ReshardWarning,
+    StorageError,
+    SupersededCheckpointError,
+)
+from distckpt.io import manifest as mf
+from distckpt.io.copying import CopyFailed, PageRelease, Prefault
+from distckpt.io.reading import read_verified
+from distckpt.io.serialize import ShardRef, load_tree_file
+from distckpt.protocol import fencing, incremental, tiers
+from distckpt.protocol.commit import (
+    check_not_superseded,
+    check_written_under_a_lease,
+    is_committed,
+    list_committed,
+    read_marker,
+    read_verified_manifest,
+    removed_meanwhile,
+    step_candidates,
+)
+from distckpt.protocol.coord import Coordinator, Outcome, agree, attempt_on_root, attempt_phase, raise_if_failed, run_on_root
+from distckpt.protocol.fencing import Lease
+from distckpt.runtime import faults
+from distckpt.runtime.interrupts import sigint_deferred
+from distckpt.state import sharded
+from distckpt.state.capture import (
+    PER_RANK,
+    SHARDED,
+    CheckpointWarning,
+    Entry,
+    loading_entry,
+    normalize_imported,
+    persistent_buffers,
+    replaced_under_key,
+    resolve_sharded_entry,
+    unwrap_module,
+    use_rank_buffers,
+    warn_extra_entries,
+)
+from distckpt.state.kinds import (
+    check_destinations_apart,
+    copy_destinations,
+    is_late,
+    live_ties,
+    restore_entry,
+    snapshot,
+    validate_entry,
+)
+from distckpt.state.rng import capture_process_rng, check_process_rng, restore_process_rng
+from distckpt.state.undo import Undo, run_undos
+from distckpt.state.validation import LoadRules, mappings_read_once
+from distckpt.storage import Storage, release_pages
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("distckpt")
+
+
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a loaded checkpoint left off. `config_diff` lists config keys that differ."""
+
+    step: int
+    epoch: int | None
+    metric: float | None = None
+    url: str = ""
+    config_diff: tuple[str, ...] = ()
+    # world_size_policy="reshard" at another world size: what this rank did not restore but kept
+    # as its own seeding made it ("rng" and per-rank entry keys); () after an exact resume
+    rederived: tuple[str, ...] = ()
+    # which tier it came from: "local" (the manager's local_dir) or "durable" (its URL)
+    tier: str = "durable"
+
+
+@dataclass
+class ReadCheckpoint:
+    step: int
+    digest: str
+    manifest: mf.Manifest
+    replicated: dict[str, Any]
+    own: dict[str, Any]
+    per_rank_restored: bool = True
+    entries: list[Entry] = field(default_factory=list)  # as restored (sharded ones resolved)
+    buffers: list[Any] = field(default_factory=list)  # the files' buffers the tensors view
+
+
+WORLD_SIZE_POLICIES = ("refuse", "reshard", "replicated_only")  # the last: the older name of "reshard"
+
+
+def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
+                    world_size_policy: str = "refuse", leases: list[Lease] | None = None,
+                    owned_by_leases: bool = False, superseded_ok: bool = False) -> ReadCheckpoint:
+    """Read and verify what this rank needs of one committed step. Raises CorruptCheckpointError.
+
+    With another world size than the writer's: "refuse" raises IncompatibleCheckpointError;
+    "reshard" (or its older name "replicated_only") reads the replicated state and the sharded
+    entries (resharded to this world), and this rank keeps its own per-rank state (RNG streams,
+    samplers, loaders) as this run seeded it.
+    """
+    base = mf.step_dir(step)
+    where = f"{storage.url}/{base}"
+    try:
+        marker = read_marker(storage, step)
+    except MissingFileError as e:
+        raise NotCommittedError(f"{where} holds no {mf.MARKER} marker: not committed") from e
+    try:
+        if not superseded_ok:
+            check_not_superseded(marker, leases or [], where)
+        if owned_by_leases:  # a local tier step: written by a job of this durable root
+            check_written_under_a_lease(marker, leases or [], where)
+        manifest = read_verified_manifest(storage, step, marker)
+    except MissingFileError as e:
+        raise CorruptCheckpointError(f"{where}: {e}") from e
+    replicated_name, rank_names = manifest.payload_names()
+    imported = manifest.imported is not None  # from torch.save / DCP: no per-rank state in the source
+    buffers: list[Any] = []
+    if imported or (manifest.world_size != world_size and world_size_policy in ("reshard", "replicated_only")):
+        replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers)
+        own: dict[str, Any] = {"epoch": manifest.epoch, "rank": rank, "entries": {}, "rng": None}
+        return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, per_rank_restored=False,
+                              buffers=buffers)
+    if manifest.world_size != world_size:
+        raise IncompatibleCheckpointError(
+            f"{where} was written by {manifest.world_size} ranks, this job has {world_size}: "
+            "per-rank state (RNG streams, sampler and loader positions) cannot be mapped to "
+            f"another world size; relaunch with --nproc-per-node/--nnodes giving {manifest.world_size} ranks, "
+            "or pass world_size_policy='reshard' to restore the replicated and sharded state and keep "
+            "this run's per-rank state")
+    replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers)
+    mf.check_tree_belongs(replicated, manifest.step, manifest.epoch, f"{where}/{replicated_name}")
+    own = _read_tree(storage, base, rank_names[rank], manifest, where, buffers, per_rank=True)
+    _check_rank_file_belongs(own, manifest, rank, f"{where}/{rank_names[rank]}")
+    return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, buffers=buffers)
+
+
+def _check_rank_file_belongs(own: dict[str, Any], manifest: mf.Manifest, rank: int, where: str) -> None:
+    """The rank file, and the manifest's line for the rank, record the step and epoch the manifest
+    does: another step's rank file re-sealed into this one loaded silently (its RNG streams and
+    loader position from step 1 under a step-3 resume) when the epochs matched, and was a
+    RankDisagreementError instead of a fallback when they did not."""
+    recorded = manifest.ranks[rank] if rank < len(manifest.ranks) else None
+    views = [("the rank file", own.get("step", manifest.step), own.get("epoch"))]
+    if recorded is not None:
+        views.append(("the manifest's line for the rank", recorded.get("step"), recorded.get("epoch")))
+    for what, step, epoch in views:
+        if (step, epoch) != (manifest.step, manifest.epoch):
+            raise CorruptCheckpointError(f"{where}: {what} records step {step} epoch {epoch}, the manifest step "
+                                         f"{manifest.step} epoch {manifest.epoch}: the files do not belong together")
+
+
+def _read_tree(storage: Storage, base: str, name: str, manifest: mf.Manifest, where: str,
+               buffers: list[Any] | None = None, per_rank: bool = False) -> Any:
+    """One verified tree file, its tensors viewing the file's buffer (appended to `buffers`). A
+    mapped file is verified piece by piece, each piece's pages let go once hashed, so a load
+    never holds the whole file resident (the restore lets go of them again as it copies)."""
+    record = manifest.files.get(name)
+    if record is None:
+        raise CorruptCheckpointError(f"{where}: the manifest lists no {name}")
+    try:
+        data = read_verified(storage, f"{base}/{name}", record, f"{where}/{name}",
+                             lambda buffer: lambda start, n: release_pages(buffer, start, n))
+    except MissingFileError as e:
+        raise CorruptCheckpointError(f"{where}/{name} is missing") from e
+    except StorageError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptCheckpointError(str(e)) from e
+        raise
+    if buffers is not None:
+        buffers.append(data)
+    extra = incremental.resolve(storage, manifest, where) if name == manifest.payload_names()[0] else None
+    tree = load_tree_file(data, f"{where}/{name}", extra, place=True)
+    mf.check_tree(tree, f"{where}/{name}", per_rank)
+    return tree
+
+
+# A concurrent writer (its next save, its retention) can make every candidate of a listing look
+# uncommitted or vanish while a load reads it, or commit a newer step meanwhile. The load then
+# lists again, at most this many times in all (each listing can lose the race again).
+_LISTING_ATTEMPTS = 10
+_RELIST_PAUSE_S = 0.002  # before the k-th listing again, a random pause of up to 2**k times this (at most
+# 0.25 s): a reader whose reads keep lining up with the writer's saves falls out of step with them.
+# A private stream: a load never draws from the process's own (what it restores, or leaves alone).
+_JITTER = random.Random()
+# A step found while a newer one was committed meanwhile is read again for the newer one this
+# many times at most: a writer that saves without pause (keep_last=1, every few ms) always has a
+# newer step in progress, and chasing it to the last listing ended in an error once a listing
+# lost the race (2 in 3 runs of the reader race test with the S3 server busy on the same cores).
+_CHASE_ATTEMPTS = 3
+
+
+@dataclass
+class _Attempt:
+    """One read phase over one listing, the same on every rank (its outcomes were exchanged)."""
+
+    found: tuple[ReadCheckpoint, str] | None = None  # the checkpoint read, and its tier
+    error: CorruptCheckpointError | None = None      # none verifies (for a load of the newest)
+    raced: bool = False  # a candidate newer than `found` (or any, with none found) was uncommitted or vanished while read
+    split: dict[int, str] = field(default_factory=dict)  # steps some ranks read and others found uncommitted
+
+
+def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict[str, Any],
+         step: int | None = None, world_size_policy: str = "refuse",
+         rules: LoadRules = LoadRules(), local: Storage | None = None) -> Progress | None:
+    """The load protocol (call on every rank). None when nothing is committed yet. With a
+    `local` tier (tiers.py), a step committed on every node's local tier is tried before the
+    durable copy of the same step, and a damaged copy falls back to the next candidate."""
+    storages = {tiers.DURABLE: storage, tiers.LOCAL: local or storage}
+    _agree_on_the_request(coord, step, world_size_policy, sorted(e.key for e in entries))
+    candidates, leases = _choose_phase(coord, storage, step, local)  # the same on every rank
+    split: set[int] | None = None  # the steps split between ranks at every read so far
+    for attempt in range(1, _LISTING_ATTEMPTS + 1):
+        if not candidates:
+            _check_nothing_was_committed(coord, storage, leases, local)
+            return None
+        prefault = Prefault(copy_destinations(entries))  # while the files are read and verified
+        try:
+            read = _read_phase(coord, storages, entries, candidates, step is not None, world_size_policy, leases, rules)
+        finally:
+            prefault.stop()
+        split = set(read.split) if split is None else split & set(read.split)
+        if read.found is not None and not read.raced:
+            return _apply(coord, entries, state, read.found, storages, rules)
+        if attempt == _LISTING_ATTEMPTS:
+            break
+        time.sleep(_JITTER.uniform(0, min(0.25, _RELIST_PAUSE_S * 2 ** attempt)))
+        listed, listed_leases = _choose_phase(coord, storage, step, local)
+        changed = set(listed) != set(candidates) or (read.raced and (
+            _committed_since(coord, storage, listed, read.found[0].step) if read.found is not None
+            else not _settled_uncommitted(coord, storage, listed)))
+        if read.found is not None and not read.split and (not changed or attempt >= _CHASE_ATTEMPTS):
+            # nothing newer came; or a writer saving all the time keeps a newer step in progress:
+            # `found` was the newest committed step when the newer candidates' markers were read
+            return _apply(coord, entries, state, read.found, storages, rules)
+        if read.error is not None and not changed and not read.split:
+            raise read.error  # the damage stands
+        if read.found is None and read.error is None and not changed and not read.split and attempt > 1:
+            _check_nothing_was_committed(coord, storage, leases, local)
+            return None  # step directories, none committed, twice the same: a fresh start
+        # Otherwise read again: a step was committed or removed meanwhile (a None is retried once
+        # even on the same listing: a step's marker read before its commit and the previous
+        # step's after retention removed it), or the ranks disagreed on a step's marker.
+        log.info("rank %d: the steps at %s changed while they were read; reading again", coord.rank, storage.url)
+        candidates, leases = listed, listed_leases
+    if split:  # the same steps, at every read: the ranks do not see one storage
+        _raise_split_view(storage, [read.split[s] for s in sorted(split, reverse=True)])
+    if read.found is not None:  # newer steps kept coming: the newest this load could read
+        return _apply(coord, entries, state, read.found, storages, rules)
+    if read.error is not None:
+        raise read.error
+    raise CorruptCheckpointError(
+        f"{storage.url}: every committed step this load found was removed before it could be read, "
+        f"{_LISTING_ATTEMPTS} listings in a row: a concurrent writer commits and removes steps faster "
+        "than this process reads them (keep_last=1 with frequent saves); keep two or more steps "
+        "(keep_last=2) so that readers have time, or load while the writer pauses")
+
+
+def _committed_since(coord: Coordinator, storage: Storage, listed: list[tuple[int, str]], above: int) -> bool:
+    """Rank 0: whether a listed durable step newer than `above` is committed now (its marker: a
+    commit adds no directory, and retention removes the marker before the directory). Asked only
+    after a read that met an uncommitted or vanished candidate, of the candidates above the one
+    found (a step left uncommitted by a killed save costs one more check)."""
+    def check() -> dict[str, Any]:
+        return {"committed": any(is_committed(storage, s) for s, t in listed if t == tiers.DURABLE and s > above)}
+
+    return bool(run_on_root(coord, "load/recheck", "checking for a newer commit", check)["committed"])
+
+
+def _settled_uncommitted(coord: Coordinator, storage: Storage, listed: list[tuple[int, str]]) -> bool:
+    """Rank 0: whether no listed durable step is committed, settled: their markers read oldest
+    first, then a listing of the same names. A writer commits a step before it retires the one
+    before, and makes a step's directory before either: so a step found retired means a newer
+    one was committed, which is found committed when read after it, or retired in turn for a
+    newer one still, whose directory the second listing then shows. Read newest first, or against
+    the listing the read phase started from, the markers could all have looked uncommitted while
+    a step was committed at every instant (a 2-rank reader racing a keep_last=1 writer got None)."""
+    def check() -> dict[str, Any]:
+        durable = sorted(s for s, t in listed if t == tiers.DURABLE)
+        if any(is_committed(storage, s) for s in durable):
+            return {"settled": False}
+        return {"settled": sorted(_durable_candidates(storage, None)) == durable}
+
+    return bool(run_on_root(coord, "load/settle", "checking that no step is committed", check)["settled"])
+
+
+def _raise_split_view(storage: Storage, split: list[str]) -> None:
+    """Some ranks read a step the others found uncommitted, on an unchanged listing: not a race."""
+    raise RankDisagreementError(
+        f"the ranks see different checkpoints at {storage.url}: {'; '.join(split[:3])}. Every rank must "
+        "see the same storage (a local path must be on a filesystem shared by every node; otherwise "
+        "use an object store URL, or local_dir= for node-local disks)")
+
+
+def _apply(coord: Coordinator, entries: list[Entry], state: dict[str, Any], found: tuple[ReadCheckpoint, str],
+           storages: dict[str, Storage], rules: LoadRules) -> Progress:
+    chosen, tier = found
+    with sigint_deferred():  # a Ctrl-C here would leave the state half-restored (interrupts.py)
+        notes, kept = _apply_phase(coord, entries, state, chosen, rules)
+    return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.metric,
+                    f"{storages[tier].url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept), tier)
+
+
+def _check_nothing_was_committed(coord: Coordinator, storage: Storage, leases: list[Lease] | None,
+                                 local: Storage | None) -> None:
+    """Nothing committed: a fresh start. Unless a lease says an incarnation of this job resumed from a
+    committed step: then its history is gone (removed by hand, or a writer killed while it
+    replaced a superseded writer's step: fencing.py), and starting over would be a silent wrong
+    resume: CorruptCheckpointError, the same on every rank (the leases were broadcast). With a
+    local tier, an earlier incarnation that never resumed may have committed steps to its node's
+    disk alone (none had reached the URL, every `durable_every`-th save does) that are gone with
+    it: nothing says whether it did, so the fresh start goes on, with a warning naming it."""
+    if local is not None and leases and not fencing.resumed_leases(leases):
+        warnings.warn(
+            f"no committed checkpoint at {storage.url} or in {local.url}, though {leases[-1].describe()} began "
+            f"saving: any steps it committed to a node's local tier alone (none reach the URL before the "
+            f"`durable_every`-th save) are gone with that disk. Starting from scratch", CheckpointFallbackWarning,
+            stacklevel=5)
+    resumed = fencing.resumed_leases(leases or [])
+    if resumed:
+        raise CorruptCheckpointError(
+            f"no committed checkpoint at {storage.url}, but {resumed[-1].describe()} had resumed from a committed "
+            f"step (of this URL, or of a node's local tier): the run's checkpoints are gone (removed; lost with a "
+            f"node's local disk before any step reached the URL; or with a writer killed while it replaced a "
+            f"superseded writer's step). Starting over silently would not resume the run; to start it over on "
+            f"purpose, remove {storage.url} (or its {fencing.FENCE_DIR}/ directory) first")
+    if local is not None or leases is None:
+        return
+    # No incarnation resumed, but one may have committed steps that are gone now (a first run
+    # whose every step directory was removed afterwards): its record says so (fencing.py)
+    record = run_on_root(coord, "load/record", "reading the record of earlier commits",
+                         lambda: {"record": fencing.newest_commit_record(storage)})["record"]
+    if record is not None:
+        step = "" if record.get("step") is None else f" step {record['step']} (the first it committed)"
+        raise CorruptCheckpointError(
+            f"no committed checkpoint at {storage.url}, but generation {record['generation']} of a job committed"
+            f"{step} there: the run's checkpoints are gone (removed by hand, or by a storage lifecycle rule). "
+            f"Starting over silently would not resume the run; to start it over on purpose, remove {storage.url} "
+            f"(or its {fencing.FENCE_DIR}/ directory) first")
+
+
+def _choose_phase(coord: Coordinator, storage: Storage, step: int | None,
+                  local: Storage | None = None) -> tuple[list[tuple[int, str]], list[Lease] | None]:
+    """The candidates (step, tier), newest first, and the durable root's leases (None: it could
+    not be read, so local steps are loaded without checking who wrote them)."""
+    if local is not None:
+        return _choose_tiered(coord, storage, step, local)
+
+    def choose() -> dict[str, Any]:
+        steps = _durable_candidates(storage, step)
+        leases = fencing.read_leases(storage) if steps or step is None else []  # None: see _nothing_committed
+        return {"candidates": tiers.merge_candidates([], steps, step),
+                "leases": [dataclasses.asdict(lease) for lease in leases]}
+
+    chosen = run_on_root(coord, "load/choose", "choosing a checkpoint to load", choose)
+    return ([(int(s), str(t)) for s, t in chosen["candidates"]], [Lease(**d) for d in chosen["leases"]])
+
+
+def _durable_candidates(storage: Storage, step: int | None) -> list[int]:
+    """Rank 0: the step directories to try, newest first (commit.step_candidates: the read phase
+    skips one without a marker); an explicit `step` must be committed."""
+    if step is None:
+        steps = step_candidates(storage)
+        if not steps:
+            storage.check_root()  # nothing found: a missing bucket is an error, not a fresh start
+        return steps
+    if not is_committed(storage, step):
+        committed = list_committed(storage)
+        raise IncompatibleCheckpointError(f"step {step} is not committed at {storage.url} (committed: {committed[:10]})")
+    return [step]
+
+
+def _choose_tiered(coord: Coordinator, storage: Storage, step: int | None,
+                   local: Storage) -> tuple[list[tuple[int, str]], list[Lease] | None]:
+    """Two tiers: rank 0 lists the durable root and reads its leases; every rank then keeps the
+    local steps a lease of that root wrote (another job's are skipped with a warning) and the
+    ranks agree on those every node holds. An unreadable durable root is a warning on every rank
+    when local candidates remain, else the error on every rank."""
+    def read_durable() -> dict[str, Any]:
+        steps = step_candidates(storage) if step is None else [s for s in [step] if is_committed(storage, s)]
+        if not steps:
+            storage.check_root()
+        # a named step that is not there: the error lists what is committed
+        listed = list_committed(storage)[:10] if step is not None and not steps else steps[:10]
+        return {"steps": steps, "listed": listed, "leases": [dataclasses.asdict(x) for x in fencing.read_leases(storage)]}
+
+    outcome, _ = attempt_on_root(coord, "load/durable", read_durable)
+    durable = outcome.info if outcome.ok else {"steps": [], "listed": [], "leases": None}
+    leases = None if durable["leases"] is None else [Lease(**d) for d in durable["leases"]]
+    local_steps = tiers.common_local_steps(coord, local, leases)
+    if not outcome.ok:
+        message = (f"rank {coord.rank}: the durable tier {storage.url} cannot be read "
+                   f"({outcome.error_type}: {outcome.message})")
+        if not local_steps:
+            raise StorageError(errno.EIO, f"{message}; and no local tier step is committed on every node")
+        message += ("; choosing among the local tier's steps without checking who wrote them (its leases "
+                    "live at the durable root)")
+        log.warning(message)
+        warnings.warn(message, CheckpointFallbackWarning, stacklevel=5)
+    steps = list(durable["steps"])
+    if step is not None and step not in steps and step not in local_steps:
+        raise IncompatibleCheckpointError(
+            f"step {step} is not committed at {storage.url} (committed: {durable['listed']}) nor on every node's "
+            f"local tier (common: {local_steps[:10]})")
+    return tiers.merge_candidates(local_steps, steps, step), leases
+
+
+def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[Entry],
+                candidates: list[tuple[int, str]], explicit: bool, world_size_policy: str,
+                leases: list[Lease] | None, rules: LoadRules = LoadRules()) -> _Attempt:
+    """The newest candidate every rank reads and verifies. Otherwise (the same on every rank)
+    nothing when no candidate was committed (directories of saves that never committed, or
+    removed meanwhile), or the error saying none verifies; an explicit step raises it."""
+    tiered = storages[tiers.LOCAL] is not storages[tiers.DURABLE]
+    committed = 0
+    uncommitted = False
+    split: dict[int, str] = {}
+    superseded: list[tuple[int, str]] = []
+    # damaged committed steps, warned about once what is loaded instead is known: the next
+    # candidate may be a directory that never committed (an upload cut off), named before as the
+    # one loaded while an older step was
+    skipped: list[tuple[int, str, list[Outcome]]] = []
+    tried: list[tuple[int, str]] = []  # the committed steps skipped, for the error when none verifies
+    for i, (step, tier) in enumerate(candidates):
+        read, exc, outcomes = _attempt_read(coord, storages[tier], entries, step, tier, world_size_policy, leases, rules)
+        if _uncommitted(outcomes):
+            uncommitted = True
+            if any(o.ok for o in outcomes):
+                split[step] = (f"step {step}: rank(s) {[o.rank for o in outcomes if o.ok]} read it, rank(s) "
+                               f"{[o.rank for o in outcomes if not o.ok]} found no {mf.MARKER} marker")
+            continue  # a save that never committed (or removed meanwhile, seen so by some rank): not a checkpoint
+        committed += 1
+        damaged = [o for o in outcomes if o.error_type in _SKIPPABLE]
+        following = candidates[i + 1] if i + 1 < len(candidates) else None
+        may_fall_back = not explicit or (following is not None and following[0] == step)
+        if damaged and len(damaged) == len([o for o in outcomes if not o.ok]) and may_fall_back:
+            skipped.append((step, tier, damaged))
+            tried.append((step, tier))
+            if all(o.error_type == SupersededCheckpointError.__name__ for o in damaged):
+                superseded.append((step, tier))
+            continue
+        _warn_fallbacks(skipped, (step, tier), coord.rank, tiered)
+        raise_if_failed(coord, outcomes, f"loading step {step}", exc)
+        _check_agreement(outcomes, step)
+        assert read is not None  # every rank succeeded
+        return _Attempt((read, tier), raced=uncommitted, split=split)
+    _warn_fallbacks(skipped, None, coord.rank, tiered)
+    damaged_leases = [lease for lease in leases or [] if lease.damaged]
+    if superseded and not explicit and damaged_leases:
+        return _Attempt(error=_unreadable_lease_error(storages[tiers.DURABLE], damaged_leases, superseded), split=split)
+    if superseded and not explicit:
+        last_resort = _read_superseded(coord, storages, entries, superseded[0], world_size_policy, leases, rules)
+        if last_resort is not None:
+            return _Attempt(last_resort, raced=uncommitted, split=split)
+    if not committed and not explicit:
+        # raced: a step read as uncommitted may be committed by now (the listing would not show it)
+        return _Attempt(raced=uncommitted, split=split)  # settled before it counts as nothing committed
+    where = storages[tiers.DURABLE].url + (f" or {storages[tiers.LOCAL].url}" if tiered else "")
+    named = [f"{s} ({t})" for s, t in tried[:10]] if tiered else [s for s, _ in tried[:10]]
+    error = CorruptCheckpointError(
+        f"no committed checkpoint at {where} verifies (committed steps tried: {named}); "
+        "see the warnings above for each damaged file; `distckpt verify` lists them")
+    if explicit:
+        raise error
+    return _Attempt(error=error, split=split)
+
+
+def _unreadable_lease_error(durable: Storage, damaged: list[Lease], steps: list[tuple[int, str]]) -> CorruptCheckpointError:
+    """The last resort would guess: a damaged lease hides the step its incarnation resumed from."""
+    names = ", ".join(f"{durable.url}/{fencing.lease_path(lease.generation)} ({lease.damaged})" for lease in damaged)
+    return CorruptCheckpointError(
+        f"only steps of older writers than generation {damaged[-1].generation} verify ({[s for s, _ in steps[:10]]}), and "
+        f"that incarnation's write lease is unreadable: {names}. From which step it resumed cannot be told, so none "
+        "of them is loaded (any could be a superseded writer's late output). If no later incarnation of the job wrote "
+        "to this directory, remove the unreadable lease and load again; `distckpt ls` shows the leases and steps")
+
+
+def _uncommitted(outcomes: list[Outcome]) -> bool:
+    """Not committed where some rank looked: on every rank, or on some while the others read it
+    (a step committed or removed between two ranks' reads of its marker): never damage."""
+    failed = [o for o in outcomes if not o.ok]
+    return bool(failed) and all(o.error_type == NotCommittedError.__name__ for o in failed)
+
+
+_SKIPPABLE = (CorruptCheckpointError.__name__, NotCommittedError.__name__, SupersededCheckpointError.__name__)
+
+
+def _attempt_read(coord: Coordinator, storage: Storage, entries: list[Entry], step: int, tier: str,
+                  world_size_policy: str, leases: list[Lease] | None, rules: LoadRules,
+                  superseded_ok: bool = False) -> tuple[ReadCheckpoint | None, BaseException | None, list[Outcome]]:
+    owned = tier == tiers.LOCAL and leases is not None
+    return attempt_phase(
+        coord, f"load/read step {step} ({tier})",
+        functools.partial(_read_and_check, coord, storage, entries, step, world_size_policy,
+                          leases or [], rules, owned, superseded_ok),
+        lambda r: {"step": r.step, "epoch": r.own["epoch"], "digest": r.digest})
+
+
+def _read_superseded(coord: Coordinator, storages: dict[str, Storage], entries: list[Entry],
+                     candidate: tuple[int, str], world_size_policy: str, leases: list[Lease] | None,
+                     rules: LoadRules) -> tuple[ReadCheckpoint, str] | None:
+    """The last resort: nothing but a superseded writer's steps verify. That happens when the newer
+    incarnation took its lease and stopped before its first commit, while the older one's retention
+    had removed the step it resumed from; the run continues from the older writer's newest step
+    (a complete checkpoint of its own run) rather than from nothing. The next incarnation's lease
+    then resumes from this step, so the older writer stays fenced."""
+    step, tier = candidate
+    read, _, outcomes = _attempt_read(coord, storages[tier], entries, step, tier, world_size_policy, leases, rules,
+                                      superseded_ok=True)
+    if not all(o.ok for o in outcomes):
+        return None
+    _check_agreement(outcomes, step)
+    message = (f"rank {coord.rank}: no checkpoint of the newest incarnation verifies, only steps committed by a "
+               f"superseded writer (see the warnings above); loading the newest of them, step {step}, as the last "
+               "resort: the run continues from that writer's state, not from the newer incarnation's. "
+               "`distckpt ls` shows the leases and steps")
+    log.warning(message)
+    warnings.warn(message, CheckpointFallbackWarning, stacklevel=5)
+    assert read is not None
+    return read, tier
+
+
+def _read_and_check(coord: Coordinator, storage: Storage, entries: list[Entry], step: int,
+                    world_size_policy: str, leases: list[Lease], rules: LoadRules = LoadRules(),
+                    owned_by_leases: bool = False, superseded_ok: bool = False) -> ReadCheckpoint:
+    """This rank's files of `step`, verified, and checked against the live state. A step whose
+    files vanished while they were read, and whose marker is gone too, was removed by a
+    concurrent writer's retention: NotCommittedError, skipped like a save that never committed."""
+    try:
+        read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy, leases,
+                               owned_by_leases, superseded_ok)
+        read.entries = replaced_under_key(_resolve_sharded(storage, entries, read),
+                                          {**read.replicated["entries"], **read.own["entries"]})
+    except CorruptCheckpointError as e:
+        if not isinstance(e, NotCommittedError) and removed_meanwhile(storage, step):
+            raise NotCommittedError(f"{storage.url}/{mf.step_dir(step)} was removed while it was read "
+                                    "(retention of a concurrent writer)") from e
+        raise
+    _validate_against_state(read.entries, read, (coord.rank, coord.world_size), rules)
+    faults.point("load/read", step=step, rank=coord.rank)
+    return read
+
+
+def _resolve_sharded(storage: Storage, entries: list[Entry], read: ReadCheckpoint) -> list[Entry]:
+    """The entries as they will be restored; each sharded one's saved state gets this rank's
+    pieces, assembled from whichever ranks' shard files overlap them (nothing is changed yet)."""
+    if not read.manifest.sharded:  # no shard files: nothing to resolve (most loads)
+        return list(entries)
+    base = mf.step_dir(read.step)
+    reader = sharded.ShardReader(storage, base, read.manifest, f"{storage.url}/{base}")
+    saved_entries = read.replicated["entries"]
+    out = []
+    for entry in entries:
+        saved = saved_entries.get(entry.key)
+        entry = loading_entry(entry, saved.get("kind") if isinstance(saved, dict) else None)
+        if entry.scope == SHARDED and isinstance(saved, dict) and saved.get("kind") == entry.kind:
+            saved["state"] = resolve_sharded_entry(entry, saved["state"], reader)
+        out.append(entry)
+    made: dict[ShardRef, torch.Tensor] = {}  # one object per stored tensor across entries: ties survive
+    for saved in saved_entries.values():  # replicated tensors stored by split writes
+        if isinstance(saved, dict) and saved.get("kind") not in ("sharded_module", "sharded_optimizer"):
+            saved["state"] = sharded.resolve_whole(saved.get("state"), reader, made)
+    return out
+
+
+def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: tuple[int, int],
+                            rules: LoadRules = LoadRules()) -> None:
+    if read.per_rank_restored:
+        check_process_rng(read.own.get("rng"), f"step {read.step}, rank {world[0]}")
+    if read.per_rank_restored and "buffers" in read.own:
+        use_rank_buffers(read.replicated["entries"], read.own["buffers"], f"step {read.step}, rank {world[0]}")
+    for entry in entries:
+        if entry.key in read.replicated["entries"]:
+            read.replicated["entries"][entry.key] = normalize_imported(entry, read.replicated["entries"][entry.key])
+    saved = {**read.replicated["entries"], **read.own["entries"]}
+    with mappings_read_once():
+        for entry in entries:
+            if entry.scope == PER_RANK and not read.per_rank_restored:
+                continue
+            if entry.key not in saved and rules.missing_entries == "keep":
+                continue  # restored as nothing: keeps its live value (warned when applied)
+            if entry.key not in saved:
+                raise IncompatibleCheckpointError(
+                    f"state[{entry.key!r}] is not in the checkpoint of step {read.step} (it holds "
+                    f"{sorted(saved)}); remove it from `state`, start a new run directory, or pass "
+                    "missing_entries='keep' to CheckpointManager to keep its live value")
+            validate_entry(entry, saved[entry.key], world, rules)
+    check_destinations_apart([e for e in entries if e.key in saved], saved)
+    if read.own.get("rank") != world[0]:
+        raise CorruptCheckpointError(f"step {read.step}: the file for rank {world[0]} holds rank {read.own.get('rank')}")
+
+
+def _modules_with_buffers(entries: list[Entry]) -> list[str]:
+    """Module entries holding persistent buffers (BatchNorm statistics): saved per rank, since
+    each rank may update its own (capture.capture_rank_buffers)."""
+    return [e.key for e in entries if e.kind in ("module", "sharded_module") and e.scope != PER_RANK
+            and persistent_buffers(unwrap_module(e.target))]
+
+
+def _warn_per_rank_kept(read: ReadCheckpoint, coord: Coordinator, kept: list[str], buffered: list[str]) -> None:
+    if read.manifest.imported is not None:
+        message = (f"rank {coord.rank}: step {read.step} was imported from {read.manifest.imported}, which holds no "
+                   f"per-rank state: the RNG streams and the per-rank entries {kept} keep what this process set. "
+                   "The run continues from the imported state, not bit for bit.")
+        log.warning(message)
+        warnings.warn(message, ReshardWarning, stacklevel=4)
+        return
+    message = (f"rank {coord.rank}: step {read.step} was written by {read.manifest.world_size} ranks and "
+               f"is loaded by {coord.world_size} (world_size_policy='reshard'): replicated and sharded state "
+               f"restored; kept as this process set them, not restored: the RNG streams (Python, NumPy, "
+               f"torch, devices) and the per-rank entries {kept}."
+               + (f" The persistent buffers of {buffered} (BatchNorm running statistics and the like, saved by "
+                  "each rank) are rank 0's on every rank: a rank's own cannot be mapped to another world size."
+                  if buffered else "")
+               + " The run continues, not bit for bit.")
+    log.warning(message)
+    warnings.warn(message, ReshardWarning, stacklevel=4)
+
+
+def _warn_fallbacks(skipped: list[tuple[int, str, list[Outcome]]], loading: tuple[int, str] | None, rank: int,
+                    tiered: bool) -> None:
+    """One warning per damaged committed step skipped (emptying `skipped`), each naming what is
+    loaded instead: `loading`, the next committed step every rank read (None: none verified)."""
+    for step, tier, damaged in skipped:
+        detail = "; ".join(f"rank {o.rank}: {o.message}" for o in damaged)
+        where = f"step {step} on the {tier} tier" if tiered else f"step {step}"
+        if loading is None:
+            then = "no other committed checkpoint verifies"
+        elif tiered:
+            then = f"loading step {loading[0]} from the {loading[1]} tier instead"
+        else:
+            then = f"loading step {loading[0]} instead"
+        message = f"rank {rank}: committed {where} cannot be loaded and was skipped — {detail}; {then}"
+        log.warning(message)
+        warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
+    skipped.clear()
+
+
+def _agree_on_the_request(coord: Coordinator, step: int | None, world_size_policy: str, keys: list[str]) -> None:
+    """Every rank asked for the same load: rank 0 alone chooses the step, so a rank calling
+    load(state, 1) while rank 0 calls load(state, 2) or load_latest was silently given step 2.
+    And into states of the same entries, as a save requires: a rank whose `state` lacked an entry
+    the others restore (its scheduler) went on with its own, with a warning on that rank only."""
+    if coord.world_size == 1:
+        return
+    asked = coord.all_gather({"step": step, "policy": world_size_policy, "keys": keys}, "load/request")
+    _raise_refusals(asked)
+    if any((a["step"], a["policy"]) != (asked[0]["step"], asked[0]["policy"]) for a in asked):
+        table = ", ".join(f"rank {r}: " + ("load_latest" if a["step"] is None else f"load(state, {a['step']})")
+                          + f" with world_size_policy={a['policy']!r}" for r, a in enumerate(asked))
+        raise RankDisagreementError(f"the ranks asked for different loads — {table}; every rank must load the "
+                                    "same step (or every rank load_latest) with the same manager settings")
+    if any(a["keys"] != asked[0]["keys"] for a in asked):
+        table = "; ".join(f"rank {r}: {a['keys']}" for r, a in enumerate(asked))
+        raise RankDisagreementError(f"the ranks load into states of different entries — {table}; every rank "
+                                    "must pass a `state` with the same keys (wrap what differs in per_rank(...))")
+
+
+def refuse_load_request(coord: Coordinator, error: ConfigError) -> None:
+    """This rank's load arguments were refused: its peers, in _agree_on_the_request, raise the
+    same ConfigError naming it (and so does this rank)."""
+    _raise_refusals(coord.all_gather({"refused": str(error)}, "load/request"))
+
+
+def _raise_refusals(asked: list[dict[str, Any]]) -> None:
+    refused = [(rank, a["refused"]) for rank, a in enumerate(asked) if "refused" in a]
+    if refused:
+        raise ConfigError("the load was refused on rank(s) " + "; ".join(f"rank {r}: {m}" for r, m in refused))
+
+
+def _check_agreement(outcomes: list[Outcome], step: int) -> None:
+    views = {(o.info["step"], o.info["epoch"], o.info["digest"]) for o in outcomes}
+    if len(views) > 1:
+        table = ", ".join(f"rank {o.rank}: step {o.info['step']} epoch {o.info['epoch']} "
+                          f"manifest {o.info['digest']}" for o in outcomes)
+        raise RankDisagreementError(f"loading step {step}: ranks disagree — {table}; "
+                                    "the checkpoint's per-rank files do not belong together")
+
+
+def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any],
+                 read: ReadCheckpoint, rules: LoadRules = LoadRules()) -> tuple[list[str], list[str]]:
+    """Restore every entry, in two agreed phases; returns (config notes, what was kept).
+
+    Phase 1 restores everything but modules and tensor entries, each after a snapshot of it;
+    if any rank fails, every rank puts its entries back and raises. Phase 2 restores the
+    modules and tensors (checked completely before: keys, shapes, dtypes) and the process RNG
+    streams, last. So a failure an owner's load_state_dict detects changes nothing anywhere.
+    """
+    entries = read.entries or entries
+    saved = {**read.replicated["entries"], **read.own["entries"]}
+    kept = [] if read.per_rank_restored else [e.key for e in entries if e.scope == PER_RANK]
+    absent = [e.key for e in entries if e.key not in saved and e.key not in kept]
+    if absent:
+        _warn_kept_missing(absent, read.step, coord.rank)
+    warn_extra_entries(set(saved), {e.key for e in entries}, f"step {read.step}")
+    todo = [e for e in entries if e.key not in kept and e.key not in absent]
+    notes: list[str] = []
+    memo = live_ties(todo, saved, by_region=not read.manifest.reused)  # tensors shared between entries stay shared, with the live ones too
+    undos: list[tuple[str, Undo]] = []
+    release = PageRelease(read.buffers)
+    early = [e for e in todo if not is_late(e)]
+    exc = _restore_all(early, saved, state, memo, notes, undos, coord.rank, read.step, release)
+    outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
+    _agree_or_undo(coord, outcome, exc, undos, f"restoring step {read.step}", "load/apply")
+    late = [e for e in todo if is_late(e)]
+    rng_before = capture_process_rng()
+    undos.append(("rng", lambda: restore_process_rng(rng_before, f"rank {coord.rank}, undo")))
+    exc = _restore_all(late, saved, state, memo, notes, undos, coord.rank, read.step, release)
+    if exc is None:
+        exc = _restore_rng(coord, read, kept, entries)
+    outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
+    _agree_or_undo(coord, outcome, exc, undos, f"restoring the modules of step {read.step}", "load/apply-modules")
+    return notes, ([] if read.per_rank_restored else ["rng", *kept])
+
+
+def _restore_all(entries: list[Entry], saved: dict[str, Any], state: dict[str, Any], memo: dict[int, Any],
+                 notes: list[str], undos: list[tuple[str, Undo]], rank: int, step: int,
+                 release: "PageRelease | None" = None) -> BaseException | None:
+    """Restore `entries` in order, recording an undo before each; the first failure stops it."""
+    for entry in entries:
+        try:
+            undos.append((entry.key, snapshot(entry, state)))
+            notes.extend(restore_entry(entry, saved[entry.key], state, memo, release))
+            if release is not None and entry.kind != "tensor":
+                release.everything()  # whatever the owner's own loading touched
+        except DistCkptError as e:
+            return e
+        except Exception as e:
+            return _restore_failed(e, entry.key, rank, step)
+        except BaseException as e:  # KeyboardInterrupt / SystemExit from an owner's load_state_dict:
+            return e  # undone like any failure, then raised as it is (_agree_or_undo)
+    try:
+        if release is not None:
+            release.finish()  # the phase's copies into tensors, checked before: in parallel
+    except CopyFailed as e:  # nothing a check could see: memory exhausted, a device lost
+        return _restore_failed(e.error, e.what, rank, step)
+    return None
+
+
+def _restore_failed(e: BaseException, what: str, rank: int, step: int) -> BaseException:
+    if isinstance(e, DistCkptError):
+        return e
+    where = what if what.startswith("state[") else f"state[{what!r}]"
+    err = IncompatibleCheckpointError(f"rank {rank}: restoring {where} of step {step} failed: {type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err
+
+
+def _restore_rng(coord: Coordinator, read: ReadCheckpoint, kept: list[str],
+                 entries: list[Entry]) -> BaseException | None:
+    try:
+        if read.per_rank_restored:
+            restore_process_rng(read.own["rng"], f"rank {coord.rank}, step {read.step}")  # last
+        else:
+            # only here (a reshard or an import) are the modules' buffers looked at
+            buffered = _modules_with_buffers(entries) if read.manifest.world_size > 1 else []
+            _warn_per_rank_kept(read, coord, kept, buffered)
+        faults.point("load/applied", step=read.step, rank=coord.rank)
+        return None
+    except DistCkptError as e:
+        return e
+    except Exception as e:
+        err = IncompatibleCheckpointError(f"rank {coord.rank}: restoring step {read.step} failed: {type(e).__name__}: {e}")
+        err.__cause__ = e
+        return err
+
+
+def _agree_or_undo(coord: Coordinator, outcome: Outcome, exc: BaseException | None,
+                   undos: list[tuple[str, Undo]], what: str, phase: str) -> None:
+    """Agree on the outcome; if any rank failed, put this rank's entries back, then raise."""
+    try:
+        agree(coord, outcome, phase, what, exc)
+    except BaseException:
+        failed = run_undos(undos, f"rank {coord.rank}")
+        if failed:
+            log.error("rank %d: after the failed load, state entries %s could not be put back", coord.rank, failed)
+        if exc is not None and not isinstance(exc, Exception):
+            raise exc from None  # this rank's own KeyboardInterrupt / SystemExit, after the undo
+        raise
+
+
+def _warn_kept_missing(keys: list[str], step: int, rank: int) -> None:
+    message = (f"rank {rank}: step {step} holds no entries {keys}; they keep their live values "
+               "(missing_entries='keep')")
+    log.warning(message)
+    warnings.warn(message, CheckpointWarning, stacklevel=5)
