@@ -41,6 +41,11 @@ raised with a ``stacklevel`` that points at the user's own call::
 
 from __future__ import annotations
 
+import logging
+import sys
+import types
+import warnings
+
 
 class DistCkptError(Exception):
     """Root of every error distckpt raises on purpose."""
@@ -174,3 +179,53 @@ class RngRestoreWarning(DistCkptWarning):
 
 class DeviceAbsentWarning(DistCkptWarning):
     """Tensors saved on an accelerator this process does not have came back on the CPU."""
+
+
+# Telling the user: warnings that point at their own line, and one-line notices.
+
+# Standard-library frames between a distckpt frame and the user's (a context manager's __exit__,
+# a decorator's wrapper): never the user's line.
+_PASSED_THROUGH = ("contextlib", "functools")
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """warnings.warn(message, category) reported at the user's call: the first frame outside the
+    distckpt package, however deep the library raised it (a fixed stacklevel pointed into
+    manager.py whenever the call path changed). With logging configured (a handler on the
+    "distckpt" logger or above), the message is logged at WARNING too; without, it is not,
+    since logging's last-resort handler printed every such message a second time."""
+    warnings.warn(message, category, stacklevel=_user_stacklevel())
+    logger = logging.getLogger("distckpt")
+    if logger.hasHandlers():
+        logger.warning(message)
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel, for warnings.warn called from warn(), of the first frame outside distckpt;
+    2 (warn's caller) when no frame is the user's (a thread the library started)."""
+    frame: types.FrameType | None = sys._getframe(2)  # warn's caller
+    level = 2
+    while frame is not None and _is_library_frame(frame):
+        frame = frame.f_back
+        level += 1
+    if frame is None or frame.f_globals.get("__name__") == "threading":
+        return 2
+    return level
+
+
+def _is_library_frame(frame: types.FrameType) -> bool:
+    module = frame.f_globals.get("__name__", "")
+    return module == "distckpt" or module.startswith("distckpt.") or module in _PASSED_THROUGH
+
+
+def notice(message: str) -> None:
+    """One line for the person running the job (a resume, a fresh start). Through the "distckpt"
+    logger at INFO when the program configured logging (a handler on that logger or above), so it
+    lands where the rest of its log goes; else on stderr, since logging unconfigured shows nothing
+    below WARNING and the line would never be seen. Silenced by
+    ``logging.getLogger("distckpt").setLevel(logging.WARNING)``."""
+    logger = logging.getLogger("distckpt")
+    if logger.hasHandlers():
+        logger.info(message)
+    elif logger.level <= logging.INFO:  # NOTSET (0) unless the user set it
+        print(f"distckpt: {message}", file=sys.stderr, flush=True)

@@ -799,7 +799,16 @@ class CheckpointManager:
         with self._sole_call("load_latest"):
             progress = self._load(state, None)
             self._list_ahead()  # a job that resumes goes on to save: its first retention's listing runs meanwhile
+        if self.rank == 0:  # one line for the person watching the job (errors.notice says where it goes)
+            errors.notice(self._resume_line(progress))
         return progress
+
+    def _resume_line(self, progress: Progress | None) -> str:
+        if progress is None:
+            return f"no committed checkpoint at {self.storage.url}: starting fresh"
+        epoch = f" (epoch {progress.epoch})" if progress.epoch is not None else ""
+        tier = f" ({progress.tier} tier)" if self.local is not None else ""
+        return f"resumed from step {progress.step}{epoch} at {progress.url}{tier}"
 
     def _list_ahead(self) -> None:
         """Rank 0: start the root's full listing that retention after the first save (and every
