@@ -8,14 +8,14 @@ STAMP  := $(VENV)/.distckpt-installed
 # Azure Blob's emulator, from the npm registry, for the storage tests
 AZURITE_VERSION := 3.37.0
 
-.PHONY: install demo demo-s3 compose-demo test test-faults test-gpu bench clean
+.PHONY: install demo demo-s3 compose-demo test test-faults test-gpu bench docs clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,s3,data]'
+	$(PY) -m pip install --quiet -e '.[test,s3,data,docs]'
 	test -x $(VENV)/azurite/node_modules/.bin/azurite-blob || npm install --silent --no-audit --no-fund \
 		--prefix $(VENV)/azurite azurite@$(AZURITE_VERSION)
 	touch $(STAMP)
@@ -28,7 +28,7 @@ demo-s3: $(STAMP)
 
 # docker/compose.yaml for real: S3 + 2 nodes x 2 ranks in containers, node 1's container killed
 # after a checkpoint is committed, the job restarted, every loss compared with an uninterrupted
-# run (docs/compose-cluster.md). Needs docker and compose, not .venv: the host's python3 only
+# run (docs/guides/compose-cluster.md). Needs docker and compose, not .venv: the host's python3 only
 # drives it. As root it starts dockerd, and without a registry debootstraps the base image.
 compose-demo:
 	$(PYTHON) launch/compose_demo.py
@@ -50,6 +50,10 @@ test-faults: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run.py
+
+# The documentation site (mkdocs.yml, docs/): every link, anchor and API reference checked.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict -d build/site
 
 # On a machine with CUDA: the GPU tests and the GPU benchmarks, logs under build/gpu (the
 # system's python3, which holds the CUDA build of torch; torchdata as wheels under .whl/ if absent).
