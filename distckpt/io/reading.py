@@ -16,7 +16,7 @@ import errno
 import logging
 from typing import Any, Callable
 
-from distckpt.errors import CorruptCheckpointError, MissingFileError, StorageError
+from distckpt.errors import CorruptCheckpointError, MissingFileError, NotAFileError, StorageError
 from distckpt.io.checksums import verify_file
 
 log = logging.getLogger("distckpt")
@@ -27,23 +27,31 @@ Release = Callable[[Any], Callable[[int, int], None]]  # buffer -> release(start
 def read_verified(storage: Any, path: str, record: dict[str, Any], where: str,
                   release: Release | None = None) -> Any:
     """The bytes of `path` (a buffer; maybe mapped), their size and checksum those of `record`.
-    Raises CorruptCheckpointError when both reads fail to verify, the storage's own error when
-    both reads fail (MissingFileError at once: a missing file stays missing)."""
+    Raises CorruptCheckpointError when both reads fail to verify or something other than a file
+    stands there (NotAFileError), the storage's own error when both reads fail (MissingFileError
+    at once: a missing file stays missing)."""
+    first: Exception | None = None  # the first read's failure, said only if the second read verifies
     for attempt in (1, 2):
         try:
             data = storage.read_buffer(path)
         except MissingFileError:
             raise
+        except NotAFileError as e:  # a FIFO, a link ... where the file goes: it can never verify
+            raise CorruptCheckpointError(str(e)) from e
         except StorageError as e:
             if attempt == 2 or e.errno != errno.EIO:
                 raise
-            log.warning("%s: the read failed (%s); reading it again before counting it as damage", where, e)
+            first = e
             continue
         try:
             verify_file(data, record, where, release(data) if release is not None else None)
-            return data
         except CorruptCheckpointError as e:
             if attempt == 2:
-                raise
-            log.warning("%s; reading it again before counting it as damage", e)
+                raise  # damage at rest: the caller says so (a fallback's warning), once
+            first = e
+            continue
+        if first is not None:  # a transfer that failed, not damage: worth a line, as it may recur
+            log.warning("%s: the first read failed (%s); the second verified, so it is not counted as damage",
+                        where, first)
+        return data
     raise AssertionError("unreachable")  # pragma: no cover

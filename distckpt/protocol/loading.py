@@ -20,7 +20,6 @@ import functools
 import logging
 import random
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +35,7 @@ from distckpt.errors import (  # noqa: F401  (re-exported where it was defined)
     ReshardWarning,
     StorageError,
     SupersededCheckpointError,
+    warn,
 )
 from distckpt.io import manifest as mf
 from distckpt.io.copying import CopyFailed, PageRelease, Prefault
@@ -107,6 +107,11 @@ class Progress:
     rederived: tuple[str, ...] = ()
     # which tier it came from: "local" (the manager's local_dir) or "durable" (its URL)
     tier: str = "durable"
+    # the write lease generation of the incarnation that committed it (fencing.py; 0: before fencing)
+    generation: int = 0
+    # False when the durable tier could not be read at the load: a local step was chosen without the
+    # durable root's leases, so the first save checks it against them before it writes (leases.py)
+    leases_checked: bool = True
 
 
 @dataclass
@@ -256,7 +261,7 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
             prefault.stop()
         split = set(read.split) if split is None else split & set(read.split)
         if read.found is not None and not read.raced:
-            return _apply(coord, entries, state, read.found, storages, rules)
+            return _apply(coord, entries, state, read.found, storages, rules, leases is not None)
         if attempt == _LISTING_ATTEMPTS:
             break
         time.sleep(_JITTER.uniform(0, min(0.25, _RELIST_PAUSE_S * 2 ** attempt)))
@@ -267,7 +272,7 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
         if read.found is not None and not read.split and (not changed or attempt >= _CHASE_ATTEMPTS):
             # nothing newer came; or a writer saving all the time keeps a newer step in progress:
             # `found` was the newest committed step when the newer candidates' markers were read
-            return _apply(coord, entries, state, read.found, storages, rules)
+            return _apply(coord, entries, state, read.found, storages, rules, leases is not None)
         if read.error is not None and not changed and not read.split:
             raise read.error  # the damage stands
         if read.found is None and read.error is None and not changed and not read.split and attempt > 1:
@@ -281,7 +286,7 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
     if split:  # the same steps, at every read: the ranks do not see one storage
         _raise_split_view(storage, [read.split[s] for s in sorted(split, reverse=True)])
     if read.found is not None:  # newer steps kept coming: the newest this load could read
-        return _apply(coord, entries, state, read.found, storages, rules)
+        return _apply(coord, entries, state, read.found, storages, rules, leases is not None)
     if read.error is not None:
         raise read.error
     raise CorruptCheckpointError(
@@ -328,12 +333,13 @@ def _raise_split_view(storage: Storage, split: list[str]) -> None:
 
 
 def _apply(coord: Coordinator, entries: list[Entry], state: dict[str, Any], found: tuple[ReadCheckpoint, str],
-           storages: dict[str, Storage], rules: LoadRules) -> Progress:
+           storages: dict[str, Storage], rules: LoadRules, leases_checked: bool = True) -> Progress:
     chosen, tier = found
     with sigint_deferred():  # a Ctrl-C here would leave the state half-restored (interrupts.py)
         notes, kept = _apply_phase(coord, entries, state, chosen, rules)
     return Progress(chosen.step, chosen.own["epoch"], chosen.manifest.metric,
-                    f"{storages[tier].url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept), tier)
+                    f"{storages[tier].url}/{mf.step_dir(chosen.step)}", tuple(notes), tuple(kept), tier,
+                    chosen.manifest.generation, leases_checked)
 
 
 def _check_nothing_was_committed(coord: Coordinator, storage: Storage, leases: list[Lease] | None,
@@ -346,11 +352,9 @@ def _check_nothing_was_committed(coord: Coordinator, storage: Storage, leases: l
     disk alone (none had reached the URL, every `durable_every`-th save does) that are gone with
     it: nothing says whether it did, so the fresh start goes on, with a warning naming it."""
     if local is not None and leases and not fencing.resumed_leases(leases):
-        warnings.warn(
-            f"no committed checkpoint at {storage.url} or in {local.url}, though {leases[-1].describe()} began "
-            f"saving: any steps it committed to a node's local tier alone (none reach the URL before the "
-            f"`durable_every`-th save) are gone with that disk. Starting from scratch", CheckpointFallbackWarning,
-            stacklevel=5)
+        warn(f"no committed checkpoint at {storage.url} or in {local.url}, though {leases[-1].describe()} began "
+             f"saving: any steps it committed to a node's local tier alone (none reach the URL before the "
+             f"`durable_every`-th save) are gone with that disk. Starting from scratch", CheckpointFallbackWarning)
     resumed = fencing.resumed_leases(leases or [])
     if resumed:
         raise CorruptCheckpointError(
@@ -430,8 +434,7 @@ def _choose_tiered(coord: Coordinator, storage: Storage, step: int | None,
             raise StorageError(errno.EIO, f"{message}; and no local tier step is committed on every node")
         message += ("; choosing among the local tier's steps without checking who wrote them (its leases "
                     "live at the durable root)")
-        log.warning(message)
-        warnings.warn(message, CheckpointFallbackWarning, stacklevel=5)
+        warn(message, CheckpointFallbackWarning)
     steps = list(durable["steps"])
     if step is not None and step not in steps and step not in local_steps:
         raise IncompatibleCheckpointError(
@@ -549,8 +552,7 @@ def _read_superseded(coord: Coordinator, storages: dict[str, Storage], entries: 
                f"superseded writer (see the warnings above); loading the newest of them, step {step}, as the last "
                "resort: the run continues from that writer's state, not from the newer incarnation's. "
                "`distckpt ls` shows the leases and steps")
-    log.warning(message)
-    warnings.warn(message, CheckpointFallbackWarning, stacklevel=5)
+    warn(message, CheckpointFallbackWarning)
     assert read is not None
     return read, tier
 
@@ -637,8 +639,7 @@ def _warn_per_rank_kept(read: ReadCheckpoint, coord: Coordinator, kept: list[str
         message = (f"rank {coord.rank}: step {read.step} was imported from {read.manifest.imported}, which holds no "
                    f"per-rank state: the RNG streams and the per-rank entries {kept} keep what this process set. "
                    "The run continues from the imported state, not bit for bit.")
-        log.warning(message)
-        warnings.warn(message, ReshardWarning, stacklevel=4)
+        warn(message, ReshardWarning)
         return
     message = (f"rank {coord.rank}: step {read.step} was written by {read.manifest.world_size} ranks and "
                f"is loaded by {coord.world_size} (world_size_policy='reshard'): replicated and sharded state "
@@ -648,8 +649,7 @@ def _warn_per_rank_kept(read: ReadCheckpoint, coord: Coordinator, kept: list[str
                   "each rank) are rank 0's on every rank: a rank's own cannot be mapped to another world size."
                   if buffered else "")
                + " The run continues, not bit for bit.")
-    log.warning(message)
-    warnings.warn(message, ReshardWarning, stacklevel=4)
+    warn(message, ReshardWarning)
 
 
 def _warn_fallbacks(skipped: list[tuple[int, str, list[Outcome]]], loading: tuple[int, str] | None, rank: int,
@@ -666,8 +666,7 @@ def _warn_fallbacks(skipped: list[tuple[int, str, list[Outcome]]], loading: tupl
         else:
             then = f"loading step {loading[0]} instead"
         message = f"rank {rank}: committed {where} cannot be loaded and was skipped — {detail}; {then}"
-        log.warning(message)
-        warnings.warn(message, CheckpointFallbackWarning, stacklevel=4)
+        warn(message, CheckpointFallbackWarning)
     skipped.clear()
 
 
@@ -817,5 +816,4 @@ def _agree_or_undo(coord: Coordinator, outcome: Outcome, exc: BaseException | No
 def _warn_kept_missing(keys: list[str], step: int, rank: int) -> None:
     message = (f"rank {rank}: step {step} holds no entries {keys}; they keep their live values "
                "(missing_entries='keep')")
-    log.warning(message)
-    warnings.warn(message, CheckpointWarning, stacklevel=5)
+    warn(message, CheckpointWarning)

@@ -23,11 +23,11 @@ import dataclasses
 import logging
 import numbers
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from distckpt.errors import (
+    CheckpointFallbackWarning,
     ConfigError,
     CorruptCheckpointError,
     DistCkptError,
@@ -35,6 +35,7 @@ from distckpt.errors import (
     MissingFileError,
     RunConflictError,
     shown,
+    warn,
 )
 from distckpt.io import manifest as mf
 from distckpt.protocol import fencing
@@ -42,7 +43,7 @@ from distckpt.protocol.commit import ReplacePolicy, clear_step_dir, create_manif
 from distckpt.protocol.coord import Coordinator, attempt_on_root, attempt_phase
 from distckpt.protocol.fencing import Lease
 from distckpt.runtime import faults
-from distckpt.storage import Storage
+from distckpt.storage import Storage, local_path_of
 
 log = logging.getLogger("distckpt")
 
@@ -70,8 +71,9 @@ class TierSettings:
         path = _local_path(local_dir)
         if os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(f"local_dir={shown(local_dir)} is a file: the local tier is a directory on node-local disk")
-        if "://" not in url or url.startswith("file://"):
-            _refuse_nesting(local_dir, path, url[len("file://"):] if url.startswith("file://") else url)
+        url_path = local_path_of(url)
+        if url_path is not None:
+            _refuse_nesting(local_dir, path, url_path)
         every = 10 if durable_every is None else durable_every
         if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
             raise ConfigError(f"durable_every={shown(durable_every)}: must be an int >= 1 (every Nth save is also "
@@ -110,10 +112,14 @@ def _local_path(local_dir: Any) -> str:
         if not path.strip():
             raise ConfigError(f"local_dir={shown(local_dir)}: names no directory; give a path on node-local disk")
         local_dir = "/" + path
-    if "://" in local_dir or re.match(r"[A-Za-z][A-Za-z0-9+.\-]+:", local_dir):  # s3:/x is no local path either
+    try:
+        literal = local_path_of(local_dir)  # taken literally, as the URL's local path is
+    except ConfigError:
+        literal = None  # s3:/x, an fsspec chain: no local path either
+    if literal is None:
         raise ConfigError(f"local_dir={shown(local_dir)}: must be a path on node-local disk, not a URL; the durable "
                           "tier is the first argument")
-    return local_dir
+    return literal
 
 
 def node_name() -> str:
@@ -297,11 +303,7 @@ def common_local_steps(coord: Coordinator, storage: Storage, leases: list[Lease]
             message = (f"rank {coord.rank}: the local tier {storage.url} holds steps {foreign[:10]} written by "
                        "another job (no lease of the durable root names their writer); they are skipped and "
                        "removed at this job's first save. Give each job its own local_dir")
-            log.warning(message)
-            import warnings
-
-            from distckpt.protocol.loading import CheckpointFallbackWarning
-            warnings.warn(message, CheckpointFallbackWarning, stacklevel=6)
+            warn(message, CheckpointFallbackWarning)
             mine = [s for s in mine if s not in foreign]
     views = coord.all_gather({"steps": mine, "conflict": conflict}, "load/local-steps")
     conflicts = [v["conflict"] for v in views if v["conflict"]]
