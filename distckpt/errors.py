@@ -10,7 +10,9 @@ builtin, so code that already handles ``OSError`` keeps working::
     ├── UnstorableValueError(TypeError)    a value in `state` cannot be stored (save time)
     ├── StorageError(OSError)              reading or writing storage failed
     │   ├── CheckpointExistsError(FileExistsError)  the step is already committed
-    │   └── MissingFileError(FileNotFoundError)     a file that should be there is not
+    │   ├── MissingFileError(FileNotFoundError)     a file that should be there is not
+    │   └── NotAFileError                  something else stands where a file should be
+    │                                      (a FIFO, socket, device, directory, link): damage
     ├── CorruptCheckpointError             a file's size/checksum/structure is wrong
     ├── IncompatibleCheckpointError        the checkpoint does not fit this run
     │                                      (world size, keys, shapes, devices)
@@ -80,6 +82,13 @@ class CheckpointExistsError(StorageError, FileExistsError):
 
 class MissingFileError(StorageError, FileNotFoundError):
     """A file the checkpoint names is not in storage."""
+
+
+class NotAFileError(StorageError):
+    """Something other than a regular file stands where a checkpoint file goes: a FIFO, a socket,
+    a device node, a directory, or a symbolic link (to anything). No save makes one, so it is
+    damage, found without opening it (a FIFO's open() waits for a writer forever; a device may
+    read without end). Readers of a checkpoint count its step as damaged."""
 
 
 class CorruptCheckpointError(DistCkptError):
