@@ -79,7 +79,7 @@ from distckpt.runtime.gcpause import collector_paused
 from distckpt.runtime.interrupts import sigint_deferred
 from distckpt.runtime.preemption import PreemptionFlag
 from distckpt.runtime.versions import VersionsProbe
-from distckpt.state import replay
+from distckpt.state import loader_hazards
 from distckpt.state.capture import SHARDED, CheckpointWarning
 from distckpt.state.ddp import install_bucket_warmup
 from distckpt.state.kinds import classify, staged_tensors
@@ -123,7 +123,7 @@ class CheckpointManager:
                                   incremental, overlap_snapshot)
         except Exception as e:  # a refused argument, an unreachable store: raised on every rank below
             refusal = e
-        replay.track_iterators()  # a loop's loader left out of `state` is told at the first saves
+        loader_hazards.track_iterators()  # a loop's loader left out of `state` is told at the first saves
         self._coord = make_coordinator(self.config.timeout if refusal is None else DEFAULT_TIMEOUT_S)
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
         if refusal is not None and self.world_size == 1:
@@ -292,7 +292,7 @@ class CheckpointManager:
         if refusal is not None:
             self._refuse_save(step, refusal)
         if self._save_seq < 2:  # a loop's loader left out of `state` (the first two: a step-0 save may come first)
-            replay.warn_positions_left_out([e.target for e in entries if e.kind == "loader"])
+            loader_hazards.warn_positions_left_out([e.target for e in entries if e.kind == "loader"])
         doctor_hooks.rebase_fingerprints(step)
         durable = self._next_save_is_durable(entries, metric)
         replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)

@@ -95,7 +95,7 @@ class _NoisyStream(torch.utils.data.IterableDataset):
 def gpu_host_with_forked_workers(monkeypatch):
     """This process looks like a GPU host; a loader worker touching CUDA fails as a worker forked
     after CUDA was used does ("Cannot re-initialize CUDA in forked subprocess")."""
-    import distckpt.state.rng as rng
+    import distckpt.state.streams as streams
 
     device_state = [torch.zeros(16, dtype=torch.uint8)]
 
@@ -106,9 +106,9 @@ def gpu_host_with_forked_workers(monkeypatch):
             return what(*args)
         return guarded
 
-    monkeypatch.setattr(rng, "_cuda_states", in_worker_fails(lambda: [t.clone() for t in device_state]))
-    monkeypatch.setattr(rng, "_cuda_count", in_worker_fails(lambda: 1))
-    monkeypatch.setattr(rng, "_set_cuda_state", in_worker_fails(lambda i, s: device_state[i].copy_(s)))
+    monkeypatch.setattr(streams, "_cuda_states", in_worker_fails(lambda: [t.clone() for t in device_state]))
+    monkeypatch.setattr(streams, "_cuda_count", in_worker_fails(lambda: 1))
+    monkeypatch.setattr(streams, "_set_cuda_state", in_worker_fails(lambda i, s: device_state[i].copy_(s)))
 
 
 @pytest.mark.parametrize("dataset", [_NoisyMap, _NoisyStream])

@@ -58,7 +58,7 @@ from distckpt.state.capture import (
     has_class_named,
 )
 from distckpt.state.kinds import capture_entry
-from distckpt.state.replay import make_first_iterator
+from distckpt.state.loader_plan import make_first_iterator
 from distckpt.state.rng import capture_process_rng
 from distckpt.storage import Storage
 

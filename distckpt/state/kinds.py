@@ -34,7 +34,7 @@ from distckpt.errors import (
 )
 from distckpt.io import copying
 from distckpt.io.staging import region_key
-from distckpt.state import replay, sharded, undo, validation
+from distckpt.state import epoch_record, loader_hazards, loader_plan, replay, sharded, undo, validation
 from distckpt.state.capture import (
     CONFIG_KEY,
     FABRIC_MODULES,
@@ -62,8 +62,8 @@ from distckpt.state.capture import (
     restore_parameter_flags,
     unwrap_module,
 )
-from distckpt.state.rng import numpy_to_plain as _numpy_to_plain
-from distckpt.state.rng import plain_to_numpy as _plain_to_numpy
+from distckpt.state.streams import numpy_to_plain as _numpy_to_plain
+from distckpt.state.streams import plain_to_numpy as _plain_to_numpy
 from distckpt.state.undo import Undo
 from distckpt.state.validation import LoadRules
 from distckpt.state.workers import WorkerRngDataset, WorkerRngIterableDataset
@@ -271,7 +271,7 @@ class Loader(Kind):
         return isinstance(obj, torch.utils.data.DataLoader)
 
     def capture(self, entry: Entry) -> Any:
-        was_dropped = replay.dropped(entry.target)  # first: nothing here may hold its iterator yet
+        was_dropped = loader_plan.dropped(entry.target)  # first: nothing here may hold its iterator yet
         if getattr(entry.target, "in_order", True) is False and getattr(entry.target, "num_workers", 0) > 0:
             # torchdata keeps no position it can resume then: batches come as workers finish them
             # (a resume lost one batch and repeated another, silently)
@@ -280,9 +280,9 @@ class Loader(Kind):
                 "the workers finish them, and torchdata cannot resume such a position. Build it with in_order=True "
                 "(the default) to checkpoint it, or leave it out of `state`")
         _warn_unwrapped_workers(entry)
-        replay.warn_lossy_dataset_state(entry.target, entry.key)
-        replay.refuse_a_fabric_wrapper(entry.target, entry.key)
-        untouched = replay.restored_untouched(entry.target)
+        loader_hazards.warn_lossy_dataset_state(entry.target, entry.key)
+        loader_hazards.refuse_a_fabric_wrapper(entry.target, entry.key)
+        untouched = loader_plan.restored_untouched(entry.target)
         if untouched is not None:  # restored and not iterated since: saved as it was loaded (state_dict()
             # would start the next pass here, after a dropped iterator, and save that pass's start: the
             # same future in other bytes, which made `distckpt doctor` report a resume that was exact)
@@ -301,11 +301,11 @@ class Loader(Kind):
         if sampling is not None and isinstance(saved, dict):
             saved = {**saved, replay.REPLAY_KEY: sampling}
         if was_dropped and isinstance(saved, dict):
-            saved = {**saved, replay.DROPPED_KEY: True}
-        epochs = replay.capture_epochs(entry.target, was_dropped,
+            saved = {**saved, loader_plan.DROPPED_KEY: True}
+        epochs = epoch_record.capture_epochs(entry.target, was_dropped,
                                        mid_pass=None if untouched is None else untouched.mid_pass)
         if epochs is not None and isinstance(saved, dict):
-            saved = {**saved, replay.EPOCHS_KEY: epochs}
+            saved = {**saved, epoch_record.EPOCHS_KEY: epochs}
         return saved
 
     def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
@@ -334,24 +334,24 @@ class Loader(Kind):
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
         sampling, was_dropped, epochs = None, False, None
-        if isinstance(value, dict) and ({_LOADER_GENERATOR, _LOADER_MAKEUP, replay.REPLAY_KEY, replay.DROPPED_KEY,
-                                         replay.EPOCHS_KEY} & set(value)):
+        if isinstance(value, dict) and ({_LOADER_GENERATOR, _LOADER_MAKEUP, replay.REPLAY_KEY, loader_plan.DROPPED_KEY,
+                                         epoch_record.EPOCHS_KEY} & set(value)):
             value = dict(value)
             value.pop(_LOADER_MAKEUP, None)
-            epochs = value.pop(replay.EPOCHS_KEY, None)
+            epochs = value.pop(epoch_record.EPOCHS_KEY, None)
             sampling = value.pop(replay.REPLAY_KEY, None)
-            was_dropped = value.pop(replay.DROPPED_KEY, False) is True
+            was_dropped = value.pop(loader_plan.DROPPED_KEY, False) is True
             generator_state = value.pop(_LOADER_GENERATOR, None)
             generator = _own_generator(entry.target)
             if generator is not None and generator_state is not None:  # validated
                 generator.set_state(generator_state)
         _warn_iterator_made_before(entry)
         entry.target.load_state_dict(value)
-        replay.plan_resume(entry.target, sampling, was_dropped, epochs, f"state[{entry.key!r}]", restored=value)
+        loader_plan.plan_resume(entry.target, sampling, was_dropped, epochs, f"state[{entry.key!r}]", restored=value)
         return []
 
     def observe(self, target: Any) -> None:
-        replay.watch(target)  # each epoch's start, for a save in its middle
+        loader_plan.watch(target)  # each epoch's start, for a save in its middle
 
     def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
         attributes = dict(vars(entry.target))  # StatefulDataLoader.load_state_dict only sets attributes
@@ -386,7 +386,7 @@ def _loader_makeup(loader: Any) -> dict[str, Any]:
     size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
     if getattr(loader, "batch_size", 0) is None and isinstance(size, int) and not isinstance(size, bool):
         makeup["batch_sampler_batch_size"] = size
-    settings = replay.sampler_settings(loader)
+    settings = epoch_record.sampler_settings(loader)
     if settings:
         makeup["sampler_settings"] = settings
     return makeup

@@ -1,0 +1,170 @@
+"""Loaders a resume cannot continue exactly: said at the save, or refused.
+
+A loop's loader left out of `state` (its position does not travel), a loader iterated through
+Lightning Fabric's wrapper (it sets the sampler's epoch from a count that restarts with the
+process), a Hugging Face IterableDataset shuffled through a buffer (its state holds where the
+source is, not the buffer).
+
+This module never touches storage or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+import weakref
+from typing import Any
+
+from distckpt.errors import UnstorableValueError
+from distckpt.state.capture import CheckpointWarning, has_class_named
+from distckpt.state.epoch_record import is_torchdata
+
+log = logging.getLogger("distckpt")
+
+
+def is_hf_iterable(obj: Any) -> bool:
+    return has_class_named(obj, "IterableDataset", "datasets.")
+
+
+# -- datasets whose state is not their position ------------------------------------------------
+
+def shuffle_buffer_of(dataset: Any) -> int | None:
+    """The size of a Hugging Face IterableDataset's shuffle buffer (`.shuffle(buffer_size=...)`),
+    None without one. By name: `datasets` need not be installed."""
+    if not is_hf_iterable(dataset):
+        return None
+    pending: list[Any] = [getattr(dataset, "_ex_iterable", None)]
+    seen: set[int] = set()
+    while pending and len(seen) < 64:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            size = getattr(node, "buffer_size", 0)
+            return size if isinstance(size, int) else 0
+        pending.append(getattr(node, "ex_iterable", None))
+        pending.extend(list(getattr(node, "ex_iterables", None) or []))
+    return None
+
+
+_LOSSY_WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def warn_lossy_dataset_state(loader: Any, key: str) -> None:
+    """A Hugging Face IterableDataset shuffled through a buffer saves where its source is, not
+    the buffer's content (`datasets` refills the buffer on load, and says so in a log line):
+    a resume read other items, fewer of them, with nothing raised. Said at the save, once per
+    loader: no save of it can be resumed exactly."""
+    size = shuffle_buffer_of(getattr(loader, "dataset", None))
+    if size is None or loader in _LOSSY_WARNED:
+        return
+    _LOSSY_WARNED.add(loader)
+    message = (f"state[{key!r}] reads a Hugging Face IterableDataset shuffled through a buffer "
+               f"(.shuffle(buffer_size={size})): its state holds where the source is, not the {size} items in the "
+               "buffer (datasets refills the buffer on load), so a resume reads other items than the uninterrupted "
+               "run, and fewer of them in that epoch. For an exact resume shuffle a map-style Dataset with a "
+               "sampler (DistributedSampler), or shuffle before streaming (Dataset.shuffle(seed=...).to_iterable_dataset())")
+    log.warning(message)
+    warnings.warn(message, CheckpointWarning, stacklevel=5)
+
+
+# -- loaders left out of `state` ----------------------------------------------------------------
+
+_ITERATORS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every data loader iterator made since tracking began
+_FABRIC_WRAPPED = "_distckpt_iterated_through_fabric"  # on a loader: Fabric's wrapper made an iterator of it
+
+
+def track_iterators() -> None:
+    """From now on, remember every data loader iterator made (weakly), so a save can tell a
+    loop's loader left out of `state` without a scan of every object in the process (a scan of
+    the collector's ~170,000-250,000 objects cost 25-250 ms at a fresh process's first saves).
+    Installed once, by the first manager."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    original = _BaseDataLoaderIter.__init__
+    if getattr(original, "_distckpt_tracking", False):
+        return
+
+    def init(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, loader, *args, **kwargs)
+        try:
+            _ITERATORS.add(self)
+        except TypeError:  # an iterator class that takes no weak reference
+            pass
+
+    init._distckpt_tracking = True  # type: ignore[attr-defined]
+    _BaseDataLoaderIter.__init__ = init  # type: ignore[method-assign]
+
+
+def note_a_fabric_wrapper(loader: Any) -> None:
+    """Whether this iterator of `loader` is being made by Lightning Fabric's loader wrapper
+    (`fabric.setup_dataloaders`), whose __iter__ calls set_epoch on the sampler with its own count
+    of iter() calls, restarting at 0 in a resumed process: marked on the loader, refused at its
+    next save. A look at a few frames up, once per pass."""
+    try:
+        frame = sys._getframe(2)
+    except ValueError:  # called from the bottom of the stack: nothing above it
+        return
+    for _ in range(6):
+        if frame is None:
+            return
+        code = frame.f_code
+        if code.co_name == "__iter__" and code.co_filename.replace("\\", "/").endswith(
+                ("lightning_fabric/wrappers.py", "lightning/fabric/wrappers.py")):
+            vars(loader)[_FABRIC_WRAPPED] = True
+            return
+        frame = frame.f_back  # type: ignore[assignment]
+
+
+def refuse_a_fabric_wrapper(loader: Any, key: str) -> None:
+    if vars(loader).get(_FABRIC_WRAPPED):
+        raise UnstorableValueError(
+            f"state[{key!r}] is iterated through Lightning Fabric's loader wrapper (fabric.setup_dataloaders): "
+            "each iter() of the wrapper sets the sampler's epoch to its own count of iter() calls, which restarts at "
+            "0 in a resumed process, so a resume would take another epoch's order. Iterate the StatefulDataLoader "
+            "itself and call sampler.set_epoch(epoch) at each epoch start; move batches with fabric.to_device "
+            "(README: Lightning Fabric)")
+
+
+def positions_left_out(loaders: list[Any]) -> list[str]:
+    """Data loader iterators in the middle of a pass, in use, that no loader in `loaders` holds:
+    a loop that keeps its sampler in `state` but not its loader resumed a mid-epoch save from the
+    epoch's first batch, silently (the batches already taken came again, the run ran longer); so
+    did one whose `state` held a loader a framework had replaced by another over the same dataset
+    (Lightning Fabric's setup_dataloaders)."""
+    covered = {id(getattr(loader, "_iterator", None)) for loader in loaders}
+    found = []
+    for iterator in list(_ITERATORS):
+        yielded = getattr(iterator, "_num_yielded", 0)
+        if not isinstance(yielded, int) or yielded <= 0 or getattr(iterator, "_finished", False) \
+                or id(iterator) in covered:
+            continue
+        # An iterator nothing but its loader keeps (torchdata's loaders keep theirs, torch's with
+        # persistent workers) is no pass under way: a validation loop broken off after two batches.
+        # Held here by the list, the loop's name and the call's argument (3), by its loader (1).
+        kept_by_its_loader = is_torchdata(iterator, type(iterator).__name__) or getattr(iterator, "_persistent_workers", False)
+        if sys.getrefcount(iterator) <= 3 + int(bool(kept_by_its_loader)):
+            continue
+        try:
+            total = len(iterator)
+        except TypeError:  # an iterable dataset without a length: where its pass ends is unknown
+            continue
+        if yielded < total:
+            found.append(f"a loader over {type(iterator._dataset).__name__} at batch {yielded} of {total}")
+    return found
+
+
+def warn_positions_left_out(loaders: list[Any]) -> None:
+    found = positions_left_out(loaders)
+    if not found:
+        return
+    message = (f"{found[0]} is in the middle of its pass and no loader in `state` is iterating it: its position "
+               "does not travel, so a resume from this checkpoint takes that pass's batches from the start again "
+               "and the run does not continue as it did. Put the loader in `state` (a torchdata "
+               "StatefulDataLoader): skipping the batches already taken after a resume is not exact either, as the "
+               "new iterator draws its seed from torch's global stream again. A loader outside the training loop "
+               "(a validation pass under way at this save) may be left out")
+    log.warning(message)
+    warnings.warn(message, CheckpointWarning, stacklevel=4)
