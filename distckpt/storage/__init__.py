@@ -1,21 +1,29 @@
 """Storage backends: whole-or-nothing files, an exclusive commit marker, uncached listings.
 
-Paths handed to a backend are relative to the checkpoint root and use "/" separators. The
-backends share one contract (tested by one suite, tests/test_storage_contract.py):
+A checkpoint root is a local path or a URL, and one backend opens it, chosen by the URL's scheme
+from the registry (registry.py, which says how to add a backend in one module):
 
-* :class:`LocalStorage` (local.py) — POSIX disk: temporary name, fsync, ``os.replace``,
-  directory fsync; the marker is linked into place with ``os.link``, which fails if the name
-  exists (the local counterpart of ``If-None-Match: *``).
-* :class:`S3Storage` (s3.py) — S3 through s3fs: objects put whole (a single PUT, or a multipart
-  upload completed only after every part succeeded and aborted otherwise); the marker put with
-  ``If-None-Match: *`` and read back to tell a retried success from a real conflict. Large
-  files are read as streamed ranged GETs into an unnamed local file that is then mapped
-  (spill.py), or by the CRT client of s3torchconnector when asked (s3_crt.py).
-* :class:`GcsStorage` (gcs.py) — Google Cloud Storage through gcsfs: the marker created with
-  ``ifGenerationMatch=0`` and read back on any error, as on S3.
-* :class:`AzureStorage` (azure.py) — Azure Blob through adlfs: the marker created with
+* ``local`` (local.py) — a path without a scheme, or ``file://``: POSIX disk, temporary name,
+  fsync, ``os.replace``, directory fsync; the marker is linked into place with ``os.link``, which
+  fails if the name exists (the local counterpart of ``If-None-Match: *``). A path is taken
+  literally, whatever characters it holds (``::``, ``[``, ``?``, ``#``, ``%``, spaces ...).
+* ``s3`` (s3.py) — ``s3://`` through s3fs: objects put whole (a single PUT, or a multipart upload
+  completed only after every part succeeded and aborted otherwise); the marker put with
+  ``If-None-Match: *`` and read back to tell a retried success from a real conflict. Large files
+  are read as streamed ranged GETs into an unnamed local file that is then mapped (spill.py).
+* ``s3-crt`` (s3_crt.py) — the same, with payload reads through the CRT client of
+  s3torchconnector (``storage_options={"client": "crt"}``).
+* ``gcs`` (gcs.py) — ``gs://`` through gcsfs: the marker created with ``ifGenerationMatch=0`` and
+  read back on any error, as on S3.
+* ``azure`` (azure.py) — ``az://`` / ``abfs://`` through adlfs: the marker created with
   ``If-None-Match: *`` and read back on any error.
-* :class:`FsspecStorage` (fsspec_fs.py) — any other fsspec filesystem (``memory://`` …).
+* ``memory`` (memory.py) — fsspec's in-process ``memory://`` file system.
+* ``fsspec`` (fsspec_fs.py) — any other fsspec file system, warned about when its marker is not
+  created exclusively.
+
+A URL is checked before any backend sees it (`normalize_url`): what would silently land
+somewhere else is a ConfigError. fsspec's chains (``simplecache::s3://...``) are refused: a cache
+in front of a store answers listings from the cache.
 
 This package never imports torch.distributed.
 """
@@ -26,80 +34,30 @@ import logging
 import os
 import re
 import warnings
-from typing import Any, Iterable, Protocol
+from typing import Any
 
 import fsspec
 
-from distckpt.errors import (
-    ConfigError,
-    NonAtomicStorageWarning,  # noqa: F401  (re-exported where it was defined)
-    StorageError,
-    shown,
-)
+from distckpt.errors import ConfigError, NonAtomicStorageWarning, shown
+from distckpt.storage.base import Storage
 from distckpt.storage.capabilities import Capabilities
-from distckpt.storage.fsspec_fs import EXCLUSIVE_CREATE_PROTOCOLS, FsspecStorage
+from distckpt.storage.fsspec_fs import FsspecStorage
+from distckpt.storage.jitter import keep_jitter_private
 from distckpt.storage.local import LocalStorage
+from distckpt.storage.redact import protect_credentials
+from distckpt.storage.registry import (
+    LOCAL_PATH,
+    BackendSpec,
+    backend_for,
+    backends,
+    register_backend,
+    registered_schemes,
+    unregister_backend,
+)
 
-
-class Storage(Protocol):
-    """What the protocol needs from a place to keep checkpoints."""
-
-    url: str
-    capabilities: Capabilities  # what this backend can do (capabilities.py)
-
-    def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
-        """Write all chunks as `path`, atomically: afterwards it exists whole or not at all."""
-
-    def create_exclusive(self, path: str, data: bytes) -> None:
-        """Create `path` holding `data`; CheckpointExistsError if it already exists."""
-
-    def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
-        """The whole file; MissingFileError (a FileNotFoundError) if absent; with `max_bytes`,
-        StorageError(EFBIG) for a larger file, refused before it is read whole."""
-
-    def read_buffer(self, path: str) -> bytes | bytearray | memoryview:
-        """The whole file for parsing large payloads (local disk: mapped, not copied)."""
-
-    def list_dir(self, path: str) -> list[str]:
-        """Names directly under `path`, read fresh from storage; [] if it does not exist."""
-
-    def list_files(self, path: str = "", start_after: str | None = None) -> dict[str, str]:
-        """Every file under `path` (relative to it) with a version tag that changes whenever the
-        file is replaced ("" where the backend gives none), read fresh in one listing: on an
-        object store its pages, not one request per file. With `start_after`, only the files
-        whose relative path sorts after it (an object store lists from there on)."""
-
-    def list_names(self, path: str) -> list[str]:
-        """Names directly under `path` in one shallow listing (an object store's delimiter
-        listing: its pages hold one name per directory, not every file). Unlike list_dir it may
-        name a directory that holds nothing any more."""
-
-    def exists(self, path: str) -> bool: ...
-
-    def check_root(self) -> None:
-        """StorageError if the root can never hold a checkpoint as named (an object store's bucket
-        or container does not exist): a load that finds nothing asks, so a typo in a bucket name
-        is an error rather than a fresh start. A missing directory is fine (the first save makes it)."""
-
-    def size(self, path: str) -> int | None:
-        """The file's size in bytes, read fresh from storage; None if it does not exist."""
-
-    def newest_mtime(self, path: str) -> float | None:
-        """Newest modification time of anything under `path` (seconds since the epoch)."""
-
-    def remove_file(self, path: str) -> None:
-        """Remove one file; absent is fine."""
-
-    def remove_tree(self, path: str) -> None:
-        """Remove a directory and everything under it; absent is fine."""
-
-    def collect_abandoned_uploads(self, grace_s: float, dry_run: bool = False) -> list[str]:
-        """Abort uploads under the root that never completed and are older than `grace_s`;
-        returns their paths (relative to the root). `dry_run`: only name them."""
-
-
-
-_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*):(//)?(.*)", re.DOTALL)
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*):(//|:)?(.*)", re.DOTALL)
+# What fsspec reads as a pattern in a path: a deletion of "run[1]" removed "run1" instead.
+_GLOB_MAGIC = re.compile(r"[*?\[]")
 log = logging.getLogger("distckpt")
 
 
@@ -112,13 +70,41 @@ READ_ONLY_SCHEMES = {
 }
 
 
-def normalize_url(url: Any) -> str:
-    """The checkpoint root as a string, checked: a local path, ``file://`` URL or fsspec URL.
+def scheme_of(url: str) -> str:
+    """The scheme of a URL `normalize_url` returned; LOCAL_PATH ("") for a plain path."""
+    match = _SCHEME.fullmatch(url)
+    return match.group(1) if match is not None and len(match.group(1)) > 1 and match.group(2) == "//" else LOCAL_PATH
 
+
+def normalize_url(url: Any) -> str:
+    """The checkpoint root as a string, checked: a local path, ``file://`` URL or a URL one backend
+    opens.
+
+    A string without a scheme is a local path, taken literally whatever characters it holds.
     Raises ConfigError for what would silently land somewhere else: ``s3:/bucket`` (a local
     directory named "s3:"), ``S3://`` (schemes are lower case), an unknown scheme, a bucket-less
-    ``s3://``, ``file://host/...``, a NUL byte.
+    ``s3://``, ``file://host/...``, a NUL byte, an fsspec chain (``simplecache::s3://...``), and
+    in a remote URL the characters fsspec reads as a pattern (``*``, ``?``, ``[``).
     """
+    url = _as_text(url)
+    match = _SCHEME.fullmatch(url)
+    if match is None or len(match.group(1)) == 1:  # no scheme, or a Windows drive letter
+        return url
+    scheme, separator, rest = match.groups()
+    if separator == ":":
+        raise _chain_refused(url)
+    if not separator:
+        raise ConfigError(f"url={shown(url)}: looks like a URL without '//' ({scheme}://{rest.lstrip('/')}?); "
+                          f"a local path must not start with a scheme (write ./{url} for a local directory of that name)")
+    if scheme != scheme.lower():
+        raise ConfigError(f"url={shown(url)}: URL schemes are lower case: use {scheme.lower()}://{rest}")
+    if _is_local(scheme):
+        return _file_url(url, rest)
+    _check_remote_path(url, scheme, rest)
+    return url
+
+
+def _as_text(url: Any) -> str:
     if isinstance(url, os.PathLike):
         url = os.fspath(url)
     if not isinstance(url, str) or not url.strip():  # "   " made a directory named by spaces
@@ -126,109 +112,108 @@ def normalize_url(url: Any) -> str:
                           "such as s3://bucket/prefix")
     if "\x00" in url:
         raise ConfigError(f"url={shown(url)}: contains a NUL byte")
-    if "::" in url:
-        return url  # an fsspec chain (simplecache::s3://...): fsspec parses and checks it
-    match = _SCHEME.fullmatch(url)
-    if match is None or len(match.group(1)) == 1:  # no scheme, or a Windows drive letter
-        return url
-    scheme, slashes, rest = match.groups()
-    if not slashes:
-        raise ConfigError(f"url={shown(url)}: looks like a URL without '//' ({scheme}://{rest.lstrip('/')}?); "
-                          "a local path must not start with a scheme")
-    if scheme != scheme.lower():
-        raise ConfigError(f"url={shown(url)}: URL schemes are lower case: use {scheme.lower()}://{rest}")
-    if scheme == "file":
-        host, _, path = rest.partition("/")
-        if host not in ("", "localhost"):
-            raise ConfigError(f"url={shown(url)}: file:// URLs name a local absolute path (file:///abs/path or "
-                              f"file://localhost/abs/path), not the host {host!r}")
-        if not path.strip("/ "):  # file:// and file:/// are the file system's root, never a run's directory
-            raise ConfigError(f"url={shown(url)}: names no directory (it would be the file system's root); "
-                              "use file:///abs/path/to/run")
-        return "file:///" + path
-    if scheme in ("s3", "s3a") and not rest.split("/", 1)[0]:
-        raise ConfigError(f"url={shown(url)}: names no bucket; use s3://bucket/prefix")
+    return url
+
+
+def _is_local(scheme: str) -> bool:
+    return backend_for(scheme, {}) is backend_for(LOCAL_PATH, {})
+
+
+def _chain_refused(url: str) -> ConfigError:
+    return ConfigError(f"url={shown(url)}: reads as an fsspec chain ('::' joins file systems, as in "
+                       "simplecache::s3://...), which distckpt does not open: a cache in front of a store answers "
+                       "listings from the cache. Give the store's own URL (s3://bucket/prefix); for a local "
+                       f"directory with '::' in its name write its absolute path or ./{url}")
+
+
+def _file_url(url: str, rest: str) -> str:
+    host, _, path = rest.partition("/")
+    if host not in ("", "localhost"):
+        raise ConfigError(f"url={shown(url)}: file:// URLs name a local absolute path (file:///abs/path or "
+                          f"file://localhost/abs/path), not the host {host!r}")
+    if not path.strip("/ "):  # file:// and file:/// are the file system's root, never a run's directory
+        raise ConfigError(f"url={shown(url)}: names no directory (it would be the file system's root); "
+                          "use file:///abs/path/to/run")
+    return "file:///" + path  # the path is literal: no percent-decoding, '::' and '?' are characters
+
+
+def _check_remote_path(url: str, scheme: str, rest: str) -> None:
+    spec = backend_for(scheme, {})
+    if spec.container and not rest.split("/", 1)[0]:
+        raise ConfigError(f"url={shown(url)}: names no {spec.container}; use {scheme}://{spec.container}/prefix")
     if not rest.strip("/ "):  # memory:// is the whole file system: every run's steps beside each other
         raise ConfigError(f"url={shown(url)}: names no directory; use {scheme}://<path of this run>")
-    if scheme in READ_ONLY_SCHEMES:
+    if "::" in rest:
+        raise _chain_refused(url)
+    magic = sorted(set(_GLOB_MAGIC.findall(rest)))
+    if magic:
+        raise ConfigError(f"url={shown(url)}: holds {', '.join(map(repr, magic))}, which fsspec reads as a pattern "
+                          "(a deletion under it would match other paths); name the prefix without them")
+    if spec.is_fallback and scheme in READ_ONLY_SCHEMES:
         raise ConfigError(f"url={shown(url)}: fsspec's {shown(scheme)} file system {READ_ONLY_SCHEMES[scheme]}; a checkpoint "
-                          "root must be a writable directory (a local path, s3://, gs://, az://, ...)")
+                          f"root must be a writable directory (a local path, {_writable_schemes()}, ...)")
     if "//" in rest.rstrip("/"):
         # An empty path segment: some stores fold "a//b" into "a/b" when writing and not when
         # listing (SeaweedFS: a save committed, and every load after it found nothing and started over).
         cleaned = "/".join(part for part in rest.split("/") if part)
         raise ConfigError(f"url={shown(url)}: has an empty path segment ('//'), which object stores treat "
                           f"differently when writing and when listing; use {scheme}://{cleaned}")
+    if spec.is_fallback:
+        _check_fsspec_knows(url, scheme)
+
+
+def _writable_schemes() -> str:
+    return ", ".join(f"{s}://" for s in sorted(registered_schemes() - {LOCAL_PATH}))
+
+
+def _check_fsspec_knows(url: str, scheme: str) -> None:
     try:
         fsspec.get_filesystem_class(scheme)
     except ValueError as e:
-        raise ConfigError(f"url={shown(url)}: unknown scheme {shown(scheme)} (fsspec knows "
-                          f"{', '.join(sorted(fsspec.available_protocols())[:12])}, ...)") from e
+        raise ConfigError(f"url={shown(url)}: unknown scheme {shown(scheme)} (distckpt opens {_writable_schemes()} and "
+                          f"fsspec's {', '.join(sorted(fsspec.available_protocols())[:12])}, ...)") from e
     except ImportError as e:
         raise ConfigError(f"url={shown(url)}: the {shown(scheme)} filesystem needs a package that is not installed: {e}") from e
-    return url
 
 
-def _open_local(url: str, options: dict[str, Any]) -> Storage:
-    if options:
-        raise ConfigError(f"storage_options were given for the local path {shown(url)}; they apply to remote URLs only")
-    return LocalStorage(url[len("file://"):] if url.startswith("file://") else url)
+def local_path_of(url: Any) -> str | None:
+    """The local path that a plain path or a ``file://`` URL names, taken literally (ConfigError as
+    `normalize_url` for a malformed one); None for a URL another backend opens."""
+    url = normalize_url(url)
+    scheme = scheme_of(url)
+    if not _is_local(scheme):
+        return None
+    return url[len(scheme) + len("://"):] if scheme != LOCAL_PATH else url
 
 
-def _open_s3(url: str, options: dict[str, Any]) -> Storage:
-    from distckpt.storage.s3 import S3Storage  # s3fs is an optional dependency
-
-    return S3Storage.from_url(url, options)
-
-
-def _open_gcs(url: str, options: dict[str, Any]) -> Storage:
-    from distckpt.storage.gcs import GcsStorage  # gcsfs is an optional dependency
-
-    return GcsStorage.from_url(url, options)
-
-
-def _open_azure(url: str, options: dict[str, Any]) -> Storage:
-    from distckpt.storage.azure import AzureStorage  # adlfs is an optional dependency
-
-    return AzureStorage.from_url(url, options)
-
-
-def _open_fsspec(url: str, options: dict[str, Any]) -> Storage:
-    try:
-        fs, root = fsspec.core.url_to_fs(url, **options)
-    except (TypeError, ValueError) as e:  # an option the file system does not take
-        raise ConfigError(f"url={shown(url)}: fsspec could not make its file system with storage_options="
-                          f"{sorted(options)}: {type(e).__name__}: {e}") from e
-    except OSError as e:  # ftp://host connects at once: an unknown or unreachable host
-        raise StorageError(e.errno, f"{url}: opening the file system failed ({type(e).__name__}: {e}); check "
-                           "the host and that it is reachable from here") from e
-    storage = FsspecStorage(fs, root, url)
-    if not storage.capabilities.exclusive_create:
-        _warn_not_exclusive(fs, url)
-    return storage
-
-
-# scheme -> backend. A new backend is one module plus one line here (and a parameter of the
-# contract suite, tests/test_storage_contract.py); any other scheme goes through fsspec.
-BACKENDS: dict[str, Any] = {"": _open_local, "file": _open_local, "s3": _open_s3, "s3a": _open_s3,
-                            "gs": _open_gcs, "gcs": _open_gcs, "az": _open_azure, "abfs": _open_azure,
-                            "abfss": _open_azure}
-
-
-def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:
-    """A backend for a local path, ``file://`` URL, ``s3://`` URL, or any other fsspec URL."""
+def open_storage(url: Any, storage_options: dict[str, Any] | None = None) -> Storage:
+    """The backend for a local path, ``file://`` URL, ``s3://`` URL, or any other URL a registered
+    backend (or fsspec) opens; ConfigError for a malformed URL or a client library not installed."""
     url = normalize_url(url)
     if storage_options is not None and not isinstance(storage_options, dict):
         raise ConfigError(f"storage_options={shown(storage_options)}: must be a dict of fsspec options or None")
-    scheme = url.split("://", 1)[0] if "://" in url and "::" not in url else ""
-    if "::" in url:
-        return _open_fsspec(url, storage_options or {})
-    opener = BACKENDS.get(scheme, _open_fsspec)
-    return opener(url, storage_options or {})  # type: ignore[no-any-return]
+    options = dict(storage_options or {})
+    spec = backend_for(scheme_of(url), options)
+    keep_jitter_private(spec.jitter_modules)  # before the client exists: its threads draw from then on
+    if spec.secret_env or spec.secret_options:
+        protect_credentials(options)  # before the client exists: it may log them at DEBUG
+    try:
+        storage = spec.open(url, options)
+    except ImportError as e:
+        package = (e.name or "").partition(".")[0]
+        if package not in spec.client_packages:
+            raise
+        raise ConfigError(f"url={shown(url)}: the {spec.name} backend needs {package}, which is not installed here: "
+                          f"{spec.install_hint}") from e
+    if not spec.exclusive_create:
+        _warn_not_exclusive(storage, url)
+    return storage
 
 
-def _warn_not_exclusive(fs: Any, url: str) -> None:
-    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+def _warn_not_exclusive(storage: Storage, url: str) -> None:
+    fs = getattr(storage, "fs", None)
+    protocol = getattr(fs, "protocol", "?")
+    protocols = {protocol} if isinstance(protocol, str) else set(protocol)
     message = (f"{url}: the fsspec backend {type(fs).__name__} ({'/'.join(sorted(protocols))}) is not known to create "
                "files exclusively; distckpt writes COMMITTED check-then-write there, so two writers of one "
                "step could both commit. Run one writer per root (local disk and s3:// commit exclusively).")
@@ -236,7 +221,8 @@ def _warn_not_exclusive(fs: Any, url: str) -> None:
     warnings.warn(message, NonAtomicStorageWarning, stacklevel=3)
 
 
-__all__ = ["Capabilities", "EXCLUSIVE_CREATE_PROTOCOLS", "FsspecStorage", "LocalStorage", "NonAtomicStorageWarning", "Storage", "normalize_url", "open_storage"]
+__all__ = ["BackendSpec", "Capabilities", "FsspecStorage", "LocalStorage", "NonAtomicStorageWarning", "Storage",
+           "backends", "local_path_of", "normalize_url", "open_storage", "register_backend", "unregister_backend"]
 
 
 def is_mapped(buffer: Any) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 
 from distckpt.errors import CheckpointExistsError, MissingFileError, StorageError
 from distckpt.storage.conditional import ConditionalCreateStorage
+from distckpt.storage.registry import BackendSpec, register_backend
 
 
 class AzureStorage(ConditionalCreateStorage):
@@ -30,10 +31,6 @@ class AzureStorage(ConditionalCreateStorage):
     @staticmethod
     def make_client(options: dict[str, Any]) -> Any:
         from adlfs import AzureBlobFileSystem
-
-        from distckpt.storage.jitter import keep_jitter_private
-
-        keep_jitter_private("azure")  # retry / token-refresh jitter drew from the global `random` stream
         return AzureBlobFileSystem(**options)
 
     def _call(self, what: str, target: str, method: str, *args: Any, size: int = 0, **kwargs: Any) -> Any:
@@ -56,6 +53,19 @@ class AzureStorage(ConditionalCreateStorage):
         except AzureError as e:
             raise StorageError(errno.EIO, f"{what} {self.public(target)} failed: {type(e).__name__}: "
                                f"{_first_line(e)}") from e
+
+
+
+SPEC = register_backend(BackendSpec(
+    name="azure", schemes=("az", "abfs", "abfss"), open=AzureStorage.from_url, exclusive_create=True,
+    container=AzureStorage.container_word, client_packages=("adlfs", "azure"),
+    install_hint="pip install 'distckpt[azure]'",
+    # azure-core's token refresh drew its jitter from the global `random`
+    jitter_modules=("azure.core.pipeline.policies._authentication", "azure.core.pipeline.policies._authentication_async"),
+    secret_env=("AZURE_STORAGE_KEY", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN", "AZURE_CLIENT_SECRET",
+                "AZURE_STORAGE_CONNECTION_STRING"),
+    secret_options=("account_key", "sas_token", "connection_string", "credential", "client_secret"),
+    credential_env_prefixes=("AZURE_", "FSSPEC_"), selected_by=()))
 
 
 def _first_line(e: BaseException) -> str:

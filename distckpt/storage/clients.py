@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 from fsspec.utils import tokenize
 
+from distckpt.storage.registry import credential_environment_prefixes
+
 _MAX_CLIENTS = 32  # distinct option sets kept; the oldest is let go (a process moving between many stores)
 _CLIENTS: dict[str, Any] = {}
 _LOCK = threading.Lock()
@@ -38,10 +40,9 @@ def shared_client(kind: str, options: dict[str, Any], make: Callable[[], Any]) -
         return client
 
 
-# Where clients read credentials and endpoints from besides their options: a process that rotates
-# them in its environment (a new session token) gets a new client for its next manager, as before.
-_CREDENTIAL_PREFIXES = ("AWS_", "BOTO_", "GOOGLE_", "GCLOUD", "CLOUDSDK_", "AZURE_", "FSSPEC_")
-
-
 def _credential_environment() -> list[tuple[str, str]]:
-    return sorted((name, value) for name, value in os.environ.items() if name.startswith(_CREDENTIAL_PREFIXES))
+    """Where clients read credentials and endpoints from besides their options (each backend's
+    spec names its prefixes: registry.py): a process that rotates them in its environment (a new
+    session token) gets a new client for its next manager."""
+    prefixes = credential_environment_prefixes()
+    return sorted((name, value) for name, value in os.environ.items() if name.startswith(prefixes))

@@ -20,7 +20,6 @@ from distckpt.errors import CheckpointExistsError, ConfigError, MissingFileError
 from distckpt.storage.capabilities import Capabilities
 from distckpt.storage.clients import shared_client
 from distckpt.storage.fsspec_fs import FsspecStorage, _join
-from distckpt.storage.redact import protect_credentials
 from distckpt.storage.spill import SMALL_READ_BYTES, SpillError, check_spill_dir, default_spill_dir, download_mapped, write_at
 
 RANGE_BYTES = 8 * 2**20  # one ranged request at a time: what a download holds in memory
@@ -44,10 +43,9 @@ class ConditionalCreateStorage(FsspecStorage):
 
     @classmethod
     def from_url(cls, url: str, storage_options: dict[str, Any]) -> "ConditionalCreateStorage":
-        """A backend for `url`: its credentials registered for redaction, `spill_dir` taken out
+        """A backend for `url` (open_storage registered its credentials for redaction): `spill_dir` taken out
         and checked, the rest given to the client (ConfigError if it refuses them)."""
         options = dict(storage_options)
-        protect_credentials(options)
         spill_dir = check_spill_dir(options.pop("spill_dir", default_spill_dir()))
         options.setdefault("skip_instance_cache", True)  # shared by distckpt's rule, not fsspec's (clients.py)
         try:

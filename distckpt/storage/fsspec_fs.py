@@ -1,4 +1,5 @@
-"""Any fsspec filesystem (memory://, gcs://, …): each file is sent whole with one call.
+"""Any fsspec filesystem: each file is sent whole with one call. The base of the object-store
+backends, and the fallback backend for every scheme no other backend claims (ftp://, sftp:// …).
 
 Every filesystem call goes through `_call`, the one place where errors become StorageError
 (FileNotFoundError becomes MissingFileError) and where a subclass bounds the call's duration.
@@ -10,15 +11,9 @@ import errno
 import posixpath
 from typing import Any, Iterable
 
-from distckpt.errors import CheckpointExistsError, MissingFileError, StorageError
+from distckpt.errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError, shown
 from distckpt.storage.capabilities import Capabilities
-
-# fsspec protocols whose open(..., "xb") is a real exclusive create (checked by the contract
-# suite); object stores have backends of their own (conditional.py). Others check, then write.
-EXCLUSIVE_CREATE_PROTOCOLS = frozenset({"memory"})
-
-
-_CLIENT_PACKAGES = frozenset({"gcsfs", "azure", "adlfs", "botocore", "aiobotocore", "s3fs", "aiohttp", "google"})
+from distckpt.storage.registry import BackendSpec, client_error_modules, register_backend
 
 
 def _join(root: str, path: str) -> str:
@@ -36,11 +31,13 @@ def version_tag(info: dict[str, Any]) -> str:
 class FsspecStorage:
     """Any fsspec filesystem; each file is sent whole with one call."""
 
-    def __init__(self, fs: Any, root: str, url: str) -> None:
+    def __init__(self, fs: Any, root: str, url: str, exclusive_create: bool = False) -> None:
+        """`exclusive_create`: whether this filesystem's open(..., "xb") is a real exclusive create
+        (its backend's spec says so; the contract suite checks it); otherwise the marker is
+        checked, then written."""
         self.fs = fs
-        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
         self.capabilities = Capabilities(
-            exclusive_create=bool(protocols & EXCLUSIVE_CREATE_PROTOCOLS), streamed_writes=False,
+            exclusive_create=exclusive_create, streamed_writes=False,
             renames_into_place=False, ranged_reads=False,
             keeps_empty_directories=False)  # a "directory" is a prefix of the files under it
         self.root = root.rstrip("/")
@@ -64,7 +61,7 @@ class FsspecStorage:
             raise StorageError(e.errno or errno.EIO, f"{what} {self.public(target)} failed: "
                                f"{type(e).__name__}: {e}") from e
         except Exception as e:
-            if type(e).__module__.partition(".")[0] not in _CLIENT_PACKAGES:
+            if type(e).__module__.partition(".")[0] not in client_error_modules():
                 raise  # a defect, not the store's answer
             # a client's own error class that its fsspec layer lets through (gcsfs's HttpError
             # for a 416, an Azure HttpResponseError): the store's answer all the same
@@ -183,3 +180,27 @@ class FsspecStorage:
             self._call("removing", target, "rm", target, recursive=True)
         except MissingFileError:
             pass
+
+
+def open_fsspec(url: str, options: dict[str, Any], exclusive_create: bool = False) -> FsspecStorage:
+    """An FsspecStorage for `url` through fsspec's own URL parsing (`url` is checked first: no
+    chains, no patterns)."""
+    import fsspec.core
+
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except (TypeError, ValueError) as e:  # an option the file system does not take
+        raise ConfigError(f"url={shown(url)}: fsspec could not make its file system with storage_options="
+                          f"{sorted(options)}: {type(e).__name__}: {e}") from e
+    except OSError as e:  # ftp://host connects at once: an unknown or unreachable host
+        raise StorageError(e.errno, f"{url}: opening the file system failed ({type(e).__name__}: {e}); check "
+                           "the host and that it is reachable from here") from e
+    return FsspecStorage(fs, root, url, exclusive_create=exclusive_create)
+
+
+# Every scheme no other backend claims, through fsspec; its marker is checked, then written (a
+# NonAtomicStorageWarning says so when a root is opened).
+SPEC = register_backend(BackendSpec(
+    name="fsspec", schemes=(), open=open_fsspec, exclusive_create=False, container=None,
+    client_packages=(), install_hint="",
+    jitter_modules=(), secret_env=(), secret_options=(), credential_env_prefixes=("FSSPEC_",), selected_by=()))

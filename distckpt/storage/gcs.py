@@ -20,6 +20,7 @@ from typing import Any
 
 from distckpt.errors import MissingFileError, StorageError
 from distckpt.storage.conditional import ConditionalCreateStorage
+from distckpt.storage.registry import BackendSpec, register_backend
 
 
 class GcsStorage(ConditionalCreateStorage):
@@ -33,10 +34,6 @@ class GcsStorage(ConditionalCreateStorage):
         # control plane for each bucket's type first, which an emulator or a firewall answers
         # only after its 60 s timeout. Zonal buckets are not supported through it.
         from gcsfs.core import GCSFileSystem
-
-        from distckpt.storage.jitter import keep_jitter_private
-
-        keep_jitter_private("gcs")  # retry / token-refresh jitter drew from the global `random` stream
         return GCSFileSystem(**options)
 
     def _call(self, what: str, target: str, method: str, *args: Any, size: int = 0, **kwargs: Any) -> Any:
@@ -47,3 +44,13 @@ class GcsStorage(ConditionalCreateStorage):
                 raise
             raise StorageError(errno.ENOENT, f"{what} {self.public(target)} failed: not found "
                                "(does the bucket exist?)") from e
+
+
+SPEC = register_backend(BackendSpec(
+    name="gcs", schemes=("gs", "gcs"), open=GcsStorage.from_url, exclusive_create=True,
+    container=GcsStorage.container_word, client_packages=("gcsfs", "google", "aiohttp"),
+    install_hint="pip install 'distckpt[gcs]'",
+    jitter_modules=("gcsfs.retry", "gcsfs.core"),  # retries and token refresh drew from the global `random`
+    secret_env=(),  # GOOGLE_APPLICATION_CREDENTIALS names a file, it holds no secret itself
+    secret_options=("token",),  # a dict token's private fields are found by redact.py
+    credential_env_prefixes=("GOOGLE_", "GCLOUD", "CLOUDSDK_", "FSSPEC_"), selected_by=()))

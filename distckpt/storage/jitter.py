@@ -5,10 +5,11 @@ refresh draw their jitter from Python's global `random` module: one S3 503 retri
 save moved `random.getstate()`, so the run that went on and a run resumed from that very
 checkpoint drew different numbers afterwards (and a failed load left the stream moved). The
 draws happen on the clients' own threads, so saving and restoring the global state around a
-call would race with the training thread's draws. Instead, the modules that draw are pointed at
-a private generator once, when distckpt opens a backend that uses them: the jitter keeps its
-distribution, and only distckpt's choice of generator changes, for every client of that
-library in the process (no one's checkpoint wants a retry to move its stream).
+call would race with the training thread's draws. Instead, the modules that draw (a backend's
+spec names them: its jitter_modules, registry.py) are pointed at a private generator when
+distckpt opens that backend: the jitter keeps its distribution, and only distckpt's choice of
+generator changes, for every client of that library in the process (no one's checkpoint wants a
+retry to move its stream).
 """
 
 from __future__ import annotations
@@ -16,28 +17,22 @@ from __future__ import annotations
 import importlib
 import logging
 import random
-from typing import Any
+from typing import Any, Callable, Iterable
 
 log = logging.getLogger("distckpt")
 
 _PRIVATE = random.Random()
 
-# Modules that call random.random() / random.randint() through their module-level `random`.
-MODULE_USERS = {
-    "s3": ("botocore.retryhandler",),
-    "gcs": ("gcsfs.retry", "gcsfs.core"),
-    "azure": ("azure.core.pipeline.policies._authentication", "azure.core.pipeline.policies._authentication_async"),
-}
 
-
-def keep_jitter_private(backend: str) -> None:
-    """Point `backend`'s client libraries' retry jitter at a private generator (idempotent)."""
-    for name in MODULE_USERS.get(backend, ()):
+def keep_jitter_private(modules: Iterable[str]) -> None:
+    """Point the retry jitter of `modules` (a backend's spec names them: registry.py) at a private
+    generator (idempotent; a module not installed is passed over)."""
+    for name in modules:
         module = _imported(name)
         if module is not None and getattr(module, "random", None) is random:
             module.random = _PRIVATE
-    if backend == "s3":
-        _botocore_standard_backoff()
+        if name in _BOUND_DEFAULTS and module is not None:
+            _BOUND_DEFAULTS[name]()
 
 
 def _botocore_standard_backoff() -> None:
@@ -63,3 +58,7 @@ def _imported(name: str) -> Any:
         return importlib.import_module(name)
     except ImportError:
         return None
+
+
+# Modules that bind the global generator where rebinding their `random` does not reach it.
+_BOUND_DEFAULTS: dict[str, Callable[[], None]] = {"botocore.retries.standard": _botocore_standard_backoff}

@@ -13,8 +13,9 @@ import sys
 import uuid
 from typing import Any, Iterable, Iterator
 
-from distckpt.errors import CheckpointExistsError, MissingFileError, StorageError
+from distckpt.errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError, shown
 from distckpt.storage.capabilities import LOCAL_DISK
+from distckpt.storage.registry import LOCAL_PATH, BackendSpec, register_backend
 
 READ_AHEAD_BYTES = 512 << 20  # asked of the kernel at once when a file is mapped for a load
 
@@ -361,3 +362,16 @@ def _check_size(size: int, max_bytes: int, where: str) -> None:
     if size > max_bytes:
         raise StorageError(errno.EFBIG, f"{where} is {size:,} bytes, more than the {max_bytes:,} such a file "
                            "may hold; it was not read")
+
+
+def open_local(url: str, options: dict[str, Any]) -> LocalStorage:
+    """A path, or a file:// URL, taken literally: '::', '[', '?', '#', '%' are characters of a name."""
+    if options:
+        raise ConfigError(f"storage_options were given for the local path {shown(url)}; they apply to remote URLs only")
+    return LocalStorage(url[len("file://"):] if url.startswith("file://") else url)
+
+
+SPEC = register_backend(BackendSpec(
+    name="local", schemes=(LOCAL_PATH, "file"), open=open_local, exclusive_create=True, container=None,
+    client_packages=(), install_hint="", jitter_modules=(), secret_env=(), secret_options=(), credential_env_prefixes=(),
+    selected_by=()))

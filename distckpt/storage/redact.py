@@ -4,7 +4,8 @@ With DEBUG logging on, botocore logs each request's headers — the Authorizatio
 the access key id, and X-Amz-Security-Token is the session token itself. A filter on one
 logger does not see records of its children, and handlers are the application's, so the
 redaction sits in the log record factory: any record whose text contains a credential that
-distckpt was given (or found in the AWS_* environment) has it replaced before any handler,
+distckpt was given (or found in the environment variables a backend's spec names as secret:
+AWS_SECRET_ACCESS_KEY, AZURE_STORAGE_KEY ...) has it replaced before any handler,
 formatter or capture sees it.
 """
 
@@ -15,12 +16,9 @@ import os
 import re
 from typing import Any
 
+from distckpt.storage.registry import secret_environment, secret_options
+
 _MIN_SECRET_LEN = 8  # shorter values would redact ordinary words
-_ENV_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
-                "AZURE_STORAGE_KEY", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN", "AZURE_CLIENT_SECRET",
-                "AZURE_STORAGE_CONNECTION_STRING")
-_OPTION_SECRETS = ("key", "secret", "token", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
-                   "account_key", "sas_token", "connection_string", "credential", "client_secret")
 # Inside a GCS service-account token given as a dict, and inside an Azure connection string.
 _TOKEN_FIELDS = ("private_key", "private_key_id", "refresh_token", "client_secret", "access_token")
 _CONNECTION_STRING_FIELDS = ("AccountKey", "SharedAccessSignature")
@@ -32,11 +30,13 @@ _installed = False
 
 
 def protect_credentials(storage_options: dict[str, Any]) -> None:
-    """Register the credentials in `storage_options` (and the AWS_* environment) for redaction."""
-    found = [storage_options.get(k) for k in _OPTION_SECRETS]
+    """Register the credentials in `storage_options` (and the backends' secret environment
+    variables) for redaction."""
+    names = secret_options()  # every backend's (registry.py)
+    found = [storage_options.get(k) for k in names]
     client = storage_options.get("client_kwargs") or {}
-    found += [client.get(k) for k in _OPTION_SECRETS]
-    found += [os.environ.get(k) for k in _ENV_SECRETS]
+    found += [client.get(k) for k in names]
+    found += [os.environ.get(k) for k in secret_environment()]  # every backend's (registry.py)
     token = storage_options.get("token")
     if isinstance(token, dict):
         found += [token.get(k) for k in _TOKEN_FIELDS]

@@ -24,16 +24,17 @@ import dataclasses
 import errno
 import logging
 import time
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from distckpt.errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError, shown
 from distckpt.storage.clients import shared_client
 from distckpt.storage.conditional import ConditionalCreateStorage
 from distckpt.storage.fsspec_fs import _join
-from distckpt.storage.jitter import keep_jitter_private
-from distckpt.storage.redact import protect_credentials
-from distckpt.storage.s3_crt import CrtReader, choose_client
+from distckpt.storage.registry import BackendSpec, register_backend
 from distckpt.storage.spill import SpillError, check_spill_dir, default_spill_dir, write_at
+
+if TYPE_CHECKING:
+    from distckpt.storage.s3_crt import CrtReader
 
 log = logging.getLogger("distckpt")
 
@@ -82,8 +83,9 @@ class S3Storage(ConditionalCreateStorage):
     def from_url(cls, url: str, storage_options: dict[str, Any]) -> "S3Storage":
         import s3fs
 
+        from distckpt.storage.s3_crt import CrtReader, choose_client  # its spec builds on this module's
+
         options = dict(storage_options)
-        protect_credentials(options)
         part_bytes = _number(options, "part_bytes", DEFAULT_PART_BYTES, int, 1)
         concurrency = _number(options, "concurrency", DEFAULT_CONCURRENCY, int, 1, 1024)
         call_timeout = _number(options, "call_timeout", DEFAULT_CALL_TIMEOUT_S, float, 1e-3)
@@ -95,7 +97,6 @@ class S3Storage(ConditionalCreateStorage):
         # total_max_attempts), which left every later client with its default retries.
         config = copy.deepcopy({**DEFAULT_CONFIG, **options.pop("config_kwargs", {})})
         options.setdefault("skip_instance_cache", True)  # shared by distckpt's rule, not fsspec's (clients.py)
-        keep_jitter_private("s3")  # botocore's retry backoff drew from the global `random` stream
 
         def make() -> Any:
             fs = s3fs.S3FileSystem(config_kwargs=config, **options)
@@ -431,3 +432,13 @@ def _is_precondition_failed(e: BaseException) -> bool:
                 return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+SPEC = register_backend(BackendSpec(
+    name="s3", schemes=("s3", "s3a"), open=S3Storage.from_url, exclusive_create=True, container="bucket",
+    client_packages=("s3fs", "aiobotocore", "botocore", "aiohttp"), install_hint="pip install 'distckpt[s3]'",
+    # botocore's retry backoff, legacy and standard modes, drew from the global `random` stream
+    jitter_modules=("botocore.retryhandler", "botocore.retries.standard"),
+    secret_env=("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"),
+    secret_options=("key", "secret", "token", "aws_access_key_id", "aws_secret_access_key", "aws_session_token"),
+    credential_env_prefixes=("AWS_", "BOTO_", "FSSPEC_"), selected_by=()))

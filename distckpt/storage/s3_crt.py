@@ -21,6 +21,7 @@ This module never imports torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import threading
@@ -28,6 +29,8 @@ from typing import Any
 
 from distckpt.errors import ConfigError, StorageError, shown
 from distckpt.runtime.interrupts import Task, start_thread
+from distckpt.storage import s3
+from distckpt.storage.registry import register_backend
 from distckpt.storage.spill import write_at
 
 CLIENT_CHOICES = ("s3fs", "crt")
@@ -52,7 +55,7 @@ def choose_client(choice: object, options: dict[str, Any]) -> bool:
     if choice == "s3fs":
         return False
     if not crt_available():
-        raise ConfigError("client='crt' needs the s3torchconnector package: pip install 'distckpt[s3-crt]'")
+        raise ConfigError(f"client='crt' needs the s3torchconnector package: {SPEC.install_hint}")
     explicit = [k for k in EXPLICIT_CREDENTIALS if options.get(k) not in (None, False)]
     if explicit:
         raise ConfigError(f"client='crt' takes credentials only from the environment or a profile, "
@@ -122,3 +125,10 @@ class CrtReader:
             raise StorageError(errno.EIO, f"reading {where} failed: {e}") from e
         if offset != size:
             raise StorageError(errno.EIO, f"reading {where}: short read, {offset} of {size} bytes")
+
+
+# S3 as s3.py opens it (listings, writes and the marker on s3fs), chosen by client="crt".
+SPEC = register_backend(dataclasses.replace(
+    s3.SPEC, name="s3-crt", selected_by=(("client", "crt"),),
+    client_packages=(*s3.SPEC.client_packages, "s3torchconnector", "s3torchconnectorclient"),
+    install_hint="pip install 'distckpt[s3-crt]'"))

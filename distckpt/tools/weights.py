@@ -53,7 +53,7 @@ from distckpt.state.capture import IMPORTED, loads_by_copy_alone, unwrap_module
 from distckpt.state.sharded import ShardReader
 from distckpt.state.undo import module_copy_aside
 from distckpt.state.validation import check_step, check_writable, mappings_read_once
-from distckpt.storage import Storage, normalize_url, open_storage, release_pages
+from distckpt.storage import Storage, local_path_of, open_storage, release_pages
 
 log = logging.getLogger("distckpt")
 INDEX_NAME = "model.safetensors.index.json"
@@ -312,17 +312,6 @@ def _read_index(index: str) -> dict[str, str]:
         raise CorruptCheckpointError(f"{index}: not a safetensors index: {e}") from e
 
 
-def local_path_of(url: str) -> str | None:
-    """The local path a plain path or a `file://` URL names (as fsspec reads it); None for any
-    other scheme. An exported directory given as file:///abs/out was taken for a checkpoint root
-    (load_weights) or written under ./file:/abs/out (export)."""
-    if "://" not in url:
-        return url
-    if url.startswith("file://"):  # checked as a root is (file://localhost/..., no host, not "/")
-        return normalize_url(url)[len("file://"):]
-    return None
-
-
 def open_model_source(source: str, *, step: int | None = None, entry: str = "model",
                       storage_options: dict[str, Any] | None = None) -> ModelSource:
     """A distckpt root (it has committed steps) or a Hugging Face file / directory."""
@@ -330,7 +319,7 @@ def open_model_source(source: str, *, step: int | None = None, entry: str = "mod
         raise ConfigError(f"source={shown(source)}: must be a distckpt URL or a safetensors file / directory")
     source = os.fspath(source)
     _check_source_args(step, entry)
-    local = local_path_of(source)
+    local = local_path_of(source)  # a plain path or file:// URL, taken literally
     if local is not None and (local.endswith(".safetensors") or os.path.exists(os.path.join(local, INDEX_NAME))
                               or os.path.exists(os.path.join(local, SINGLE_NAME))):
         source = local
