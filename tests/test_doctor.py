@@ -252,16 +252,18 @@ def test_the_likely_cause_names_a_plain_value_a_missing_optimizer_a_scheduler_an
     the scheduler's own state differing, and runs that differed before the kill at all."""
     from distckpt.tools.doctor import Difference, Report, likely_causes
 
-    counter = Difference(14, "replicated", "counter", "state", "15 uninterrupted, 5 resumed")
-    weights = Difference(14, "replicated", "model", "state/state_dict/0.weight", "128 of 128 elements differ, max |diff| 0.1")
-    sched = Difference(14, "replicated", "scheduler", "state/_last_lr/0", "0.1 uninterrupted, 0.2 resumed")
+    counter = Difference(14, "replicated", "counter", "state", "15 uninterrupted, 5 resumed", "value")
+    weights = Difference(14, "replicated", "model", "state/state_dict/0.weight", "128 of 128 elements differ, max |diff| 0.1",
+                         "module")
+    sched = Difference(14, "replicated", "scheduler", "state/_last_lr/0", "0.1 uninterrupted, 0.2 resumed", "stateful")
     after = Report([4, 9, 14], [], [], 14, resumed=True, killed_after=4)
     causes = likely_causes([counter, weights], after)
     assert "a plain value in `state` differs (`counter`: 15 uninterrupted, 5 resumed)" in causes[0], causes
     assert not any("random stream outside" in c for c in causes), causes
     unhooked = Report([4, 9, 14], [], [], 14, resumed=True, killed_after=4, fingerprint_every=1)
     assert any(c.startswith("no torch.optim optimizer in `state`") for c in likely_causes([weights], unhooked))
-    assert any(c.startswith("the LR scheduler's state differs") for c in likely_causes([sched, weights], after))
+    scheduled = Report([4, 9, 14], [], [], 14, resumed=True, killed_after=4, entry_traits={"scheduler": ["lr_schedule"]})
+    assert any(c.startswith("the LR scheduler's state differs") for c in likely_causes([sched, weights], scheduled))
     before = Report([4, 9, 14], [], [], 4, resumed=True, killed_after=9)
     assert likely_causes([weights], before)[0].startswith("the runs already differ at step 4, which both wrote before")
     assert "random stream outside `state`" in likely_causes([weights], after)[0]  # still the cause when nothing else is
@@ -294,7 +296,7 @@ def test_worker_streams_that_differ_in_a_wrapped_dataset_point_at_an_iterator_ma
     dataset" was wrong advice (the PyTorch DDP tutorial's epoch-start peek, already wrapped)."""
     from distckpt.tools.doctor import Difference, Report, likely_causes
 
-    streams = Difference(14, "rank 0", "loader", "state/worker_rng/0/torch", "5000 of 5056 elements differ")
+    streams = Difference(14, "rank 0", "loader", "state/worker_rng/0/torch", "5000 of 5056 elements differ", "loader")
     causes = likely_causes([streams], Report([9, 14], [], [], 14, resumed=True, killed_after=9))
     worker = next(c for c in causes if "worker streams differ" in c)
     assert "iterator made twice" in worker and "wrap the dataset" not in worker, worker

@@ -102,12 +102,17 @@ def test_a_learning_rate_difference_points_at_the_scheduler():
     given was a random stream outside `state`, which sent the user the wrong way."""
     from distckpt.tools.doctor import Difference, Report, likely_causes
 
-    diffs = [Difference(14, "replicated", "optimizer", "state/param_groups/0/lr", "0.000625 uninterrupted, 0.00166 resumed"),
-             Difference(14, "replicated", "model", "state_dict/0.weight", "12 of 12 elements differ")]
-    causes = likely_causes(diffs, Report([4, 9, 14], [], [], 14))
+    diffs = [Difference(14, "replicated", "optimizer", "state/param_groups/0/lr", "0.000625 uninterrupted, 0.00166 resumed",
+                        "stateful"),
+             Difference(14, "replicated", "model", "state_dict/0.weight", "12 of 12 elements differ", "module")]
+    traits = {"optimizer": ["optimizer"], "model": ["weights"], "scheduler": ["lr_schedule"]}
+    causes = likely_causes(diffs, Report([4, 9, 14], [], [], 14, entry_traits=traits))
     assert "LR scheduler in `state`" in causes[0], causes
-    with_scheduler = diffs + [Difference(14, "replicated", "scheduler", "last_epoch", "13 uninterrupted, 12 resumed")]
-    assert not any("LR scheduler in `state`" in c for c in likely_causes(with_scheduler, Report([14], [], [], 14)))
+    with_scheduler = diffs + [Difference(14, "replicated", "scheduler", "state/last_epoch", "13 uninterrupted, 12 resumed",
+                                         "stateful")]
+    causes = likely_causes(with_scheduler, Report([14], [], [], 14, entry_traits=traits))
+    assert not any("LR scheduler in `state`" in c for c in causes), causes
+    assert any(c.startswith("the LR scheduler's state differs") for c in causes), causes
 
 
 _SCRIPT = (
@@ -231,11 +236,11 @@ def test_a_position_the_loop_keeps_itself_is_said_as_such_not_as_prefetching():
     the load: the cause given was prefetching or a peek at an epoch's start."""
     from distckpt.tools.doctor import Difference, Report, likely_causes
 
-    own = [Difference(14, "rank 0", "loader", "state/current_position", "2304 uninterrupted, 2560 resumed")]
+    own = [Difference(14, "rank 0", "loader", "state/current_position", "2304 uninterrupted, 2560 resumed", "value")]
     causes = likely_causes(own, Report([4, 9, 14], [], [], 9))
-    assert any("the position your loop keeps in `state['loader']`" in c and "not applied back" in c for c in causes)
+    assert any("a value your loop keeps in `state['loader']`" in c and "not applied back" in c for c in causes), causes
     assert not any("prefetching" in c for c in causes), causes
-    torchdata = [Difference(14, "rank 0", "loader", "state/_num_yielded", "3 uninterrupted, 4 resumed")]
+    torchdata = [Difference(14, "rank 0", "loader", "state/_num_yielded", "3 uninterrupted, 4 resumed", "loader")]
     assert any("prefetching" in c for c in likely_causes(torchdata, Report([4, 9, 14], [], [], 9)))
 
 
@@ -290,8 +295,8 @@ def test_a_sampler_epoch_difference_without_a_loader_in_state_names_the_loader(l
     # started the epoch over and the steps fell in other epochs. The cause said to call set_epoch.
     from distckpt.tools.doctor import Difference, Report, likely_causes
 
-    kinds = {"model": "module", "sampler": "sampler", **({"loader": "loader"} if loader_in_state else {})}
-    report = Report([2, 5, 8], [], [], 8, killed_after=5, resumed=True, entry_kinds=kinds)
-    causes = likely_causes([Difference(8, "rank 0", "sampler", "state/epoch", "1 uninterrupted, 0 resumed")], report)
+    traits = {"model": ["weights"], "sampler": ["sampling_order"], **({"loader": ["data_position"]} if loader_in_state else {})}
+    report = Report([2, 5, 8], [], [], 8, killed_after=5, resumed=True, entry_traits=traits)
+    causes = likely_causes([Difference(8, "rank 0", "sampler", "state/epoch", "1 uninterrupted, 0 resumed", "sampler")], report)
     assert any("no data loader is in `state`" in c for c in causes) is not loader_in_state, causes
     assert any("call sampler.set_epoch" in c for c in causes) is loader_in_state, causes

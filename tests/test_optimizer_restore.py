@@ -2,7 +2,7 @@
 
 Optimizer.load_state_dict asks `param_id in group["params"]` for every state tensor, a list scan
 that made a load of 20,000 parameters with AdamW spend 4 of its 6 s there. distckpt hands it the
-saved ids as kinds._ParamIds; these tests hold that the result is the optimizer torch itself
+saved ids as stateful._ParamIds (distckpt/state/kinds/stateful.py); these tests hold that the result is the optimizer torch itself
 would build, by every optimizer and group layout, and that the scan is gone.
 """
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import distckpt
-from distckpt.state import kinds
+from distckpt.state.kinds import stateful
 
 
 def _trained(opt_cls, groups: int, **kwargs):
@@ -75,7 +75,7 @@ def test_restored_optimizer_equals_torchs_own_load(tmp_path, opt_cls, kwargs, gr
 
 def test_param_ids_answer_as_a_list_does() -> None:
     for items in ([0, 1, 2, 5], [], ["a", "b"], [0, 0, 3], [1, [2], 3], [True, 2]):
-        ids = kinds._ParamIds(items)
+        ids = stateful._ParamIds(items)
         for probe in (0, 1, 2, 3, 5, "a", "c", [2], 1.0, True, None):
             assert (probe in ids) == (probe in list(items)), (items, probe)
         ids.append(7)  # changed after the first lookup: the set is rebuilt
@@ -92,13 +92,13 @@ def test_load_state_dict_does_not_scan_the_group_list(tmp_path, monkeypatch) -> 
     scans = []
     original = list.__contains__
 
-    class Counting(kinds._ParamIds):
+    class Counting(stateful._ParamIds):
         def __contains__(self, item: object) -> bool:
             result = super().__contains__(item)
             scans.append(self.__dict__["_ids"][1] is None)
             return result
 
-    monkeypatch.setattr(kinds, "_ParamIds", Counting)
+    monkeypatch.setattr(stateful, "_ParamIds", Counting)
     model2, opt2 = _trained(torch.optim.AdamW, 1)
     with distckpt.CheckpointManager(tmp_path / "ck") as ckpt:
         ckpt.load_latest({"model": model2, "opt": opt2})
@@ -113,7 +113,7 @@ _ID = st.one_of(st.integers(-3, 40), st.text(max_size=2))
 @given(items=st.lists(_ID, max_size=30), probes=st.lists(st.one_of(_ID, st.floats(-2, 41), st.booleans(), st.none()),
                                                         max_size=10), appended=st.lists(_ID, max_size=3))
 def test_param_ids_answer_generated_lookups_as_a_list_does(items, probes, appended) -> None:
-    ids = kinds._ParamIds(items)
+    ids = stateful._ParamIds(items)
     plain = list(items)
     for probe in probes + items[:3]:
         assert (probe in ids) == (probe in plain), (items, probe)

@@ -32,7 +32,6 @@ from distckpt.io.serialize import dim_order
 from distckpt.io.staging import memory_of, region_key
 from distckpt.state.capture import PER_RANK, Entry, note_user_error, unwrap_module
 
-COMPARED_KINDS = ("value", "tensor", "stateful")
 MODULE_DIGEST_PREFIX = "module:"  # marks a module's digest, so a difference is explained as one
 SAMPLED_ELEMENTS = 16  # per parameter: a model trained apart differs in nearly every element
 # A parameter this small is taken whole: an embedding whose few rows each rank updated on its own
@@ -53,16 +52,17 @@ def replicated_digests(entries: list[Entry], gpu_modules: bool = False, save_seq
         # A sharded module's plain parameters too (a partly tensor-parallel model's head): its
         # DTensors count by name and shape only, and a head each rank trained apart was saved as
         # rank 0's and resumed on every rank, silently
-        if entry.scope != PER_RANK and entry.kind in ("module", "sharded_module"):
+        kind = entry.kind_spec
+        if entry.scope != PER_RANK and kind.holds_weights:
             out[entry.key] = MODULE_DIGEST_PREFIX + module_digest(entry.target, gpu_modules, save_seq)
-        if entry.scope != PER_RANK and entry.kind in COMPARED_KINDS:
+        if entry.scope != PER_RANK and kind.compared_across_ranks:
             if isinstance(entry.target, torch.optim.Optimizer):
                 continue  # DDP keeps them equal; its state is as large as the model (checked on load)
             h = xxhash.xxh3_64()
             regions: dict[Any, list[str]] = {}
             # a user's object (a loss EMA, a curriculum counter), a scheduler, a scaler: by what it saves
             try:
-                value = entry.target.state_dict() if entry.kind == "stateful" else entry.target
+                value = kind.compared_value(entry)
             except DistCkptError:
                 raise
             except Exception as e:  # the user's own state_dict(), on a rank other than 0: say where

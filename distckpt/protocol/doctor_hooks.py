@@ -50,6 +50,26 @@ def fingerprint_root(root: str) -> str:
     return f"{root.rstrip('/')}-fingerprints"
 
 
+def notes_root(root: str) -> str:
+    return f"{root.rstrip('/')}-notes"
+
+
+LOADERS_LEFT_OUT = "loaders-left-out"  # <root>-notes/loaders-left-out-rank-R.txt: one line per loader found
+
+
+def note_loaders_left_out(found: list[str], rank: int) -> None:
+    """Called by a save with the loaders it found in the middle of a pass that no loader in `state`
+    iterates (loader_hazards.positions_left_out, which the job is warned of): under the doctor,
+    kept for its report, whose likely cause names them (the checkpoints alone cannot show what is
+    not in them)."""
+    root = os.environ.get(ROOT_ENV)
+    if not root or not found:
+        return
+    os.makedirs(notes_root(root), exist_ok=True)
+    with open(os.path.join(notes_root(root), f"{LOADERS_LEFT_OUT}-rank-{rank}.txt"), "a") as f:
+        f.writelines(f"{line}\n" for line in found)
+
+
 class _Fingerprints:
     """Under `--every K`: after every optimizer step, label it and, every K labels, append a hash
     of this rank's parameters to <root>-fingerprints/rank-R.txt. The label is the step of the
@@ -96,7 +116,7 @@ def install_fingerprints(entries: list[Any], step: int | None, rank: int) -> Non
         os.makedirs(fingerprint_root(root), exist_ok=True)
         _fingerprints = _Fingerprints(int(every), os.path.join(fingerprint_root(root), f"rank-{rank}.txt"))
     for entry in entries:
-        if entry.kind in ("module", "sharded_module") and entry.target not in _fingerprints.modules:
+        if entry.kind_spec.holds_weights and entry.target not in _fingerprints.modules:
             _fingerprints.modules.append(entry.target)
         hooked = getattr(entry.target, "_distckpt_fingerprinted", False)
         if isinstance(entry.target, torch.optim.Optimizer) and not hooked:

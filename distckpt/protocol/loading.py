@@ -62,11 +62,7 @@ from distckpt.state.capture import (
     SHARDED,
     CheckpointWarning,
     Entry,
-    loading_entry,
-    normalize_imported,
     persistent_buffers,
-    replaced_under_key,
-    resolve_sharded_entry,
     unwrap_module,
     use_rank_buffers,
     warn_extra_entries,
@@ -76,6 +72,11 @@ from distckpt.state.kinds import (
     copy_destinations,
     is_late,
     live_ties,
+    loading_entry,
+    normalize_imported,
+    replaced_under_key,
+    resolve_sharded_entry,
+    resolves_own_shards,
     restore_entry,
     snapshot,
     validate_entry,
@@ -595,7 +596,7 @@ def _resolve_sharded(storage: Storage, entries: list[Entry], read: ReadCheckpoin
         out.append(entry)
     made: dict[ShardRef, torch.Tensor] = {}  # one object per stored tensor across entries: ties survive
     for saved in saved_entries.values():  # replicated tensors stored by split writes
-        if isinstance(saved, dict) and saved.get("kind") not in ("sharded_module", "sharded_optimizer"):
+        if isinstance(saved, dict) and not resolves_own_shards(saved.get("kind")):
             saved["state"] = sharded.resolve_whole(saved.get("state"), reader, made)
     return out
 
@@ -629,8 +630,8 @@ def _validate_against_state(entries: list[Entry], read: ReadCheckpoint, world: t
 
 def _modules_with_buffers(entries: list[Entry]) -> list[str]:
     """Module entries holding persistent buffers (BatchNorm statistics): saved per rank, since
-    each rank may update its own (capture.capture_rank_buffers)."""
-    return [e.key for e in entries if e.kind in ("module", "sharded_module") and e.scope != PER_RANK
+    each rank may update its own (kinds.capture_rank_buffers)."""
+    return [e.key for e in entries if e.kind_spec.holds_weights and e.scope != PER_RANK
             and persistent_buffers(unwrap_module(e.target))]
 
 
@@ -755,7 +756,7 @@ def _restore_all(entries: list[Entry], saved: dict[str, Any], state: dict[str, A
         try:
             undos.append((entry.key, snapshot(entry, state)))
             notes.extend(restore_entry(entry, saved[entry.key], state, memo, release))
-            if release is not None and entry.kind != "tensor":
+            if release is not None and not entry.kind_spec.restores_by_copies_alone:
                 release.everything()  # whatever the owner's own loading touched
         except DistCkptError as e:
             return e

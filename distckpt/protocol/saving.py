@@ -54,11 +54,9 @@ from distckpt.state.capture import (
     REPLICATED,
     SHARDED,
     Entry,
-    capture_rank_buffers,
     has_class_named,
 )
-from distckpt.state.kinds import capture_entry
-from distckpt.state.loader_plan import make_first_iterator
+from distckpt.state.kinds import capture_entry, capture_rank_buffers
 from distckpt.state.rng import capture_process_rng
 from distckpt.storage import Storage
 
@@ -329,9 +327,8 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
                    handover: bool = False) -> _Captured:
     """This rank's capture: RNG first, then its per-rank entries; rank 0 the replicated ones."""
     out = _Captured()
-    for entry in entries:  # their first iterators draw: before the streams are recorded
-        if entry.kind == "loader":
-            make_first_iterator(entry.target)
+    for entry in entries:  # a loader's first iterator draws: before the streams are recorded
+        entry.kind_spec.prepare_capture(entry)
     rng = capture_process_rng()  # first: nothing below may draw before it is recorded
     if coord.rank == 0:
         if prepare is not None:
@@ -378,14 +375,11 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
     return out
 
 
-# Kinds whose restore hands the loaded tensors over as they are (refilled into a value, given to
-# load_state_dict): their tensors record their device and go back to it, as torch.load does. A
-# module's or a tensor entry's are copied into the live tensors, which keep theirs.
-_HANDED_OVER_KINDS = frozenset({"value", "stateful"})
-
-
 def _handed_over(path: tuple[Any, ...], entries: Sequence[Entry]) -> frozenset[tuple[Any, ...]]:
-    return frozenset((*path, "entries", e.key) for e in entries if e.kind in _HANDED_OVER_KINDS)
+    """The entries whose restore hands the loaded tensors over as they are (refilled into a value,
+    given to load_state_dict): their tensors record their device and go back to it, as torch.load
+    does. A module's or a tensor entry's are copied into the live tensors, which keep theirs."""
+    return frozenset((*path, "entries", e.key) for e in entries if e.kind_spec.handed_over)
 
 
 class _NoShards:

@@ -24,7 +24,7 @@ from torch import nn
 
 from distckpt.io.staging import StagingPool, region_key
 from distckpt.runtime.interrupts import Gate
-from distckpt.state.capture import Entry, unwrap_module
+from distckpt.state.capture import SHARDED, Entry, unwrap_module
 
 
 class OverlappedSnapshot:
@@ -48,7 +48,7 @@ class OverlappedSnapshot:
         regions: set[tuple[Any, ...] | None] = set()
         for entry in entries:
             optimizer = entry.target
-            if entry.kind == "sharded_optimizer" or not isinstance(optimizer, torch.optim.Optimizer):
+            if entry.kind_spec.scope == SHARDED or not isinstance(optimizer, torch.optim.Optimizer):
                 continue
             self._hook(optimizer)
             for group in optimizer.param_groups:

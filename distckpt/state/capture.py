@@ -1,6 +1,6 @@
-"""Entries of `state` and the helpers their kinds (kinds.py) compose to capture and restore them.
+"""Entries of `state` and the helpers their kinds (kinds/) compose to capture and restore them.
 
-Entries are classified once, by their type (kinds.KINDS):
+Entries are classified once, by their type (the registered kinds, kinds/registry.py):
 
 * per rank by nature: `torch.Generator`, NumPy `Generator` and `RandomState`, Python
   `random.Random`, samplers, data loaders with
@@ -20,7 +20,7 @@ import logging
 import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from distckpt.io.copying import PageRelease, copy_released, same_bits
 from distckpt.io.serialize import key_path
 from distckpt.io.staging import region_key
 from distckpt.state import sharded
+
+if TYPE_CHECKING:
+    from distckpt.state.kinds.base import Kind
 
 log = logging.getLogger("distckpt")
 
@@ -66,10 +69,21 @@ def per_rank(obj: Any) -> PerRank:
 class Entry:
     key: str
     scope: str   # REPLICATED, PER_RANK or SHARDED
-    kind: str    # module, sharded_module, stateful, sharded_optimizer, loader, sampler, generator,
-                 # np_generator, np_random_state, py_random, tensor, value, config
+    kind: str    # its kind's name, as checkpoints hold it (kinds/: module, loader, value, ...)
     target: Any  # the object state is captured from and restored into
     owner: Any = None  # an optimizer's module (sharded state is named by the module's parameters)
+
+    @property
+    def kind_spec(self) -> "Kind":
+        """The entry's kind: what it declares, how it is captured and restored (kinds/)."""
+        return _kind_named(self.kind)
+
+
+def _kind_named(name: str) -> "Kind":
+    # The kinds sit above this module (they compose its helpers): found on first use
+    from distckpt.state.kinds import kind_named
+
+    return kind_named(name)
 
 
 def note_user_error(error: BaseException, key: str, kind: str) -> None:
@@ -152,22 +166,6 @@ def restore_parameter_flags(module: nn.Module, saved: dict[str, Any]) -> None:
             p.requires_grad_(bool(flags[name]))
 
 
-def _capture_sampler(sampler: Any) -> dict[str, Any]:
-    if _has_state_dict(sampler):
-        return {"type": type(sampler).__name__, "state_dict": sampler.state_dict()}
-    out: dict[str, Any] = {"type": type(sampler).__name__}
-    if isinstance(sampler, torch.utils.data.DistributedSampler):
-        out.update(epoch=sampler.epoch, seed=sampler.seed, shuffle=sampler.shuffle,
-                   drop_last=sampler.drop_last, num_replicas=sampler.num_replicas, rank=sampler.rank)
-    generator = getattr(sampler, "generator", None)
-    if isinstance(generator, torch.Generator):
-        out["generator"] = generator.get_state()
-    inner = getattr(sampler, "sampler", None)  # BatchSampler and friends
-    if isinstance(inner, torch.utils.data.Sampler):
-        out["inner"] = _capture_sampler(inner)
-    return out
-
-
 def _capture_plain(value: Any) -> Any:
     """A shallow copy of a top-level dict (later writes to the live dict do not reach a save in
     flight) of the same type: an OrderedDict or a Counter stays one, and another dict subclass
@@ -176,23 +174,6 @@ def _capture_plain(value: Any) -> Any:
     if kind is dict or kind is OrderedDict or kind is Counter:
         return kind(value)
     return value
-
-
-def capture_rank_buffers(entries: list[Entry]) -> dict[str, dict[str, torch.Tensor]]:
-    """Each module entry's persistent buffers as this rank holds them (BatchNorm statistics).
-
-    Buffers are not synchronised by FSDP2, nor by DDP with ``broadcast_buffers=False``: each rank
-    updates its own from its own batches, so restoring rank 0's everywhere changed every other
-    rank's forward after a resume (measured: FSDP2 with a BatchNorm in eval mode, rank 1 differed
-    from the first step on). They travel in each rank's own file, as small as they usually are.
-    """
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for e in entries:
-        if e.kind in ("module", "sharded_module") and e.scope != PER_RANK:
-            buffers = persistent_buffers(unwrap_module(e.target))
-            if buffers:
-                out[e.key] = buffers
-    return out
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -219,56 +200,6 @@ def use_rank_buffers(saved_entries: dict[str, Any], buffers: dict[str, Any], whe
                 raise IncompatibleCheckpointError(
                     f"{where}: this rank's buffer {key}.{name} does not match the module state saved with it")
             state_dict[name] = tensor
-
-
-# -- validation (before anything is changed) ------------------------------------------------
-
-_LOADS_AS_SHARDED = {"sharded_module": ("module", "sharded_module"),
-                     "sharded_optimizer": ("stateful", "sharded_optimizer")}
-
-
-_REPLACED_UNDER_KEY = ("value", "tensor")
-
-
-def replaced_under_key(entries: list[Entry], saved: dict[str, Any]) -> list[Entry]:
-    """The entries as restored when a plain value was saved where a tensor is now, or a tensor
-    where a plain value is now (a best loss kept as a float until the first evaluation makes it a
-    0-d tensor): replaced under its key, as a plain value is, and its saved record with it."""
-    out = []
-    for entry in entries:
-        record = saved.get(entry.key)
-        if (isinstance(record, dict) and entry.kind in _REPLACED_UNDER_KEY and record.get("kind") in _REPLACED_UNDER_KEY
-                and record["kind"] != entry.kind):
-            record["kind"] = "value"
-            entry = Entry(entry.key, entry.scope, "value", entry.target, entry.owner)
-        out.append(entry)
-    return out
-
-
-def loading_entry(entry: Entry, saved_kind: Any) -> Entry:
-    """The entry as it is restored from a checkpoint whose entry has `saved_kind`: sharded state
-    also loads into a plain module and its optimizer (a world of one gathers it whole)."""
-    if saved_kind not in _LOADS_AS_SHARDED or entry.kind not in _LOADS_AS_SHARDED[saved_kind]:
-        return entry
-    if saved_kind == "sharded_optimizer" and entry.owner is None:
-        raise IncompatibleCheckpointError(
-            f"state[{entry.key!r}]: the checkpoint holds a sharded optimizer, named by its model's "
-            "parameters; put the model it optimizes in `state` too")
-    return Entry(entry.key, SHARDED, saved_kind, entry.target, entry.owner)
-
-
-def resolve_sharded_entry(entry: Entry, saved_state: Any, reader: "sharded.ShardReader") -> Any:
-    """Sharded references in `saved_state` replaced by this rank's pieces (checks shapes and keys)."""
-    path: tuple[Any, ...] = (entry.key,)
-    if entry.kind == "sharded_module":
-        module = unwrap_module(entry.target)
-        target = sharded.target_module_state(module)
-        sharded.check_module_keys(saved_state, target, module, f"state[{entry.key!r}]")
-        # load_state_dict copies into the parameters: the pieces may view the files' buffers
-        return {"state_dict": sharded.resolve(saved_state["state_dict"], target, reader, path, may_alias=True),
-                "training": saved_state["training"], "requires_grad": saved_state.get("requires_grad")}
-    target = sharded.target_optimizer_state(entry.owner, entry.target)
-    return sharded.resolve(saved_state, target, reader, path)
 
 
 # -- restore ----------------------------------------------------------------------------------
@@ -429,37 +360,7 @@ def _is_fsdp2_hook(hook: Any) -> bool:
     return (getattr(fn, "__module__", None) or "").startswith(_FSDP2_MODULES)
 
 
-def _restore_sampler(sampler: Any, saved: dict[str, Any]) -> None:
-    if "state_dict" in saved:
-        sampler.load_state_dict(saved["state_dict"])
-        return
-    if "epoch" in saved:
-        sampler.set_epoch(saved["epoch"])
-        sampler.seed = saved["seed"]
-    if "generator" in saved:
-        sampler.generator.set_state(saved["generator"])
-    if "inner" in saved:
-        _restore_sampler(sampler.sampler, saved["inner"])
-
-
-IMPORTED = "imported"  # an entry of an imported torch.save / DCP checkpoint: its kind is the live entry's
-
-
-def normalize_imported(entry: Entry, saved: dict[str, Any]) -> dict[str, Any]:
-    """An imported entry shaped as the live entry's kind stores it (a module's state_dict gets
-    the module record around it, with no training flags); others are returned unchanged."""
-    if not isinstance(saved, dict) or saved.get("kind") != IMPORTED:
-        return saved
-    state = saved.get("state")
-    if entry.kind == "module":
-        if not isinstance(state, dict):
-            raise IncompatibleCheckpointError(f"state[{entry.key!r}]: the imported entry is not a state_dict")
-        return {"kind": "module", "state": {"state_dict": state, "metadata": {}, "training": None}}
-    if entry.kind in ("sharded_module", "sharded_optimizer"):
-        raise IncompatibleCheckpointError(
-            f"state[{entry.key!r}] is sharded (FSDP2) here; an imported checkpoint holds whole tensors: load "
-            "them into the unsharded model first (distckpt.load_weights), then shard it")
-    return {"kind": entry.kind, "state": state}
+IMPORTED = "imported"  # the kind of an imported torch.save / DCP checkpoint's entries (kinds/imported.py)
 
 
 def config_differences(saved: Any, current: Any, path: tuple[Any, ...] = ("config",)) -> list[str]:

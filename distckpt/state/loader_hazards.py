@@ -156,10 +156,11 @@ def positions_left_out(loaders: list[Any]) -> list[str]:
     return found
 
 
-def warn_positions_left_out(loaders: list[Any]) -> None:
+def warn_positions_left_out(loaders: list[Any]) -> list[str]:
+    """Warn of positions_left_out (`loaders`: the loaders in `state`); returns what it found."""
     found = positions_left_out(loaders)
     if not found:
-        return
+        return found
     message = (f"{found[0]} is in the middle of its pass and no loader in `state` is iterating it: its position "
                "does not travel, so a resume from this checkpoint takes that pass's batches from the start again "
                "and the run does not continue as it did. Put the loader in `state` (a torchdata "
@@ -168,3 +169,4 @@ def warn_positions_left_out(loaders: list[Any]) -> None:
                "(a validation pass under way at this save) may be left out")
     log.warning(message)
     warnings.warn(message, CheckpointWarning, stacklevel=4)
+    return found

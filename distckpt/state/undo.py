@@ -9,7 +9,7 @@ it mutates (schedulers, generators, samplers, containers). Modules and tensor en
 snapshotted (a second copy of a model is what a demanding user cannot afford): they are checked
 completely beforehand (keys, shapes, dtypes, submodules) and restored in a second phase, after
 every rank restored everything else. A module with load logic of its own (which may refuse) is
-restored with the others instead, its tensors copied first (kinds.py, `_ModuleLike`).
+restored with the others instead, its tensors copied first (kinds/module.py, `ModuleLike`).
 
 This module never touches storage or torch.distributed.
 """

@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -139,28 +138,6 @@ def _scheduler(sched: Any, saved: Any, where: str) -> None:
                 "build the same scheduler as the run that saved")
 
 
-def _sampler(sampler: Any, saved: dict[str, Any], where: str, world: tuple[int, int], rules: LoadRules) -> None:
-    if saved.get("type") != type(sampler).__name__:
-        raise IncompatibleCheckpointError(
-            f"{where} is a {type(sampler).__name__} but the checkpoint holds a {saved.get('type')}")
-    if "num_replicas" in saved and (saved["num_replicas"], saved["rank"]) != (sampler.num_replicas, sampler.rank):
-        raise IncompatibleCheckpointError(
-            f"{where}: DistributedSampler was saved as rank {saved['rank']} of {saved['num_replicas']} "
-            f"but is rank {sampler.rank} of {sampler.num_replicas} here")
-    if "state_dict" in saved:
-        return
-    has_generator = isinstance(getattr(sampler, "generator", None), torch.Generator)
-    if has_generator != ("generator" in saved):
-        raise IncompatibleCheckpointError(
-            f"{where}: the sampler {'has' if has_generator else 'has no'} generator here but "
-            f"{'had one' if 'generator' in saved else 'had none'} in the run that saved; build it the same way")
-    inner = getattr(sampler, "sampler", None)
-    if "inner" in saved:
-        if not isinstance(inner, torch.utils.data.Sampler):
-            raise IncompatibleCheckpointError(f"{where}: the checkpoint holds an inner sampler, this sampler has none")
-        _sampler(inner, saved["inner"], f"{where}.sampler", world, rules)
-
-
 def _tensor(target: torch.Tensor, saved: Any, where: str, world: tuple[int, int], rules: LoadRules) -> None:
     if not isinstance(saved, torch.Tensor) or target.shape != saved.shape or (
             target.dtype != saved.dtype and not rules.allow_dtype_cast):
@@ -282,34 +259,6 @@ def _offsets_are_distinct(t: torch.Tensor) -> bool:
         shape[dim] = size
         offsets = offsets + (torch.arange(size, dtype=torch.int64) * stride).reshape(shape)
     return int(offsets.reshape(-1).unique().numel()) == t.numel()
-
-
-def _generator(gen: torch.Generator, saved: Any, where: str, world: tuple[int, int], rules: LoadRules) -> None:
-    state = saved.get("state") if isinstance(saved, dict) else None
-    if not isinstance(state, torch.Tensor) or saved.get("device") != str(gen.device) \
-            or state.numel() != gen.get_state().numel():
-        raise IncompatibleCheckpointError(
-            f"{where}: the checkpoint's generator (device {saved.get('device') if isinstance(saved, dict) else '?'}) "
-            f"does not fit this torch.Generator on {gen.device}; create it on the same device")
-
-
-def _np_generator(gen: np.random.Generator, saved: Any, where: str, world: tuple[int, int], rules: LoadRules) -> None:
-    here = gen.bit_generator.state.get("bit_generator")
-    there = saved.get("bit_generator") if isinstance(saved, dict) else None
-    if here != there:
-        raise IncompatibleCheckpointError(
-            f"{where}: a NumPy Generator over {there} was saved, this one runs {here}; create it with "
-            f"np.random.Generator(np.random.{there}()) or np.random.default_rng() as the run that saved did")
-
-
-def _np_random_state(rs: Any, saved: Any, where: str, world: tuple[int, int], rules: LoadRules) -> None:
-    if not isinstance(saved, dict) or saved.get("bit_generator") != "MT19937":
-        raise IncompatibleCheckpointError(f"{where}: the checkpoint holds no NumPy RandomState state")
-
-
-def _py_random(r: Any, saved: Any, where: str, world: tuple[int, int], rules: LoadRules) -> None:
-    if not (isinstance(saved, tuple) and len(saved) == 3 and isinstance(saved[1], tuple)):
-        raise IncompatibleCheckpointError(f"{where}: the checkpoint holds no random.Random state")
 
 
 # Steps and epochs go into int64 everywhere else (a logger's tensor, DCP's metadata, another

@@ -39,13 +39,17 @@ from distckpt.protocol.doctor_hooks import (  # noqa: F401  (the doctor's names,
     KILL_AFTER_ENV,
     KILL_RANK_ENV,
     KILLED_MARK_ENV,
+    LOADERS_LEFT_OUT,
     ROOT_ENV,
     STOP_AFTER_ENV,
     WORLD_MARK_ENV,
     fingerprint_root,
     local_root,
+    notes_root,
 )
+from distckpt.state.kinds import NO_OPTIMIZER_CAUSE, Differing, Job, Kind, Trait, kind_named, registered_kinds
 from distckpt.state.replay import REPLAY_KEY
+from distckpt.state.streams import PROCESS
 from distckpt.storage import open_storage
 
 # -- comparing two runs' checkpoints ---------------------------------------------------------------
@@ -54,9 +58,10 @@ from distckpt.storage import open_storage
 class Difference:
     step: int
     where: str      # "replicated" or "rank R"
-    entry: str      # top-level key of `state`, or "rng"
+    entry: str      # top-level key of `state`, or a field of the rank's file ("rng": its process streams)
     path: str       # inside the entry
     detail: str
+    kind: str = ""  # the entry's kind as saved ("" for the rank's own fields)
 
 
 @dataclass
@@ -78,9 +83,16 @@ class Report:
     # loader entries read by workers whose dataset is not wrapped with with_worker_rng (their
     # draws are in no checkpoint, so they never show as a difference of their own)
     unwrapped_worker_loaders: list[str] = field(default_factory=list)
-    # the kind of each entry of `state` at the first differing step ("module", "loader", ...;
-    # "optimizer" for a torch.optim optimizer): what the likely causes can tell was left out
+    # each entry of `state` at the first differing step as its kind shows it ("module", "loader", ...;
+    # "optimizer" for a torch.optim optimizer, "scheduler" for an LR scheduler)
     entry_kinds: dict[str, str] = field(default_factory=dict)
+    # and what each is (Trait values: "weights", "optimizer", "data_position", ...): what the likely
+    # causes can tell was left out; and each one's kind as saved ("module", "stateful", ...)
+    entry_traits: dict[str, list[str]] = field(default_factory=dict)
+    saved_kinds: dict[str, str] = field(default_factory=dict)
+    # data loaders in the middle of a pass that no loader in `state` iterated, as the job's first
+    # saves found them ("rank R: a loader over X at batch N of M"): their position never travels
+    loaders_left_out: list[str] = field(default_factory=list)
     killed_after: int | None = None  # the step whose commit the kill followed (from the mark)
     workdir: str | None = None  # where both runs' roots are kept (None: a temporary one, removed)
 
@@ -120,6 +132,7 @@ def compare_roots(reference: str, resumed: str) -> Report:
     steps_a, steps_b = set(where_a), set(where_b)
     common = sorted(steps_a & steps_b)
     report = Report(common, sorted(steps_a - steps_b), sorted(steps_b - steps_a), None)
+    report.loaders_left_out = _read_loaders_left_out([reference, resumed])
     compared = {step: _compare_step(where_a[step], where_b[step], step) for step in common}
     unused = _unused_streams([streams for _, streams in compared.values()])
     report.unused_streams = [f"{where}: {stream}" for where, stream in sorted(unused)]
@@ -128,9 +141,7 @@ def compare_roots(reference: str, resumed: str) -> Report:
         report.per_step[step] = sorted({f"{d.where}: {d.entry}" for d in diffs})
         if diffs and report.first_step is None:
             report.first_step, report.differences = step, diffs
-            trees = _trees(where_b[step], step)
-            report.unwrapped_worker_loaders = _unwrapped_worker_loaders(trees)
-            report.entry_kinds = _entry_kinds(trees)
+            _describe_entries(report, _trees(where_b[step], step))
             report.causes = likely_causes(diffs, report)
     return report
 
@@ -141,7 +152,7 @@ Stream = tuple[str, str]  # (where, "rng/<stream>"): one process stream of one r
 def _stream(d: Difference) -> str:
     """The process stream a difference is a state of: the rank's own (rng/...), or the copy a
     loader's sampler replay took of a global stream when its epoch started."""
-    if d.entry == "rng":
+    if d.entry == PROCESS_STREAMS and not d.kind:
         return f"rng/{d.path.split('/')[0]}"
     replayed = _REPLAY_RECORD.search(d.path)
     return f"rng/{_REPLAYED_AS[replayed.group(1)]}" if replayed else ""
@@ -149,8 +160,9 @@ def _stream(d: Difference) -> str:
 
 # A loader's saved state holds the global streams as its epoch started (replay.py); a stream the
 # run never seeds nor draws from differs there between the runs as it does under rng/.
-_REPLAY_RECORD = re.compile(rf"(?:^|/){re.escape(REPLAY_KEY)}/epoch_start/global/(torch|python|numpy)(?:/|$)")
-_REPLAYED_AS = {"torch": "torch_cpu", "python": "python", "numpy": "numpy"}
+_REPLAYED_AS = {stream.epoch_start_name: stream.name for stream in PROCESS}
+_REPLAY_RECORD = re.compile(rf"(?:^|/){re.escape(REPLAY_KEY)}/epoch_start/global/({'|'.join(_REPLAYED_AS)})(?:/|$)")
+PROCESS_STREAMS = "rng"  # a rank file's field holding its process streams (rng.py)
 
 
 def _unused_streams(steps: list[tuple[dict[Stream, Any], dict[Stream, Any]]]) -> set[Stream]:
@@ -167,6 +179,18 @@ def _unused_streams(steps: list[tuple[dict[Stream, Any], dict[Stream, Any]]]) ->
                 and not _same_leaves(a[0], b[0]):
             out.add(key)
     return out
+
+
+def _read_loaders_left_out(roots: list[str]) -> list[str]:
+    """What either run's saves noted of loaders left out of `state` (note_loaders_left_out), by rank."""
+    found: set[str] = set()
+    for root in roots:
+        directory = notes_root(root)
+        for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+            if name.startswith(f"{LOADERS_LEFT_OUT}-rank-") and name.endswith(".txt"):
+                rank = name[len(f"{LOADERS_LEFT_OUT}-rank-"):-4]
+                found.update(f"rank {rank}: {line.strip()}" for line in open(os.path.join(directory, name)) if line.strip())
+    return sorted(found)
 
 
 def compare_fingerprints(reference: str, resumed: str) -> int | None:
@@ -201,6 +225,7 @@ def _committed(root: str) -> dict[int, Any]:
 def _compare_step(a: Any, b: Any, step: int) -> tuple[list[Difference], tuple[dict[Stream, Any], dict[Stream, Any]]]:
     """The differences at `step`, and each run's process streams there (for _unused_streams)."""
     trees_a, trees_b = _trees(a, step), _trees(b, step)
+    kinds = {**_saved_kind_names(trees_a), **_saved_kind_names(trees_b)}
     out = []
     for where in sorted(set(trees_a) | set(trees_b)):
         name = where
@@ -212,41 +237,42 @@ def _compare_step(a: Any, b: Any, step: int) -> tuple[list[Difference], tuple[di
             x, y = left.get(path, _MISSING), right.get(path, _MISSING)
             if not _same(x, y):
                 entry, _, inner = path.partition("/")
+                kind = ""
                 if entry == "entries":
                     entry, _, inner = inner.partition("/")
-                out.append(Difference(step, where, entry, inner, _describe(x, y)))
+                    kind = kinds.get((where, entry), "")
+                out.append(Difference(step, where, entry, inner, _describe(x, y), kind))
     return out, (_streams(trees_a), _streams(trees_b))
 
 
-def _unwrapped_worker_loaders(trees: dict[str, Any]) -> list[str]:
-    """The loader entries saved with workers (torchdata's `_num_workers` > 0) whose state holds no
-    worker streams (no with_worker_rng)."""
-    workers: set[str] = set()
-    wrapped: set[str] = set()
+def _saved_records(trees: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(where, key, record) of every saved entry of the step's files."""
+    out = []
     for where, tree in trees.items():
-        if not where.startswith("rank"):
-            continue
-        for path, value in _leaves(tree.get("entries", {}) if isinstance(tree, dict) else {}):
-            key = path.split("/")[0]
-            if path.endswith("/_num_workers") and isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                workers.add(key)
-            if "/worker_rng" in path:
-                wrapped.add(key)
-    return sorted(workers - wrapped)
-
-
-def _entry_kinds(trees: dict[str, Any]) -> dict[str, str]:
-    """Each saved entry's kind, from any file that holds it; a torch.optim optimizer (saved with
-    its class name, or sharded) as "optimizer"."""
-    kinds: dict[str, str] = {}
-    for tree in trees.values():
         entries = tree.get("entries") if isinstance(tree, dict) else None
         for key, saved in (entries.items() if isinstance(entries, dict) else []):
-            if not isinstance(saved, dict) or not isinstance(saved.get("kind"), str):
-                continue
-            optimizer = saved["kind"] == "sharded_optimizer" or isinstance(saved.get("type"), str)
-            kinds[key] = "optimizer" if optimizer else saved["kind"]
-    return kinds
+            if isinstance(saved, dict) and isinstance(saved.get("kind"), str):
+                out.append((where, key, saved))
+    return out
+
+
+def _saved_kind_names(trees: dict[str, Any]) -> dict[tuple[str, str], str]:
+    return {(where, key): saved["kind"] for where, key, saved in _saved_records(trees)}
+
+
+def _describe_entries(report: Report, trees: dict[str, Any]) -> None:
+    """Each saved entry's kind, as shown and as what it is (its traits), from any file that holds
+    it; and the entries whose records show draws no checkpoint holds (loader workers over a
+    dataset not wrapped with with_worker_rng)."""
+    outside: set[str] = set()
+    for _, key, saved in _saved_records(trees):
+        kind = kind_named(saved["kind"])
+        report.saved_kinds[key] = kind.name
+        report.entry_kinds[key] = kind.shown_as(saved)
+        report.entry_traits[key] = sorted({*report.entry_traits.get(key, []), *(t.value for t in kind.traits(saved))})
+        if kind.draws_outside_checkpoint(saved):
+            outside.add(key)
+    report.unwrapped_worker_loaders = sorted(outside)
 
 
 def _streams(trees: dict[str, Any]) -> dict[Stream, Any]:
@@ -312,84 +338,64 @@ def _describe(x: Any, y: Any) -> str:
     return f"{str(x)[:60]} uninterrupted, {str(y)[:60]} resumed"
 
 
-_TORCHDATA_FIELDS = frozenset({"fetcher_state", "dataset_state", "dataset_iter_state", "sampler_iter_state"})
-
-
 def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
-    """What usually makes these entries differ, and the fix."""
-    by_entry = {(d.where, d.entry) for d in diffs}
-    entries = {e for _, e in by_entry}
-    ranks = sorted({w for w, _ in by_entry if w.startswith("rank")})
+    """What usually makes these entries differ, and the fix: each differing entry's kind says what
+    it usually means (kinds/, `Kind.likely_causes`), in the order the kinds are asked."""
     if report.first_step is not None and report.killed_after is not None and report.first_step <= report.killed_after:
         # both checkpoints were written before the kill: the runs differ on their own, not by the resume
         return [f"the runs already differ at step {report.first_step}, which both wrote before the kill → the script "
                 "is not the same run to run (a nondeterministic op, a wall-clock or process-id value in `state`, "
                 "randomness never seeded); the resume cannot be judged until two uninterrupted runs agree: seed "
                 "everything, torch.use_deterministic_algorithms(True), keep time out of `state`"]
+    job = _job(diffs, report)
+    by_kind: dict[str, list[Differing]] = {}
+    for d in diffs:
+        if d.kind:
+            by_kind.setdefault(d.kind, []).append(Differing(d.where, d.entry, d.path, d.detail))
     causes = []
-    plain = sorted({f"`{d.entry}`: {d.detail}" for d in diffs if d.path == "state" and "elements differ" not in d.detail
-                    and not d.detail.startswith("tensor ")})
-    if plain:
-        causes.append(f"a plain value in `state` differs ({'; '.join(plain[:3])}) → a loop variable is not written into "
-                      "`state` before each save, or not read back from it after the load (README: plain loop variables)")
-    kinds = report.entry_kinds
-    models_differ = any(kinds.get(e) in ("module", "sharded_module") for e in entries)
-    if (report.fingerprint_every is not None and not report.fingerprints_taken) or (
-            models_differ and kinds and "optimizer" not in kinds.values()):
-        causes.append("no torch.optim optimizer in `state` → after a resume its moments and step count start over; "
-                      "put the optimizer in `state`")
-    if "scheduler" in entries:
-        causes.append("the LR scheduler's state differs → it was stepped a different number of times after the resume "
-                      "(a step counter not restored), or it is not in `state`")
-    if any(d.entry == "loader" and "worker_rng" in d.path for d in diffs):
-        # these streams are saved only for a dataset wrapped with with_worker_rng: it is wrapped
-        causes.append(f"{', '.join(ranks) or 'a rank'}: `loader` worker streams differ from step {report.first_step} → "
-                      "the workers started their pass at another point after the resume: an iterator made twice "
-                      "(a peek `next(iter(loader))` at an epoch's start takes the resumed position), or a batch "
-                      "drawn before the save; or the dataset draws from a generator of its own in the workers")
-    for key in report.unwrapped_worker_loaders:
-        causes.append(f"`{key}` worker streams differ (not saved) → `{key}` is read by loader workers and its dataset is "
-                      "not wrapped with distckpt.with_worker_rng, so their random draws (augmentation) restart "
-                      "differently after a resume; wrap the dataset")
-    positions = [d for d in diffs if d.entry == "loader" and "worker_rng" not in d.path]
-    # torchdata's loader state names its fields with a leading underscore (_num_yielded, _snapshot)
-    # or as below; a position the loop keeps itself (a custom loader's counters in a per_rank dict) does not
-    if any(any(part.startswith("_") or part in _TORCHDATA_FIELDS for part in d.path.split("/")) for d in positions):
-        causes.append("the loader's position differs → a batch drawn before the save (prefetching) is not in "
-                      "state (keep it there: the README's loop patterns), or an iterator made twice after the resume "
-                      "(a peek `next(iter(loader))` at an epoch's start) took the resumed position")
-    elif positions:
-        causes.append(f"the position your loop keeps in `state['loader']` differs ({positions[0].path}: "
-                      f"{positions[0].detail}) → it is not applied back to your loader after the load, or it is "
-                      "written into `state` at another point than right before each save")
-    if any((d.entry == "sampler" or kinds.get(d.entry) == "sampler") and d.path.endswith("epoch") for d in diffs):
-        if kinds and "loader" not in kinds.values():
-            causes.append("the sampler's epoch differs and no data loader is in `state` → the resumed run started the "
-                          "saved epoch over (its position inside the epoch is lost), so its steps fell in other epochs "
-                          "than the uninterrupted run's: put the loader (a torchdata StatefulDataLoader) in `state` "
-                          "(README: keep the loader in `state`)")
-        else:
-            causes.append("the sampler's epoch differs → call sampler.set_epoch(epoch) at every epoch start "
-                          "(and pass epoch= to save)")
-    if any(d.path.startswith("training/") or "/training/" in d.path for d in diffs):
-        causes.append("a module's training flag differs → a validation pass left a submodule in eval mode "
-                      "differently; put the model in state as trained and call .train() after validation")
-    if "scheduler" not in entries and any(d.entry == "optimizer" and re.search(r"param_groups/\d+/(lr|initial_lr)$", d.path)
-                                          for d in diffs):
-        causes.append("the optimizer's learning rate differs → the learning-rate schedule did not resume: is the "
-                      "LR scheduler in `state` (and stepped at the same points after a resume)?")
-    if "rng" in entries:
+    if report.fingerprint_every is not None and not report.fingerprints_taken:
+        causes.append(NO_OPTIMIZER_CAUSE)
+    for kind in _kinds_to_ask(by_kind, job):
+        causes += kind.likely_causes(by_kind.get(kind.name, []), job)
+    causes += _loaders_left_out(report)
+    if any(d.entry == PROCESS_STREAMS and not d.kind for d in diffs):
         causes.append("a process-wide stream (Python, NumPy, torch) differs → something draws random numbers "
-                      "at a different point after a resume (a fresh DDP/compile warm-up, an iterator created "
+                      "at a different point after a resume (a fresh DDP/compile warm-up, an iterator made "
                       "twice); look at what the loop does before its first step")
-    if not causes and entries & {"model", "optimizer", "scheduler"} or not causes:
-        causes.append(f"every captured stream equal at the step before, {', '.join(sorted(entries))} differ at step "
+    if not causes:
+        entries = sorted({d.entry for d in diffs})
+        causes.append(f"every captured stream equal at the step before, {', '.join(entries)} differ at step "
                       f"{report.first_step} → a random stream outside `state` was drawn in between (a random.Random "
                       "or np.random.Generator instance kept elsewhere, a dataset's own generator), a value the "
                       "loop carries from step to step outside `state` (an RNN's hidden state, a counter gating "
                       "updates such as enumerate(loader)'s index, which restarts at 0 after a resume), or a batch "
                       "drawn before the save; put it in `state` (distckpt.per_rank for per-rank objects)")
-    return causes
+    return list(dict.fromkeys(causes))
+
+
+def _job(diffs: list[Difference], report: Report) -> Job:
+    traits = {key: frozenset(Trait(t) for t in values) for key, values in report.entry_traits.items()}
+    kinds = {**{d.entry: kind_named(d.kind) for d in diffs if d.kind},
+             **{key: kind_named(name) for key, name in report.saved_kinds.items()}}
+    return Job(traits=traits, differing={d.entry: traits.get(d.entry, frozenset()) for d in diffs if d.kind},
+               first_step=report.first_step, kinds=kinds, draws_outside=frozenset(report.unwrapped_worker_loaders))
+
+
+def _kinds_to_ask(by_kind: dict[str, list[Differing]], job: Job) -> list[Kind]:
+    """The kinds of the differing entries, and those of entries whose records say they draw outside
+    any checkpoint, in the order the registry asks them (then any unregistered ones)."""
+    wanted = set(by_kind) | {job.kinds[key].name for key in job.draws_outside if key in job.kinds}
+    known = [k for k in registered_kinds() if k.name in wanted]
+    return known + [kind_named(name) for name in sorted(wanted - {k.name for k in known})]
+
+
+def _loaders_left_out(report: Report) -> list[str]:
+    if not report.loaders_left_out:
+        return []
+    return [f"`state` holds no loader iterating the training data ({report.loaders_left_out[0]}, found by the job's "
+            "own saves) → its position does not travel: a resume takes that pass's batches from its start again "
+            "(and a shuffling loader draws its order anew); put the DataLoader in `state`, as a torchdata "
+            "StatefulDataLoader (a drop-in replacement whose position is saved)"]
 
 
 def _check_kill_rank(kill_rank: int | None, world_mark: str) -> None:

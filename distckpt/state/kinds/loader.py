@@ -1,0 +1,355 @@
+"""A data loader with state_dict (torchdata's StatefulDataLoader): its position, per rank.
+
+Beside torchdata's own keys, its saved state holds the loader's own generator, what its
+position counts in (the samplers' kinds, the dataset's length, the order's settings), the
+record of its epoch's start for a sampler replayed from it (replay.py), the samplers' epochs,
+and whether the loop had dropped its iterator.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from distckpt.errors import IncompatibleCheckpointError, UnstorableValueError
+from distckpt.state import epoch_record, loader_hazards, loader_plan, replay, undo
+from distckpt.state.capture import (
+    FABRIC_MODULES,
+    PER_RANK,
+    CheckpointWarning,
+    Entry,
+    Release,
+    _has_state_dict,
+    has_class_named,
+)
+from distckpt.state.kinds.base import Differing, Job, Kind, Trait, World, shown
+from distckpt.state.undo import Undo
+from distckpt.state.validation import LoadRules
+from distckpt.state.workers import WorkerRngDataset, WorkerRngIterableDataset
+
+log = logging.getLogger("distckpt")
+
+
+class Loader(Kind):
+    """A data loader with state_dict (torchdata's StatefulDataLoader): its position."""
+
+    name, scope = "loader", PER_RANK
+    description = "a data loader with state_dict (torchdata's StatefulDataLoader): its position, per rank"
+    holds_data_position = True
+
+    def matches(self, key: str, obj: Any) -> bool:
+        if isinstance(obj, torch.utils.data.DataLoader) and not issubclass(type(obj), torch.utils.data.DataLoader):
+            # Hugging Face Accelerate's prepared loader (DataLoaderShard, DataLoaderDispatcher)
+            # answers __class__ with its base loader's class: taken for one, every resume drew
+            # another shuffle order and moved the global stream (it fetches a batch ahead and
+            # reseeds each epoch, none of which its base loader's position holds)
+            raise UnstorableValueError(
+                f"state[{key!r}] is {type(obj).__module__}.{type(obj).__name__}, a wrapper that passes for a "
+                f"{obj.__class__.__name__} (Hugging Face Accelerate's prepared loader): it iterates its loader a "
+                "batch ahead and reseeds it each epoch, so a resume would not continue exactly. Keep the loader out "
+                "of accelerator.prepare(): build a torchdata StatefulDataLoader with a DistributedSampler and put "
+                "that in `state` (README: Hugging Face Accelerate)")
+        if has_class_named(obj, "_FabricDataLoader", *FABRIC_MODULES):
+            # Its __iter__ calls set_epoch on the sampler with its own count of iter() calls, which
+            # restarts at 0 in a resumed process: a resume took another epoch's order, silently
+            raise UnstorableValueError(
+                f"state[{key!r}] is Lightning Fabric's loader wrapper (fabric.setup_dataloaders): each iter() sets the "
+                "sampler's epoch to its own count of iter() calls, which restarts at 0 in a resumed process, so a "
+                "resume would take another epoch's order. Iterate the torchdata StatefulDataLoader itself (with "
+                "a DistributedSampler you build, sampler.set_epoch(epoch) at each epoch start) and put that in "
+                "`state`; move batches with fabric.to_device (README: Lightning Fabric)")
+        if isinstance(obj, torch.utils.data.DataLoader) and not _has_state_dict(obj):
+            raise UnstorableValueError(
+                f"state[{key!r}] is a DataLoader without state_dict(): its position cannot be "
+                "saved; use torchdata.stateful_dataloader.StatefulDataLoader (a drop-in "
+                "replacement), or leave the loader out and store its sampler and generator")
+        return isinstance(obj, torch.utils.data.DataLoader)
+
+    def capture(self, entry: Entry) -> Any:
+        was_dropped = loader_plan.dropped(entry.target)  # first: nothing here may hold its iterator yet
+        if getattr(entry.target, "in_order", True) is False and getattr(entry.target, "num_workers", 0) > 0:
+            # torchdata keeps no position it can resume then: batches come as workers finish them
+            # (a resume lost one batch and repeated another, silently)
+            raise UnstorableValueError(
+                f"state[{entry.key!r}] is a loader with in_order=False and workers: its batches arrive in the order "
+                "the workers finish them, and torchdata cannot resume such a position. Build it with in_order=True "
+                "(the default) to checkpoint it, or leave it out of `state`")
+        _warn_unwrapped_workers(entry)
+        loader_hazards.warn_lossy_dataset_state(entry.target, entry.key)
+        loader_hazards.refuse_a_fabric_wrapper(entry.target, entry.key)
+        untouched = loader_plan.restored_untouched(entry.target)
+        if untouched is not None:  # restored and not iterated since: saved as it was loaded (state_dict()
+            # would start the next pass here, after a dropped iterator, and save that pass's start: the
+            # same future in other bytes, which made `distckpt doctor` report a resume that was exact)
+            saved, was_dropped = dict(untouched.state), untouched.dropped
+        else:
+            saved = entry.target.state_dict()
+        generator = _own_generator(entry.target)
+        if generator is not None and isinstance(saved, dict):
+            # The loader's generator= shuffles and seeds every later epoch; the loader's state
+            # does not hold it, so a generator not also put in `state` came back untouched and the
+            # next epoch's order differed from the uninterrupted run's. It travels with the loader.
+            saved = {**saved, _LOADER_GENERATOR: generator.get_state()}
+        if isinstance(saved, dict):
+            saved = {**saved, _LOADER_MAKEUP: _loader_makeup(entry.target)}
+        sampling = replay.capture(entry.target, entry.key) if untouched is None else untouched.replay
+        if sampling is not None and isinstance(saved, dict):
+            saved = {**saved, replay.REPLAY_KEY: sampling}
+        if was_dropped and isinstance(saved, dict):
+            saved = {**saved, loader_plan.DROPPED_KEY: True}
+        epochs = epoch_record.capture_epochs(entry.target, was_dropped,
+                                       mid_pass=None if untouched is None else untouched.mid_pass)
+        if epochs is not None and isinstance(saved, dict):
+            saved = {**saved, epoch_record.EPOCHS_KEY: epochs}
+        return saved
+
+    def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
+        if not isinstance(saved, dict):
+            return
+        workers = _saved_worker_count(saved)
+        live = getattr(entry.target, "num_workers", 0)
+        if workers is not None and workers != live:
+            raise IncompatibleCheckpointError(
+                f"{where}: the loader was saved with num_workers={workers} and this one has num_workers={live}: "
+                "torchdata resumes a position only with the same number of workers (a different number "
+                f"failed at the next iter()); build the loader with num_workers={workers}")
+        _check_loader_makeup(entry.target, saved.get(_LOADER_MAKEUP), where)
+        replay.check(entry.target, saved.get(replay.REPLAY_KEY), where)
+        if _LOADER_GENERATOR in saved:
+            generator = _own_generator(entry.target)
+            if generator is None:
+                raise IncompatibleCheckpointError(
+                    f"{where}: the loader was saved with a generator= of its own and this one has none, so its "
+                    "later epochs would shuffle differently: build it with generator=torch.Generator()")
+            try:
+                torch.Generator(device=generator.device).set_state(saved[_LOADER_GENERATOR])
+            except (TypeError, RuntimeError) as e:
+                raise IncompatibleCheckpointError(f"{where}: the loader's generator state does not fit its "
+                                                  f"generator: {e}") from e
+
+    def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        sampling, was_dropped, epochs = None, False, None
+        if isinstance(value, dict) and ({_LOADER_GENERATOR, _LOADER_MAKEUP, replay.REPLAY_KEY, loader_plan.DROPPED_KEY,
+                                         epoch_record.EPOCHS_KEY} & set(value)):
+            value = dict(value)
+            value.pop(_LOADER_MAKEUP, None)
+            epochs = value.pop(epoch_record.EPOCHS_KEY, None)
+            sampling = value.pop(replay.REPLAY_KEY, None)
+            was_dropped = value.pop(loader_plan.DROPPED_KEY, False) is True
+            generator_state = value.pop(_LOADER_GENERATOR, None)
+            generator = _own_generator(entry.target)
+            if generator is not None and generator_state is not None:  # validated
+                generator.set_state(generator_state)
+        _warn_iterator_made_before(entry)
+        entry.target.load_state_dict(value)
+        loader_plan.plan_resume(entry.target, sampling, was_dropped, epochs, f"state[{entry.key!r}]", restored=value)
+        return []
+
+    def observe(self, target: Any) -> None:
+        loader_plan.watch(target)  # each epoch's start, for a save in its middle
+
+    def prepare_capture(self, entry: Entry) -> None:
+        loader_plan.make_first_iterator(entry.target)  # it draws: before the streams are recorded
+
+    def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
+        attributes = dict(vars(entry.target))  # StatefulDataLoader.load_state_dict only sets attributes
+        generator = _own_generator(entry.target)
+        before = generator.get_state() if generator is not None else None
+
+        def put_back() -> None:
+            undo.replace_dict(vars(entry.target), attributes.items())
+            if generator is not None and before is not None:
+                generator.set_state(before)
+
+        return put_back
+
+    # -- what a saved record is ------------------------------------------------------------------
+
+    def summary(self, state: Any) -> dict[str, Any]:
+        return {"position": _position(state)} if isinstance(state, dict) else {}
+
+    def traits(self, record: dict[str, Any]) -> frozenset[Trait]:
+        return frozenset({Trait.DATA_POSITION})
+
+    def draws_outside_checkpoint(self, record: dict[str, Any]) -> bool:
+        """Read by workers (torchdata's `_num_workers` > 0) and holding no worker streams (its
+        dataset is not wrapped with with_worker_rng): their draws are in no checkpoint."""
+        workers = wrapped = False
+        for path, value in _leaves(record.get("state"), ""):
+            if path.endswith("/_num_workers") and type(value) is int and value > 0:
+                workers = True
+            if "/worker_rng" in path:
+                wrapped = True
+        return workers and not wrapped
+
+    def likely_causes(self, differing: list[Differing], job: Job) -> list[str]:
+        causes = []
+        streams = [d for d in differing if _WORKER_STREAMS in d.path]
+        if streams:  # saved only for a dataset wrapped with with_worker_rng: it is wrapped
+            ranks = sorted({d.where for d in streams if d.where.startswith("rank")})
+            causes.append(f"{', '.join(ranks) or 'a rank'}: `{streams[0].key}` worker streams differ from step "
+                          f"{job.first_step} → the workers started their pass at another point after the resume: an "
+                          "iterator made twice (a peek `next(iter(loader))` at an epoch's start takes the resumed "
+                          "position), or a batch drawn before the save; or the dataset draws from a generator of its "
+                          "own in the workers")
+        for key in (k for k in job.keys_of(self) if k in job.draws_outside):
+            causes.append(f"`{key}` worker streams differ (not saved) → `{key}` is read by loader workers and its "
+                          "dataset is not wrapped with distckpt.with_worker_rng, so their random draws (augmentation) "
+                          "restart differently after a resume; wrap the dataset")
+        if any(_WORKER_STREAMS not in d.path and d.path != "kind" for d in differing):
+            causes.append("the loader's position differs → a batch drawn before the save (prefetching) is not in "
+                          "state (keep it there: the README's loop patterns), or an iterator made twice after the "
+                          "resume (a peek `next(iter(loader))` at an epoch's start) took the resumed position")
+        return causes
+
+
+_WORKER_STREAMS = "worker_rng"  # with_worker_rng's key for the workers' streams (workers.py)
+
+
+def _leaves(value: Any, path: str) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in _leaves(v, f"{path}/{k}")]
+    if isinstance(value, (list, tuple)):
+        return [leaf for i, v in enumerate(value) for leaf in _leaves(v, f"{path}/{i}")]
+    return [(path, value)]
+
+
+# A StatefulDataLoader's position fields, without workers and in a worker snapshot's main part
+_POSITION_FIELDS = ("_num_yielded", "_sampler_iter_yielded", "_iterator_finished", "_num_workers", "_snapshot_step",
+                    "_steps_since_snapshot", "_last_yielded_worker_id")
+
+
+def _position(state: dict[str, Any]) -> dict[str, Any]:
+    """A StatefulDataLoader's position: its own fields without workers; with workers, those of its
+    main-process snapshot plus the snapshot's step and the batches yielded since."""
+    out = {k: shown(v) for k, v in state.items() if k in _POSITION_FIELDS}
+    snapshot = state.get("_snapshot")
+    if isinstance(snapshot, dict):
+        out.update({k: shown(v) for k, v in snapshot.items() if k in _POSITION_FIELDS})
+        main = snapshot.get("_main_snapshot")
+        if isinstance(main, dict):
+            out.update({k: shown(v) for k, v in main.items() if k in _POSITION_FIELDS})
+    return out
+
+
+_LOADER_GENERATOR = "_distckpt_loader_generator"  # beside torchdata's keys in the loader's saved state
+_LOADER_MAKEUP = "_distckpt_loader_makeup"  # what its position counts in: the samplers' kinds, the dataset's length
+
+
+def _loader_makeup(loader: Any) -> dict[str, Any]:
+    """What a saved position means only together with: a position taken over a shuffled sampler
+    put into a loader built with shuffle=False failed at the next iter() with a bare
+    AssertionError from torchdata; over a dataset of another length the rest of the epoch came
+    from another permutation (items seen before the save came again), silently."""
+    makeup: dict[str, Any] = {name: type(getattr(loader, name)).__qualname__
+                              for name in ("sampler", "batch_sampler") if getattr(loader, name, None) is not None}
+    try:
+        makeup["dataset_len"] = len(loader.dataset)
+    except (TypeError, NotImplementedError, AttributeError):  # an IterableDataset: no length to compare
+        pass
+    # A batch sampler of the user's (batch_sampler=): the position counts its batches, so another
+    # batch size resumed at another item (5 batches of 2 saved, 5 batches of 3 skipped), silently
+    size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    if getattr(loader, "batch_size", 0) is None and isinstance(size, int) and not isinstance(size, bool):
+        makeup["batch_sampler_batch_size"] = size
+    settings = epoch_record.sampler_settings(loader)
+    if settings:
+        makeup["sampler_settings"] = settings
+    return makeup
+
+
+def _check_loader_makeup(loader: Any, saved: Any, where: str) -> None:
+    if not isinstance(saved, dict):
+        return  # saved before the makeup was recorded
+    live = _loader_makeup(loader)
+    for name in ("sampler", "batch_sampler"):
+        if name in saved and name in live and saved[name] != live[name]:
+            raise IncompatibleCheckpointError(
+                f"{where}: the loader was saved with {name} {saved[name]} and this one has {live[name]} (shuffle= or "
+                f"{name}= changed?): its position counts in that {name}'s order; build the loader as it was saved")
+    size = "batch_sampler_batch_size"
+    if size in saved and size in live and saved[size] != live[size]:
+        raise IncompatibleCheckpointError(
+            f"{where}: the loader's batch sampler was saved with batch_size={saved[size]} and this one has "
+            f"batch_size={live[size]}: a batch sampler's position counts its batches, so the resume would continue "
+            f"at another item (some never seen in this epoch, or seen twice); build it with batch_size={saved[size]}, "
+            "or change it at an epoch boundary with the loader left out of that load")
+    _check_sampler_settings(saved.get("sampler_settings"), live.get("sampler_settings", {}), where)
+    if "dataset_len" in saved and "dataset_len" in live and saved["dataset_len"] != live["dataset_len"]:
+        raise IncompatibleCheckpointError(
+            f"{where}: the loader's dataset has {live['dataset_len']} items and had {saved['dataset_len']} when saved: "
+            "the saved position would continue another epoch's order (items seen before the save again, others never); "
+            "resume over the same dataset, or start the new data at an epoch boundary without the loader's state")
+
+
+def _check_sampler_settings(saved: Any, live: dict[str, dict[str, bool]], where: str) -> None:
+    if not isinstance(saved, dict):
+        return  # saved before the settings were recorded
+    for path, settings in sorted(saved.items()):
+        if not isinstance(settings, dict) or path not in live:
+            continue
+        for name, was in sorted(settings.items()):
+            is_ = live[path].get(name)
+            if is_ is not None and is_ != was:
+                raise IncompatibleCheckpointError(
+                    f"{where}: the loader's {path} was saved with {name}={was} and has {name}={is_} here: its position "
+                    f"counts in the saved order, so the resume would continue another one (items seen before the save "
+                    f"again, others never); build the sampler with {name}={was}, or change it at an epoch boundary with "
+                    "the loader left out of that load")
+
+
+def _warn_iterator_made_before(entry: Entry) -> None:
+    """An iterator of the loader made before the load (`it = iter(loader)` above load_latest)
+    goes on from where it was, not from the checkpoint's position: only the next iter() resumes.
+    Said rather than refused: a loop that rolls back with load(state, step) and then iterates
+    afresh is right."""
+    loader = entry.target
+    if getattr(loader, "_iterator", None) is None or getattr(loader, "_initial_iter_for_state_dict", False):
+        return
+    message = (f"state[{entry.key!r}]: an iterator of this loader was made before this load; it goes on from its "
+               "own position, not the checkpoint's. Make the iterator after the load (iter(loader) or "
+               "`for batch in loader` after load_latest); only a new one resumes")
+    log.warning(message)
+    warnings.warn(message, CheckpointWarning, stacklevel=6)
+
+
+def _own_generator(loader: Any) -> torch.Generator | None:
+    generator = getattr(loader, "generator", None)
+    if isinstance(generator, torch.Generator) and generator is not torch.default_generator:
+        return generator
+    return None  # torch's default generator travels with the process's streams
+
+
+def _saved_worker_count(saved: dict[str, Any]) -> int | None:
+    """The num_workers a StatefulDataLoader state was saved with (None: not torchdata's layout)."""
+    snapshot = saved.get("_snapshot")
+    if isinstance(snapshot, dict):
+        main = snapshot.get("_main_snapshot")
+        count = main.get("_num_workers") if isinstance(main, dict) else None
+        return count if isinstance(count, int) else None
+    return 0 if "_num_yielded" in saved else None
+
+
+_WARNED_LOADERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _warn_unwrapped_workers(entry: Entry) -> None:
+    """Once per loader with workers: they seed their own random streams when an epoch starts, and only a
+    dataset wrapped with with_worker_rng carries them in the loader's state. A dataset that draws
+    nothing needs no wrapper, which is why this warns rather than refuses."""
+    loader = entry.target
+    dataset = getattr(loader, "dataset", None)
+    if loader in _WARNED_LOADERS or isinstance(dataset, (WorkerRngDataset, WorkerRngIterableDataset)):
+        return
+    if getattr(loader, "num_workers", 0) <= 0:
+        return  # replayed in this process from the streams its epoch started with (replay.py)
+    _WARNED_LOADERS.add(loader)
+    message = (f"state[{entry.key!r}] loads with {loader.num_workers} workers and its dataset is not wrapped "
+               "with distckpt.with_worker_rng(dataset): random draws inside the workers (augmentation, "
+               "random crops) will not resume exactly. Wrap the dataset, or ignore this if it draws nothing")
+    log.warning(message)
+    warnings.warn(message, CheckpointWarning, stacklevel=6)
