@@ -81,7 +81,6 @@ from distckpt.runtime.preemption import PreemptionFlag
 from distckpt.runtime.versions import VersionsProbe
 from distckpt.state import loader_hazards
 from distckpt.state.capture import SHARDED, CheckpointWarning
-from distckpt.state.ddp import install_bucket_warmup
 from distckpt.state.kinds import classify, staged_tensors
 from distckpt.state.validation import LoadRules, check_step
 from distckpt.storage import Storage, open_storage
@@ -292,7 +291,8 @@ class CheckpointManager:
         if refusal is not None:
             self._refuse_save(step, refusal)
         if self._save_seq < 2:  # a loop's loader left out of `state` (the first two: a step-0 save may come first)
-            loader_hazards.warn_positions_left_out([e.target for e in entries if e.kind == "loader"])
+            left_out = loader_hazards.warn_positions_left_out([e.target for e in entries if e.kind_spec.holds_data_position])
+            doctor_hooks.note_loaders_left_out(left_out, self.rank)  # for the doctor's likely causes
         doctor_hooks.rebase_fingerprints(step)
         durable = self._next_save_is_durable(entries, metric)
         replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)
@@ -851,8 +851,7 @@ class CheckpointManager:
         if self.config.async_save:
             self._warm_staging(entries)
         for entry in entries:
-            if entry.kind == "module":
-                install_bucket_warmup(entry.target)
+            entry.kind_spec.after_load(entry)  # a DDP model's first step rebuilds its buckets
         if progress is not None:
             for line in progress.config_diff:
                 log.warning("rank %d: config differs from the checkpoint's: %s", self.rank, line)
