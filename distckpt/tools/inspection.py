@@ -22,6 +22,7 @@ from distckpt.io.serialize import checked_header, decode_tree, load_tree_file
 from distckpt.protocol import incremental
 from distckpt.protocol.commit import check_not_superseded, list_committed, read_marker, read_verified_manifest
 from distckpt.protocol.fencing import Lease, read_leases
+from distckpt.state.kinds import kind_named
 from distckpt.storage import Storage
 
 
@@ -134,9 +135,9 @@ def _header_tree(data: bytes, where: str,
 
 def _describe_tensor(tensor: torch.Tensor) -> str:
     dtype = str(tensor.dtype).replace("torch.", "")
-    kind = "parameter" if isinstance(tensor, torch.nn.Parameter) else "tensor"
-    grad = " requires_grad" if tensor.requires_grad and kind == "tensor" else ""
-    return f"<{kind} {dtype} {list(tensor.shape)}{grad}>"
+    parameter = isinstance(tensor, torch.nn.Parameter)
+    grad = " requires_grad" if tensor.requires_grad and not parameter else ""
+    return f"<{'parameter' if parameter else 'tensor'} {dtype} {list(tensor.shape)}{grad}>"
 
 
 def describe_step(storage: Storage, step: int) -> dict[str, Any]:
@@ -170,32 +171,8 @@ def _describe_step(storage: Storage, step: int) -> dict[str, Any]:
 
 
 def _summarise(entry: dict[str, Any]) -> dict[str, Any]:
-    state, kind = entry["state"], entry["kind"]
-    out: dict[str, Any] = {"kind": kind}
-    if kind == "sampler":
-        out.update({k: state[k] for k in ("type", "epoch", "seed", "num_replicas", "rank") if k in state})
-        if "state_dict" in state:
-            out["state_dict"] = _plain(state["state_dict"])
-    elif kind == "loader" and isinstance(state, dict):
-        out["position"] = _loader_position(state)
-    elif kind == "generator":
-        out["device"] = state.get("device")
-    return out
-
-
-def _loader_position(state: dict[str, Any]) -> dict[str, Any]:
-    """A StatefulDataLoader's position: its own fields without workers; with workers, those of its
-    main-process snapshot plus the snapshot's step and the batches yielded since."""
-    keys = ("_num_yielded", "_sampler_iter_yielded", "_iterator_finished", "_num_workers", "_snapshot_step",
-            "_steps_since_snapshot", "_last_yielded_worker_id")
-    out = {k: _plain(v) for k, v in state.items() if k in keys}
-    snapshot = state.get("_snapshot")
-    if isinstance(snapshot, dict):
-        out.update({k: _plain(v) for k, v in snapshot.items() if k in keys})
-        main = snapshot.get("_main_snapshot")
-        if isinstance(main, dict):
-            out.update({k: _plain(v) for k, v in main.items() if k in keys})
-    return out
+    """An entry's kind and the few values its kind shows of it (a sampler's epoch, a loader's position)."""
+    return {"kind": entry["kind"], **kind_named(entry["kind"]).summary(entry["state"])}
 
 
 def _plain(value: Any) -> Any:
