@@ -49,7 +49,8 @@ from distckpt.protocol import incremental
 from distckpt.protocol.commit import check_not_superseded, list_committed, read_marker, read_verified_manifest, step_candidates
 from distckpt.protocol.fencing import FENCE_DIR, read_leases
 from distckpt.runtime.gcpause import paused_while_running
-from distckpt.state.capture import IMPORTED, loads_by_copy_alone, unwrap_module
+from distckpt.state.capture import loads_by_copy_alone, unwrap_module
+from distckpt.state.kinds import kind_named
 from distckpt.state.sharded import ShardReader
 from distckpt.state.undo import module_copy_aside
 from distckpt.state.validation import check_step, check_writable, mappings_read_once
@@ -175,8 +176,7 @@ def _model_of_step(storage: Storage, step: int, entry: str, bounded: bool = Fals
         modules = sorted(k for k, v in entries.items() if _holds_weights(v))
         raise IncompatibleCheckpointError(f"{where}: no module entry {entry!r} (module entries: {modules}); "
                                           "pass entry=<the key of the model in `state`>")
-    # an imported torch.save / DCP checkpoint holds the model's state_dict as it was saved
-    state_dict = saved["state"] if saved.get("kind") == IMPORTED else saved["state"]["state_dict"]
+    state_dict = _weights_of(saved) or {}
     reader = ShardReader(storage, base, manifest, where, bounded)
     reader.open_all()
     spec: dict[str, tuple[torch.dtype, list[int]]] = {}
@@ -205,13 +205,13 @@ def _model_of_step(storage: Storage, step: int, entry: str, bounded: bool = Fals
 
 def _holds_weights(saved: Any) -> bool:
     """A module entry, or an imported entry that is a state_dict (str keys, tensors only)."""
-    if not isinstance(saved, dict):
-        return False
-    if saved.get("kind") in ("module", "sharded_module"):
-        return True
-    state = saved.get("state")
-    return (saved.get("kind") == IMPORTED and isinstance(state, dict) and bool(state)
-            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()))
+    return _weights_of(saved) is not None
+
+
+def _weights_of(saved: Any) -> dict[str, Any] | None:
+    """The model state_dict a saved entry holds, as its kind says (an imported torch.save / DCP
+    checkpoint holds it as it was saved)."""
+    return kind_named(saved.get("kind")).saved_weights(saved.get("state")) if isinstance(saved, dict) else None
 
 
 def _verify_rank_files(storage: Storage, manifest: mf.Manifest, where: str) -> None:
