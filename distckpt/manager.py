@@ -41,6 +41,7 @@ from distckpt.protocol.fencing import Lease, acquire, read_leases, record_commit
 from distckpt.protocol.fencing import check_current as check_fence
 from distckpt.protocol.fencing import prune as prune_leases
 from distckpt.protocol.incremental import ContentTable
+from distckpt.protocol.leases import ResumedBranch, check_resumed_branch
 from distckpt.protocol.loading import Progress, load, refuse_load_request
 from distckpt.protocol.retention import (
     Committed,
@@ -234,6 +235,7 @@ class CheckpointManager:
         self._upload_failing = False  # rank 0: an upload failed since the last one that worked
         self._upload_deferred = False  # rank 0: a durable save's upload was put off (_start_upload)
         self._shipped = False  # whether a step was shipped to the other nodes yet
+        self._branch: ResumedBranch | None = None  # a local step loaded unchecked: checked before writing (leases.py)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.storage!r}, rank={self.rank}, world_size={self.world_size})"
@@ -444,14 +446,14 @@ class CheckpointManager:
         """Rank 0, after a commit at the URL: the first of this incarnation leaves its record
         (fencing.record_commit), so a load that later finds every step gone does not start over."""
         if self._lease is not None and not self._commit_recorded:
-            self._commit_recorded = True
-            record_commit(self.storage, self._lease, step)
+            self._commit_recorded = record_commit(self.storage, self._lease, step)
 
     def _take_lease(self) -> Lease:
         """Rank 0's write lease, taken once: from here on older incarnations cannot commit."""
         if self._lease is None:
             try:
                 try:
+                    self._check_resumed_branch()
                     self._lease = acquire(self.storage, self.run_id, self._floor)
                 except MissingFileError:
                     self.storage.check_root()  # a missing bucket is said as such ("fence/... does not exist" was all)
@@ -466,6 +468,15 @@ class CheckpointManager:
                                    "local tier either; each save tries again. Once the lease is held, an unreachable "
                                    "URL no longer stops local saves") from e
         return self._lease
+
+    def _check_resumed_branch(self) -> None:
+        """Rank 0, before its first lease (and before an upload while the check is due): a local step
+        loaded while the URL could not be read is checked against the URL's leases and steps
+        (leases.py); FencedError if a newer incarnation superseded it or went on past it."""
+        branch = self._branch
+        if branch is not None:
+            check_resumed_branch(self.storage, branch, self._leases_seen)
+            self._branch = None
 
     def _index(self, storage: Storage) -> CommitIndex:
         """Rank 0's memo of each root's committed steps (commit.CommitIndex)."""
@@ -646,6 +657,7 @@ class CheckpointManager:
         assert self.local is not None and self._lease is not None  # rank 0 after a local commit
         start = time.perf_counter()
         faults.point("upload/started", step=step, rank=0)
+        self._check_resumed_branch()  # a load since the lease was taken chose a local step unchecked
         if upload_step(self.local, self.storage, step, self._lease):
             log.info("rank 0: step %d made durable at %s in %.3fs", step, self.storage.url,
                      time.perf_counter() - start)
@@ -687,8 +699,9 @@ class CheckpointManager:
                    + "; ".join(f"step {s}: {m}" for s, m in failures)
                    + f"; they are committed on the local tier {self._target.url} only")
         if final:
-            raise AsyncSaveError(message + "; the newest checkpoint is not durable: retry close(), or copy the "
-                                 "local tier (distckpt ls --local-dir) before this node goes away")
+            raise AsyncSaveError(message + "; the newest checkpoint is not durable. The manager stays open: "
+                                 "close() again uploads it (and raises again while that fails); or copy the local "
+                                 "tier (distckpt ls --local-dir) before this node goes away")
         message += "; the next save is made durable"
         log.error(message)
         warnings.warn(message, DurableUploadWarning, stacklevel=3)
@@ -707,12 +720,23 @@ class CheckpointManager:
         if self.local is None:
             return
         self._report_uploads(block=True)
-        if self.rank == 0 and self._last_local is not None and self._last_local != self._last_durable:
+        self._upload_newest(final=True)
+
+    def _upload_newest(self, final: bool) -> None:
+        """Rank 0 uploads the newest local step unless it is durable already, and every rank hears
+        the outcome (collective): with `final`, AsyncSaveError on every rank if it failed."""
+        step = self._last_local
+        if self.rank == 0 and step is not None and step != self._last_durable:
+            if self._upload_failing:
+                log.warning("rank 0: step %d is committed on the local tier %s only (an upload to %s failed "
+                            "before); uploading it again", step, self._target.url, self.storage.url)
+            else:
+                log.info("rank 0: uploading step %d, committed on the local tier only, to %s", step, self.storage.url)
             try:
-                self._start_upload(self._last_local)
+                self._start_upload(step)
             except Exception as e:  # reported to every rank like any upload failure
-                self._upload_failures.append((self._last_local, f"{type(e).__name__}: {e}"))
-        self._report_uploads(block=True, final=True)
+                self._upload_failures.append((step, f"{type(e).__name__}: {e}"))
+        self._report_uploads(block=True, final=final)
 
     def _background_coordinator(self) -> Coordinator:
         """The writer thread's own process group, made at the first async save (collective: every
@@ -847,6 +871,8 @@ class CheckpointManager:
             self._floor = progress.step if progress is not None else -1
         if progress is not None and progress.tier == "local":
             self._catch_up = True  # else a job restarted more often than durable_every saves never reaches the URL
+        self._branch = None if progress is None or progress.leases_checked or self.local is None else \
+            ResumedBranch(progress.step, progress.generation, self.local.url, step is None)
         doctor_hooks.install_fingerprints(entries, progress.step if progress is not None else None, self.rank)
         if self.config.async_save:
             self._warm_staging(entries)
@@ -928,30 +954,43 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait for the save in flight and raise its failure on every rank (collective). With
         two tiers it also waits for the upload in flight; a failed upload is a warning here
-        (DurableUploadWarning) and makes the next save durable."""
+        (DurableUploadWarning) and makes the next save durable. A wait() after such a warning
+        uploads the newest local step again, if it is still not durable (warning again if that
+        fails too), so retrying wait() is never a silent no-op."""
         self._check_open()
         with self._sole_call("wait"):
             self._finish_pending()
+            retry = self._catch_up  # agreed on every rank: an upload failed before (or a local resume)
             self._report_uploads(block=True)
+            if retry:
+                self._upload_newest(final=False)
 
     @arguments_checked
     def close(self) -> None:
         """Wait for the save in flight, then release the manager's process group (collective).
         With two tiers the newest local step is made durable first; AsyncSaveError on every rank
-        if it could not be."""
+        if it could not be, and the manager then stays open: close() again uploads it (saying so
+        in the log), and raises again while it still fails. A failed background save is raised
+        after that upload (the newest step committed before it is made durable all the same)."""
         if self._closed:
             return
         with self._sole_call("close"):
             try:
                 self._finish_pending()
-                self._make_last_save_durable()
             except Exception:
-                self._shut_down()
+                self._close_durably()  # its own failure is raised instead, chained to this one
                 raise
+            self._close_durably()
         # Not on Ctrl-C (or SystemExit) while waiting: the save in flight and the upload stay
         # pending, the manager open; close() again, or the exit hook, finishes them. Closing then
         # left the writer running with its groups torn down, and the next close() returned at
         # once: a step lost, or committed after close() returned.
+
+    def _close_durably(self) -> None:
+        """Shut down once nothing committed is left on node-local disk alone. Shut down after a
+        failed upload, the next close() returned at once and the newest steps stayed on the node
+        (a pre-empted node that retried close() as told, then exited, lost them)."""
+        self._make_last_save_durable()
         self._shut_down()
 
     def _shut_down(self) -> None:

@@ -773,3 +773,202 @@ def test_a_restart_trims_the_local_tier_to_keep_local_before_it_writes(roots):
     assert committed == [1, 2] and mf.step_dir(0) not in names, seen
     assert steps_at(local) == [2, 3]
     assert load(durable, local)[0].step == 3
+
+
+# -- a durable tier unreachable at close(), then back; a superseded node that returns ----------------
+
+
+def _durable_only(s3_server, s3_url: str) -> tuple[distckpt.Progress | None, dict]:
+    """What a fresh job that reads the URL alone (no local tier) resumes from."""
+    state = step_states.blank()
+    with distckpt.CheckpointManager(s3_url, storage_options=fast_options(s3_server.storage_options())) as reader:
+        return reader.load_latest(state), state
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("ending", ["close", "wait", "pre-emption"])
+def test_an_upload_that_failed_is_retried_by_the_next_call_never_skipped(tmp_path, s3_server, s3_url, proxy, caplog,
+                                                                        async_save, ending):
+    """The durable tier unreachable when the newest local step is to be uploaded (at close(), at a
+    durable save then wait(), at the pre-emption save), then back: the retried call uploads it
+    (saying so in the log), and fails again while the URL is still down. A close() that failed
+    once returned at once when retried, and a second wait() said nothing: the newest steps stayed
+    on node-local disk only."""
+    import logging
+    import signal
+
+    local = str(tmp_path / "local")
+    options = fast_options(s3_server.storage_options(proxy.endpoint), retries=1)
+    mgr = distckpt.CheckpointManager(s3_url, local_dir=local, durable_every=3, async_save=async_save,
+                                     storage_options=options, preemption_signals=(signal.SIGUSR1,))
+    mgr.load_latest(step_states.blank())
+    for step in range(2):  # the first takes the lease at the URL; neither is durable (every 3rd)
+        mgr.save(step, step_states.state_for(step))
+    mgr.wait()
+    down = Rule("*", ".", "status", times=10**6, status=500)
+    proxy.add(down)
+    newest = 3 if ending == "pre-emption" else 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DurableUploadWarning)
+        mgr.save(2, step_states.state_for(2))  # durable: its upload fails
+        if ending == "close":
+            with pytest.raises(distckpt.AsyncSaveError, match=r"close\(\) again uploads it"):
+                mgr.close()
+        elif ending == "wait":
+            with pytest.warns(DurableUploadWarning, match=r"step\(s\) \[2\]"):
+                mgr.wait()
+        else:
+            assert not mgr.preemption_requested()  # armed: the signal is heard from here on
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert mgr.preemption_requested()
+            with pytest.raises(distckpt.AsyncSaveError, match="not durable"):
+                mgr.save(3, step_states.state_for(3))  # the pre-emption save: its upload fails
+        assert steps_at(local)[-1] == newest
+        # still down: the call again fails again, never returning as if it were done
+        asked = down.hits
+        if ending == "wait":
+            with pytest.warns(DurableUploadWarning, match=rf"step\(s\) \[{newest}\]"):
+                mgr.wait()
+        else:
+            with pytest.raises(distckpt.AsyncSaveError, match=rf"step\(s\) \[{newest}\]"):
+                mgr.close()
+        assert down.hits > asked  # it asked the URL again
+    proxy.rules.clear()  # the store is back
+    with caplog.at_level(logging.INFO, logger="distckpt"):
+        if ending == "wait":
+            mgr.wait()
+        mgr.close()
+    assert any(f"step {newest} is committed on the local tier" in r.getMessage() and "uploading it again" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    progress, state = _durable_only(s3_server, s3_url)
+    assert progress.step == newest
+    assert_holds(state, newest)
+
+
+def test_a_failed_background_save_at_close_still_makes_the_previous_step_durable(tmp_path, s3_server, s3_url):
+    """close() whose save in flight fails raises that failure, after the newest step committed
+    before it reached the URL (close() shut the manager down at the failure: that step stayed on
+    node-local disk, and close() again returned at once)."""
+    local = str(tmp_path / "local")
+    options = fast_options(s3_server.storage_options())
+
+    def fail_the_copy(name: str, context: dict) -> None:
+        if name == "save/snapshot-copy" and context["step"] == 3:
+            raise OSError("the copy failed")
+
+    mgr = distckpt.CheckpointManager(s3_url, local_dir=local, durable_every=100, async_save=True,
+                                     storage_options=options)
+    mgr.load_latest(step_states.blank())
+    for step in range(3):
+        mgr.save(step, step_states.state_for(step))
+    undo = faults.on_point(fail_the_copy)
+    try:
+        mgr.save(3, step_states.state_for(3))
+        with pytest.raises(distckpt.AsyncSaveError, match="background save of step 3 failed"):
+            mgr.close()
+    finally:
+        undo()
+    mgr.close()  # closed: nothing is left to do
+    assert steps_at(local) == [0, 1, 2]
+    progress, state = _durable_only(s3_server, s3_url)
+    assert progress.step == 2
+    assert_holds(state, 2)
+
+
+def test_a_commit_record_that_could_not_be_written_is_written_at_the_next_commit(tmp_path, s3_server, s3_url, proxy):
+    """The record of an incarnation's first commit at the URL (fencing.record_commit) is best
+    effort; one that failed was never tried again, so a load finding every step removed later
+    took the run for a fresh start."""
+    from distckpt.protocol import fencing
+
+    options = fast_options(s3_server.storage_options(proxy.endpoint), retries=1)
+    with distckpt.CheckpointManager(s3_url, storage_options=options) as mgr:
+        mgr.load_latest(step_states.blank())
+        proxy.add(Rule("PUT", "committed-gen", "status", times=10**6, status=500))
+        mgr.save(0, step_states.state_for(0))
+        durable = open_storage(s3_url, fast_options(s3_server.storage_options()))
+        assert fencing.newest_commit_record(durable) is None
+        proxy.rules.clear()
+        mgr.save(1, step_states.state_for(1))
+    assert fencing.newest_commit_record(durable)["step"] == 1
+
+
+def _incarnation(s3_url: str, local: str, options: dict, steps: list[int], durable_every: int, ending: str) -> None:
+    """One incarnation in a process of its own on the node whose local tier is `local`: it resumes,
+    saves `steps`, and then closes; or dies after them ("dies": a lost node, nothing more uploaded);
+    or dies in its first save just after taking the write lease ("dies-with-the-lease")."""
+    code = (f"import os, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import step_states, distckpt\n"
+            "from distckpt.runtime import faults\n"
+            f"m = distckpt.CheckpointManager({s3_url!r}, local_dir={local!r}, durable_every={durable_every}, "
+            f"storage_options={options!r})\n"
+            "m.load_latest(step_states.blank())\n"
+            f"for s in {steps!r}: m.save(s, step_states.state_for(s))\n"
+            "m.wait()\n"
+            f"ending = {ending!r}\n"
+            "if ending == 'dies': os._exit(0)\n"
+            "if ending == 'dies-with-the-lease':\n"
+            "    faults.on_point(lambda name, context: os._exit(0) if name == 'save/captured' else None)\n"
+            "    m.save(99, step_states.state_for(99))\n"
+            "m.close()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# gen 1 on node X saves 0-4 (every durable_every-th reaches the URL) and dies; gen 2 on node Y
+# resumes from the URL, saves `later` and closes (or dies having taken its lease, `later` empty).
+# (durable_every, later, whether X's first save after it returns is refused)
+RETURNS = {
+    "superseded": (3, [3, 4], True),  # gen 2 resumed from 2 and closed at 4: X's 3, 4 are a zombie's
+    "overtaken": (5, [5, 6], True),  # gen 2 resumed from X's own step 4 and went on to 6
+    "took-over-from-4-and-died": (5, [], False),  # nothing of gen 2's committed: X may go on from 4
+    "never-replaced": (3, None, False),  # no gen 2: X's own branch
+}
+
+
+@pytest.mark.parametrize("case", sorted(RETURNS))
+def test_a_node_whose_branch_was_superseded_returns_while_the_url_is_unreachable(tmp_path, s3_server, s3_url, proxy,
+                                                                                   case):
+    """Node X comes back while the URL cannot be read and resumes from its own local tier (a
+    warning): its first save checks the URL's leases and steps once it reaches them, and refuses to
+    continue a branch a newer incarnation superseded or went past, naming it and what to do. It took
+    a new lease instead, and silently made the newer incarnation's steps a zombie's."""
+    durable_every, later, refused = RETURNS[case]
+    direct = fast_options(s3_server.storage_options())
+    node_x, node_y = str(tmp_path / "node-x"), str(tmp_path / "node-y")
+    _incarnation(s3_url, node_x, direct, list(range(5)), durable_every, "dies")
+    if later is not None:
+        _incarnation(s3_url, node_y, direct, later, durable_every, "close" if later else "dies-with-the-lease")
+    before = steps_at_url(s3_server, s3_url)
+    via_proxy = fast_options(s3_server.storage_options(proxy.endpoint), retries=1)
+    mgr = distckpt.CheckpointManager(s3_url, local_dir=node_x, durable_every=durable_every, storage_options=via_proxy)
+    proxy.add(Rule("*", ".", "status", times=10**6, status=500))
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="cannot be read"):
+        progress = mgr.load_latest(step_states.blank())
+    assert (progress.step, progress.tier, progress.generation) == (4, "local", 1)
+    proxy.rules.clear()  # the URL is back before the first save
+    if not refused:
+        mgr.save(5, step_states.state_for(5))
+        mgr.close()
+        progress, state = _durable_only(s3_server, s3_url)
+        assert progress.step == 5
+        assert_holds(state, 5)
+        return
+    for _attempt in range(2):  # refused at every save, not only the first
+        with pytest.raises(distckpt.FencedError, match=r"resumed from step 4 of the local tier .* generation 1\) while "
+                                                       r".* could not be read.*Restart the job"):
+            mgr.save(5, step_states.state_for(5))
+    mgr.close()
+    assert steps_at_url(s3_server, s3_url) == before and 5 not in steps_at(node_x)
+    # the restart the error asks for: load_latest reads the URL and resumes the run's line
+    state = step_states.blank()
+    with distckpt.CheckpointManager(s3_url, local_dir=node_x, storage_options=direct) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", distckpt.CheckpointFallbackWarning)  # X's superseded steps skipped
+            progress = mgr.load_latest(state)
+        assert (progress.step, progress.tier) == (later[-1], "durable")
+        assert_holds(state, later[-1])
+        mgr.save(later[-1] + 1, step_states.state_for(later[-1] + 1))
+    assert _durable_only(s3_server, s3_url)[0].step == later[-1] + 1
+
+
+def steps_at_url(s3_server, s3_url: str) -> list[int]:
+    return sorted(list_committed(open_storage(s3_url, fast_options(s3_server.storage_options()))))

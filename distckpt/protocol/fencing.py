@@ -36,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from distckpt.errors import CheckpointExistsError, FencedError, MissingFileError, StorageError
+from distckpt.errors import CheckpointExistsError, FencedError, MissingFileError, NotAFileError, StorageError
 from distckpt.storage import Storage
 
 log = logging.getLogger("distckpt")
@@ -97,7 +97,8 @@ def read_leases(storage: Storage, known: dict[int, Lease] | None = None) -> list
         except MissingFileError:
             continue
         except OSError as e:
-            if e.errno not in (errno.EFBIG, errno.ELOOP):  # oversized or a link: damage; anything else the store
+            # oversized, or not a file (a link, a FIFO ...): damage; anything else the store failing
+            if not isinstance(e, NotAFileError) and e.errno != errno.EFBIG:
                 raise StorageError(e.errno or errno.EIO, f"reading the write lease {storage.url}/{lease_path(gen)} failed, "
                                    f"so which steps are a superseded writer's output cannot be told: {e}") from e
             lease = _damaged_lease(gen, str(e))
@@ -123,20 +124,26 @@ def record_path(generation: int) -> str:
     return f"{FENCE_DIR}/committed-gen-{generation:09d}.json"
 
 
-def record_commit(storage: Storage, lease: Lease, step: int) -> None:
+def record_commit(storage: Storage, lease: Lease, step: int) -> bool:
     """After the first commit of `lease`'s incarnation at `storage`: the record, then older ones
-    removed (one stays however many incarnations came). Best effort: the commit stands anyway."""
+    removed (one stays however many incarnations came). Best effort: the commit stands anyway;
+    False if the record could not be written (the caller tries again at its next commit)."""
     try:
         storage.write_file(record_path(lease.generation), [json.dumps(
             {"generation": lease.generation, "step": step, "run_id": lease.run_id, "host": lease.host,
              "created_unix": time.time()}).encode()])
+    except OSError as e:
+        log.warning("rank 0: could not record the first commit of generation %d at %s (%s); tried again at the "
+                    "next commit (until then, a load that finds every step of this URL removed may take it for a "
+                    "fresh start)", lease.generation, storage.url, e)
+        return False
+    try:
         for gen in commit_record_generations(storage):
             if gen < lease.generation:
                 storage.remove_file(record_path(gen))
-    except OSError as e:
-        log.warning("rank 0: could not record the first commit of generation %d at %s (%s); a load that later "
-                    "finds every step of this URL removed may take it for a fresh start", lease.generation,
-                    storage.url, e)
+    except OSError as e:  # the newest record is written: older ones left behind say less, nothing wrong
+        log.info("rank 0: could not remove older commit records at %s (%s)", storage.url, e)
+    return True
 
 
 def commit_record_generations(storage: Storage) -> list[int]:
