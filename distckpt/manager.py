@@ -24,9 +24,6 @@ from distckpt.errors import (
     ConfigError,
     CoordinationError,
     DistCkptError,
-    FencedError,
-    MissingFileError,
-    RunConflictError,
     StorageError,
     shown,
 )
@@ -35,13 +32,12 @@ from distckpt.io.copying import Prefault
 from distckpt.io.staging import StagingPool
 from distckpt.protocol import doctor_hooks
 from distckpt.protocol.async_writer import AsyncWriter, WriterStuckError
-from distckpt.protocol.commit import CommitIndex, ReplacePolicy, committed_generations, list_committed
+from distckpt.protocol.commit import CommitIndex, committed_generations, list_committed
 from distckpt.protocol.coord import Coordinator, Outcome, agree, make_coordinator
-from distckpt.protocol.fencing import Lease, acquire, read_leases, record_commit
-from distckpt.protocol.fencing import check_current as check_fence
 from distckpt.protocol.fencing import prune as prune_leases
+from distckpt.protocol.fencing import read_leases
 from distckpt.protocol.incremental import ContentTable
-from distckpt.protocol.leases import ResumedBranch, check_resumed_branch
+from distckpt.protocol.leases import LeaseKeeper, ResumedBranch
 from distckpt.protocol.loading import Progress, load, refuse_load_request
 from distckpt.protocol.retention import (
     Committed,
@@ -71,7 +67,6 @@ from distckpt.protocol.tiers import (
     Nodes,
     TierSettings,
     node_name,
-    remove_foreign,
     ship_to_nodes,
     upload_step,
 )
@@ -140,9 +135,7 @@ class CheckpointManager:
         self._writer.before_exit = self._snapshot.check  # at exit the main thread checks, then waits
         self._pending_step: int | None = None
         self._save_seq = 0  # counts save() calls (the same on every rank): names shard reports
-        self._floor: int | None = None   # the step this job resumed from (-1: found nothing)
-        self._lease: Lease | None = None  # rank 0, taken at the first save (fencing.py)
-        self._commit_recorded = False  # rank 0: this incarnation's first commit at the URL was recorded
+        self._leases = LeaseKeeper(self.storage, self.run_id, self.local)  # rank 0's write lease (leases.py)
         self._closed = False
         self._warned_below_newest = False
         self._newest_committed: dict[str, int] = {}  # rank 0, per tier: the highest live step committed, for that warning
@@ -224,18 +217,14 @@ class CheckpointManager:
         self._uploader = AsyncWriter()   # rank 0: one upload to the durable tier in flight
         self._upload_failures: list[tuple[int, str]] = []  # rank 0: not yet reported to the ranks
         self._indexes: dict[str, CommitIndex] = {}  # rank 0: see _index
-        self._leases_seen: dict[int, Lease] = {}  # rank 0: the durable root's leases read so far (fencing.read_leases)
         self._uploading: int | None = None   # rank 0: the step being uploaded (local retention spares it)
         self._last_local: int | None = None  # rank 0: the newest step committed on the local tier
         self._last_durable: int | None = None  # rank 0: the newest step uploaded
         self._saves = 0        # save() calls: every durable_every-th is durable
         self._catch_up = False  # an upload failed, or the job resumed from the local tier: next save durable
-        self._local_cleaned = False  # rank 0: another job's steps removed from the local tier
-        self._fence_unreachable = False  # rank 0: the URL's fence could not be read; skip until an upload works
         self._upload_failing = False  # rank 0: an upload failed since the last one that worked
         self._upload_deferred = False  # rank 0: a durable save's upload was put off (_start_upload)
         self._shipped = False  # whether a step was shipped to the other nodes yet
-        self._branch: ResumedBranch | None = None  # a local step loaded unchecked: checked before writing (leases.py)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.storage!r}, rank={self.rank}, world_size={self.world_size})"
@@ -297,12 +286,12 @@ class CheckpointManager:
             doctor_hooks.note_loaders_left_out(left_out, self.rank)  # for the doctor's likely causes
         doctor_hooks.rebase_fingerprints(step)
         durable = self._next_save_is_durable(entries, metric)
-        replaceable = ReplacePolicy(self._floor, self._lease.generation if self._lease else None)
+        replaceable = self._leases.replace_policy
         self._save_seq += 1
         args = (self._coord, self._target, entries, step, epoch, metric, self.run_id,
-                self._staging if self.config.async_save else None, replaceable, self._take_lease,
+                self._staging if self.config.async_save else None, replaceable, self._leases.take,
                 self._save_seq, self.split_writes, self.storage if self.local is not None else None,
-                self._prepare_local if self.local is not None else None, self._hands_over_rank_files)
+                self._leases.prepare_local if self.local is not None else None, self._hands_over_rank_files)
         if self.config.async_save:
             # The training thread's only exchange: capture and agree. The gather, the write and
             # the outcome run on the writer thread, over the writer's own process group.
@@ -395,9 +384,9 @@ class CheckpointManager:
             return
         start = time.perf_counter()
         if self.local is not None:
-            self._before_local_commit(self._take_lease())
+            self._leases.check_before_local_commit(self._leases.take())
         try:
-            write_and_commit(target, staged, self._versions, self._take_lease(), self._coord.reports,
+            write_and_commit(target, staged, self._versions, self._leases.take(), self._coord.reports,
                              self._content)
         except StorageError as e:
             sized = self._sized(e)
@@ -410,7 +399,7 @@ class CheckpointManager:
             if durable:
                 self._start_upload(staged.step)
         else:
-            self._record_first_commit(staged.step)
+            self._leases.record_first_commit(staged.step)
             self._retain(self.storage, staged.step, self.config.keep_last, self.config.keep_best)
         faults.point("save/retained", step=staged.step, rank=0)
         t = staged.timings
@@ -442,42 +431,6 @@ class CheckpointManager:
             self._versions_probe = VersionsProbe()
         return self._versions_probe.collect()
 
-    def _record_first_commit(self, step: int) -> None:
-        """Rank 0, after a commit at the URL: the first of this incarnation leaves its record
-        (fencing.record_commit), so a load that later finds every step gone does not start over."""
-        if self._lease is not None and not self._commit_recorded:
-            self._commit_recorded = record_commit(self.storage, self._lease, step)
-
-    def _take_lease(self) -> Lease:
-        """Rank 0's write lease, taken once: from here on older incarnations cannot commit."""
-        if self._lease is None:
-            try:
-                try:
-                    self._check_resumed_branch()
-                    self._lease = acquire(self.storage, self.run_id, self._floor)
-                except MissingFileError:
-                    self.storage.check_root()  # a missing bucket is said as such ("fence/... does not exist" was all)
-                    raise
-            except StorageError as e:
-                if self.local is None:
-                    raise
-                # The local tier's files are named with the lease's generation, and a local step
-                # loads only under a lease at the URL: without one nothing can be committed anywhere.
-                raise StorageError(e.errno, f"{e.strerror or e}. This incarnation's first save takes the write lease at "
-                                   f"{self.storage.url} and could not reach it, so nothing was committed, on the "
-                                   "local tier either; each save tries again. Once the lease is held, an unreachable "
-                                   "URL no longer stops local saves") from e
-        return self._lease
-
-    def _check_resumed_branch(self) -> None:
-        """Rank 0, before its first lease (and before an upload while the check is due): a local step
-        loaded while the URL could not be read is checked against the URL's leases and steps
-        (leases.py); FencedError if a newer incarnation superseded it or went on past it."""
-        branch = self._branch
-        if branch is not None:
-            check_resumed_branch(self.storage, branch, self._leases_seen)
-            self._branch = None
-
     def _index(self, storage: Storage) -> CommitIndex:
         """Rank 0's memo of each root's committed steps (commit.CommitIndex)."""
         index = self._indexes.get(storage.url)
@@ -499,9 +452,10 @@ class CheckpointManager:
             retired = self._retire(storage, index, doomed, keep)
             collect_leftovers(storage, self.config.leftover_grace_s, index=index,
                               skip=frozenset(mf.step_dir(step) for step in retired))
-            if self._lease is not None and storage is self.storage:  # local steps need their leases too
+            lease = self._leases.lease
+            if lease is not None and storage is self.storage:  # local steps need their leases too
                 local = self.local
-                prune_leases(storage, self._lease, lambda: index.generations()
+                prune_leases(storage, lease, lambda: index.generations()
                              + (committed_generations(local) if local is not None else []))
         except (OSError, DistCkptError) as e:
             log.warning("rank 0: retention after step %d failed (the checkpoint is committed): %s",
@@ -517,7 +471,7 @@ class CheckpointManager:
             # A superseded writer's steps do not count: load_latest never resumes from them, and
             # this job's retention removes them (a live job replacing a zombie's step 3 below the
             # zombie's step 4 was warned about a branch).
-            zombies = index.superseded(self._known_leases(local=index.storage is not self.storage))
+            zombies = index.superseded(self._leases.known(local=index.storage is not self.storage))
             committed = [step for step in index.listing.committed() if step not in zombies]
             newest = committed[0] if committed else just_committed
         self._newest_committed[tier] = max(newest, just_committed)
@@ -571,7 +525,7 @@ class CheckpointManager:
             return [], set()
         # A superseded writer's commit is never loaded: counted, it could push the live job's
         # steps out of keep_last (and a zombie's own retention delete them all); it goes instead.
-        zombies = index.superseded(self._known_leases(local=index.storage is not self.storage))
+        zombies = index.superseded(self._leases.known(local=index.storage is not self.storage))
         steps = [step for step in index.listing.committed() if step not in zombies]
         committed = (read_committed(index.storage, steps, index) if keep_best is not None
                      else [Committed(step, None) for step in steps])
@@ -583,56 +537,7 @@ class CheckpointManager:
             committed = read_committed(index.storage, steps, index)
         return sorted(doomed), kept_references(committed, doomed)
 
-    def _known_leases(self, local: bool = False) -> list[Lease]:
-        """The durable root's leases; those read before if it cannot be listed now (the local
-        tier's retention goes on while the durable root is unreachable; fewer leases only make
-        fewer steps count as a superseded writer's). For the local tier's retention the URL is
-        not asked while it is known unreachable (until an upload succeeds): a hung store held
-        every local save for its call timeout, twice (the fence, then this listing)."""
-        seen = sorted(self._leases_seen.values(), key=lambda lease: lease.generation)
-        if local and self._fence_unreachable:
-            return seen
-        try:
-            return read_leases(self.storage, self._leases_seen)
-        except (OSError, DistCkptError) as e:
-            log.info("rank 0: the leases at %s cannot be listed (%s); retention judges by those seen before",
-                     self.storage.url, e)
-            if local:
-                self._fence_unreachable = True  # the local saves' fence check skips it too
-            return seen
-
     # -- the durable tier (two tiers only) -------------------------------------------------
-
-    def _prepare_local(self) -> None:
-        """Rank 0, in the first save's capture: another job's steps leave the local tier (no job
-        of this URL can load them; kept, they would collide with this job's steps)."""
-        if self._local_cleaned:
-            return
-        try:
-            remove_foreign(self._target, read_leases(self.storage), self.rank)
-            self._local_cleaned = True
-        except RunConflictError:
-            raise
-        except (OSError, DistCkptError) as e:
-            log.warning("rank 0: could not check the local tier %s for another job's steps (%s)", self._target.url, e)
-
-    def _before_local_commit(self, lease: Lease) -> None:
-        """Rank 0, before a local commit: the fence lives at the URL, so it is checked there (a
-        superseded writer gets FencedError here, as on one tier). An unreachable URL warns once
-        and is not asked again until an upload succeeds (the upload checks the fence itself), so
-        local saves go on without waiting for the URL's timeouts at every save."""
-        if self._fence_unreachable:
-            return
-        try:
-            check_fence(self.storage, lease)
-        except FencedError:
-            raise
-        except (OSError, DistCkptError) as e:
-            self._fence_unreachable = True
-            message = (f"rank 0: the fence at {self.storage.url} cannot be checked before the local save ({e}); "
-                       "saving locally, and not checking again until an upload to the URL succeeds")
-            log.warning(message)
-            warnings.warn(message, DurableUploadWarning, stacklevel=2)
 
     def _start_upload(self, step: int) -> None:
         """Rank 0: upload committed local `step` in the background; one upload in flight, so a
@@ -641,7 +546,7 @@ class CheckpointManager:
         store's whole timeout to fail, and waiting for it stalled every save (~5 s each with the
         connections cut); this step's upload is put off to the next save instead. The
         pre-emption save and close() always wait."""
-        if (self._upload_failing or self._fence_unreachable) and self._uploader.busy \
+        if (self._upload_failing or self._leases.unreachable) and self._uploader.busy \
                 and not self._uploader.finished and not self._preempting:
             self._upload_deferred = True
             log.warning("rank 0: step %d is committed locally; its upload to %s is put off to the next save: the "
@@ -654,14 +559,15 @@ class CheckpointManager:
         self._uploader.submit(lambda: self._upload(step), f"upload of step {step}")
 
     def _upload(self, step: int) -> None:
-        assert self.local is not None and self._lease is not None  # rank 0 after a local commit
+        lease = self._leases.lease
+        assert self.local is not None and lease is not None  # rank 0 after a local commit
         start = time.perf_counter()
         faults.point("upload/started", step=step, rank=0)
-        self._check_resumed_branch()  # a load since the lease was taken chose a local step unchecked
-        if upload_step(self.local, self.storage, step, self._lease):
+        self._leases.check_branch()  # a load since the lease was taken chose a local step unchecked
+        if upload_step(self.local, self.storage, step, lease):
             log.info("rank 0: step %d made durable at %s in %.3fs", step, self.storage.url,
                      time.perf_counter() - start)
-        self._record_first_commit(step)
+        self._leases.record_first_commit(step)
         faults.point("upload/committed", step=step, rank=0)
         self._retain(self.storage, step, self.config.keep_last, self.config.keep_best)
 
@@ -677,7 +583,7 @@ class CheckpointManager:
             self._upload_failing = True
         elif step is not None:
             self._last_durable = step
-            self._fence_unreachable = False
+            self._leases.unreachable = False
             self._upload_failing = False
 
     def _report_uploads(self, block: bool, final: bool = False) -> None:
@@ -711,7 +617,7 @@ class CheckpointManager:
         (the first time with the URL's leases, so the nodes remove another job's steps too)."""
         if self.local is not None and self._nodes.count > 1:
             durable = self.storage
-            ship_to_nodes(self._coord, self.local, self._nodes, step, self._lease,
+            ship_to_nodes(self._coord, self.local, self._nodes, step, self._leases.lease,
                           None if self._shipped else (lambda: read_leases(durable)))
             self._shipped = True
 
@@ -867,12 +773,11 @@ class CheckpointManager:
                 raise refusal  # not reached: refuse_load_request raised
             progress = load(self._coord, self.storage, entries, state, step, self.config.world_size_policy,
                             self._rules, self.local)
-        if self._lease is None:
-            self._floor = progress.step if progress is not None else -1
         if progress is not None and progress.tier == "local":
             self._catch_up = True  # else a job restarted more often than durable_every saves never reaches the URL
-        self._branch = None if progress is None or progress.leases_checked or self.local is None else \
-            ResumedBranch(progress.step, progress.generation, self.local.url, step is None)
+        self._leases.resumed(progress.step if progress is not None else None,
+                             None if progress is None or progress.leases_checked or self.local is None else
+                             ResumedBranch(progress.step, progress.generation, self.local.url, step is None))
         doctor_hooks.install_fingerprints(entries, progress.step if progress is not None else None, self.rank)
         if self.config.async_save:
             self._warm_staging(entries)

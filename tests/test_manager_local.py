@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 import distckpt
+from distckpt.protocol import leases
 from distckpt.storage import local as storage_mod
 
 
@@ -588,7 +589,7 @@ def test_an_io_error_at_every_fsync_rename_and_link_keeps_the_previous_checkpoin
     monkeypatch.setattr(os_module, op, flaky)
     # The record of an incarnation's first commit is written after the marker, best effort (a
     # failure there is logged; tests/test_fencing.py): not one of the save's durability steps
-    monkeypatch.setattr(distckpt.manager, "record_commit", lambda *args: None)
+    monkeypatch.setattr(leases, "record_commit", lambda *args: None)
     total = _fail_each_call_in_turn(ckpt_dir, state, calls, before, op,
                                     lambda failed: "injected EIO" in str(failed))
     assert total >= 2
@@ -616,7 +617,7 @@ def test_a_failed_early_writeback_fails_the_save_and_keeps_the_previous_checkpoi
         return real(fd, offset, nbytes, flags)
 
     monkeypatch.setattr(storage_mod, "sync_file_range", flaky)
-    monkeypatch.setattr(distckpt.manager, "record_commit", lambda *args: None)  # as above
+    monkeypatch.setattr(leases, "record_commit", lambda *args: None)  # as above
     total = _fail_each_call_in_turn(ckpt_dir, state, calls, before, "sync_file_range",
                                     lambda failed: failed.errno == code and "injected" in str(failed))
     assert total >= 4, "the small windows should have made several early writebacks"

@@ -559,13 +559,14 @@ def _upload_under_cut(tmp_path, k: int | None):
     mgr.load_latest(step_states.blank())
     mgr.save(1, step_states.state_for(1))
     mgr.save(2, step_states.state_for(2))
-    assert mgr.local is not None and mgr._lease is not None
-    upload_step(mgr.local, mgr.storage, 1, mgr._lease)
+    lease = mgr._leases.lease
+    assert mgr.local is not None and lease is not None
+    upload_step(mgr.local, mgr.storage, 1, lease)
     cut = PowerCut(durable) if k is None else PowerCut(durable, at=k)
     finished = True
     with cut:
         try:
-            upload_step(mgr.local, mgr.storage, 2, mgr._lease)
+            upload_step(mgr.local, mgr.storage, 2, lease)
         except PowerCutNow:
             finished = False
     mgr._last_local = None  # close() must not upload step 2 again: the image is taken below
