@@ -300,3 +300,131 @@ def test_a_sampler_epoch_difference_without_a_loader_in_state_names_the_loader(l
     causes = likely_causes([Difference(8, "rank 0", "sampler", "state/epoch", "1 uninterrupted, 0 resumed", "sampler")], report)
     assert any("no data loader is in `state`" in c for c in causes) is not loader_in_state, causes
     assert any("call sampler.set_epoch" in c for c in causes) is loader_in_state, causes
+
+
+# -- causes keyed by kind, not by the keys users choose ---------------------------------------------
+
+# A loop whose DataLoader is left out of `state`: a resume takes the pass's batches from its start
+# again. The keys of `state` come from the command line (the usual ones, or unusual ones).
+_LOADER_LEFT_OUT = (
+    "import sys, torch, distckpt\n"
+    "model_key, optimizer_key = sys.argv[1:3]\n"
+    "torch.manual_seed(0)\n"
+    "data = torch.arange(48.0).reshape(24, 2)\n"
+    "loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))\n"
+    "model = torch.nn.Linear(2, 1)\n"
+    "opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)\n"
+    "state = {model_key: model, optimizer_key: opt}\n"
+    "with distckpt.CheckpointManager('/unused') as mgr:\n"
+    "    p = mgr.load_latest(state)\n"
+    "    step = p.step + 1 if p else 0\n"
+    "    while step < 10:\n"
+    "        for batch in loader:\n"
+    "            model(batch).sum().backward()\n"
+    "            opt.step()\n"
+    "            opt.zero_grad()\n"
+    "            if step % 2 == 1:\n"
+    "                mgr.save(step, state)\n"
+    "            step += 1\n"
+    "            if step == 10:\n"
+    "                break\n")
+
+
+@pytest.mark.parametrize("names", [("model", "optimizer"), ("net", "opt")])
+def test_a_loader_left_out_of_state_is_the_doctors_cause(tmp_path, capsys, names):
+    """The job's own saves warned that no loader in `state` iterated the data; the doctor's cause
+    was the generic 'a random stream outside `state`'. It names the loader now, whatever the
+    entries are called."""
+    import json
+    import sys
+
+    from distckpt.tools import cli
+
+    script = tmp_path / "loop.py"
+    script.write_text(_LOADER_LEFT_OUT)
+    code = cli.main(["doctor", "--kill-at", "3", "--json", "--workdir", str(tmp_path / "wd"), "--",
+                     sys.executable, str(script), *names])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["first_step"] == 5, report
+    assert not any("random stream outside" in c for c in report["causes"]), report["causes"]
+    cause = next((c for c in report["causes"] if "holds no loader" in c), None)
+    assert cause is not None and "a loader over Tensor at batch 2 of 6" in cause, report["causes"]
+    assert "put the DataLoader in `state`" in cause and "StatefulDataLoader" in cause
+    # the first two saves of each run look (steps 1 and 3; 5 and 7 after the resume at step 4)
+    assert report["loaders_left_out"] == ["rank 0: a loader over Tensor at batch 2 of 6",
+                                          "rank 0: a loader over Tensor at batch 4 of 6"], report["loaders_left_out"]
+
+
+_USUAL = {"model": "model", "optimizer": "optimizer", "scheduler": "scheduler", "loader": "loader"}
+_UNUSUAL = {"model": "net", "optimizer": "opt", "scheduler": "lr", "loader": "batches"}
+
+
+def _named_run(root, names: dict[str, str], resume_at: int | None, fault: str) -> None:
+    """Six steps saving every step; at `resume_at` every object is built anew and loaded from the
+    step before, as a relaunch does, with `fault` the way the loop gets the resume wrong."""
+    import warnings
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        loader = StatefulDataLoader(torch.arange(48.0).reshape(24, 2), batch_size=2, shuffle=True,
+                                    generator=torch.Generator().manual_seed(2))
+        return model, opt, sched, loader
+
+    model, opt, sched, loader = build()
+    position = {"pos": 0}  # a position the loop keeps itself (fault "position"): in place of the loader
+    state = {names["model"]: model, names["optimizer"]: opt, names["scheduler"]: sched,
+             names["loader"]: distckpt.per_rank(position) if fault == "position" else loader}
+    batches = iter(loader)
+    with distckpt.CheckpointManager(str(root)) as mgr, warnings.catch_warnings():
+        warnings.simplefilter("ignore", distckpt.DistCkptWarning)
+        for step in range(6):
+            if step == resume_at:
+                model, opt, sched, loader = build()
+                state = {names["model"]: model, names["optimizer"]: opt, names["scheduler"]: sched,
+                         names["loader"]: state[names["loader"]] if fault == "position" else loader}
+                mgr.load({k: v for k, v in state.items() if not (fault == "scheduler" and k == names["scheduler"])},
+                         step=step - 1)
+                if fault == "peek":
+                    next(iter(loader))  # a peek at the resumed pass takes its position
+                batches = iter(loader)
+                if fault == "position":
+                    pos = 0  # the loop's own count, never read back from `state`
+            pos = step if fault != "position" or resume_at is None or step < resume_at else pos + 1
+            position["pos"] = pos
+            model(next(batches)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            mgr.save(step, state)
+
+
+def _causes(tmp_path, names: dict[str, str], fault: str) -> list[str]:
+    _named_run(tmp_path / f"{fault}-{names['model']}-a", names, None, fault)
+    _named_run(tmp_path / f"{fault}-{names['model']}-b", names, 3, fault)
+    report = compare_roots(str(tmp_path / f"{fault}-{names['model']}-a"), str(tmp_path / f"{fault}-{names['model']}-b"))
+    assert report.first_step == 3, (fault, report)
+    return report.causes
+
+
+@pytest.mark.parametrize("fault, cause", [
+    ("scheduler", "the LR scheduler's state differs"),
+    ("peek", "the loader's position differs"),
+    ("position", "a value your loop keeps in `state['loader']` differs"),
+])
+def test_entries_under_unusual_keys_get_the_causes_the_usual_keys_get(tmp_path, fault, cause):
+    """The causes matched the keys users choose (a scheduler called `scheduler`, a loader `loader`):
+    under `lr` or `batches` the same mistake got the generic cause. They follow the kinds now."""
+    import re
+
+    usual = _causes(tmp_path, _USUAL, fault)
+    unusual = _causes(tmp_path, _UNUSUAL, fault)
+    back = {new: old for old, new in zip(_USUAL.values(), _UNUSUAL.values())}
+    renamed = [re.sub(r"(?<=['`])(\w+)(?=['`])", lambda m: back.get(m.group(1), m.group(1)), c) for c in unusual]
+    assert renamed == usual, (usual, unusual)
+    assert any(c.startswith(cause) for c in usual), usual
+    assert not any("random stream outside" in c for c in usual), usual

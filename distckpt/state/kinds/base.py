@@ -12,7 +12,8 @@ Adding a kind
 -------------
 One module, one class, one call::
 
-    from distckpt.state.kinds import Kind, register_kind
+    from distckpt.errors import IncompatibleCheckpointError
+    from distckpt.state.kinds import PER_RANK, Kind, register_kind
 
     class Reservoir(Kind):
         '''A reservoir sampler of the user's: its items and its count.'''
@@ -43,11 +44,15 @@ One module, one class, one call::
 
 `register_kind` places a kind before the generic ones (`generic = True`: anything with
 state_dict, any tensor, any value), after every specific kind registered before it; pass
-`before=` another kind class to be tried earlier. Everything else has a default that fits a
-kind holding small per-entry state: override only what differs. The class attributes below say
-what callers branch on; the methods after `restore` are what the doctor, `distckpt inspect`
-and `load_weights` ask of a saved record (they may run in a process where the live object was
-never built).
+`before=` another kind class to be tried earlier. Register it in every process that saves or
+loads such entries (importing the module that defines it); a process that does not know it
+(`distckpt inspect` elsewhere) shows its records by name. Everything else has a default that
+fits a kind holding small per-entry state: override only what differs. The class attributes of
+`Kind` say what callers branch on; its methods after `restore` are what the doctor, `distckpt
+inspect` and `load_weights` ask of a saved record (they may run in a process where the live
+object was never built). The rules a kind keeps: `capture` returns tensors and plain values
+only, `validate` refuses (IncompatibleCheckpointError, naming `where` and the fix) everything
+`restore` could fail on, and `undo` puts back whatever `restore` changes.
 
 This module never touches storage or torch.distributed.
 """
