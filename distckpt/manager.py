@@ -32,23 +32,17 @@ from distckpt.io.copying import Prefault
 from distckpt.io.staging import StagingPool
 from distckpt.protocol import doctor_hooks
 from distckpt.protocol.async_writer import AsyncWriter, WriterStuckError
-from distckpt.protocol.commit import CommitIndex, committed_generations, list_committed
+from distckpt.protocol.commit import list_committed
 from distckpt.protocol.coord import Coordinator, Outcome, agree, make_coordinator
-from distckpt.protocol.fencing import prune as prune_leases
 from distckpt.protocol.fencing import read_leases
 from distckpt.protocol.incremental import ContentTable
 from distckpt.protocol.leases import LeaseKeeper, ResumedBranch
 from distckpt.protocol.loading import Progress, load, refuse_load_request
+from distckpt.protocol.pruning import Pruner
 from distckpt.protocol.retention import (
     Committed,
-    Sweeper,
     best_first,
-    collect_leftovers,
-    kept_references,
-    plan_retention,
     read_committed,
-    retire,
-    superseded_to_retire,
 )
 from distckpt.protocol.saving import (
     CapturedSave,
@@ -79,7 +73,7 @@ from distckpt.state import loader_hazards
 from distckpt.state.capture import SHARDED, CheckpointWarning
 from distckpt.state.kinds import classify, staged_tensors
 from distckpt.state.validation import LoadRules, check_step
-from distckpt.storage import Storage, open_storage
+from distckpt.storage import open_storage
 
 log = logging.getLogger("distckpt")
 
@@ -127,7 +121,6 @@ class CheckpointManager:
         self.run_id = self._agree_on_settings(refusal)
         self._versions_probe: VersionsProbe | None = None  # rank 0, started last (below)
         self._writer = AsyncWriter()
-        self._sweeper = Sweeper()  # rank 0: retired steps' files, removed off the save's path
         self._writer_coord: Coordinator | None = None  # the writer thread's own group (async saves)
         self._staging = StagingPool()  # reused by every async save; free while none is in flight
         self._warming: Prefault | None = None  # faults in the staging buffers allocated at the load
@@ -136,9 +129,8 @@ class CheckpointManager:
         self._pending_step: int | None = None
         self._save_seq = 0  # counts save() calls (the same on every rank): names shard reports
         self._leases = LeaseKeeper(self.storage, self.run_id, self.local)  # rank 0's write lease (leases.py)
+        self._pruner = Pruner(self.storage, self.local, self.config, self.tiers.keep_local, self._leases)  # rank 0
         self._closed = False
-        self._warned_below_newest = False
-        self._newest_committed: dict[str, int] = {}  # rank 0, per tier: the highest live step committed, for that warning
         self._preemption = PreemptionFlag(self.config.preemption_signals)
         self._preempting = False  # agreed by preemption_requested(): the next save is made durable
         self._init_tiers()
@@ -216,7 +208,6 @@ class CheckpointManager:
         self._nodes = Nodes(tuple(names))
         self._uploader = AsyncWriter()   # rank 0: one upload to the durable tier in flight
         self._upload_failures: list[tuple[int, str]] = []  # rank 0: not yet reported to the ranks
-        self._indexes: dict[str, CommitIndex] = {}  # rank 0: see _index
         self._uploading: int | None = None   # rank 0: the step being uploaded (local retention spares it)
         self._last_local: int | None = None  # rank 0: the newest step committed on the local tier
         self._last_durable: int | None = None  # rank 0: the newest step uploaded
@@ -368,8 +359,8 @@ class CheckpointManager:
         instead, then raised); on rank 0 the rest and the commit."""
         target = self._target
         if staged is not None:
-            self._trim_local_tier()
-        self._sweeper.drain()  # rank 0: the retired steps' files are gone before this save's are written
+            self._pruner.before_local_write(() if self._uploading is None else (self._uploading,))
+        self._pruner.sweeper.drain()  # rank 0: the retired steps' files are gone before this save's are written
         try:
             if own_write is not None:
                 own_write.run(target, self._coord.reports, failure)
@@ -395,12 +386,12 @@ class CheckpointManager:
             raise sized from e
         if self.local is not None:
             self._last_local = staged.step
-            self._retain(self.local, staged.step, self.tiers.keep_local, None)
+            self._pruner.after_commit(self.local, staged.step, () if self._uploading is None else (self._uploading,))
             if durable:
                 self._start_upload(staged.step)
         else:
             self._leases.record_first_commit(staged.step)
-            self._retain(self.storage, staged.step, self.config.keep_last, self.config.keep_best)
+            self._pruner.after_commit(self.storage, staged.step)
         faults.point("save/retained", step=staged.step, rank=0)
         t = staged.timings
         log.info("rank 0: committed step %d at %s in %.3fs (capture %.3fs, gather %.3fs, write %.3fs, "
@@ -430,112 +421,6 @@ class CheckpointManager:
         if self._versions_probe is None:  # not rank 0: no rank but 0 writes a manifest today
             self._versions_probe = VersionsProbe()
         return self._versions_probe.collect()
-
-    def _index(self, storage: Storage) -> CommitIndex:
-        """Rank 0's memo of each root's committed steps (commit.CommitIndex)."""
-        index = self._indexes.get(storage.url)
-        if index is None or index.storage is not storage:
-            index = self._indexes[storage.url] = CommitIndex(storage)
-        return index
-
-    def _retain(self, storage: Any, just_committed: int, keep_last: int | None, keep_best: int | None) -> None:
-        """Retention and leftover collection; failures here never undo the commit. On the local
-        tier the step being uploaded is spared, and leases live only on the durable root."""
-        if doctor_hooks.keeps_everything():
-            keep_last = keep_best = None
-        try:
-            index = self._index(storage)
-            index.scan(expect=just_committed)
-            self._warn_if_below_newest(index, just_committed)
-            spared = {just_committed} | ({self._uploading} if storage is self.local and self._uploading is not None else set())
-            doomed, keep = self._plan_retention(index, keep_last, keep_best, spared)
-            retired = self._retire(storage, index, doomed, keep)
-            collect_leftovers(storage, self.config.leftover_grace_s, index=index,
-                              skip=frozenset(mf.step_dir(step) for step in retired))
-            lease = self._leases.lease
-            if lease is not None and storage is self.storage:  # local steps need their leases too
-                local = self.local
-                prune_leases(storage, lease, lambda: index.generations()
-                             + (committed_generations(local) if local is not None else []))
-        except (OSError, DistCkptError) as e:
-            log.warning("rank 0: retention after step %d failed (the checkpoint is committed): %s",
-                        just_committed, e)
-
-    def _warn_if_below_newest(self, index: CommitIndex, just_committed: int) -> None:
-        """Once per manager: a step saved below the newest committed one (a branch after
-        load(state, step=older)) is not what load_latest resumes from, and retention keeps it
-        beside the newest keep_last (a step just committed is never removed)."""
-        tier = index.storage.url  # each tier's own: an upload finishing after the next local commit is no branch
-        newest = self._newest_committed.get(tier)
-        if newest is None:  # listed once: a save's cost must not grow with history
-            # A superseded writer's steps do not count: load_latest never resumes from them, and
-            # this job's retention removes them (a live job replacing a zombie's step 3 below the
-            # zombie's step 4 was warned about a branch).
-            zombies = index.superseded(self._leases.known(local=index.storage is not self.storage))
-            committed = [step for step in index.listing.committed() if step not in zombies]
-            newest = committed[0] if committed else just_committed
-        self._newest_committed[tier] = max(newest, just_committed)
-        if just_committed < newest and not self._warned_below_newest:
-            self._warned_below_newest = True
-            message = (f"step {just_committed} was committed below the newest committed step {newest} of "
-                       f"{index.storage.url}: load_latest resumes from step {newest}, not from this branch, "
-                       "and keep_last counts the highest steps (this one is kept as the step just saved). To "
-                       f"continue this branch after a restart, number its saves above {newest} or resume it "
-                       "with load(state, step=...)")
-            log.warning("rank 0: %s", message)
-            warnings.warn(message, CheckpointWarning, stacklevel=2)
-
-    def _retire(self, storage: Storage, index: CommitIndex, doomed: list[int], keep: set[str]) -> list[int]:
-        """Retire `doomed` (marker first: no longer committed); their files go on the sweeper's thread."""
-        retired: list[int] = []
-        try:
-            for step in doomed:
-                retire(storage, step)
-                retired.append(step)
-                index.forget(mf.step_dir(step))
-                log.info("rank 0: retention removed step %d from %s", step, storage.url)
-        finally:
-            if retired:
-                self._sweeper.submit(storage, retired, keep)
-        return retired
-
-    def _trim_local_tier(self) -> None:
-        """Rank 0, before a local write: the steps keep_local no longer keeps and no upload needs
-        (a step spared while it was uploaded, a previous incarnation's) go now, not after this
-        commit. A local disk sized for keep_local + 1 checkpoints otherwise stayed full for good
-        after a restart that found keep_local + 1 there (ENOSPC at every save)."""
-        if self.local is None or self.tiers.keep_local is None or doctor_hooks.keeps_everything():
-            return
-        try:
-            index = self._index(self.local)
-            index.scan()
-            spared = {self._uploading} if self._uploading is not None else set()
-            doomed, keep = self._plan_retention(index, self.tiers.keep_local, None, spared)
-            self._retire(self.local, index, doomed, keep)
-        except (OSError, DistCkptError) as e:
-            log.warning("rank 0: local retention before the save failed (it runs again after the commit): %s", e)
-
-    def _plan_retention(self, index: CommitIndex, keep_last: int | None, keep_best: int | None,
-                        spared: set[int]) -> tuple[list[int], set[str]]:
-        """The steps retention deletes and the files it must keep (those a kept incremental
-        checkpoint references). Manifests are read only when needed: for the metrics of
-        `keep_best`, and for the references when something is deleted; each once per process
-        (the index), so a save's cost does not grow with the number of committed steps."""
-        if keep_last is None and keep_best is None:
-            return [], set()
-        # A superseded writer's commit is never loaded: counted, it could push the live job's
-        # steps out of keep_last (and a zombie's own retention delete them all); it goes instead.
-        zombies = index.superseded(self._leases.known(local=index.storage is not self.storage))
-        steps = [step for step in index.listing.committed() if step not in zombies]
-        committed = (read_committed(index.storage, steps, index) if keep_best is not None
-                     else [Committed(step, None) for step in steps])
-        doomed = [step for step in plan_retention(committed, keep_last, keep_best, self.config.best_mode)
-                  + superseded_to_retire(zombies, steps) if step not in spared]
-        if not doomed:
-            return [], set()
-        if keep_best is None:
-            committed = read_committed(index.storage, steps, index)
-        return sorted(doomed), kept_references(committed, doomed)
 
     # -- the durable tier (two tiers only) -------------------------------------------------
 
@@ -569,7 +454,7 @@ class CheckpointManager:
                      time.perf_counter() - start)
         self._leases.record_first_commit(step)
         faults.point("upload/committed", step=step, rank=0)
-        self._retain(self.storage, step, self.config.keep_last, self.config.keep_best)
+        self._pruner.after_commit(self.storage, step)
 
     def _join_upload(self) -> None:
         """Rank 0: collect the upload in flight (if any), recording its failure for the ranks."""
@@ -744,7 +629,7 @@ class CheckpointManager:
         """Rank 0: start the root's full listing that retention after the first save (and every
         64th) needs, on a helper thread (commit.CommitIndex.prefetch); once at most."""
         if self.rank == 0 and self.local is None:
-            self._index(self.storage).prefetch()
+            self._pruner.index(self.storage).prefetch()
 
     @arguments_checked
     def load(self, state: dict[str, Any], step: int) -> Progress:
@@ -903,7 +788,7 @@ class CheckpointManager:
         self._preemption.uninstall()
         self._writer.close()
         self._uploader.close()
-        self._sweeper.close()
+        self._pruner.close()
         self._snapshot.close()
         self._stop_warming()
         self._staging.drop_spares()

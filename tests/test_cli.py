@@ -355,7 +355,7 @@ def test_verify_racing_a_writers_retention_reports_no_damage(tmp_path, monkeypat
     def verify_while_the_writer_saves(storage, step, *args, **kwargs):
         if step == 1:
             writer.save(2, {"w": torch.full((4,), 2.0)})  # commits 2, removes 1
-            writer._sweeper.drain()
+            writer._pruner.sweeper.drain()
         return real(storage, step, *args, **kwargs)
 
     monkeypatch.setattr(cli, "verify_step", verify_while_the_writer_saves)

@@ -61,7 +61,7 @@ def test_a_step_committed_and_its_predecessor_removed_between_two_marker_reads(w
         finally:
             if step == 2 and writer.committed_steps() == [1]:
                 writer.save(2, state(2))  # commits 2, then retention removes 1
-                writer._sweeper.drain()
+                writer._pruner.sweeper.drain()
 
     monkeypatch.setattr(loading, "step_candidates", listing_with_step_2_in_progress)
     monkeypatch.setattr(loading, "read_checkpoint", read)
@@ -83,7 +83,7 @@ def test_a_step_removed_after_its_marker_was_read(where, monkeypatch):
         marker = real_marker(storage, step)
         if step == 1 and writer.committed_steps() == [1]:
             writer.save(2, state(2))
-            writer._sweeper.drain()
+            writer._pruner.sweeper.drain()
         return marker
 
     monkeypatch.setattr(loading, "read_marker", marker_then_retention)
@@ -114,7 +114,7 @@ def test_every_candidate_uncommitted_on_an_unchanged_listing_after_a_race(where,
         finally:
             if reads in ([2, 1], [2, 1, 3]):  # 2, then 3, committed; retention removes the one before
                 writer.save(step + 1 if step == 1 else step, state(step + 1 if step == 1 else step))
-                writer._sweeper.drain()
+                writer._pruner.sweeper.drain()
 
     monkeypatch.setattr(loading, "step_candidates", lambda storage: next(listings))
     monkeypatch.setattr(loading, "read_checkpoint", read)

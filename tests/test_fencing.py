@@ -183,7 +183,7 @@ def test_a_new_incarnation_stopped_before_its_first_commit_leaves_the_old_writer
     new = manager(where, keep_last=1)
     assert new.load_latest({"w": torch.zeros(4)}).step == 20
     old.save(30, {"w": torch.full((4,), 30.0)})  # the old one has not noticed: 20 is removed
-    old._sweeper.drain()
+    old._pruner.sweeper.drain()
 
     _save_killed_at(new, "save/manifest-written", 21)  # after its lease, before its first commit
     new.close()
@@ -201,7 +201,7 @@ def test_a_new_incarnation_stopped_before_its_first_commit_leaves_the_old_writer
     third.save(31, {"w": torch.full((4,), 31.0)})
     with pytest.raises(distckpt.FencedError):
         old.save(40, {"w": torch.full((4,), 40.0)})
-    third._sweeper.drain()
+    third._pruner.sweeper.drain()
     assert third.committed_steps() == [31]
     assert value_of(where) == (31, 31.0)
     third.close()
@@ -288,7 +288,7 @@ def test_a_new_incarnation_killed_while_it_replaces_a_zombies_step_never_leaves_
     new = manager(where, keep_last=1)
     assert new.load_latest({"w": torch.zeros(4)}).step == 2
     old.save(3, {"w": torch.full((4,), 3.0)})
-    old._sweeper.drain()
+    old._pruner.sweeper.drain()
 
     _save_killed_at(new, point, 3)
     new.close()
@@ -417,12 +417,12 @@ def test_retention_never_counts_or_keeps_a_zombies_steps(where, monkeypatch, kee
         m.setattr(fencing, "check_current", lambda storage, lease: None)  # the zombie's view
         old.save(5, {"w": torch.full((4,), 99.0)})
         old.save(6, {"w": torch.full((4,), 98.0)})
-    old._sweeper.drain()
+    old._pruner.sweeper.drain()
     # The live job's newest step survives the zombie's retention: a crash now resumes from it.
     with pytest.warns(distckpt.CheckpointFallbackWarning, match="superseded writer"):
         assert value_of(where) == (2, 2.0)
     new.save(3, {"w": torch.full((4,), 3.0)})
-    new._sweeper.drain()
+    new._pruner.sweeper.drain()
     live = [3, 2, 1][:keep_last]
     assert new.committed_steps() == live  # the zombie's steps are gone, the live ones counted alone
     assert value_of(where) == (3, 3.0)
@@ -493,7 +493,7 @@ def test_housekeeping_never_loses_the_live_jobs_newest_step(tmp_path_factory, ke
                     zombie.save(number, {"w": torch.full((4,), -1.0)}, metric=-1000.0)
                 except (distckpt.CheckpointExistsError, distckpt.FencedError):
                     pass  # the live job took that step meanwhile
-        live._sweeper.drain()
+        live._pruner.sweeper.drain()
         if newest is not None:
             state = {"w": torch.zeros(4)}
             with warnings.catch_warnings():

@@ -745,10 +745,10 @@ def test_the_commit_index_agrees_with_a_full_listing_after_every_save(tmp_path_f
     committed equals a fresh full listing, whatever mix of saves, skipped step numbers, leftover
     directories of unfinished saves and step numbers that gain digits (step-1000000000 sorts
     before step-999999999 by name) came before, with a full listing every 2, 3 or 64 scans."""
-    from distckpt import manager
+    from distckpt.protocol import pruning
     from distckpt.protocol.commit import CommitIndex, is_committed
 
-    real_retire = manager.retire
+    real_retire = pruning.retire
 
     def retire(storage, step):  # an index that kept a step already gone would retire it again
         assert is_committed(storage, step), f"retention retired step {step}, which is not committed"
@@ -756,12 +756,12 @@ def test_the_commit_index_agrees_with_a_full_listing_after_every_save(tmp_path_f
 
     before = CommitIndex.FULL_SCAN_EVERY
     CommitIndex.FULL_SCAN_EVERY = full_every
-    manager.retire = retire
+    pruning.retire = retire
     try:
         _index_agrees_after_every_save(tmp_path_factory, keep_last, start, actions)
     finally:
         CommitIndex.FULL_SCAN_EVERY = before
-        manager.retire = real_retire
+        pruning.retire = real_retire
 
 
 def _index_agrees_after_every_save(tmp_path_factory, keep_last, start, actions):
@@ -783,7 +783,7 @@ def _index_agrees_after_every_save(tmp_path_factory, keep_last, start, actions):
             elif action in ("save", "far"):
                 mgr.save(step, state)
                 saved.insert(0, step)
-                index = mgr._index(mgr.storage)
+                index = mgr._pruner.index(mgr.storage)
                 # exactly the newest keep_last saves survive: an index that lost a step would
                 # have had retention or gc remove a checkpoint it should keep
                 assert list_committed(storage) == saved[:keep_last]
