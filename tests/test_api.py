@@ -45,7 +45,7 @@ def test_errors_form_one_tree():
 
 # The rooms of the package, bottom up: a module imports only from its own room or rooms below it.
 LAYERS = {"errors": 0, "config": 0, "runtime": 1, "storage": 2, "io": 3, "state": 4, "protocol": 5,
-          "manager": 6, "testing": 6, "tools": 7, "__init__": 8, "__main__": 8}
+          "manager": 6, "testing": 6, "tools": 7, "integrations": 7, "__init__": 8, "__main__": 8}
 # Rooms that never touch torch.distributed (pure bytes, files and formats).
 NO_COLLECTIVES = {"errors", "config", "storage", "io"}
 

@@ -412,41 +412,6 @@ def test_attributes_set_through_with_worker_rng_reach_the_dataset(inner):
     assert not hasattr(dataset, "transform") and not hasattr(wrapped, "transform")
 
 
-ACCELERATE_LOOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerate_loop.py")
-
-
-def _accelerate_run(root, stop_after, log, workers, *extra):
-    return subprocess.run([sys.executable, ACCELERATE_LOOP, str(root), str(stop_after), str(log), str(workers), *extra],
-                          capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": ROOT})
-
-
-def test_an_accelerate_loop_with_its_loader_kept_out_of_prepare_resumes_bit_for_bit(tmp_path):
-    """Hugging Face Accelerate: the prepared model, optimizer and scheduler in `state`,
-    accumulation through accelerator.accumulate, the loader a StatefulDataLoader kept out of
-    prepare() (README: Hugging Face Accelerate); stopped after a save mid-epoch and relaunched."""
-    pytest.importorskip("accelerate")
-    reference = _accelerate_run(tmp_path / "ref", -1, tmp_path / "ref.log", 2)
-    assert reference.returncode == 0, reference.stderr
-    first = _accelerate_run(tmp_path / "run", 7, tmp_path / "run.log", 2)
-    assert first.returncode == 0, first.stderr
-    relaunch = _accelerate_run(tmp_path / "run", -1, tmp_path / "run.log", 2)
-    assert relaunch.returncode == 0, relaunch.stderr
-    lines = (tmp_path / "run.log").read_text().splitlines()
-    assert lines[7].startswith("7 ") and lines[8].startswith("8 ")  # stopped after 7, resumed at 8
-    assert lines == (tmp_path / "ref.log").read_text().splitlines()
-
-
-def test_an_accelerate_prepared_loader_is_refused_naming_what_to_do(tmp_path):
-    """It passes for a StatefulDataLoader (__class__ answers its base loader's): taken for one,
-    every resume drew another shuffle order and moved the global stream."""
-    pytest.importorskip("accelerate")
-    out = _accelerate_run(tmp_path / "run", -1, tmp_path / "run.log", 0, "prepared-loader")
-    assert out.returncode != 0
-    assert "DataLoaderShard, a wrapper that passes for a DataLoader (Hugging Face Accelerate's prepared loader)" \
-        in out.stderr, out.stderr[-2000:]
-    assert "Keep the loader out of accelerator.prepare()" in out.stderr
-
-
 def _peek_loader(workers: int):
     from torchdata.stateful_dataloader import StatefulDataLoader
 

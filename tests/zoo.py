@@ -21,10 +21,11 @@ class ZooResult:
     lines: int
 
 
-def torchrun(nproc: int, args: list[str], max_restarts: int, timeout: float = 600) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, args: list[str], max_restarts: int, timeout: float = 600,
+             loop: str = LOOP) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", "127.0.0.1:0", "--monitor-interval", "0.5", LOOP, *args]
+           "--rdzv-endpoint", "127.0.0.1:0", "--monitor-interval", "0.5", loop, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -47,13 +48,16 @@ def read_log(log_dir: str) -> tuple[dict[tuple[int, int], str], list[str]]:
 
 
 def run_zoo_pair(workdir: str, nproc: int, options: list[str], kill_at: str, kill_rank: int = 0,
-                 steps: int = 30) -> ZooResult:
+                 steps: int = 30, loop: str = LOOP) -> ZooResult:
+    """`loop` (tests/zoo_loop.py, or a framework's loop taking the same arguments) run
+    uninterrupted and killed at `kill_at`, every (rank, step) line compared."""
     common = ["--steps", str(steps), *options]
     restarts = len(kill_at.split(","))
     for label, more, max_restarts in (("reference", [], 0),
                                       ("killed", ["--kill-at", kill_at, "--kill-rank", str(kill_rank)], restarts)):
         result = torchrun(nproc, ["--ckpt", os.path.join(workdir, f"ckpt-{label}"),
-                                  "--loss-log", os.path.join(workdir, f"log-{label}"), *common, *more], max_restarts)
+                                  "--loss-log", os.path.join(workdir, f"log-{label}"), *common, *more], max_restarts,
+                          loop=loop)
         if result.returncode != 0:
             raise RuntimeError(f"the {label} run of {options} failed ({result.returncode}):\n"
                                f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}")

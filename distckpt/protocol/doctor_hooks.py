@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from distckpt.io.staging import memory_of
+from distckpt.state.wrapped_optimizers import stepping_optimizer
 
 ROOT_ENV = "DISTCKPT_DOCTOR_ROOT"
 KILL_AFTER_ENV = "DISTCKPT_DOCTOR_KILL_AFTER"
@@ -118,10 +119,12 @@ def install_fingerprints(entries: list[Any], step: int | None, rank: int) -> Non
     for entry in entries:
         if entry.kind_spec.holds_weights and entry.target not in _fingerprints.modules:
             _fingerprints.modules.append(entry.target)
-        hooked = getattr(entry.target, "_distckpt_fingerprinted", False)
-        if isinstance(entry.target, torch.optim.Optimizer) and not hooked:
-            entry.target.register_step_post_hook(_fingerprints.after_optimizer_step)
-            entry.target._distckpt_fingerprinted = True  # type: ignore[attr-defined]
+        if not isinstance(entry.target, torch.optim.Optimizer):
+            continue
+        stepping = stepping_optimizer(entry.target)  # under a wrapper without hooks (Accelerate's)
+        if not getattr(stepping, "_distckpt_fingerprinted", False):
+            stepping.register_step_post_hook(_fingerprints.after_optimizer_step)
+            stepping._distckpt_fingerprinted = True  # type: ignore[attr-defined]
     _fingerprints.rebase(-1 if step is None else step)
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from distckpt.io.staging import StagingPool, region_key
 from distckpt.runtime.interrupts import Gate
 from distckpt.state.capture import SHARDED, Entry, unwrap_module
+from distckpt.state.wrapped_optimizers import stepping_optimizer
 
 
 class OverlappedSnapshot:
@@ -109,7 +110,9 @@ class OverlappedSnapshot:
     def _hook(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer in self._hooks:
             return
-        self._hooks[optimizer] = optimizer.register_step_pre_hook(_step_waits_for(weakref.ref(self)))
+        # on the optimizer that steps: a wrapper without hooks of its own (Accelerate's) calls it
+        self._hooks[optimizer] = stepping_optimizer(optimizer).register_step_pre_hook(
+            _step_waits_for(weakref.ref(self)))
 
 
 def _step_waits_for(snapshot: "weakref.ref[OverlappedSnapshot]") -> Callable[..., None]:
