@@ -284,3 +284,8 @@ def test_a_checkpoint_of_a_kind_this_process_does_not_know_is_still_inspected(tm
     with distckpt.CheckpointManager(str(tmp_path / "a")) as mgr:  # restored as a value: its kind differs
         with pytest.raises(IncompatibleCheckpointError, match="test_reservoir entry in the checkpoint"):
             mgr.load_latest({"model": torch.nn.Linear(2, 1), "res": {"items": [], "seen": 0}})
+
+
+def test_every_built_in_kind_says_what_it_holds():
+    for kind in BUILTIN:
+        assert kind.description, f"{kind.__name__}: say in `description` what it holds"

@@ -147,6 +147,7 @@ def compare_roots(reference: str, resumed: str) -> Report:
 
 
 Stream = tuple[str, str]  # (where, "rng/<stream>"): one process stream of one rank
+PROCESS_STREAMS = "rng"  # a rank file's field holding its process streams (rng.py)
 
 
 def _stream(d: Difference) -> str:
@@ -162,7 +163,6 @@ def _stream(d: Difference) -> str:
 # run never seeds nor draws from differs there between the runs as it does under rng/.
 _REPLAYED_AS = {stream.epoch_start_name: stream.name for stream in PROCESS}
 _REPLAY_RECORD = re.compile(rf"(?:^|/){re.escape(REPLAY_KEY)}/epoch_start/global/({'|'.join(_REPLAYED_AS)})(?:/|$)")
-PROCESS_STREAMS = "rng"  # a rank file's field holding its process streams (rng.py)
 
 
 def _unused_streams(steps: list[tuple[dict[Stream, Any], dict[Stream, Any]]]) -> set[Stream]:

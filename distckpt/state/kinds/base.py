@@ -130,7 +130,7 @@ class Kind:
     """One kind of entry. Subclasses set `name` and override what differs."""
 
     name: ClassVar[str]               # written into every checkpoint: never rename
-    description: ClassVar[str] = ""   # one line: what it holds (inspect, docs)
+    description: ClassVar[str] = ""   # one line: what it holds (docs/guides/custom-kinds.md)
     scope: ClassVar[str] = REPLICATED  # where its state is written unless per_rank() says otherwise
     generic: ClassVar[bool] = False    # claims objects by a duck type: tried after every specific kind
     late: ClassVar[bool] = False       # restored after every rank restored the rest: checked completely first
