@@ -34,8 +34,6 @@ from distckpt.protocol import doctor_hooks
 from distckpt.protocol.async_writer import AsyncWriter, WriterStuckError
 from distckpt.protocol.commit import list_committed
 from distckpt.protocol.coord import Coordinator, Outcome, agree, make_coordinator
-from distckpt.protocol.fencing import read_leases
-from distckpt.protocol.frameworks import classify_in_world, negative_step_refusal
 from distckpt.protocol.incremental import ContentTable
 from distckpt.protocol.leases import LeaseKeeper, ResumedBranch
 from distckpt.protocol.loading import Progress, load, refuse_load_request
@@ -58,21 +56,17 @@ from distckpt.protocol.saving import (
 )
 from distckpt.protocol.snapshot import OverlappedSnapshot
 from distckpt.protocol.tiers import (
-    DurableUploadWarning,
-    Nodes,
     TierSettings,
-    node_name,
-    ship_to_nodes,
-    upload_step,
 )
+from distckpt.protocol.uploads import DurableUploads
 from distckpt.runtime import faults
 from distckpt.runtime.gcpause import collector_paused
 from distckpt.runtime.interrupts import sigint_deferred
 from distckpt.runtime.preemption import PreemptionFlag
 from distckpt.runtime.versions import VersionsProbe
 from distckpt.state import loader_hazards
-from distckpt.state.capture import SHARDED, CheckpointWarning
-from distckpt.state.kinds import staged_tensors
+from distckpt.state.capture import CheckpointWarning
+from distckpt.state.kinds import classify, staged_tensors
 from distckpt.state.validation import LoadRules, check_step
 from distckpt.storage import open_storage
 
@@ -133,8 +127,8 @@ class CheckpointManager:
         self._pruner = Pruner(self.storage, self.local, self.config, self.tiers.keep_local, self._leases)  # rank 0
         self._closed = False
         self._preemption = PreemptionFlag(self.config.preemption_signals)
-        self._preempting = False  # agreed by preemption_requested(): the next save is made durable
-        self._init_tiers()
+        self._uploads = DurableUploads(self._coord, self.storage, self.local, self.tiers, self.config,
+                                       self.split_writes, self._leases, self._pruner)  # two tiers (uploads.py)
         # rank 0: what the last committed save holds, for incremental saves (incremental.py)
         self._content = ContentTable() if incremental else None
         if self.rank == 0:  # it writes the manifests: its git runs from now to the first save
@@ -202,22 +196,6 @@ class CheckpointManager:
                               "every rank's manager with the same arguments")
         return str(every[0]["run_id"])
 
-    def _init_tiers(self) -> None:
-        """Two tiers (tiers.py): every save commits to `local_dir`, every Nth also to the URL."""
-        names = [node_name()] if self.local is None or self.world_size == 1 else \
-            self._coord.all_gather(node_name(), "init/nodes")
-        self._nodes = Nodes(tuple(names))
-        self._uploader = AsyncWriter()   # rank 0: one upload to the durable tier in flight
-        self._upload_failures: list[tuple[int, str]] = []  # rank 0: not yet reported to the ranks
-        self._uploading: int | None = None   # rank 0: the step being uploaded (local retention spares it)
-        self._last_local: int | None = None  # rank 0: the newest step committed on the local tier
-        self._last_durable: int | None = None  # rank 0: the newest step uploaded
-        self._saves = 0        # save() calls: every durable_every-th is durable
-        self._catch_up = False  # an upload failed, or the job resumed from the local tier: next save durable
-        self._upload_failing = False  # rank 0: an upload failed since the last one that worked
-        self._upload_deferred = False  # rank 0: a durable save's upload was put off (_start_upload)
-        self._shipped = False  # whether a step was shipped to the other nodes yet
-
     def __repr__(self) -> str:
         return f"CheckpointManager({self.storage!r}, rank={self.rank}, world_size={self.world_size})"
 
@@ -257,7 +235,7 @@ class CheckpointManager:
         ConfigError on every rank, at once: this rank counts the save as the others do and
         fails their first agreement (the peers raised CoordinationError when this rank went on
         or died, or waited out the timeout when it stayed)."""
-        self._next_save_is_durable([])
+        self._uploads.next_save_is_durable([])
         self._save_seq += 1
         agree(self._coord, Outcome.failure(self.rank, refusal), "save/capture", f"save of step {step!r}", refusal)
         raise refusal  # not reached: agree raised, the failure being in the outcomes
@@ -265,10 +243,10 @@ class CheckpointManager:
     def _save(self, step: int, state: dict[str, Any], epoch: int | None, metric: float | None,
               refusal: ConfigError | None = None) -> None:
         self._finish_pending()
-        self._report_uploads(block=False)
+        self._uploads.report(block=False)
         self._list_ahead()  # retention's first listing runs while this save writes
         try:
-            entries = classify_in_world(state, self.world_size) if refusal is None else []
+            entries = classify(state) if refusal is None else []
         except ConfigError as e:  # StateArgumentError: `state` refused before any exchange
             refusal, entries = self._refused(e), []
         if refusal is not None:
@@ -277,13 +255,13 @@ class CheckpointManager:
             left_out = loader_hazards.warn_positions_left_out([e.target for e in entries if e.kind_spec.holds_data_position])
             doctor_hooks.note_loaders_left_out(left_out, self.rank)  # for the doctor's likely causes
         doctor_hooks.rebase_fingerprints(step)
-        durable = self._next_save_is_durable(entries, metric)
+        durable = self._uploads.next_save_is_durable(entries, metric)
         replaceable = self._leases.replace_policy
         self._save_seq += 1
         args = (self._coord, self._target, entries, step, epoch, metric, self.run_id,
                 self._staging if self.config.async_save else None, replaceable, self._leases.take,
                 self._save_seq, self.split_writes, self.storage if self.local is not None else None,
-                self._leases.prepare_local if self.local is not None else None, self._hands_over_rank_files)
+                self._leases.prepare_local if self.local is not None else None, self._uploads.hands_over_rank_files)
         if self.config.async_save:
             # The training thread's only exchange: capture and agree. The gather, the write and
             # the outcome run on the writer thread, over the writer's own process group.
@@ -303,9 +281,9 @@ class CheckpointManager:
                 raise
             finally:
                 self._staging.drop_spares()  # those this save did not take: not kept for later ones
-            if durable and self._preempting:
+            if durable and self._uploads.preempting:
                 self._finish_pending()  # the VM's disk goes with the VM: this save must reach the URL
-                self._report_uploads(block=True, final=True)
+                self._uploads.report(block=True, final=True)
             return
         staged, own_write = stage_save(*args)
         exc = None
@@ -316,9 +294,9 @@ class CheckpointManager:
         if staged is None:
             faults.point("save/awaiting-commit", step=step, rank=self.rank)
         share_outcome(self._coord, exc, "save/commit", f"save of step {step}", step)
-        self._ship_to_nodes(step)
-        if durable and self._preempting:
-            self._report_uploads(block=True, final=True)
+        self._uploads.ship(step)
+        if durable and self._uploads.preempting:
+            self._uploads.report(block=True, final=True)
         doctor_hooks.after_commit(step, self.rank, self.world_size)
 
     @property
@@ -326,41 +304,13 @@ class CheckpointManager:
         """Where save() commits: the local tier when there is one, else the URL."""
         return self.local if self.local is not None else self.storage
 
-    def _next_save_is_durable(self, entries: list[Any], metric: Any = None) -> bool:
-        """Every durable_every-th save, the one after a failed upload, and the pre-emption save
-        (decided alike on every rank: the counts and flags are agreed); on rank 0 also one whose
-        upload was put off, and with keep_best one given a metric."""
-        if self.local is None:
-            return False
-        if self._nodes.count > 1 and (self.split_writes or any(e.scope == SHARDED for e in entries)):
-            raise ConfigError("local_dir= with sharded entries (FSDP2) or split_writes=True across several nodes "
-                              "is not supported: each node's local tier would hold only its own ranks' shard "
-                              "files; checkpoint such jobs to the URL only (no local_dir)")
-        self._saves += 1
-        durable = self._saves % self.tiers.durable_every == 0 or self._catch_up or self._preempting
-        self._catch_up = False
-        # Rank 0's alone (only it uploads; the metric is its own), and every rank agrees wherever
-        # durability matters to the others (the pre-emption save, which all make durable).
-        # keep_best judges the URL's steps: a save with a metric left on the local tier alone was
-        # dropped there by keep_local, and the best checkpoint with it (best_step() went 1 -> None
-        # -> 4 -> None).
-        if self.rank == 0:
-            durable = durable or self._upload_deferred or (bool(self.config.keep_best) and metric is not None)
-        return durable
-
-    @property
-    def _hands_over_rank_files(self) -> bool:
-        """A local tier on several nodes: rank 0 writes the whole step (its ranks' files handed
-        over in a gather) and ships it to every node, as no node's disk is another's."""
-        return self.local is not None and self._nodes.count > 1
-
     def _write(self, staged: StagedSave | None, own_write: RankWrite | None, durable: bool = False,
                failure: BaseException | None = None) -> None:
         """This rank's part of the write: its own files and their report (`failure` is reported
         instead, then raised); on rank 0 the rest and the commit."""
         target = self._target
         if staged is not None:
-            self._pruner.before_local_write(() if self._uploading is None else (self._uploading,))
+            self._pruner.before_local_write(self._uploads.spared)
         self._pruner.sweeper.drain()  # rank 0: the retired steps' files are gone before this save's are written
         try:
             if own_write is not None:
@@ -386,10 +336,7 @@ class CheckpointManager:
                 raise
             raise sized from e
         if self.local is not None:
-            self._last_local = staged.step
-            self._pruner.after_commit(self.local, staged.step, () if self._uploading is None else (self._uploading,))
-            if durable:
-                self._start_upload(staged.step)
+            self._uploads.committed_locally(staged.step, durable)
         else:
             self._leases.record_first_commit(staged.step)
             self._pruner.after_commit(self.storage, staged.step)
@@ -424,111 +371,6 @@ class CheckpointManager:
         return self._versions_probe.collect()
 
     # -- the durable tier (two tiers only) -------------------------------------------------
-
-    def _start_upload(self, step: int) -> None:
-        """Rank 0: upload committed local `step` in the background; one upload in flight, so a
-        durable save waits here for the previous upload (the documented one-in-flight rule) —
-        except while the URL fails: then the upload in flight is a retry that may take the
-        store's whole timeout to fail, and waiting for it stalled every save (~5 s each with the
-        connections cut); this step's upload is put off to the next save instead. The
-        pre-emption save and close() always wait."""
-        if (self._upload_failing or self._leases.unreachable) and self._uploader.busy \
-                and not self._uploader.finished and not self._preempting:
-            self._upload_deferred = True
-            log.warning("rank 0: step %d is committed locally; its upload to %s is put off to the next save: the "
-                        "upload of step %s is still in flight and the URL failed before", step, self.storage.url,
-                        self._uploading)
-            return
-        self._upload_deferred = False
-        self._join_upload()
-        self._uploading = step
-        self._uploader.submit(lambda: self._upload(step), f"upload of step {step}")
-
-    def _upload(self, step: int) -> None:
-        lease = self._leases.lease
-        assert self.local is not None and lease is not None  # rank 0 after a local commit
-        start = time.perf_counter()
-        faults.point("upload/started", step=step, rank=0)
-        self._leases.check_branch()  # a load since the lease was taken chose a local step unchecked
-        if upload_step(self.local, self.storage, step, lease):
-            log.info("rank 0: step %d made durable at %s in %.3fs", step, self.storage.url,
-                     time.perf_counter() - start)
-        self._leases.record_first_commit(step)
-        faults.point("upload/committed", step=step, rank=0)
-        self._pruner.after_commit(self.storage, step)
-
-    def _join_upload(self) -> None:
-        """Rank 0: collect the upload in flight (if any), recording its failure for the ranks."""
-        if not self._uploader.busy:
-            return
-        step = self._uploading
-        _, err = self._uploader.wait()
-        self._uploading = None
-        if err is not None and step is not None:
-            self._upload_failures.append((step, f"{type(err).__name__}: {err}"))
-            self._upload_failing = True
-        elif step is not None:
-            self._last_durable = step
-            self._leases.unreachable = False
-            self._upload_failing = False
-
-    def _report_uploads(self, block: bool, final: bool = False) -> None:
-        """Tell every rank about failed uploads (collective; two tiers only). `block` waits for
-        the upload in flight; `final` raises AsyncSaveError on every rank if one failed."""
-        if self.local is None:
-            return
-        report: Any = None
-        if self.rank == 0:
-            if block or self._uploader.finished:
-                self._join_upload()
-            report, self._upload_failures = self._upload_failures, []
-        failures = self._coord.broadcast(report, "tiers/upload-status")
-        if not failures:
-            return
-        self._catch_up = True
-        steps = [step for step, _ in failures]
-        message = (f"rank {self.rank}: making step(s) {steps} durable at {self.storage.url} failed — "
-                   + "; ".join(f"step {s}: {m}" for s, m in failures)
-                   + f"; they are committed on the local tier {self._target.url} only")
-        if final:
-            raise AsyncSaveError(message + "; the newest checkpoint is not durable. The manager stays open: "
-                                 "close() again uploads it (and raises again while that fails); or copy the local "
-                                 "tier (distckpt ls --local-dir) before this node goes away")
-        message += "; the next save is made durable"
-        log.error(message)
-        warnings.warn(message, DurableUploadWarning, stacklevel=3)
-
-    def _ship_to_nodes(self, step: int) -> None:
-        """With several nodes: rank 0's committed local step to every other node's local tier
-        (the first time with the URL's leases, so the nodes remove another job's steps too)."""
-        if self.local is not None and self._nodes.count > 1:
-            durable = self.storage
-            ship_to_nodes(self._coord, self.local, self._nodes, step, self._leases.lease,
-                          None if self._shipped else (lambda: read_leases(durable)))
-            self._shipped = True
-
-    def _make_last_save_durable(self) -> None:
-        """close(): the newest local step also reaches the URL, and every rank hears the outcome."""
-        if self.local is None:
-            return
-        self._report_uploads(block=True)
-        self._upload_newest(final=True)
-
-    def _upload_newest(self, final: bool) -> None:
-        """Rank 0 uploads the newest local step unless it is durable already, and every rank hears
-        the outcome (collective): with `final`, AsyncSaveError on every rank if it failed."""
-        step = self._last_local
-        if self.rank == 0 and step is not None and step != self._last_durable:
-            if self._upload_failing:
-                log.warning("rank 0: step %d is committed on the local tier %s only (an upload to %s failed "
-                            "before); uploading it again", step, self._target.url, self.storage.url)
-            else:
-                log.info("rank 0: uploading step %d, committed on the local tier only, to %s", step, self.storage.url)
-            try:
-                self._start_upload(step)
-            except Exception as e:  # reported to every rank like any upload failure
-                self._upload_failures.append((step, f"{type(e).__name__}: {e}"))
-        self._report_uploads(block=True, final=final)
 
     def _background_coordinator(self) -> Coordinator:
         """The writer thread's own process group, made at the first async save (collective: every
@@ -573,7 +415,7 @@ class CheckpointManager:
         self._pending_step = None
         if err is not None:
             raise AsyncSaveError(f"background save of step {step} failed: {type(err).__name__}: {err}") from err
-        self._ship_to_nodes(step)
+        self._uploads.ship(step)
         doctor_hooks.after_commit(step, self.rank, self.world_size)
 
     def _writer_bound_s(self) -> float | None:
@@ -651,7 +493,7 @@ class CheckpointManager:
         self._finish_pending()
         with collector_paused():
             try:
-                entries = classify_in_world(state, self.world_size) if refusal is None else []
+                entries = classify(state) if refusal is None else []
             except ConfigError as e:  # refused on this rank: the same error on every rank, at once
                 refusal = self._refused(e)
             if refusal is not None:
@@ -659,8 +501,8 @@ class CheckpointManager:
                 raise refusal  # not reached: refuse_load_request raised
             progress = load(self._coord, self.storage, entries, state, step, self.config.world_size_policy,
                             self._rules, self.local)
-        if progress is not None and progress.tier == "local":
-            self._catch_up = True  # else a job restarted more often than durable_every saves never reaches the URL
+        if progress is not None:
+            self._uploads.resumed(progress.tier)
         self._leases.resumed(progress.step if progress is not None else None,
                              None if progress is None or progress.leases_checked or self.local is None else
                              ResumedBranch(progress.step, progress.generation, self.local.url, step is None))
@@ -709,7 +551,7 @@ class CheckpointManager:
         self._preemption.armed = True
         with self._sole_call("preemption_requested"):
             flags = self._coord.all_gather(self._preemption.requested, "preemption/agree")
-        self._preempting = self._preempting or any(flags)
+        self._uploads.preempting = self._uploads.preempting or any(flags)
         if any(flags) and self.rank == 0:
             log.warning("rank 0: pre-emption requested by rank(s) %s", [r for r, f in enumerate(flags) if f])
         return any(flags)
@@ -751,10 +593,7 @@ class CheckpointManager:
         self._check_open()
         with self._sole_call("wait"):
             self._finish_pending()
-            retry = self._catch_up  # agreed on every rank: an upload failed before (or a local resume)
-            self._report_uploads(block=True)
-            if retry:
-                self._upload_newest(final=False)
+            self._uploads.settle()
 
     @arguments_checked
     def close(self) -> None:
@@ -781,14 +620,14 @@ class CheckpointManager:
         """Shut down once nothing committed is left on node-local disk alone. Shut down after a
         failed upload, the next close() returned at once and the newest steps stayed on the node
         (a pre-empted node that retried close() as told, then exited, lost them)."""
-        self._make_last_save_durable()
+        self._uploads.make_last_save_durable()
         self._shut_down()
 
     def _shut_down(self) -> None:
         self._closed = True
         self._preemption.uninstall()
         self._writer.close()
-        self._uploader.close()
+        self._uploads.close()
         self._pruner.close()
         self._snapshot.close()
         self._stop_warming()
@@ -857,8 +696,6 @@ _COLLECTIVE_CALLS = frozenset({"save", "load_latest", "load", "preemption_reques
 
 
 def _check_save_args(step: Any, epoch: Any, metric: Any) -> tuple[int, int | None, float | None]:
-    if isinstance(step, numbers.Integral) and not isinstance(step, bool) and step < 0:
-        raise negative_step_refusal(int(step))  # says where saves belong
     step = check_step("step", step)
     if epoch is not None:
         epoch = check_step("epoch", epoch)
@@ -901,3 +738,4 @@ def _refusal_on_every_rank(refused: list[tuple[int, str, str]]) -> DistCkptError
 def _is_distckpt_error(kind: str) -> bool:
     cls = getattr(errors, kind, None)
     return isinstance(cls, type) and issubclass(cls, DistCkptError)
+

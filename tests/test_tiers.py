@@ -569,7 +569,7 @@ def _upload_under_cut(tmp_path, k: int | None):
             upload_step(mgr.local, mgr.storage, 2, lease)
         except PowerCutNow:
             finished = False
-    mgr._last_local = None  # close() must not upload step 2 again: the image is taken below
+    mgr._uploads.last_local = None  # close() must not upload step 2 again: the image is taken below
     mgr.close()
     return cut, finished, durable
 
@@ -605,7 +605,7 @@ def test_a_job_restarted_more_often_than_durable_every_still_reaches_the_durable
         for step in range(start, start + 2):
             mgr.save(step, step_states.state_for(step))
         mgr.wait()
-        mgr._last_local = None  # a crash: nothing more is uploaded at close
+        mgr._uploads.last_local = None  # a crash: nothing more is uploaded at close
         mgr.close()
     # the first save after each resume from the local tier is made durable
     assert steps_at(durable) == [2, 4]
@@ -647,7 +647,7 @@ def test_a_superseded_writer_is_fenced_on_the_local_tier_too(roots):
         new.save(2, step_states.state_for(2))
     with pytest.raises(distckpt.FencedError):
         old.save(3, step_states.state_for(3))  # refused before anything is committed, locally too
-    old._last_local = None
+    old._uploads.last_local = None
     old.close()
     assert 3 not in steps_at(local) and 3 not in steps_at(durable)
 
