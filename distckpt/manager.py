@@ -34,6 +34,7 @@ from distckpt.protocol import doctor_hooks
 from distckpt.protocol.async_writer import AsyncWriter, WriterStuckError
 from distckpt.protocol.commit import list_committed
 from distckpt.protocol.coord import Coordinator, Outcome, agree, make_coordinator
+from distckpt.protocol.frameworks import classify_in_world, negative_step_refusal
 from distckpt.protocol.incremental import ContentTable
 from distckpt.protocol.leases import LeaseKeeper, ResumedBranch
 from distckpt.protocol.loading import Progress, load, refuse_load_request
@@ -66,7 +67,7 @@ from distckpt.runtime.preemption import PreemptionFlag
 from distckpt.runtime.versions import VersionsProbe
 from distckpt.state import loader_hazards
 from distckpt.state.capture import CheckpointWarning
-from distckpt.state.kinds import classify, staged_tensors
+from distckpt.state.kinds import staged_tensors
 from distckpt.state.validation import LoadRules, check_step
 from distckpt.storage import open_storage
 
@@ -246,7 +247,7 @@ class CheckpointManager:
         self._uploads.report(block=False)
         self._list_ahead()  # retention's first listing runs while this save writes
         try:
-            entries = classify(state) if refusal is None else []
+            entries = classify_in_world(state, self.world_size) if refusal is None else []
         except ConfigError as e:  # StateArgumentError: `state` refused before any exchange
             refusal, entries = self._refused(e), []
         if refusal is not None:
@@ -493,7 +494,7 @@ class CheckpointManager:
         self._finish_pending()
         with collector_paused():
             try:
-                entries = classify(state) if refusal is None else []
+                entries = classify_in_world(state, self.world_size) if refusal is None else []
             except ConfigError as e:  # refused on this rank: the same error on every rank, at once
                 refusal = self._refused(e)
             if refusal is not None:
@@ -696,6 +697,8 @@ _COLLECTIVE_CALLS = frozenset({"save", "load_latest", "load", "preemption_reques
 
 
 def _check_save_args(step: Any, epoch: Any, metric: Any) -> tuple[int, int | None, float | None]:
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool) and step < 0:
+        raise negative_step_refusal(int(step))  # says where saves belong
     step = check_step("step", step)
     if epoch is not None:
         epoch = check_step("epoch", epoch)
