@@ -47,8 +47,7 @@ class Clock:
 
 
 def _instrument(clock: Clock) -> None:
-    from distckpt import manager
-    from distckpt.protocol import coord
+    from distckpt.protocol import coord, pruning, session
     from distckpt.storage.local import LocalStorage
 
     for method in ("all_gather", "gather", "broadcast"):
@@ -61,10 +60,10 @@ def _instrument(clock: Clock) -> None:
             setattr(LocalStorage, method, clock.wrap(lambda *a, _m=method, **k: f"storage {_m}",
                                                      getattr(LocalStorage, method)))
     os.fsync = clock.wrap(lambda *a: "  of which fsync", os.fsync)  # type: ignore[assignment]
-    manager.CheckpointManager._retain = clock.wrap(lambda *a: "rank 0 retention + leftovers (whole)",
-                                                   manager.CheckpointManager._retain)
-    manager.write_and_commit = clock.wrap(lambda *a: "rank 0 write_and_commit (whole)", manager.write_and_commit)
-    manager.stage_save = clock.wrap(lambda *a: "stage_save: capture+agree+gather (whole)", manager.stage_save)
+    pruning.Pruner.after_commit = clock.wrap(lambda *a: "rank 0 retention + leftovers (whole)",
+                                             pruning.Pruner.after_commit)
+    session.write_and_commit = clock.wrap(lambda *a: "rank 0 write_and_commit (whole)", session.write_and_commit)
+    session.stage_save = clock.wrap(lambda *a: "stage_save: capture+agree+gather (whole)", session.stage_save)
 
 
 def phases(rank: int, world: int, root: str, rounds: int) -> dict[str, Any]:

@@ -45,8 +45,7 @@ def worker(root: str, saves: int) -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     import distckpt
-    from distckpt import manager
-    from distckpt.protocol import coord, saving
+    from distckpt.protocol import coord, pruning, saving, session
 
     torch.set_num_threads(1)
     info = distckpt.init_distributed()
@@ -86,15 +85,16 @@ def worker(root: str, saves: int) -> None:
                                       saving._encode_checked)
     saving.capture_entry = _timed(training, "state_dict() of every entry", saving.capture_entry)
     saving.capture_process_rng = _timed(training, "RNG capture", saving.capture_process_rng)
-    manager.classify = _timed(training, "classify the state", manager.classify)
+    session.classify_in_world = _timed(training, "classify the state", session.classify_in_world)
     coord.GlooCoordinator.all_gather = _timed(training, "the capture's exchange (all_gather)",
                                               coord.GlooCoordinator.all_gather)
-    manager.AsyncWriter.wait = _timed(training, "waiting for the previous save", manager.AsyncWriter.wait)
-    cls = manager.CheckpointManager
+    session.AsyncWriter.wait = _timed(training, "waiting for the previous save", session.AsyncWriter.wait)
+    cls = session.Session
     cls._background_save = _timed(writer, "writer thread, whole save (CPU)", cls._background_save, time.thread_time)
-    cls._retain = _timed(writer, "  of which retention (CPU)", cls._retain, time.thread_time)
+    pruning.Pruner.after_commit = _timed(writer, "  of which retention (CPU)", pruning.Pruner.after_commit,
+                                         time.thread_time)
     saving.gather_save = _timed(writer, "  of which the gather (wall)", saving.gather_save)
-    manager.gather_save = saving.gather_save
+    session.gather_save = saving.gather_save
     totals = []
     for s in range(5, 5 + saves):
         step()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import errno
 import logging
 import math
 import numbers
@@ -11,63 +10,41 @@ import os
 import signal
 import sys
 import threading
-import time
 import uuid
 import warnings
 from contextlib import contextmanager
-from typing import Any, Iterator, NoReturn
+from typing import Any, Iterator
 
 from distckpt import errors
 from distckpt.config import DEFAULT_TIMEOUT_S, ManagerConfig, arguments_checked
 from distckpt.errors import (
-    AsyncSaveError,
     ConfigError,
     CoordinationError,
     DistCkptError,
-    StorageError,
     shown,
 )
 from distckpt.io import manifest as mf
-from distckpt.io.copying import Prefault
-from distckpt.io.staging import StagingPool
 from distckpt.protocol import doctor_hooks
-from distckpt.protocol.async_writer import AsyncWriter, WriterStuckError
 from distckpt.protocol.commit import list_committed
-from distckpt.protocol.coord import Coordinator, Outcome, agree, make_coordinator
-from distckpt.protocol.frameworks import classify_in_world, negative_step_refusal
-from distckpt.protocol.incremental import ContentTable
-from distckpt.protocol.leases import LeaseKeeper, ResumedBranch
-from distckpt.protocol.loading import Progress, load, refuse_load_request
+from distckpt.protocol.coord import make_coordinator
+from distckpt.protocol.frameworks import negative_step_refusal
+from distckpt.protocol.leases import LeaseKeeper
+from distckpt.protocol.loading import Progress
 from distckpt.protocol.pruning import Pruner
 from distckpt.protocol.retention import (
     Committed,
     best_first,
     read_committed,
 )
-from distckpt.protocol.saving import (
-    CapturedSave,
-    RankWrite,
-    StagedSave,
-    capture_save,
-    gather_save,
-    raise_gathered_failures,
-    share_outcome,
-    stage_save,
-    write_and_commit,
-)
-from distckpt.protocol.snapshot import OverlappedSnapshot
+from distckpt.protocol.session import Session
 from distckpt.protocol.tiers import (
     TierSettings,
 )
 from distckpt.protocol.uploads import DurableUploads
-from distckpt.runtime import faults
 from distckpt.runtime.gcpause import collector_paused
-from distckpt.runtime.interrupts import sigint_deferred
 from distckpt.runtime.preemption import PreemptionFlag
-from distckpt.runtime.versions import VersionsProbe
 from distckpt.state import loader_hazards
 from distckpt.state.capture import CheckpointWarning
-from distckpt.state.kinds import staged_tensors
 from distckpt.state.validation import LoadRules, check_step
 from distckpt.storage import open_storage
 
@@ -115,25 +92,15 @@ class CheckpointManager:
             self._coord.close()
             raise refusal
         self.run_id = self._agree_on_settings(refusal)
-        self._versions_probe: VersionsProbe | None = None  # rank 0, started last (below)
-        self._writer = AsyncWriter()
-        self._writer_coord: Coordinator | None = None  # the writer thread's own group (async saves)
-        self._staging = StagingPool()  # reused by every async save; free while none is in flight
-        self._warming: Prefault | None = None  # faults in the staging buffers allocated at the load
-        self._snapshot = OverlappedSnapshot(self._staging, self.config.timeout)  # overlap_snapshot
-        self._writer.before_exit = self._snapshot.check  # at exit the main thread checks, then waits
-        self._pending_step: int | None = None
-        self._save_seq = 0  # counts save() calls (the same on every rank): names shard reports
         self._leases = LeaseKeeper(self.storage, self.run_id, self.local)  # rank 0's write lease (leases.py)
         self._pruner = Pruner(self.storage, self.local, self.config, self.tiers.keep_local, self._leases)  # rank 0
         self._closed = False
         self._preemption = PreemptionFlag(self.config.preemption_signals)
         self._uploads = DurableUploads(self._coord, self.storage, self.local, self.tiers, self.config,
                                        self.split_writes, self._leases, self._pruner)  # two tiers (uploads.py)
-        # rank 0: what the last committed save holds, for incremental saves (incremental.py)
-        self._content = ContentTable() if incremental else None
-        if self.rank == 0:  # it writes the manifests: its git runs from now to the first save
-            self._versions_probe = VersionsProbe()
+        # last: rank 0's git (for the manifests) runs from here to the first save
+        self._session = Session(self._coord, self.run_id, self.config, self.storage, self.local, self.tiers,
+                                self._leases, self._pruner, self._uploads)
 
     def _check_arguments(self, url: Any, keep_last: Any, keep_best: Any, best_mode: Any, async_save: Any,
                          storage_options: Any, timeout: Any, leftover_grace_s: Any, world_size_policy: Any,
@@ -220,229 +187,9 @@ class CheckpointManager:
                 # the metric is rank 0's: elsewhere it may be anything (README) and is not used
                 step, epoch, metric = _check_save_args(step, epoch, metric if self.rank == 0 else None)
             except ConfigError as e:
-                refusal = self._refused(e)
+                refusal = self._session.refused(e)
             with collector_paused():
-                self._save(step, state, epoch, metric, refusal)
-
-    def _refused(self, error: ConfigError) -> ConfigError:
-        """A refusal of this rank's arguments or state, kept for the call's first agreement, where
-        every rank raises it; a world of one raises it as it is, at once."""
-        if self.world_size == 1:
-            raise error
-        return error
-
-    def _refuse_save(self, step: Any, refusal: ConfigError) -> NoReturn:
-        """An argument or `state` refused on this rank only (epoch=-1 on rank 1) is the same
-        ConfigError on every rank, at once: this rank counts the save as the others do and
-        fails their first agreement (the peers raised CoordinationError when this rank went on
-        or died, or waited out the timeout when it stayed)."""
-        self._uploads.next_save_is_durable([])
-        self._save_seq += 1
-        agree(self._coord, Outcome.failure(self.rank, refusal), "save/capture", f"save of step {step!r}", refusal)
-        raise refusal  # not reached: agree raised, the failure being in the outcomes
-
-    def _save(self, step: int, state: dict[str, Any], epoch: int | None, metric: float | None,
-              refusal: ConfigError | None = None) -> None:
-        self._finish_pending()
-        self._uploads.report(block=False)
-        self._list_ahead()  # retention's first listing runs while this save writes
-        try:
-            entries = classify_in_world(state, self.world_size) if refusal is None else []
-        except ConfigError as e:  # StateArgumentError: `state` refused before any exchange
-            refusal, entries = self._refused(e), []
-        if refusal is not None:
-            self._refuse_save(step, refusal)
-        if self._save_seq < 2:  # a loop's loader left out of `state` (the first two: a step-0 save may come first)
-            left_out = loader_hazards.warn_positions_left_out([e.target for e in entries if e.kind_spec.holds_data_position])
-            doctor_hooks.note_loaders_left_out(left_out, self.rank)  # for the doctor's likely causes
-        doctor_hooks.rebase_fingerprints(step)
-        durable = self._uploads.next_save_is_durable(entries, metric)
-        replaceable = self._leases.replace_policy
-        self._save_seq += 1
-        args = (self._coord, self._target, entries, step, epoch, metric, self.run_id,
-                self._staging if self.config.async_save else None, replaceable, self._leases.take,
-                self._save_seq, self.split_writes, self.storage if self.local is not None else None,
-                self._leases.prepare_local if self.local is not None else None, self._uploads.hands_over_rank_files)
-        if self.config.async_save:
-            # The training thread's only exchange: capture and agree. The gather, the write and
-            # the outcome run on the writer thread, over the writer's own process group.
-            if self.config.overlap_snapshot:
-                self._snapshot.prepare(entries)
-            self._stop_warming()
-            try:
-                captured = capture_save(*args)
-                background = self._background_coordinator()
-                with sigint_deferred():  # a Ctrl-C between these would leave a job no wait() collects
-                    self._snapshot.started()  # optimizer steps wait from here until the copy is done
-                    self._writer.submit(lambda: self._background_save(background, captured, durable), f"step {step}")
-                    self._pending_step = step
-            except BaseException:
-                if self._pending_step != step:
-                    self._snapshot.abandon()
-                raise
-            finally:
-                self._staging.drop_spares()  # those this save did not take: not kept for later ones
-            if durable and self._uploads.preempting:
-                self._finish_pending()  # the VM's disk goes with the VM: this save must reach the URL
-                self._uploads.report(block=True, final=True)
-            return
-        staged, own_write = stage_save(*args)
-        exc = None
-        try:
-            self._write(staged, own_write, durable)
-        except Exception as e:
-            exc = e
-        if staged is None:
-            faults.point("save/awaiting-commit", step=step, rank=self.rank)
-        share_outcome(self._coord, exc, "save/commit", f"save of step {step}", step)
-        self._uploads.ship(step)
-        if durable and self._uploads.preempting:
-            self._uploads.report(block=True, final=True)
-        doctor_hooks.after_commit(step, self.rank, self.world_size)
-
-    @property
-    def _target(self) -> Any:
-        """Where save() commits: the local tier when there is one, else the URL."""
-        return self.local if self.local is not None else self.storage
-
-    def _write(self, staged: StagedSave | None, own_write: RankWrite | None, durable: bool = False,
-               failure: BaseException | None = None) -> None:
-        """This rank's part of the write: its own files and their report (`failure` is reported
-        instead, then raised); on rank 0 the rest and the commit."""
-        target = self._target
-        if staged is not None:
-            self._pruner.before_local_write(self._uploads.spared)
-        self._pruner.sweeper.drain()  # rank 0: the retired steps' files are gone before this save's are written
-        try:
-            if own_write is not None:
-                own_write.run(target, self._coord.reports, failure)
-        except StorageError as e:
-            sized = self._sized(e)
-            if sized is e:
-                raise
-            raise sized from e
-        if failure is not None:
-            raise failure
-        if staged is None:
-            return
-        start = time.perf_counter()
-        if self.local is not None:
-            self._leases.check_before_local_commit(self._leases.take())
-        try:
-            write_and_commit(target, staged, self._versions, self._leases.take(), self._coord.reports,
-                             self._content)
-        except StorageError as e:
-            sized = self._sized(e)
-            if sized is e:
-                raise
-            raise sized from e
-        if self.local is not None:
-            self._uploads.committed_locally(staged.step, durable)
-        else:
-            self._leases.record_first_commit(staged.step)
-            self._pruner.after_commit(self.storage, staged.step)
-        faults.point("save/retained", step=staged.step, rank=0)
-        t = staged.timings
-        log.info("rank 0: committed step %d at %s in %.3fs (capture %.3fs, gather %.3fs, write %.3fs, "
-                 "commit %.3fs), %d payload bytes", staged.step, target.url,
-                 time.perf_counter() - start + t["capture_s"] + t["gather_s"], t["capture_s"],
-                 t["gather_s"], t["write_s"], t["commit_s"], staged.replicated.payload_bytes)
-
-    def _sized(self, e: StorageError) -> StorageError:
-        """A full disk's error, with how many checkpoints the disk must hold; others unchanged."""
-        keep, name = (self.tiers.keep_local, "keep_local") if self.local is not None else \
-            (self.config.keep_last, "keep_last")
-        if e.errno != errno.ENOSPC or keep is None:
-            return e
-        # Two tiers: the step being uploaded to the URL is kept on the local tier besides keep_local.
-        extra, why = (2, " + the one being uploaded") if self.local is not None else (1, "")
-        return StorageError(errno.ENOSPC, f"{e.strerror or e}. Retention removes old checkpoints only after a new one "
-                            f"commits, so the disk must hold {name}{why} + 1 = {keep + extra} "
-                            f"checkpoints; the committed ones are intact. Free space, or lower {name} "
-                            "and prune (distckpt prune URL --keep-last N)")
-
-    def _versions(self) -> dict[str, Any]:
-        """The environment for the manifest (rank 0), read when the first manifest is written: its
-        git child was started at construction and has run beside the load, the training and this
-        save's payload write (versions.VersionsProbe). Safe on the writer thread: the child writes
-        to a file, not a pipe, so a DataLoader worker forked meanwhile cannot hold the read up
-        (with a pipe it once did, with no deadline: 1 in 5 two-rank async runs)."""
-        if self._versions_probe is None:  # not rank 0: no rank but 0 writes a manifest today
-            self._versions_probe = VersionsProbe()
-        return self._versions_probe.collect()
-
-    # -- the durable tier (two tiers only) -------------------------------------------------
-
-    def _background_coordinator(self) -> Coordinator:
-        """The writer thread's own process group, made at the first async save (collective: every
-        rank is here, having just agreed on the capture)."""
-        if self._writer_coord is None:
-            self._writer_coord = make_coordinator(self.config.timeout) if self.world_size > 1 else self._coord
-        return self._writer_coord
-
-    def _background_save(self, coord: Coordinator, captured: CapturedSave, durable: bool) -> None:
-        """The writer thread's part of an async save, on every rank: the overlapped snapshot's
-        copies and their check, gather (with this rank's failure, if any), write, and rank 0's
-        outcome to every rank (raised here, so each rank's wait() sees the same error)."""
-        # Not under collector_paused(): the pause is the whole process's, and a background write
-        # can outlast many training steps, whose cyclic garbage would wait for it.
-        exc = None
-        try:
-            coord.check_usable()  # after a failed exchange nothing is written: see GlooCoordinator
-            faults.point("save/snapshot-copy", step=captured.step, rank=self.rank)
-            self._snapshot.copy_and_wait_for_check()
-        except Exception as e:
-            exc = e
-        staged = gather_save(coord, captured, exc)  # a failure of the collective itself is every rank's
-        try:
-            raise_gathered_failures(coord, staged)  # rank 0: another rank failed, write nothing
-            self._write(staged, captured.own_write, durable, exc)
-        except Exception as e:
-            exc = e
-        share_outcome(coord, exc, "save/async-outcome", f"background save of step {captured.step}", captured.step)
-
-    def _finish_pending(self) -> None:
-        """Check the overlapped snapshot, join the background save in flight and raise its
-        outcome, which every rank's writer received from rank 0 (no exchange here). Interrupted
-        (Ctrl-C), the save stays pending: the next call waits for it again."""
-        if self._pending_step is None:
-            return
-        step = self._pending_step
-        self._snapshot.check()
-        try:
-            _, err = self._writer.wait(self._writer_bound_s())
-        except WriterStuckError as stuck:
-            self._give_up_on_writer(step, stuck)
-        self._pending_step = None
-        if err is not None:
-            raise AsyncSaveError(f"background save of step {step} failed: {type(err).__name__}: {err}") from err
-        self._uploads.ship(step)
-        doctor_hooks.after_commit(step, self.rank, self.world_size)
-
-    def _writer_bound_s(self) -> float | None:
-        """How long after submitting a save rank 0 waits for its writer: the other ranks stop
-        waiting for its outcome `timeout` after their part (README: timeout must exceed rank 0's
-        writes), so a write still running well past that (a storage call hung below Python) can
-        only be reported, never shared. None (no bound) in a world of one: nobody else waits."""
-        if self.world_size == 1:
-            return None
-        return self.config.timeout + min(self.config.timeout, 60.0)
-
-    def _give_up_on_writer(self, step: int, stuck: WriterStuckError) -> NoReturn:
-        reason = (f"rank 0's background write of step {step} did not finish within {stuck.elapsed_s:.0f}s "
-                  f"(the timeout is {self.config.timeout:g}s)")
-        for coord in (self._coord, self._writer_coord):
-            if coord is not None:
-                coord.distrust(reason)
-        self._writer.abandon()
-        self._writer = AsyncWriter()
-        self._writer.before_exit = self._snapshot.check
-        self._pending_step = None
-        raise AsyncSaveError(
-            f"background save of step {step} failed: {reason}; the other ranks have stopped waiting for "
-            "its outcome. It is abandoned (a write stuck in storage, or slower than timeout= allows): step "
-            f"{step} may or may not be committed later (committed_steps() or a restart's load_latest tell). "
-            "This manager's group is not trusted again: restart the job or create a new CheckpointManager")
+                self._session.save(step, state, epoch, metric, refusal)
 
     # -- load -----------------------------------------------------------------------------
 
@@ -456,8 +203,9 @@ class CheckpointManager:
         read and checked everything first.
         """
         with self._sole_call("load_latest"):
-            progress = self._load(state, None)
-            self._list_ahead()  # a job that resumes goes on to save: its first retention's listing runs meanwhile
+            self._check_open()
+            progress = self._session.load(state, None)
+            self._session.list_ahead()  # a job that resumes goes on to save: its first retention's listing runs meanwhile
         if self.rank == 0:  # one line for the person watching the job (errors.notice says where it goes)
             errors.notice(self._resume_line(progress))
         return progress
@@ -469,12 +217,6 @@ class CheckpointManager:
         tier = f" ({progress.tier} tier)" if self.local is not None else ""
         return f"resumed from step {progress.step}{epoch} at {progress.url}{tier}"
 
-    def _list_ahead(self) -> None:
-        """Rank 0: start the root's full listing that retention after the first save (and every
-        64th) needs, on a helper thread (commit.CommitIndex.prefetch); once at most."""
-        if self.rank == 0 and self.local is None:
-            self._pruner.index(self.storage).prefetch()
-
     @arguments_checked
     def load(self, state: dict[str, Any], step: int) -> Progress:
         """Restore `state` from committed checkpoint `step` (collective); no fallback."""
@@ -483,56 +225,11 @@ class CheckpointManager:
         try:
             step = check_step("step", step)
         except ConfigError as e:
-            refusal = self._refused(e)
+            refusal = self._session.refused(e)
         with self._sole_call("load"):
-            progress = self._load(state, step, refusal)
+            progress = self._session.load(state, step, refusal)
         assert progress is not None  # load(step=...) raises rather than returning None
         return progress
-
-    def _load(self, state: dict[str, Any], step: int | None, refusal: ConfigError | None = None) -> Progress | None:
-        self._check_open()
-        self._finish_pending()
-        with collector_paused():
-            try:
-                entries = classify_in_world(state, self.world_size) if refusal is None else []
-            except ConfigError as e:  # refused on this rank: the same error on every rank, at once
-                refusal = self._refused(e)
-            if refusal is not None:
-                refuse_load_request(self._coord, refusal)
-                raise refusal  # not reached: refuse_load_request raised
-            progress = load(self._coord, self.storage, entries, state, step, self.config.world_size_policy,
-                            self._rules, self.local)
-        if progress is not None:
-            self._uploads.resumed(progress.tier)
-        self._leases.resumed(progress.step if progress is not None else None,
-                             None if progress is None or progress.leases_checked or self.local is None else
-                             ResumedBranch(progress.step, progress.generation, self.local.url, step is None))
-        doctor_hooks.install_fingerprints(entries, progress.step if progress is not None else None, self.rank)
-        if self.config.async_save:
-            self._warm_staging(entries)
-        for entry in entries:
-            entry.kind_spec.after_load(entry)  # a DDP model's first step rebuilds its buckets
-        if progress is not None:
-            for line in progress.config_diff:
-                log.warning("rank %d: config differs from the checkpoint's: %s", self.rank, line)
-            log.info("rank %d: resumed from %s (step %d, epoch %s%s)", self.rank, progress.url,
-                     progress.step, progress.epoch, f", {progress.tier} tier" if self.local is not None else "")
-        return progress
-
-    def _warm_staging(self, entries: list[Any]) -> None:
-        """Async saves: allocate the staging buffers now, the state's shapes known, and fault
-        their pages in on a helper thread while the job trains, so the first save copies into
-        ready memory instead of stalling to allocate it (StagingPool.warm)."""
-        made = self._staging.warm(staged_tensors(entries))
-        if made:
-            self._warming = Prefault(made)
-
-    def _stop_warming(self) -> None:
-        """Before a save stages anything: the helper stops within one 2 MiB step; what it did not
-        reach, the copy faults in."""
-        warming, self._warming = self._warming, None
-        if warming is not None:
-            warming.stop()
 
     @arguments_checked
     def preemption_requested(self) -> bool:
@@ -593,7 +290,7 @@ class CheckpointManager:
         fails too), so retrying wait() is never a silent no-op."""
         self._check_open()
         with self._sole_call("wait"):
-            self._finish_pending()
+            self._session.finish_pending()
             self._uploads.settle()
 
     @arguments_checked
@@ -607,7 +304,7 @@ class CheckpointManager:
             return
         with self._sole_call("close"):
             try:
-                self._finish_pending()
+                self._session.finish_pending()
             except Exception:
                 self._close_durably()  # its own failure is raised instead, chained to this one
                 raise
@@ -627,16 +324,9 @@ class CheckpointManager:
     def _shut_down(self) -> None:
         self._closed = True
         self._preemption.uninstall()
-        self._writer.close()
+        self._session.close()
         self._uploads.close()
         self._pruner.close()
-        self._snapshot.close()
-        self._stop_warming()
-        self._staging.drop_spares()
-        if self._versions_probe is not None:
-            self._versions_probe.close()
-        if self._writer_coord is not None and self._writer_coord is not self._coord:
-            self._writer_coord.close()
         self._coord.close()
 
     def __enter__(self) -> "CheckpointManager":

@@ -556,9 +556,9 @@ def test_async_saves_reuse_their_staging_buffers(ckpt_dir):
     state = trained_state()
     with distckpt.CheckpointManager(ckpt_dir, async_save=True) as mgr:
         mgr.save(1, state)
-        first = {k: v.data_ptr() for k, v in mgr._staging.buffers.items()}
+        first = {k: v.data_ptr() for k, v in mgr._session.staging.buffers.items()}
         mgr.save(2, state)
-        assert {k: v.data_ptr() for k, v in mgr._staging.buffers.items()} == first and first
+        assert {k: v.data_ptr() for k, v in mgr._session.staging.buffers.items()} == first and first
         saved = state["model"][0].weight.detach().clone()
         with torch.no_grad():
             state["model"][0].weight.add_(1.0)  # changed after save 2 returned

@@ -1,5 +1,5 @@
 """Async saves: the staging buffers allocated at the load and faulted in off the training
-thread, so the first save copies into ready memory (StagingPool.warm, manager._warm_staging)."""
+thread, so the first save copies into ready memory (StagingPool.warm, Session._warm_staging)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_the_first_async_save_after_load_latest_faults_in_no_staging_pages(tmp_p
     with distckpt.CheckpointManager(str(tmp_path), async_save=True) as mgr:
         progress = mgr.load_latest(state)
         assert (progress is not None) == resumed
-        warming = mgr._warming
+        warming = mgr._session.warming
         assert warming is not None and warming._thread is not None
         warming._thread.join(timeout=60)  # the training between the resume and the first save
         before = _thread_minor_faults()
@@ -82,7 +82,7 @@ def test_the_first_async_save_after_load_latest_faults_in_no_staging_pages(tmp_p
         faults = _thread_minor_faults() - before
         # without the warm-up the copy faulted in every page of every buffer (~nbytes / PAGE)
         assert faults < 0.1 * nbytes / PAGE, (faults, nbytes // PAGE)
-        assert mgr._warming is None and not any(mgr._staging._spares.values())
+        assert mgr._session.warming is None and not any(mgr._session.staging._spares.values())
         mgr.wait()
     expected = {k: v.clone() for k, v in state["model"].state_dict().items()}
     with torch.no_grad():
@@ -112,7 +112,7 @@ def test_sync_managers_allocate_nothing_at_the_load(tmp_path):
     state = {"t": torch.randn(1 << 20)}
     with distckpt.CheckpointManager(str(tmp_path)) as mgr:
         mgr.load_latest(state)
-        assert mgr._warming is None and not mgr._staging._spares
+        assert mgr._session.warming is None and not mgr._session.staging._spares
 
 
 def test_a_tied_weight_is_allocated_ahead_once():

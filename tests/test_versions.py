@@ -74,7 +74,7 @@ def test_construction_does_not_wait_for_git_and_close_ends_it(tmp_path, monkeypa
     start = time.monotonic()
     mgr = distckpt.CheckpointManager(str(tmp_path))
     assert time.monotonic() - start < 10  # the 30 s child is not waited for
-    probe = mgr._versions_probe
+    probe = mgr._session.versions_probe
     assert probe is not None and probe._child is not None
     child = probe._child
     assert child.poll() is None  # still running while the job trains
@@ -87,7 +87,7 @@ def test_a_hung_git_holds_the_first_save_no_longer_than_its_deadline(tmp_path, m
     monkeypatch.setattr(versions, "_git_argv", lambda: ["sleep", "30"])
     monkeypatch.setattr(versions, "GIT_TIMEOUT_S", 0.5)
     with distckpt.CheckpointManager(str(tmp_path)) as mgr:
-        child = mgr._versions_probe._child
+        child = mgr._session.versions_probe._child
         start = time.monotonic()
         mgr.save(1, {"w": torch.zeros(2)})
         assert time.monotonic() - start < 10

@@ -62,13 +62,13 @@ def test_async_save_stages_gpu_tensors_in_pinned_reused_buffers(tmp_path):
     model = nn.Linear(64, 64).cuda()
     with distckpt.CheckpointManager(str(tmp_path), async_save=True) as mgr:
         mgr.save(1, {"model": model})
-        buffers = dict(mgr._staging.buffers)
+        buffers = dict(mgr._session.staging.buffers)
         assert buffers and all(b.is_pinned() for b in buffers.values())
         saved = model.weight.detach().cpu().clone()
         with torch.no_grad():
             model.weight.add_(1.0)
         mgr.save(2, {"model": model})
-        assert all(mgr._staging.buffers[k].data_ptr() == b.data_ptr() for k, b in buffers.items())
+        assert all(mgr._session.staging.buffers[k].data_ptr() == b.data_ptr() for k, b in buffers.items())
     fresh = nn.Linear(64, 64).cuda()
     with distckpt.CheckpointManager(str(tmp_path)) as mgr:
         mgr.load(fresh_state := {"model": fresh}, step=1)
@@ -121,7 +121,7 @@ def test_overlapped_save_of_gpu_state_returns_before_the_side_stream_copy_ran(tm
         torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on the current stream
         mgr.save(1, state)
         current_busy = not torch.cuda.current_stream().query()
-        side = mgr._staging._side_streams[torch.device("cuda", 0)]
+        side = mgr._session.staging._side_streams[torch.device("cuda", 0)]
         side_busy = not side.query()
         _train_step(model, opt, x)  # its pre-hook waits for the copy
         mgr.wait()
