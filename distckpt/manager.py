@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
-import numbers
 import os
 import signal
 import sys
 import threading
-import uuid
-import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -19,15 +15,9 @@ from distckpt import errors
 from distckpt.config import DEFAULT_TIMEOUT_S, ManagerConfig, arguments_checked
 from distckpt.errors import (
     ConfigError,
-    CoordinationError,
-    DistCkptError,
-    shown,
 )
-from distckpt.io import manifest as mf
-from distckpt.protocol import doctor_hooks
 from distckpt.protocol.commit import list_committed
 from distckpt.protocol.coord import make_coordinator
-from distckpt.protocol.frameworks import negative_step_refusal
 from distckpt.protocol.leases import LeaseKeeper
 from distckpt.protocol.loading import Progress
 from distckpt.protocol.pruning import Pruner
@@ -37,16 +27,12 @@ from distckpt.protocol.retention import (
     read_committed,
 )
 from distckpt.protocol.session import Session
-from distckpt.protocol.tiers import (
-    TierSettings,
-)
+from distckpt.protocol.settings import Settings, agree_on_settings, check_save_args
 from distckpt.protocol.uploads import DurableUploads
 from distckpt.runtime.gcpause import collector_paused
 from distckpt.runtime.preemption import PreemptionFlag
 from distckpt.state import loader_hazards
-from distckpt.state.capture import CheckpointWarning
-from distckpt.state.validation import LoadRules, check_step
-from distckpt.storage import open_storage
+from distckpt.state.validation import check_step
 
 log = logging.getLogger("distckpt")
 
@@ -78,20 +64,26 @@ class CheckpointManager:
                  keep_local: int | None = None, incremental: bool = False,
                  overlap_snapshot: bool = False) -> None:
         refusal: Exception | None = None
-        try:
-            self._check_arguments(url, keep_last, keep_best, best_mode, async_save, storage_options, timeout,
-                                  leftover_grace_s, world_size_policy, preemption_signals, split_writes,
-                                  allow_dtype_cast, missing_entries, local_dir, durable_every, keep_local,
-                                  incremental, overlap_snapshot)
+        settings: Settings | None = None
+        try:  # every argument before any exchange (settings.py)
+            config = ManagerConfig(keep_last, keep_best, best_mode, async_save,
+                                   timeout,  # type: ignore[arg-type]  # a timedelta or None: made seconds there
+                                   leftover_grace_s, world_size_policy, split_writes, allow_dtype_cast,
+                                   missing_entries, preemption_signals, incremental, overlap_snapshot)
+            settings = Settings.check(url, storage_options, local_dir, durable_every, keep_local, config)
         except Exception as e:  # a refused argument, an unreachable store: raised on every rank below
             refusal = e
         loader_hazards.track_iterators()  # a loop's loader left out of `state` is told at the first saves
-        self._coord = make_coordinator(self.config.timeout if refusal is None else DEFAULT_TIMEOUT_S)
+        self._coord = make_coordinator(settings.config.timeout if settings is not None else DEFAULT_TIMEOUT_S)
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
         if refusal is not None and self.world_size == 1:
             self._coord.close()
             raise refusal
-        self.run_id = self._agree_on_settings(refusal)
+        self.run_id = agree_on_settings(self._coord, settings, refusal)
+        assert settings is not None  # a refusal on any rank was raised on every rank just above
+        self.config, self.url, self.storage, self.tiers, self.local = \
+            settings.config, settings.url, settings.storage, settings.tiers, settings.local
+        self.split_writes = self.config.split_writes  # replicated tensors written by all ranks in parallel
         self._leases = LeaseKeeper(self.storage, self.run_id, self.local)  # rank 0's write lease (leases.py)
         self._pruner = Pruner(self.storage, self.local, self.config, self.tiers.keep_local, self._leases)  # rank 0
         self._closed = False
@@ -101,68 +93,6 @@ class CheckpointManager:
         # last: rank 0's git (for the manifests) runs from here to the first save
         self._session = Session(self._coord, self.run_id, self.config, self.storage, self.local, self.tiers,
                                 self._leases, self._pruner, self._uploads)
-
-    def _check_arguments(self, url: Any, keep_last: Any, keep_best: Any, best_mode: Any, async_save: Any,
-                         storage_options: Any, timeout: Any, leftover_grace_s: Any, world_size_policy: Any,
-                         preemption_signals: Any, split_writes: Any, allow_dtype_cast: Any, missing_entries: Any,
-                         local_dir: Any, durable_every: Any, keep_local: Any, incremental: Any,
-                         overlap_snapshot: Any) -> None:
-        """Every argument, before any exchange: a refusal on one rank only (a local_dir that is a
-        file on one node) is then raised on every rank alike (_agree_on_settings); raised at once
-        it left the other ranks waiting for this one's group for the whole timeout."""
-        self.config = ManagerConfig(keep_last, keep_best, best_mode, async_save, timeout,
-                                    leftover_grace_s, world_size_policy, split_writes, allow_dtype_cast,
-                                    missing_entries, preemption_signals, incremental, overlap_snapshot)
-        if self.config.keep_best is not None and self.config.keep_last is None:
-            warnings.warn(f"keep_best={self.config.keep_best} without keep_last keeps every step: retention keeps "
-                          "the newest keep_last steps and the keep_best best ones, and keep_last=None keeps all; "
-                          "set keep_last too (keep_last=1 keeps the newest, to resume from)", CheckpointWarning,
-                          stacklevel=3)
-        self.split_writes = split_writes  # replicated tensors written by all ranks in parallel
-        # `distckpt doctor` runs the job into roots of its own (DISTCKPT_DOCTOR_ROOT; README)
-        self.storage = open_storage(doctor_hooks.root_override(url), storage_options)
-        mf.refuse_step_directory(self.storage.url)
-        self.url = os.fspath(url) if isinstance(url, os.PathLike) else url
-        self._rules = LoadRules(allow_dtype_cast, missing_entries)
-        self.tiers = TierSettings.check(self.storage.url, doctor_hooks.local_override(local_dir),
-                                        durable_every, keep_local)
-        if self.tiers.local_dir is not None:
-            mf.refuse_step_directory(self.tiers.local_dir, "local_dir")
-        self.local = open_storage(self.tiers.local_dir) if self.tiers.local_dir is not None else None
-        if incremental and self.tiers.local_dir is not None:
-            raise ConfigError("incremental=True with local_dir= is not supported yet: an upload would have to "
-                              "carry the files each step references; use one of the two")
-        if incremental and split_writes:
-            # refused, not accepted: split writes put the replicated tensors in the ranks' shard
-            # files, which are written whole, so every save would silently write everything again
-            raise ConfigError("incremental=True with split_writes=True is not supported: incremental saves "
-                              "leave out the unchanged tensors of rank 0's file, and split writes move them to "
-                              "every rank's shard file, written whole at each save; use one of the two")
-
-    def _agree_on_settings(self, refusal: Exception | None) -> str:
-        """Rank 0's run id, and the settings every rank must share, compared (one exchange): a
-        rank built with other retention, load rules or save modes than the others went unnoticed
-        (only async_save was compared, at the first save). A rank whose arguments or storage were
-        refused makes every rank raise that error's type (see _refusal_on_every_rank), naming it."""
-        mine: dict[str, Any] = {"run_id": uuid.uuid4().hex, "refused": None if refusal is None else str(refusal),
-                                "kind": type(refusal).__name__,
-                                "settings": None if refusal is not None else self.config.shared_settings()}
-        if self.world_size == 1:
-            return str(mine["run_id"])
-        every = self._coord.all_gather(mine, "init/run-id")
-        refused = [(r, view["kind"], view["refused"]) for r, view in enumerate(every) if view["refused"] is not None]
-        if refused:
-            self._coord.close()
-            raise _refusal_on_every_rank(refused) from refusal
-        differing = sorted(name for name in every[0]["settings"]
-                           if any(view["settings"].get(name) != every[0]["settings"][name] for view in every))
-        if differing:
-            self._coord.close()
-            table = "; ".join(f"{name}: " + ", ".join(f"rank {r}: {view['settings'].get(name)!r}"
-                                                     for r, view in enumerate(every)) for name in differing)
-            raise ConfigError(f"the ranks built their CheckpointManager with different settings — {table}; build "
-                              "every rank's manager with the same arguments")
-        return str(every[0]["run_id"])
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.storage!r}, rank={self.rank}, world_size={self.world_size})"
@@ -185,7 +115,7 @@ class CheckpointManager:
             refusal = None
             try:
                 # the metric is rank 0's: elsewhere it may be anything (README) and is not used
-                step, epoch, metric = _check_save_args(step, epoch, metric if self.rank == 0 else None)
+                step, epoch, metric = check_save_args(step, epoch, metric if self.rank == 0 else None)
             except ConfigError as e:
                 refusal = self._session.refused(e)
             with collector_paused():
@@ -384,51 +314,3 @@ class CheckpointManager:
 
 # The manager's calls that run one at a time (_sole_call); committed_steps() only reads storage.
 _COLLECTIVE_CALLS = frozenset({"save", "load_latest", "load", "preemption_requested", "wait", "close"})
-
-
-def _check_save_args(step: Any, epoch: Any, metric: Any) -> tuple[int, int | None, float | None]:
-    if isinstance(step, numbers.Integral) and not isinstance(step, bool) and step < 0:
-        raise negative_step_refusal(int(step))  # says where saves belong
-    step = check_step("step", step)
-    if epoch is not None:
-        epoch = check_step("epoch", epoch)
-    if metric is not None:
-        metric = _check_metric(metric)
-    return step, epoch, metric
-
-
-def _check_metric(metric: Any) -> float:
-    """A finite number: int, float, NumPy number or a one-element tensor (a validation loss)."""
-    if hasattr(metric, "numel") and callable(metric.numel) and metric.numel() == 1 \
-            and not getattr(metric, "is_complex", lambda: False)():
-        try:
-            metric = metric.item()
-        except (RuntimeError, ValueError) as e:  # a meta tensor has no value to read
-            raise ConfigError(f"metric: a tensor whose value cannot be read ({e}); pass a number") from None
-    if isinstance(metric, bool) or not isinstance(metric, numbers.Real):
-        raise ConfigError(f"metric={shown(metric)}: must be a number (e.g. the validation loss), not "
-                          f"{type(metric).__name__}")
-    try:
-        value = float(metric)
-    except OverflowError:
-        raise ConfigError(f"metric={shown(metric)}: too large for a float") from None
-    if not math.isfinite(value):
-        raise ConfigError(f"metric={shown(metric)}: must be finite to rank checkpoints by it")
-    return value
-
-
-def _refusal_on_every_rank(refused: list[tuple[int, str, str]]) -> DistCkptError:
-    """The one error every rank raises when some ranks' constructors failed: the first failing
-    rank's distckpt type (ConfigError, StorageError, ...), or CoordinationError for any other
-    exception (the raising rank keeps it as __cause__), its message naming each failing rank."""
-    message = "; ".join(f"rank {r}: {kind}: {text}" if not _is_distckpt_error(kind) else f"rank {r}: {text}"
-                        for r, kind, text in refused)
-    kind = refused[0][1]
-    cls = getattr(errors, kind) if _is_distckpt_error(kind) else CoordinationError
-    return cls(message)  # type: ignore[no-any-return]
-
-
-def _is_distckpt_error(kind: str) -> bool:
-    cls = getattr(errors, kind, None)
-    return isinstance(cls, type) and issubclass(cls, DistCkptError)
-

@@ -635,7 +635,7 @@ def test_a_per_rank_value_may_be_a_tensor_on_one_rank_and_a_float_on_another(ckp
 
 
 def test_a_constructor_failure_keeps_its_distckpt_type_on_every_rank_and_any_other_is_a_coordination_error():
-    from distckpt.manager import _refusal_on_every_rank
+    from distckpt.protocol.settings import refusal_on_every_rank as _refusal_on_every_rank
 
     storage = _refusal_on_every_rank([(1, "StorageError", "s3://b/x: unreachable"), (2, "ConfigError", "keep_last=0")])
     assert type(storage) is distckpt.StorageError
