@@ -1,4 +1,14 @@
-"""CheckpointManager: the public entry point. Its methods delegate to the protocol's phases."""
+"""CheckpointManager: the public entry point, a facade over the protocol's rooms.
+
+Each public method checks its arguments, runs one call at a time (the calls are collective) and
+delegates to objects of protocol/, built once in the constructor:
+
+    settings.py  the arguments, checked before any exchange and agreed by every rank
+    session.py   what the manager holds between calls, and the save and load it runs
+    leases.py    rank 0's write lease at the durable root (fencing)
+    pruning.py   rank 0's retention after each commit
+    uploads.py   with two tiers: which saves are durable, and the uploads in the background
+"""
 
 from __future__ import annotations
 
@@ -13,19 +23,13 @@ from typing import Any, Iterator
 
 from distckpt import errors
 from distckpt.config import DEFAULT_TIMEOUT_S, ManagerConfig, arguments_checked
-from distckpt.errors import (
-    ConfigError,
-)
+from distckpt.errors import ConfigError
 from distckpt.protocol.commit import list_committed
 from distckpt.protocol.coord import make_coordinator
 from distckpt.protocol.leases import LeaseKeeper
 from distckpt.protocol.loading import Progress
 from distckpt.protocol.pruning import Pruner
-from distckpt.protocol.retention import (
-    Committed,
-    best_first,
-    read_committed,
-)
+from distckpt.protocol.retention import Committed, best_first, read_committed
 from distckpt.protocol.session import Session
 from distckpt.protocol.settings import Settings, agree_on_settings, check_save_args
 from distckpt.protocol.uploads import DurableUploads
@@ -130,7 +134,10 @@ class CheckpointManager:
         Returns None on a fresh start (nothing committed), else Progress(step, epoch, ...).
         A damaged newest checkpoint is skipped with a warning; all ranks must agree on
         (step, epoch, manifest digest) or all raise. Nothing is changed unless every rank
-        read and checked everything first.
+        read and checked everything first. Raises CorruptCheckpointError when checkpoints are
+        committed but none verifies, IncompatibleCheckpointError when the one chosen does not fit
+        `state` (world size, keys, shapes), RankDisagreementError when the ranks read different
+        checkpoints; the same error on every rank, `state` unchanged.
         """
         with self._sole_call("load_latest"):
             self._check_open()
@@ -149,7 +156,11 @@ class CheckpointManager:
 
     @arguments_checked
     def load(self, state: dict[str, Any], step: int) -> Progress:
-        """Restore `state` from committed checkpoint `step` (collective); no fallback."""
+        """Restore `state` from committed checkpoint `step` (collective); no fallback to another
+        step (with two tiers, only to the other tier's copy of it). Returns its Progress. Raises
+        IncompatibleCheckpointError if `step` is not committed (naming the committed steps) or does
+        not fit `state`, CorruptCheckpointError if it does not verify; the same error on every
+        rank, `state` unchanged."""
         self._check_open()
         refusal = None
         try:
@@ -252,6 +263,7 @@ class CheckpointManager:
         self._shut_down()
 
     def _shut_down(self) -> None:
+        """Release everything: signal handlers, threads, staging buffers, process groups."""
         self._closed = True
         self._preemption.uninstall()
         self._session.close()
@@ -263,6 +275,8 @@ class CheckpointManager:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """close() (collective). Leaving the block by an exception, a failure of close() is logged,
+        not raised, so the exception that ended the block is the one that propagates."""
         if exc_type is None:
             self.close()
             return
