@@ -26,6 +26,14 @@ CASES = [
     # The README's loader (kept out of prepare()), the prepared optimizer under an overlapped snapshot.
     pytest.param(["--loader", "stateful", "--async", "--overlap"], "13", id="stateful-loader-overlap"),
     pytest.param(["--loader", "stateful", "--workers", "2"], "13", id="stateful-loader-workers", marks=faults),
+    # The prepared loader in `state`, mid-epoch and at an epoch's last batch, sync and async.
+    pytest.param(["--loader", "prepared"], "9", id="prepared-loader"),
+    pytest.param(["--loader", "prepared", "--workers", "2", "--async"], "13", id="prepared-loader-workers-async"),
+    pytest.param(["--loader", "prepared", "--async", "--overlap", "--accum", "3"], "19",
+                 id="prepared-loader-overlap-accum3", marks=faults),
+    pytest.param(["--loader", "prepared", "--every", "1"], "6,17", id="prepared-loader-two-resumes", marks=faults),
+    pytest.param(["--loader", "prepared", "--workers", "2", "--every", "3"], "12,24",
+                 id="prepared-loader-workers-epoch-ends", marks=faults),
 ]
 
 
@@ -62,6 +70,13 @@ def test_accelerate_without_cpu_true_on_a_cpu_host_is_refused_on_every_rank(tmp_
     assert _no_checkpoint(tmp_path / "ckpt")
 
 
+def test_a_plain_prepared_loader_is_refused_naming_use_stateful_dataloader(tmp_path):
+    code, said = _run(tmp_path, "--loader", "plain-prepared")
+    assert code != 0
+    assert "use_stateful_dataloader=True" in said, said[-3000:]
+    assert _no_checkpoint(tmp_path / "ckpt")
+
+
 def test_a_save_before_the_first_optimizer_step_says_where_saves_belong(tmp_path):
     """Hugging Face's no_trainer scripts check for a save on every micro-batch: with accumulation
     the first save is save(-1), which said only 'must be an int >= 0'."""
@@ -72,7 +87,7 @@ def test_a_save_before_the_first_optimizer_step_says_where_saves_belong(tmp_path
     assert "save after an optimizer step" in said and "accelerator.sync_gradients" in said
 
 
-@pytest.mark.parametrize("loader", ["stateful"])
+@pytest.mark.parametrize("loader", ["stateful", "prepared"])
 def test_the_doctor_with_every_passes_an_accelerate_loop(tmp_path, capsys, monkeypatch, loader):
     """doctor --every fingerprints every optimizer step through a step hook: on the optimizer
     Accelerate prepared, its install raised AttributeError at load_latest."""

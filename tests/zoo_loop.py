@@ -21,6 +21,7 @@ import os
 import random
 import signal
 import sys
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -103,6 +104,12 @@ def parse() -> argparse.Namespace:
                    help="after a resume count epochs from 0 again (set_epoch then gets the wrong epoch)")
     p.add_argument("--prefetch-unsaved", action="store_true",
                    help="draw the next batch before the step and the save, and keep it out of state")
+    p.add_argument("--eval-persistent", choices=["global", "own-generator"], default=None,
+                   help="an evaluation loader with persistent workers kept out of state, run every --eval-every "
+                        "steps; its workers' base seed from torch's global stream, or from a generator of its own")
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--prefetcher", action="store_true",
+                   help="iterate the loader through a generator that holds one batch ahead (timm's PrefetchLoader)")
     p.add_argument("--val-leaves-eval-at", type=int, default=-1,
                    help="a validation pass at this step leaves the model in eval mode; model.train() "
                         "is called once after load_latest")
@@ -205,7 +212,8 @@ def main() -> int:
         _log_line(args.log, rank, f"# resumed from step {progress.step} epoch {progress.epoch}")
     if sampler is not None and progress is None:
         sampler.set_epoch(epoch)
-    iterator = iter(loader)
+    batches = _held_one_ahead if args.prefetcher else iter
+    iterator = batches(loader)
 
     def draw() -> tuple[torch.Tensor, torch.Tensor]:
         nonlocal iterator, epoch
@@ -215,8 +223,14 @@ def main() -> int:
             epoch += 1
             if sampler is not None and not args.no_set_epoch:
                 sampler.set_epoch(epoch)
-            iterator = iter(loader)
+            iterator = batches(loader)
             return next(iterator)
+
+    evaluation = None
+    if args.eval_persistent:  # built as timm's train.py builds its evaluation loader, and left out of state
+        own = torch.Generator().manual_seed(300 + rank) if args.eval_persistent == "own-generator" else None
+        evaluation = torch.utils.data.DataLoader(NoisyDataset(8), batch_size=4, num_workers=2,
+                                                 persistent_workers=True, generator=own)
 
     if args.val_leaves_eval_at >= 0:
         trained.train()  # the common "model.train() before the loop"
@@ -265,6 +279,12 @@ def main() -> int:
             trained.eval()  # validation; the loop forgets trained.train() afterwards
             with torch.no_grad():
                 trained(torch.zeros(4, 8))
+        if evaluation is not None and step % args.eval_every == args.eval_every - 1:
+            trained.eval()
+            with torch.no_grad():
+                for x, _ in evaluation:
+                    trained(x)
+            trained.train()
         _log_line(args.log, rank, f"{step} {loss_sum.item().hex()} {_param_sum(trained, ema).hex()}")
         if (step + 1) % args.every == 0:
             if args.prefetch:
@@ -279,6 +299,17 @@ def main() -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def _held_one_ahead(loader: Any) -> Iterator[Any]:
+    """The loader's batches, each taken from it one batch before it is given (timm's PrefetchLoader)."""
+    first, held = True, None
+    for batch in loader:
+        if not first:
+            yield held
+        first, held = False, batch
+    if not first:
+        yield held
 
 
 class _nullcontext:

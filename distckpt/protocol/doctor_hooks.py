@@ -71,6 +71,30 @@ def note_loaders_left_out(found: list[str], rank: int) -> None:
         f.writelines(f"{line}\n" for line in found)
 
 
+FIRST_PASS_DRAWS = "first-pass-draws"  # <root>-notes/first-pass-draws-rank-R.txt: one line per loader found
+
+
+def note_first_pass_draws(found: list[str], rank: int) -> None:
+    """Called by every save with the loaders outside `state` whose persistent workers drew their
+    base seed from torch's global stream (loader_hazards.first_pass_draws_left_out, which the job
+    is warned of): under the doctor, kept for its report (a resumed run draws that seed again at
+    the loader's first pass, and only the job can see that loader)."""
+    _note(FIRST_PASS_DRAWS, found, rank)
+
+
+def _note(name: str, found: list[str], rank: int) -> None:
+    root = os.environ.get(ROOT_ENV)
+    if not root or not found:
+        return
+    path = os.path.join(notes_root(root), f"{name}-rank-{rank}.txt")
+    known = set(open(path).read().splitlines()) if os.path.exists(path) else set()
+    if not set(found) - known:
+        return  # noted at an earlier save
+    os.makedirs(notes_root(root), exist_ok=True)
+    with open(path, "a") as f:
+        f.writelines(f"{line}\n" for line in found if line not in known)
+
+
 class _Fingerprints:
     """Under `--every K`: after every optimizer step, label it and, every K labels, append a hash
     of this rank's parameters to <root>-fingerprints/rank-R.txt. The label is the step of the

@@ -16,6 +16,8 @@ import warnings
 import weakref
 from typing import Any
 
+import torch
+
 from distckpt.errors import UnstorableValueError
 from distckpt.state.capture import CheckpointWarning, has_class_named
 from distckpt.state.epoch_record import is_torchdata
@@ -93,6 +95,9 @@ def track_iterators() -> None:
             _ITERATORS.add(self)
         except TypeError:  # an iterator class that takes no weak reference
             pass
+        # its base seed came from torch's global stream (no generator= of its own): see first_pass_draws_left_out
+        generator = getattr(loader, "generator", None)
+        self._distckpt_seeded_globally = generator is None or generator is torch.default_generator
 
     init._distckpt_tracking = True  # type: ignore[attr-defined]
     _BaseDataLoaderIter.__init__ = init  # type: ignore[method-assign]
@@ -154,6 +159,47 @@ def positions_left_out(loaders: list[Any]) -> list[str]:
         if yielded < total:
             found.append(f"a loader over {type(iterator._dataset).__name__} at batch {yielded} of {total}")
     return found
+
+
+def first_pass_draws_left_out(loaders: list[Any]) -> list[str]:
+    """Loaders with persistent workers, none of `loaders` (those in `state`), whose workers were
+    made by a pass so far and seeded from torch's global stream. Such a loader draws its workers'
+    base seed at its first pass only: a resumed process draws it again at its first pass after
+    the resume (an evaluation loader, typically), which the uninterrupted run did not, so every
+    later draw of torch's stream (dropout, drop path, augmentation) is one off, silently."""
+    return [_described(iterator) for iterator in _first_pass_iterators(loaders)]
+
+
+def _first_pass_iterators(loaders: list[Any]) -> list[Any]:
+    covered = {id(getattr(loader, "_iterator", None)) for loader in loaders}
+    return [iterator for iterator in list(_ITERATORS)
+            if id(iterator) not in covered and getattr(iterator, "_persistent_workers", False)
+            and getattr(iterator, "_distckpt_seeded_globally", False) and not getattr(iterator, "_shutdown", False)]
+
+
+def _described(iterator: Any) -> str:
+    return f"a loader over {type(getattr(iterator, '_dataset', None)).__name__} with persistent workers"
+
+
+_FIRST_PASS_WARNED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def warn_first_pass_draws_left_out(loaders: list[Any]) -> list[str]:
+    """Warn of first_pass_draws_left_out, once per loader iterator found; returns what it found."""
+    found = _first_pass_iterators(loaders)
+    for iterator in found:
+        if iterator in _FIRST_PASS_WARNED:
+            continue
+        _FIRST_PASS_WARNED.add(iterator)
+        message = (f"{_described(iterator)} is not in `state` and drew its workers' base seed from torch's global "
+                   "stream at its first pass: a process resumed from this checkpoint draws it again at that loader's "
+                   "first pass after the resume, which this run does not, so torch's stream is one draw off from "
+                   "there on (dropout, augmentation) and the run does not continue as it did. Put the loader in "
+                   "`state` (a torchdata StatefulDataLoader), or give it a generator of its own "
+                   "(generator=torch.Generator().manual_seed(...)) so that it never draws from the global stream")
+        log.warning(message)
+        warnings.warn(message, CheckpointWarning, stacklevel=4)
+    return [_described(iterator) for iterator in found]
 
 
 def warn_positions_left_out(loaders: list[Any]) -> list[str]:

@@ -36,6 +36,7 @@ from distckpt.protocol.commit import list_committed
 from distckpt.protocol.doctor_hooks import (  # noqa: F401  (the doctor's names, shared with the job's side)
     EVERY_ENV,
     FIRST,
+    FIRST_PASS_DRAWS,
     KILL_AFTER_ENV,
     KILL_RANK_ENV,
     KILLED_MARK_ENV,
@@ -93,6 +94,9 @@ class Report:
     # data loaders in the middle of a pass that no loader in `state` iterated, as the job's first
     # saves found them ("rank R: a loader over X at batch N of M"): their position never travels
     loaders_left_out: list[str] = field(default_factory=list)
+    # loaders outside `state` whose persistent workers drew their base seed from torch's global stream
+    # at their first pass, as the job's saves found them: a resumed run draws that seed again
+    first_pass_draws: list[str] = field(default_factory=list)
     killed_after: int | None = None  # the step whose commit the kill followed (from the mark)
     workdir: str | None = None  # where both runs' roots are kept (None: a temporary one, removed)
 
@@ -133,6 +137,7 @@ def compare_roots(reference: str, resumed: str) -> Report:
     common = sorted(steps_a & steps_b)
     report = Report(common, sorted(steps_a - steps_b), sorted(steps_b - steps_a), None)
     report.loaders_left_out = _read_loaders_left_out([reference, resumed])
+    report.first_pass_draws = _read_notes([reference, resumed], FIRST_PASS_DRAWS)
     compared = {step: _compare_step(where_a[step], where_b[step], step) for step in common}
     unused = _unused_streams([streams for _, streams in compared.values()])
     report.unused_streams = [f"{where}: {stream}" for where, stream in sorted(unused)]
@@ -183,12 +188,17 @@ def _unused_streams(steps: list[tuple[dict[Stream, Any], dict[Stream, Any]]]) ->
 
 def _read_loaders_left_out(roots: list[str]) -> list[str]:
     """What either run's saves noted of loaders left out of `state` (note_loaders_left_out), by rank."""
+    return _read_notes(roots, LOADERS_LEFT_OUT)
+
+
+def _read_notes(roots: list[str], note: str) -> list[str]:
+    """What either run's saves noted under `note` (doctor_hooks), by rank."""
     found: set[str] = set()
     for root in roots:
         directory = notes_root(root)
         for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
-            if name.startswith(f"{LOADERS_LEFT_OUT}-rank-") and name.endswith(".txt"):
-                rank = name[len(f"{LOADERS_LEFT_OUT}-rank-"):-4]
+            if name.startswith(f"{note}-rank-") and name.endswith(".txt"):
+                rank = name[len(f"{note}-rank-"):-4]
                 found.update(f"rank {rank}: {line.strip()}" for line in open(os.path.join(directory, name)) if line.strip())
     return sorted(found)
 
@@ -348,11 +358,12 @@ def likely_causes(diffs: list[Difference], report: Report) -> list[str]:
                 "randomness never seeded); the resume cannot be judged until two uninterrupted runs agree: seed "
                 "everything, torch.use_deterministic_algorithms(True), keep time out of `state`"]
     job = _job(diffs, report)
+    # what the job's own saves saw first: only they can see what is not in `state`
+    causes = _first_pass_draws(report)
     by_kind: dict[str, list[Differing]] = {}
     for d in diffs:
         if d.kind:
             by_kind.setdefault(d.kind, []).append(Differing(d.where, d.entry, d.path, d.detail))
-    causes = []
     if report.fingerprint_every is not None and not report.fingerprints_taken:
         causes.append(NO_OPTIMIZER_CAUSE)
     for kind in _kinds_to_ask(by_kind, job):
@@ -387,6 +398,16 @@ def _kinds_to_ask(by_kind: dict[str, list[Differing]], job: Job) -> list[Kind]:
     wanted = set(by_kind) | {job.kinds[key].name for key in job.draws_outside if key in job.kinds}
     known = [k for k in registered_kinds() if k.name in wanted]
     return known + [kind_named(name) for name in sorted(wanted - {k.name for k in known})]
+
+
+def _first_pass_draws(report: Report) -> list[str]:
+    if not report.first_pass_draws:
+        return []
+    return [f"a loader outside `state` drew a base seed at its first pass after the resume ({report.first_pass_draws[0]}, "
+            "found by the job's own saves: its workers' seed is drawn from torch's global stream at its first pass only, "
+            "which the uninterrupted run had behind it) → torch's stream is a draw off from that pass on (dropout, "
+            "drop path, augmentation); put it in `state` (a torchdata StatefulDataLoader), or give it a generator of "
+            "its own (generator=torch.Generator().manual_seed(...))"]
 
 
 def _loaders_left_out(report: Report) -> list[str]:

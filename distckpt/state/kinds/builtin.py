@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from distckpt.state.kinds.accelerate_loader import AcceleratePreparedLoader
 from distckpt.state.kinds.base import Kind
 from distckpt.state.kinds.config import Config
 from distckpt.state.kinds.generator import Generator
@@ -20,7 +21,9 @@ from distckpt.state.kinds.value import Value
 
 # Asked in this order (the generic ones, Stateful, Tensor and Value, after every specific kind,
 # however registered): `config` by its key first, random streams before anything with
-# state_dict, a sharded module before a module. ShardedOptimizer and Imported match no object:
+# state_dict, Accelerate's prepared loader (which passes for a DataLoader) before a loader, a
+# sharded module before a module. ShardedOptimizer and Imported match no object:
 # classify gives the one to an optimizer, import-torch / import-dcp write the other.
-BUILTIN: tuple[type[Kind], ...] = (Config, Generator, NumpyGenerator, NumpyRandomState, PythonRandom, Loader,
-                                   Sampler, ShardedModule, Module, ShardedOptimizer, Imported, Stateful, Tensor, Value)
+BUILTIN: tuple[type[Kind], ...] = (Config, Generator, NumpyGenerator, NumpyRandomState, PythonRandom,
+                                   AcceleratePreparedLoader, Loader, Sampler, ShardedModule, Module, ShardedOptimizer,
+                                   Imported, Stateful, Tensor, Value)

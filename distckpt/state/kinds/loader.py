@@ -9,6 +9,7 @@ and whether the loop had dropped its iterator.
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 import weakref
 from typing import Any
@@ -200,7 +201,15 @@ class Loader(Kind):
             causes.append(f"`{key}` worker streams differ (not saved) → `{key}` is read by loader workers and its "
                           "dataset is not wrapped with distckpt.with_worker_rng, so their random draws (augmentation) "
                           "restart differently after a resume; wrap the dataset")
-        if any(_WORKER_STREAMS not in d.path and d.path != "kind" for d in differing):
+        ahead = _batches_ahead(differing)
+        if ahead:
+            causes.append(f"the loader in `state` is {ahead} ahead in the resumed run → at the save it was {ahead} "
+                          "ahead of what the loop consumed: a prefetcher holds them (prefetching: a "
+                          "wrapper taking batches ahead of the loop, as timm's PrefetchLoader, or a batch drawn before "
+                          "the save), and "
+                          "the resume skipped them. Keep the held batches in `state` (the README's loop patterns; "
+                          "distckpt.integrations.timm for timm's prefetcher)")
+        elif any(_WORKER_STREAMS not in d.path and d.path != "kind" for d in differing):
             causes.append("the loader's position differs → a batch drawn before the save (prefetching) is not in "
                           "state (keep it there: the README's loop patterns), or an iterator made twice after the "
                           "resume (a peek `next(iter(loader))` at an epoch's start) took the resumed position")
@@ -208,6 +217,21 @@ class Loader(Kind):
 
 
 _WORKER_STREAMS = "worker_rng"  # with_worker_rng's key for the workers' streams (workers.py)
+_YIELDED = re.compile(r"(-?\d+) uninterrupted, (-?\d+) resumed")
+
+
+def _batches_ahead(differing: list[Differing]) -> str:
+    """How far the resumed run's loader is ahead of the uninterrupted run's at the first step
+    compared ("" when it is not, or it cannot be told): "N batch(es)", or "at least 1 batch" when
+    the resumed pass had ended and the uninterrupted one had not. A prefetcher's batches skipped
+    by the resume put it ahead; an iterator made twice (a peek) puts it behind."""
+    ahead, ended_first = 0, False
+    for d in differing:
+        found = _YIELDED.fullmatch(d.detail) if d.path.endswith("/_num_yielded") else None
+        if found:
+            ahead = max(ahead, int(found.group(2)) - int(found.group(1)))
+        ended_first |= d.path.endswith("/_iterator_finished") and d.detail == "False uninterrupted, True resumed"
+    return f"{ahead} batch(es)" if ahead > 0 else "at least 1 batch" if ended_first else ""
 
 
 def _leaves(value: Any, path: str) -> list[tuple[str, Any]]:
