@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import distckpt
-from distckpt.protocol import loading
+from distckpt.protocol import choosing, loading
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -50,7 +50,7 @@ def test_a_step_committed_and_its_predecessor_removed_between_two_marker_reads(w
     removed it: every candidate looked uncommitted. It lists again and loads 2."""
     writer = manager(where, keep_last=1)
     writer.save(1, state(1))
-    real_candidates, real_read = loading.step_candidates, loading.read_checkpoint
+    real_candidates, real_read = choosing.step_candidates, loading.read_checkpoint
 
     def listing_with_step_2_in_progress(storage):
         return [2, *real_candidates(storage)] if writer.committed_steps() == [1] else real_candidates(storage)
@@ -63,7 +63,7 @@ def test_a_step_committed_and_its_predecessor_removed_between_two_marker_reads(w
                 writer.save(2, state(2))  # commits 2, then retention removes 1
                 writer._pruner.sweeper.drain()
 
-    monkeypatch.setattr(loading, "step_candidates", listing_with_step_2_in_progress)
+    monkeypatch.setattr(choosing, "step_candidates", listing_with_step_2_in_progress)
     monkeypatch.setattr(loading, "read_checkpoint", read)
     reader_state = state(-1)
     with manager(where) as reader:
@@ -116,7 +116,7 @@ def test_every_candidate_uncommitted_on_an_unchanged_listing_after_a_race(where,
                 writer.save(step + 1 if step == 1 else step, state(step + 1 if step == 1 else step))
                 writer._pruner.sweeper.drain()
 
-    monkeypatch.setattr(loading, "step_candidates", lambda storage: next(listings))
+    monkeypatch.setattr(choosing, "step_candidates", lambda storage: next(listings))
     monkeypatch.setattr(loading, "read_checkpoint", read)
     reader_state = state(-1)
     with manager(where) as reader:

@@ -2,7 +2,7 @@
 
 fencing.py says what a lease is and how generations fence each other; this module is the job's
 side of it (LeaseKeeper: rank 0's lease and what it knows of the durable root's leases). A job that resumed from its node's local tier while the durable root could not be
-read chose that step without the durable root's leases (loading._choose_tiered). The step may
+read chose that step without the durable root's leases (choosing._choose_tiered). The step may
 belong to a branch another incarnation has since superseded (it took over from an earlier step,
 or went on past this one), and a new lease with this step as its floor would silently make the
 newer incarnation's steps a zombie's. So before such a job's first lease, and before any upload
