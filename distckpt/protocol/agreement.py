@@ -33,6 +33,10 @@ from distckpt.io.staging import memory_of, region_key
 from distckpt.state.capture import PER_RANK, Entry, note_user_error, unwrap_module
 
 MODULE_DIGEST_PREFIX = "module:"  # marks a module's digest, so a difference is explained as one
+# A compared entry's top-level fields (a scheduler's state_dict keys, a dict value's keys) have digests
+# of their own, under "<key><FIELD><field as shown>", so that a refusal names the field that differs
+FIELD = "\x1f"
+FIELDS_NAMED = 64  # per entry: the first ones of a larger dict are named, the entry still compared whole
 SAMPLED_ELEMENTS = 16  # per parameter: a model trained apart differs in nearly every element
 # A parameter this small is taken whole: an embedding whose few rows each rank updated on its own
 # (sparse updates) differed in elements a sample of 16 missed; 64 such per save cost ~0.4 ms more.
@@ -68,11 +72,14 @@ def replicated_digests(entries: list[Entry], gpu_modules: bool = False, save_seq
             except Exception as e:  # the user's own state_dict(), on a rank other than 0: say where
                 note_user_error(e, entry.key, entry.kind)
                 raise
-            _feed(h, value, 0, "", regions)
+            fields: dict[Any, str] = {}
+            _feed(h, value, 0, "", regions, fields)
             # which tensors are one object comes back as saved, so it is compared too: as the
             # sets of paths that share bytes, whatever order the tree was walked in
             h.update(repr(sorted(sorted(paths) for paths in regions.values() if len(paths) > 1)).encode())
             out[entry.key] = h.hexdigest()
+            for name, digest in fields.items():
+                out[f"{entry.key}{FIELD}{_field_shown(name, derived=value is not entry.target)}"] = digest
     return out
 
 
@@ -127,9 +134,16 @@ def _parameters(module: torch.nn.Module, save_seq: int | None) -> list[tuple[str
     return walked[1]
 
 
-def _feed(h: Any, value: Any, depth: int, path: str, regions: dict[Any, list[str]]) -> None:
+def _field_shown(name: Any, derived: bool) -> str:
+    """A top-level field as a message names it after `state[key]`: `.metric` for a key of what an
+    object's state_dict() returns (`derived`, its attribute as a rule), `['best']` for a dict's own key."""
+    return f".{name}" if derived and isinstance(name, str) and name.isidentifier() else f"[{name!r}]"
+
+
+def _feed(h: Any, value: Any, depth: int, path: str, regions: dict[Any, list[str]],
+          fields: dict[Any, str] | None = None) -> None:
     """`path` names where `value` sits in the entry; `regions` collects each tensor's path by the
-    bytes it views."""
+    bytes it views; `fields`, given for the entry's top, collects each of its dict's items' digest."""
     kind = type(value)
     h.update(kind.__name__.encode() + b"\x00")
     if depth > 256:  # the encoder refuses such a tree on rank 0, naming it
@@ -156,6 +170,8 @@ def _feed(h: Any, value: Any, depth: int, path: str, regions: dict[Any, list[str
             _feed(pair, k, depth + 1, path, regions)
             _feed(pair, v, depth + 1, f"{path}[{type(k).__name__}:{k!r}]", regions)
             pairs.append(pair.digest())
+            if fields is not None and isinstance(k, (str, int)) and len(fields) < FIELDS_NAMED:
+                fields[k] = pair.hexdigest()
         # a plain dict in any order: one built from a set (string hashes are seeded per process)
         # holds the same items in another order on each rank; an OrderedDict's order is its value
         for digest in (pairs if kind is not dict else sorted(pairs)):
@@ -180,14 +196,24 @@ def _feed_tensor(h: Any, t: torch.Tensor) -> None:
     h.update(memory_of(data))
 
 
+def _fields_that_differ(key: str, changed: list[str]) -> str:
+    fields = [f"state[{key!r}]{name[len(key) + 1:]}" for name in changed if name.startswith(f"{key}{FIELD}")]
+    if not fields:
+        return ""
+    more = f" and {len(fields) - 4} more" if len(fields) > 4 else ""
+    return f" in {', '.join(fields[:4])}{more}"
+
+
 def check_replicated_agree(digests: list[dict[str, str]], what: str) -> None:
     """Every rank runs this on the same gathered digests, so every rank raises the same error."""
     first = digests[0]
-    differing = sorted({key for d in digests[1:] for key in set(d) | set(first) if d.get(key) != first.get(key)})
+    changed = sorted({key for d in digests[1:] for key in set(d) | set(first) if d.get(key) != first.get(key)})
+    differing = [key for key in changed if FIELD not in key]
     if not differing:
         return
     ranks = {key: [r for r, d in enumerate(digests) if d.get(key) != first.get(key)] for key in differing}
-    named = "; ".join(f"state[{key!r}] differs on rank(s) {ranks[key]} from rank 0's" for key in differing[:8])
+    named = "; ".join(f"state[{key!r}] differs on rank(s) {ranks[key]} from rank 0's{_fields_that_differ(key, changed)}"
+                      for key in differing[:8])
     modules = [key for key in differing if str(first.get(key, "")).startswith(MODULE_DIGEST_PREFIX)]
     why = (f" {', '.join(f'state[{k!r}]' for k in modules[:4])}: a module whose parameters differ between "
            "ranks — trained by each rank on its own data without DistributedDataParallel (or another "
