@@ -80,7 +80,8 @@ def test_inspect_shows_ranks_config_and_tensors(url, capsys):
     assert rank["entries"]["sampler"]["epoch"] == 2 and rank["entries"]["sampler"]["type"] == "DistributedSampler"
     assert {t["name"] for t in d["tensors"]} >= {"replicated/entries/model/state/state_dict/weight"}
     code, out = run(capsys, "inspect", url)
-    assert "step 3" in out and "RNG streams" in out and "weight" in out
+    assert "step 3" in out and "RNG streams" in out and "weight" not in out  # one line per entry
+    assert run(capsys, "inspect", url, "--tensors")[1].count("model/state_dict/weight") == 1
 
 
 def test_verify_names_each_bad_file(url, capsys):
@@ -350,7 +351,9 @@ def test_verify_racing_a_writers_retention_reports_no_damage(tmp_path, monkeypat
     url = str(tmp_path / "ckpt")
     writer = distckpt.CheckpointManager(url, keep_last=1)
     writer.save(1, {"w": torch.ones(4)})
-    real = cli.verify_step
+    from distckpt.tools import cli_commands
+
+    real = cli_commands.verify_step
 
     def verify_while_the_writer_saves(storage, step, *args, **kwargs):
         if step == 1:
@@ -358,7 +361,7 @@ def test_verify_racing_a_writers_retention_reports_no_damage(tmp_path, monkeypat
             writer._pruner.sweeper.drain()
         return real(storage, step, *args, **kwargs)
 
-    monkeypatch.setattr(cli, "verify_step", verify_while_the_writer_saves)
+    monkeypatch.setattr(cli_commands, "verify_step", verify_while_the_writer_saves)
     assert cli.main(["verify", url, *which]) == 0
     assert capsys.readouterr().out.strip() == "step 2: ok"
     writer.close()
@@ -528,14 +531,18 @@ def test_verify_without_a_step_judges_the_newest_step_as_ls_lists_it(tmp_path, c
                                    "symlinked-step", "dangling-symlink"])
 def test_inspect_without_a_step_says_a_damaged_newest_step_as_ls_lists_it(tmp_path, capsys, stray):
     """inspect (newest step) described step 2 and said nothing of step 9, a step directory
-    replaced by a symbolic link that `ls` lists as damaged and load_latest passes over saying so."""
+    replaced by a symbolic link that `ls` lists as damaged and load_latest passes over saying so;
+    then it said so and still exited 0, as if the newest step were fine."""
     root = _steps_1_2_and_a_stray_step_9(tmp_path, stray)
     assert cli.main(["ls", str(root), "--json"]) == 0
     listed = {r["step"]: r["status"] for r in json.loads(capsys.readouterr().out)}
+    damaged = listed[9].startswith("damaged")
     code = cli.main(["inspect", str(root), "--json"])
     out = capsys.readouterr()
-    assert code == 0 and json.loads(out.out)["manifest"]["step"] == 2
-    assert ("step 9" in out.err) == listed[9].startswith("damaged"), (listed[9], out.err)
+    described = json.loads(out.out)
+    assert code == (1 if damaged else 0) and described["manifest"]["step"] == 2
+    assert ("step 9" in out.err) == damaged, (listed[9], out.err)
+    assert [p["step"] for p in described.get("passed_over", [])] == ([9] if damaged else [])
 
 
 @pytest.mark.parametrize("argv, said", [

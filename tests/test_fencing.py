@@ -128,7 +128,11 @@ def test_a_zombie_commit_that_slipped_through_is_never_loaded(where, monkeypatch
     assert "step 5: BAD" in capsys.readouterr().out
     assert cli_main(["ls", url]) == 0
     listing = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
-    assert "superseded: " in listing["5"] and "damaged" not in listing["5"] and listing["2"].rstrip().endswith("committed")
+    assert "superseded: " in listing["5"] and "damaged" not in listing["5"]
+    assert listing["2"].rstrip().endswith("committed (unverified)")
+    assert cli_main(["ls", url, "--verify"]) == 1  # its files read: the superseded step's damage shows
+    listing = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "damaged: " in listing["5"] and listing["2"].rstrip().endswith("committed, verified")
     with pytest.raises(distckpt.SupersededCheckpointError, match="superseded writer"):
         with manager(where) as reader:
             reader.load({"w": torch.zeros(4)}, 5)

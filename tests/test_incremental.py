@@ -118,6 +118,9 @@ def test_inspect_shows_reused_tensors_and_shared_bytes_as_text_and_json(tmp_path
     assert cli.main(["inspect", root, "--step", "1"]) == 0
     text = capsys.readouterr().out
     assert f"{d['bytes_shared']:,} in files of older steps" in text
+    assert f"({len(reused)} in older steps' files)" in text  # on the entries' lines; each tensor with --tensors
+    assert cli.main(["inspect", root, "--step", "1", "--tensors"]) == 0
+    text = capsys.readouterr().out
     assert all(f"from {t['shared_from']}" in text for t in reused)
 
 

@@ -366,10 +366,12 @@ def test_export_and_load_weights_choose_the_step_load_latest_chooses(tmp_path, d
     assert _weight_of(str(tmp_path / "hf" / "model.safetensors")) == 1.0
     shutil.rmtree(tmp_path / "hf")
     assert cli.main(["export", root, str(tmp_path / "hf"), "--step", "2"]) == 2  # asked for: refused
-    # inspect without --step describes the step they chose (it failed on a truncated newest step)
+    # inspect without --step describes the step they chose (it failed on a truncated newest step),
+    # and exits 1 when it passed over the damaged newest one (it exited 0, as if all were well)
     capsys.readouterr()
-    assert cli.main(["inspect", root, "--json"]) == 0
+    code = cli.main(["inspect", root, "--json"])
     described = json.loads(capsys.readouterr().out)["manifest"]["step"]
+    assert code == (0 if described == 2 else 1), (code, described)
     # inspect reads headers and manifests, not every byte: a flipped payload byte is verify's to see
     assert described == (2 if damage == "flip_replicated" else 1), described
 

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from distckpt.errors import CorruptCheckpointError, DistCkptError, MissingFileError
 from distckpt.io import manifest as mf
@@ -166,13 +167,15 @@ def _is_directory(storage: Storage, path: str) -> bool:
 
 def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None,
                       index: CommitIndex | None = None, skip: frozenset[str] = frozenset(),
-                      dry_run: bool = False, uploads: list[str] | None = None) -> list[str]:
+                      dry_run: bool = False, uploads: list[str] | None = None,
+                      progress: Callable[[str], None] | None = None) -> list[str]:
     """Remove step directories without a marker that are older than `grace_s`; returns them.
     Files that committed checkpoints reference (incremental) stay until nothing does. With the
     manager's `index` (scanned just before), which steps are committed comes from its listing.
     Directories in `skip` (retired steps whose files the Sweeper is removing) are left to it.
     `dry_run`: what would be removed, removing nothing (the same decisions, for `distckpt gc`).
-    `uploads`: filled with the abandoned multipart uploads aborted (or, dry run, to abort)."""
+    `uploads`: filled with the abandoned multipart uploads aborted (or, dry run, to abort).
+    `progress`: called with each directory's name once it is removed (a command line's bar)."""
     now = time.time() if now is None else now
     if index is None:
         index = CommitIndex(storage)
@@ -208,6 +211,8 @@ def collect_leftovers(storage: Storage, grace_s: float, now: float | None = None
             log.warning("gc: skipping %s/%s: %s", storage.url, name, e)
             continue
         removed.append(name)
+        if progress is not None:
+            progress(name)
     aborted = storage.collect_abandoned_uploads(grace_s, dry_run=dry_run)
     if aborted and not dry_run:
         log.info("aborted %d abandoned multipart upload(s) under %s", len(aborted), storage.url)

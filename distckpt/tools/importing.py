@@ -18,7 +18,7 @@ import os
 import re
 import tempfile
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from distckpt.errors import (
     CheckpointExistsError,
@@ -46,18 +46,23 @@ PICKLE_WARNING = ("{source} is a pickle: loading it can run code it holds (distc
 
 
 def import_torch(file: str, url: str, *, trust_pickle: bool = False, world_size: int = 1,
-                 step: int | None = None, storage_options: dict[str, Any] | None = None) -> int:
+                 step: int | None = None, storage_options: dict[str, Any] | None = None,
+                 progress: Callable[[str], None] = lambda phase: None) -> int:
     """Write `file` (a torch.save of a dict of state_dicts and values) as a committed checkpoint
-    at `url`; returns its step (from the file's "step"/"global_step", else `step`, else 0)."""
+    at `url`; returns its step (from the file's "step"/"global_step", else `step`, else 0).
+    `progress` is called as each of its three phases starts, with what it does."""
     if not trust_pickle:
         raise ConfigError(PICKLE_WARNING.format(source=file))
+    progress(f"reading {os.path.basename(file)}")
     return _write_import(_load_weights_only(file), url, f"torch.save file {os.path.basename(file)}", world_size,
-                         step, storage_options)
+                         step, storage_options, progress)
 
 
 def import_dcp(directory: str, url: str, *, trust_pickle: bool = False, world_size: int = 1,
-               step: int | None = None, storage_options: dict[str, Any] | None = None) -> int:
-    """Write a DCP checkpoint directory (any world size that wrote it) as a committed checkpoint."""
+               step: int | None = None, storage_options: dict[str, Any] | None = None,
+               progress: Callable[[str], None] = lambda phase: None) -> int:
+    """Write a DCP checkpoint directory (any world size that wrote it) as a committed checkpoint.
+    `progress` is called as each of its four phases starts, with what it does."""
     if not trust_pickle:
         raise ConfigError(PICKLE_WARNING.format(source=os.path.join(directory, ".metadata")))
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
@@ -67,14 +72,16 @@ def import_dcp(directory: str, url: str, *, trust_pickle: bool = False, world_si
         raise MissingFileError(2, f"{directory}: not a DCP checkpoint directory (no .metadata file in it)")
     with tempfile.TemporaryDirectory(prefix="distckpt-import-") as tmp:
         whole = os.path.join(tmp, "whole.pt")
+        progress(f"converting {os.path.basename(os.path.normpath(directory))} with DCP")
         try:
             dcp_to_torch_save(directory, whole)  # one process, no process group
         except (Exception, CheckpointException) as e:  # assertion, checkpoint, OS errors: a damaged directory
             raise CorruptCheckpointError(f"{directory}: DCP could not read it ({type(e).__name__}: "
                                          f"{_first_line(e)}); nothing was imported") from e
+        progress("reading the converted file")
         obj = _load_weights_only(whole)
     return _write_import(_optimizer_keys_as_ints(obj), url, f"DCP checkpoint {os.path.basename(os.path.normpath(directory))}",
-                         world_size, step, storage_options)
+                         world_size, step, storage_options, progress)
 
 
 def _load_weights_only(file: str) -> Any:
@@ -122,7 +129,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def _write_import(obj: Any, url: str, source: str, world_size: int, step: int | None,
-                  storage_options: dict[str, Any] | None) -> int:
+                  storage_options: dict[str, Any] | None, progress: Callable[[str], None]) -> int:
     if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
         raise UnstorableValueError(f"{source} holds a {type(obj).__name__}; an import needs a dict of named "
                                    "entries (e.g. {'model': model.state_dict(), 'optimizer': opt.state_dict()})")
@@ -137,6 +144,7 @@ def _write_import(obj: Any, url: str, source: str, world_size: int, step: int | 
         raise CheckpointExistsError(17, f"{storage.url} already holds committed steps {committed[:10]} of a run; "
                                     "import into a new root")
     entries = {key: {"kind": IMPORTED, "state": value} for key, value in obj.items()}
+    progress(f"encoding {len(entries)} entries")
     replicated = encode_tree({"step": step, "epoch": epoch, "entries": entries}, ("imported",))
     rank_files = {r: b"".join(safetensors_chunks(encode_tree(
         {"step": step, "epoch": epoch, "rank": r, "world_size": world_size, "rng": None, "entries": {}})))
@@ -147,6 +155,7 @@ def _write_import(obj: Any, url: str, source: str, world_size: int, step: int | 
     kinds = {key: {"scope": "replicated", "kind": IMPORTED} for key in obj}
     staged = StagedSave(step, epoch, None, run_id, replicated, rank_files, ranks, kinds,
                         {"capture_s": 0.0, "gather_s": 0.0}, manifest_extra={"imported": source})
+    progress(f"writing step {step} to {storage.url}")
     write_and_commit(storage, staged, collect_versions, acquire(storage, run_id, None))
     return step
 

@@ -140,16 +140,17 @@ def _describe_tensor(tensor: torch.Tensor) -> str:
     return f"<{'parameter' if parameter else 'tensor'} {dtype} {list(tensor.shape)}{grad}>"
 
 
-def describe_step(storage: Storage, step: int) -> dict[str, Any]:
-    """Manifest, per-rank summaries (RNG streams, samplers, loaders), config, tensor table."""
+def describe_step(storage: Storage, step: int, rank_tensors: bool = False) -> dict[str, Any]:
+    """Manifest, per-rank summaries (RNG streams, samplers, loaders), config, tensor table; with
+    `rank_tensors`, each rank's tensor table too ("rank_tensors", a list by rank)."""
     try:
-        return _describe_step(storage, step)
+        return _describe_step(storage, step, rank_tensors)
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
         raise CorruptCheckpointError(f"{storage.url}/{mf.step_dir(step)}: a tree does not have the structure "
                                      f"distckpt writes ({type(e).__name__}: {str(e)[:120]})") from e
 
 
-def _describe_step(storage: Storage, step: int) -> dict[str, Any]:
+def _describe_step(storage: Storage, step: int, rank_tensors: bool = False) -> dict[str, Any]:
     manifest = read_manifest(storage, step)
     base = mf.step_dir(step)
     replicated_name, rank_names = manifest.payload_names()
@@ -157,17 +158,20 @@ def _describe_step(storage: Storage, step: int) -> dict[str, Any]:
     # each file named by its URL: "replicated: 0 bytes is too short for a header" named no file
     replicated, table = _header_tree(storage.read_bytes(f"{base}/{replicated_name}"),
                                      f"{storage.url}/{base}/{replicated_name}", reused)
-    ranks = []
+    ranks: list[dict[str, Any]] = []
+    tables: list[list[dict[str, Any]]] = []
     for rank in range(manifest.world_size):
-        own, _ = _header_tree(storage.read_bytes(f"{base}/{rank_names[rank]}"),
-                              f"{storage.url}/{base}/{rank_names[rank]} (rank {rank})")
+        own, own_table = _header_tree(storage.read_bytes(f"{base}/{rank_names[rank]}"),
+                                      f"{storage.url}/{base}/{rank_names[rank]} (rank {rank})")
         ranks.append({"rank": rank, "epoch": own.get("epoch"), "rng_streams": sorted(own.get("rng") or {}),
                       "entries": {k: _summarise(v) for k, v in own["entries"].items()}})
+        tables.append(own_table)
     config = replicated["entries"].get("config", {}).get("state")
     shared = manifest.shared_bytes  # the referenced files' sizes, as `ls` counts them
     owned = manifest.owned_bytes
-    return {"manifest": manifest.to_json(), "ranks": ranks, "config": _plain(config), "tensors": table,
-            "bytes_owned": owned, "bytes_shared": shared}
+    described = {"manifest": manifest.to_json(), "ranks": ranks, "config": _plain(config), "tensors": table,
+                 "bytes_owned": owned, "bytes_shared": shared}
+    return {**described, "rank_tensors": tables} if rank_tensors else described
 
 
 def _summarise(entry: dict[str, Any]) -> dict[str, Any]:

@@ -55,13 +55,13 @@ from distckpt.state.sharded import ShardReader
 from distckpt.state.undo import module_copy_aside
 from distckpt.state.validation import check_step, check_writable, mappings_read_once
 from distckpt.storage import Storage, local_path_of, open_storage, release_pages
+from distckpt.tools import sizes
 
 log = logging.getLogger("distckpt")
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "fp32": torch.float32, "float32": torch.float32}
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?", re.IGNORECASE)
 
 
 @dataclass
@@ -534,21 +534,9 @@ class ExportSummary:
 
 
 def parse_size(text: str | int) -> int:
-    """'5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, as Hugging Face's max_shard_size."""
-    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
-        return text
-    if not isinstance(text, str):  # 1.5 was taken as a byte count of 1
-        raise ConfigError(f"max_shard_size={shown(text)}: a positive int of bytes, or a size such as 5GB, 500MB or 2GiB")
-    match = _SIZE.fullmatch(text.strip())
-    if not match:
-        raise ConfigError(f"max_shard_size={shown(text)}: a size such as 5GB, 500MB or 2GiB")
-    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    size = int(number * scale)
-    if size <= 0:
-        raise ConfigError(f"max_shard_size={shown(text)}: must be positive")
-    return size
+    """'5GB' -> 5_000_000_000, '500MiB' -> 524_288_000, as Hugging Face's max_shard_size; a
+    ConfigError naming the value for anything else (sizes.py)."""
+    return sizes.parse_size(text)
 
 
 @paused_while_running
