@@ -1,6 +1,7 @@
 # The two set-up commands of the README: `make demo` and `make test`.
-# Each installs what is missing into .venv first. torch is pinned to the CPU build here only;
-# pyproject.toml keeps the loose range users need.
+# Each installs what is missing into .venv first. torch is pinned to the CPU build here only, with
+# the torchvision of its release (timm's, for the framework tests: a newer one would pull a newer
+# torch); pyproject.toml keeps the loose range users need.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -14,7 +15,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.13.0 torchvision==0.28.0
 	$(PY) -m pip install --quiet -e '.[test,s3,data,docs]'
 	test -x $(VENV)/azurite/node_modules/.bin/azurite-blob || npm install --silent --no-audit --no-fund \
 		--prefix $(VENV)/azurite azurite@$(AZURITE_VERSION)
@@ -38,7 +39,7 @@ test: $(STAMP)
 
 # The fault tests with their whole matrices (make test runs a sample of the long ones: the loop
 # zoo's marked cases, 6-60 generated examples per property); each trial prints one line.
-FAULT_TESTS = tests/test_load_memory.py tests/test_loop_zoo.py tests/test_accelerate.py tests/test_outside_state.py tests/test_doctor.py tests/test_doctor_compare.py tests/test_tiers.py tests/test_weights.py tests/test_incremental.py \
+FAULT_TESTS = tests/test_load_memory.py tests/test_loop_zoo.py tests/test_accelerate.py tests/test_timm.py tests/test_outside_state.py tests/test_doctor.py tests/test_doctor_compare.py tests/test_tiers.py tests/test_weights.py tests/test_incremental.py \
 	tests/test_roundtrip_property.py tests/test_hostile_corpus.py tests/test_overlap.py tests/test_s3_reads.py tests/test_object_stores.py tests/test_storage_contract.py \
 	tests/test_no_half_restore.py tests/test_loop_patterns.py tests/test_crash_matrix.py tests/test_powercut.py tests/test_s3_faults.py tests/test_damage.py \
 	tests/test_fencing.py tests/test_hostile.py tests/test_distributed.py tests/test_preemption.py tests/test_sharded.py \

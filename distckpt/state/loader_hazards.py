@@ -76,6 +76,11 @@ def warn_lossy_dataset_state(loader: Any, key: str) -> None:
 
 _ITERATORS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every data loader iterator made since tracking began
 _FABRIC_WRAPPED = "_distckpt_iterated_through_fabric"  # on a loader: Fabric's wrapper made an iterator of it
+_PREFETCHED = "_distckpt_iterated_through_a_prefetcher"  # on a loader: a wrapper holding a batch ahead iterates it
+# Wrappers known to take a batch from the loader before the loop asks for it, by the file and function
+# whose frame makes the loader's iterator: timm's PrefetchLoader (distckpt.integrations.timm's says
+# which batch it holds, and is saved whole)
+_PREFETCHERS = {("timm/data/loader.py", "__iter__"): "timm's PrefetchLoader"}
 
 
 def track_iterators() -> None:
@@ -106,8 +111,8 @@ def track_iterators() -> None:
 def note_a_fabric_wrapper(loader: Any) -> None:
     """Whether this iterator of `loader` is being made by Lightning Fabric's loader wrapper
     (`fabric.setup_dataloaders`), whose __iter__ calls set_epoch on the sampler with its own count
-    of iter() calls, restarting at 0 in a resumed process: marked on the loader, refused at its
-    next save. A look at a few frames up, once per pass."""
+    of iter() calls, restarting at 0 in a resumed process, or by a known prefetcher (_PREFETCHERS):
+    marked on the loader, refused at its next save. A look at a few frames up, once per pass."""
     try:
         frame = sys._getframe(2)
     except ValueError:  # called from the bottom of the stack: nothing above it
@@ -116,14 +121,30 @@ def note_a_fabric_wrapper(loader: Any) -> None:
         if frame is None:
             return
         code = frame.f_code
-        if code.co_name == "__iter__" and code.co_filename.replace("\\", "/").endswith(
+        filename = code.co_filename.replace("\\", "/")
+        if code.co_name == "__iter__" and filename.endswith(
                 ("lightning_fabric/wrappers.py", "lightning/fabric/wrappers.py")):
             vars(loader)[_FABRIC_WRAPPED] = True
+            return
+        prefetcher = next((name for (where, function), name in _PREFETCHERS.items()
+                           if code.co_name == function and filename.endswith(where)), None)
+        if prefetcher is not None:
+            vars(loader)[_PREFETCHED] = prefetcher
             return
         frame = frame.f_back  # type: ignore[assignment]
 
 
 def refuse_a_fabric_wrapper(loader: Any, key: str) -> None:
+    """Refuse a loader iterated through a wrapper a resume cannot continue: Lightning Fabric's,
+    or one that holds a batch ahead of the loop and does not say which (timm's PrefetchLoader)."""
+    prefetcher = vars(loader).get(_PREFETCHED)
+    if prefetcher:
+        raise UnstorableValueError(
+            f"state[{key!r}] is iterated by {prefetcher}, which takes each batch from it before the loop asks for "
+            "it (moved to the device, normalized, random erasing applied): at a save the loader is a batch ahead of "
+            "what the loop consumed, and a resume would skip that batch. Build the loader with "
+            "distckpt.integrations.timm.create_loader (its PrefetchLoader says which batch it holds, and the "
+            "checkpoint keeps it) and put what it returns in `state`")
     if vars(loader).get(_FABRIC_WRAPPED):
         raise UnstorableValueError(
             f"state[{key!r}] is iterated through Lightning Fabric's loader wrapper (fabric.setup_dataloaders): "

@@ -105,7 +105,7 @@ class AcceleratePreparedLoader(Loader):
                 "pass (on a fresh start too)")
         del tap
         return {"loader": saved, "iteration": iteration, "ended": ended,
-                "held": None if held is _NOTHING else [_plain(held)]}
+                "held": None if held is _NOTHING else [plain_batch(held)]}
 
     def validate(self, entry: Entry, saved: Any, where: str, world: Any, rules: Any) -> None:
         if not isinstance(saved, dict) or not {"loader", "iteration", "ended", "held"} <= set(saved) \
@@ -218,13 +218,13 @@ def _inner(entry: Entry) -> Entry:
     return replace(entry, target=entry.target.base_dataloader)
 
 
-def _plain(batch: Any) -> Any:
+def plain_batch(batch: Any) -> Any:
     """A held batch as a checkpoint stores it: mappings (Hugging Face's BatchEncoding) as dicts."""
     if isinstance(batch, Mapping) and not isinstance(batch, dict):
-        return {k: _plain(v) for k, v in batch.items()}
+        return {k: plain_batch(v) for k, v in batch.items()}
     if isinstance(batch, dict):
-        return {k: _plain(v) for k, v in batch.items()}
+        return {k: plain_batch(v) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)) and type(batch) in (list, tuple):
-        return type(batch)(_plain(v) for v in batch)
+        return type(batch)(plain_batch(v) for v in batch)
     return batch
 
