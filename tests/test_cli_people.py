@@ -648,6 +648,17 @@ def test_export_weights_refuses_a_size_it_cannot_take_with_config_error(sources,
         distckpt.export_weights(sources["root"], str(sources["base"] / "api-out"), max_shard_size=size)
 
 
+def test_an_export_of_a_model_with_a_metadata_key_is_refused_naming_it(tmp_path):
+    """A state_dict key "__metadata__" (an import of any torch.save file can hold one) ended in
+    safetensors' raw SafetensorError at the read-back, exit 1."""
+    torch.save({"model": {"__metadata__": torch.ones(2), "w": torch.ones(3)}}, tmp_path / "m.pt")
+    url = str(tmp_path / "imported")
+    assert _cli("import-torch", str(tmp_path / "m.pt"), url, "--trust-pickle")[0] == 0
+    code, out, err = _cli("export", url, str(tmp_path / "hf"), "--json")
+    assert code == 2 and "__metadata__" in json.loads(out)["error"] and "Traceback" not in err
+    assert not os.path.exists(tmp_path / "hf" / "model.safetensors")
+
+
 # --- inspect: a damaged newest step is said, and the exit code says it ------------------------------
 
 

@@ -579,6 +579,11 @@ def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: st
         raise ConfigError(f"out_dir={shown(out_dir)} lies in {inside}, a step directory (or the leases) of a distckpt "
                           "checkpoint root, which ls, gc and the loader own: export into a directory of its own")
     src = open_checkpoint_model(url, step=step, entry=entry, storage_options=storage_options, bounded=True)
+    if "__metadata__" in src.names:  # safetensors' own header key: the tensor replaced the file's metadata
+        raise IncompatibleCheckpointError(
+            f"{src.where}: the model has a tensor named '__metadata__', the key the safetensors format reserves "
+            "for a file's metadata, so a Hugging Face file cannot hold it: rename it in the model (load_weights "
+            "reads the checkpoint itself as saved); nothing was written")
     out_spec = {name: (_out_dtype(d, cast), shape) for name, (d, shape) in src.spec.items()}
     shards = _plan_shards(src.names, out_spec, limit)
     os.makedirs(out_dir, exist_ok=True)
