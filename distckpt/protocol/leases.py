@@ -14,7 +14,6 @@ chosen.
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
 
 from distckpt.errors import (
@@ -25,6 +24,7 @@ from distckpt.errors import (
     MissingFileError,
     RunConflictError,
     StorageError,
+    warn,
 )
 from distckpt.protocol import fencing
 from distckpt.protocol.commit import ReplacePolicy, list_committed, read_marker
@@ -192,8 +192,7 @@ class LeaseKeeper:
             self.unreachable = True
             message = (f"rank 0: the fence at {self.durable.url} cannot be checked before the local save ({e}); "
                        "saving locally, and not checking again until an upload to the URL succeeds")
-            log.warning(message)
-            warnings.warn(message, DurableUploadWarning, stacklevel=2)
+            warn(message, DurableUploadWarning)
 
     def prepare_local(self) -> None:
         """In the first save's capture: another job's steps leave the local tier (no job of this

@@ -11,11 +11,10 @@ history. A failure here never undoes the commit it follows: it is a warning.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Collection
 
 from distckpt.config import ManagerConfig
-from distckpt.errors import CheckpointWarning, DistCkptError
+from distckpt.errors import CheckpointWarning, DistCkptError, warn
 from distckpt.io import manifest as mf
 from distckpt.protocol import doctor_hooks
 from distckpt.protocol.commit import CommitIndex, committed_generations
@@ -117,8 +116,7 @@ class Pruner:
                        "and keep_last counts the highest steps (this one is kept as the step just saved). To "
                        f"continue this branch after a restart, number its saves above {newest} or resume it "
                        "with load(state, step=...)")
-            log.warning("rank 0: %s", message)
-            warnings.warn(message, CheckpointWarning, stacklevel=2)
+            warn(message, CheckpointWarning)
 
     def _retire(self, storage: Storage, index: CommitIndex, doomed: list[int], keep: set[str]) -> list[int]:
         """Retire `doomed` (marker first: no longer committed); their files go on the sweeper's thread."""

@@ -13,13 +13,12 @@ import math
 import numbers
 import os
 import uuid
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from distckpt import errors
 from distckpt.config import ManagerConfig
-from distckpt.errors import CheckpointWarning, ConfigError, CoordinationError, DistCkptError, shown
+from distckpt.errors import CheckpointWarning, ConfigError, CoordinationError, DistCkptError, shown, warn
 from distckpt.io import manifest as mf
 from distckpt.protocol import doctor_hooks
 from distckpt.protocol.coord import Coordinator
@@ -45,10 +44,9 @@ class Settings:
               config: ManagerConfig) -> "Settings":
         """Every argument (the config's own were checked as it was built); raises the first refusal."""
         if config.keep_best is not None and config.keep_last is None:
-            warnings.warn(f"keep_best={config.keep_best} without keep_last keeps every step: retention keeps "
+            warn(f"keep_best={config.keep_best} without keep_last keeps every step: retention keeps "
                           "the newest keep_last steps and the keep_best best ones, and keep_last=None keeps all; "
-                          "set keep_last too (keep_last=1 keeps the newest, to resume from)", CheckpointWarning,
-                          stacklevel=4)
+                          "set keep_last too (keep_last=1 keeps the newest, to resume from)", CheckpointWarning)
         # `distckpt doctor` runs the job into roots of its own (DISTCKPT_DOCTOR_ROOT; README)
         storage = open_storage(doctor_hooks.root_override(url), storage_options)
         mf.refuse_step_directory(storage.url)

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from typing import Any
 
 from distckpt.config import ManagerConfig
-from distckpt.errors import AsyncSaveError, ConfigError, DurableUploadWarning
+from distckpt.errors import AsyncSaveError, ConfigError, DurableUploadWarning, warn
 from distckpt.protocol.async_writer import AsyncWriter
 from distckpt.protocol.coord import Coordinator
 from distckpt.protocol.fencing import read_leases
@@ -172,8 +171,8 @@ class DurableUploads:
                                  "close() again uploads it (and raises again while that fails); or copy the local "
                                  "tier (distckpt ls --local-dir) before this node goes away")
         message += "; the next save is made durable"
-        log.error(message)
-        warnings.warn(message, DurableUploadWarning, stacklevel=3)
+        log.error(message)  # at ERROR for operators' logs: the steps are at risk until an upload succeeds
+        warn(message, DurableUploadWarning)
 
     def ship(self, step: int) -> None:
         """With several nodes (collective): rank 0's committed local step to every other node's

@@ -33,12 +33,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-import warnings
 from typing import Any
 
 import fsspec
 
-from distckpt.errors import ConfigError, NonAtomicStorageWarning, shown
+from distckpt.errors import ConfigError, NonAtomicStorageWarning, shown, warn
 from distckpt.storage.base import Storage
 from distckpt.storage.capabilities import Capabilities
 from distckpt.storage.fsspec_fs import FsspecStorage
@@ -217,8 +216,7 @@ def _warn_not_exclusive(storage: Storage, url: str) -> None:
     message = (f"{url}: the fsspec backend {type(fs).__name__} ({'/'.join(sorted(protocols))}) is not known to create "
                "files exclusively; distckpt writes COMMITTED check-then-write there, so two writers of one "
                "step could both commit. Run one writer per root (local disk and s3:// commit exclusively).")
-    log.warning(message)
-    warnings.warn(message, NonAtomicStorageWarning, stacklevel=3)
+    warn(message, NonAtomicStorageWarning)
 
 
 __all__ = ["BackendSpec", "Capabilities", "FsspecStorage", "LocalStorage", "NonAtomicStorageWarning", "Storage",
