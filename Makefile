@@ -39,7 +39,7 @@ test: $(STAMP)
 
 # The fault tests with their whole matrices (make test runs a sample of the long ones: the loop
 # zoo's marked cases, 6-60 generated examples per property); each trial prints one line.
-FAULT_TESTS = tests/test_load_memory.py tests/test_loop_zoo.py tests/test_accelerate.py tests/test_timm.py tests/test_outside_state.py tests/test_doctor.py tests/test_doctor_compare.py tests/test_tiers.py tests/test_weights.py tests/test_incremental.py \
+FAULT_TESTS = tests/test_load_memory.py tests/test_loop_zoo.py tests/test_accelerate.py tests/test_hf_trainer.py tests/test_fabric.py tests/test_timm.py tests/test_outside_state.py tests/test_doctor.py tests/test_doctor_compare.py tests/test_tiers.py tests/test_weights.py tests/test_incremental.py \
 	tests/test_roundtrip_property.py tests/test_hostile_corpus.py tests/test_overlap.py tests/test_s3_reads.py tests/test_object_stores.py tests/test_storage_contract.py \
 	tests/test_no_half_restore.py tests/test_loop_patterns.py tests/test_crash_matrix.py tests/test_powercut.py tests/test_s3_faults.py tests/test_damage.py \
 	tests/test_fencing.py tests/test_hostile.py tests/test_distributed.py tests/test_preemption.py tests/test_sharded.py \

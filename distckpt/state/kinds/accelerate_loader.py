@@ -29,6 +29,7 @@ from distckpt.errors import IncompatibleCheckpointError, UnstorableValueError
 from distckpt.state.capture import Entry, Release, has_class_named
 from distckpt.state.epoch_record import is_stateful_dataloader
 from distckpt.state.kinds.loader import Loader
+from distckpt.state.loader_plan import _PLAN as _RESUME_PLAN
 from distckpt.state.undo import Undo
 
 ACCELERATE_MODULES = ("accelerate.",)
@@ -78,6 +79,7 @@ class AcceleratePreparedLoader(Loader):
             # before anything watched it, and the first pass would take that one: its epoch start
             # (the streams its order is drawn from) went unrecorded. The next iter() makes another.
             inner._iterator, inner._initial_iter_for_state_dict = None, False
+        _make_seedable_generators(inner)
         super().observe(inner)
         vars(inner)[_SHARD] = weakref.ref(target)
         vars(inner)["__iter__"] = _tapped_iter(inner)  # the wrapper calls inner.__iter__() by name
@@ -193,11 +195,56 @@ def _tapped_iter(inner: Any) -> Any:
         if isinstance(pending, _Pending) and pending.ended:
             del vars(loader)[_PENDING]  # the saved pass ends here; the next iter() starts the next one
             return iter(())
+        resuming = _RESUME_PLAN in vars(loader)
         tap = _Tap(loader, type(loader).__iter__(loader))
         vars(loader)[_TAP] = weakref.ref(tap)
+        shard = vars(loader).get(_SHARD)
+        if resuming and shard is not None and shard() is not None:
+            # The restore replayed the saved pass's order up to its position; a sampler that counts
+            # its own epochs at a pass's end (Accelerate's SeedableRandomSampler) counted that
+            # replay as a pass when it was the last batch's: the wrapper's epoch is put back before
+            # the new pass draws its order (at its first batch), as the uninterrupted run had it.
+            shard().set_epoch(shard().iteration)
         return tap
 
     return tapped
+
+
+def next_pass_starts_afresh(prepared: Any) -> None:
+    """For a loop that never lets a pass end by asking for a batch past its last (the Hugging Face
+    Trainer takes a counted number of batches each epoch, then calls set_epoch and iter() again):
+    a restore from a save at a pass's last batch starts the next pass at once, instead of ending
+    the saved one first (which such a loop takes for an empty epoch)."""
+    if not is_prepared_loader(prepared):
+        return
+    inner = prepared.base_dataloader
+    pending = vars(inner).get(_PENDING)
+    if isinstance(pending, _Pending) and pending.ended:
+        # The saved pass is over: the next one starts as the uninterrupted run's did, from a new
+        # iterator (its base seed drawn from the streams as restored), not from the ended pass's
+        # position (with workers, resuming that position first seeded the new pass otherwise)
+        del vars(inner)[_PENDING]
+        vars(inner).pop(_RESUME_PLAN, None)
+        inner.next_iter_state, inner._iterator = None, None
+
+
+def _make_seedable_generators(inner: Any) -> None:
+    """Accelerate's SeedableRandomSampler (the Trainer's default) makes its generator at its first
+    pass, seeded from its initial seed (and reseeded at every pass): made now, as that pass would,
+    so that a load finds the stream its saved epoch start names (it found none, and refused)."""
+    import torch
+
+    pending: list[Any] = [getattr(inner, "batch_sampler", None), getattr(inner, "sampler", None)]
+    seen: set[int] = set()
+    while pending:
+        sampler = pending.pop()
+        if sampler is None or id(sampler) in seen or len(seen) > 8:
+            continue
+        seen.add(id(sampler))
+        if has_class_named(sampler, "SeedableRandomSampler", *ACCELERATE_MODULES) and sampler.generator is None:
+            sampler.generator = torch.Generator(device=torch.get_default_device())
+            sampler.generator.manual_seed(sampler.initial_seed)
+        pending += [getattr(sampler, "batch_sampler", None), getattr(sampler, "sampler", None)]
 
 
 def _tap_of(inner: Any) -> _Tap | None:
