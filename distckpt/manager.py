@@ -44,9 +44,18 @@ log = logging.getLogger("distckpt")
 class CheckpointManager:
     """Saves and loads exact-resume checkpoints under one root URL.
 
-    Construction, `save`, `load_latest`, `load`, `wait` and `close` are collective: call them on
-    every rank, in the same order. Without an initialised process group (or with one rank) it
-    works as a world of one.
+    Construction, `save`, `load_latest`, `load`, `preemption_requested`, `wait` and `close` are
+    collective: call them on every rank, in the same order (a call on rank 0 only waits for the
+    others until `timeout`, then fails). `committed_steps` and `best_step` only read storage and
+    are not collective. Without an initialised process group (or with one rank) it works as a
+    world of one. Use it as a context manager (``with CheckpointManager(...) as mgr:``) to close
+    it on every path.
+
+    Every keyword argument is a setting, checked at construction (a `ConfigError` names the field
+    and the reason) and agreed across ranks; the settings page of the reference lists each with
+    its default and what it is for: keep_last/keep_best/best_mode (retention), async_save and
+    overlap_snapshot (saves in the background), local_dir/durable_every/keep_local (two tiers),
+    incremental, timeout, storage_options, world_size_policy, preemption_signals.
 
     A checkpoint is committed only when its COMMITTED marker is written, after every file is
     durable; a failed or interrupted save never changes an earlier checkpoint.
@@ -272,6 +281,7 @@ class CheckpointManager:
         self._coord.close()
 
     def __enter__(self) -> "CheckpointManager":
+        """The manager itself; leaving the block calls `close()` (collective)."""
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
