@@ -29,6 +29,7 @@ from distckpt.errors import (
     DistCkptError,
     FencedError,
     MissingFileError,
+    NotAFileError,
     RunConflictError,
     StorageError,
     SupersededCheckpointError,
@@ -89,7 +90,7 @@ def _bounded(storage: Storage, path: str, limit: int) -> bytes:
     except MissingFileError:
         raise
     except StorageError as e:
-        if e.errno in (errno.EFBIG, errno.ELOOP):
+        if isinstance(e, NotAFileError) or e.errno == errno.EFBIG:  # a FIFO, a link ..., or oversized: damage
             raise CorruptCheckpointError(str(e)) from e
         raise
 

@@ -9,11 +9,12 @@ import errno
 import mmap
 import os
 import shutil
+import stat
 import sys
 import uuid
 from typing import Any, Iterable, Iterator
 
-from distckpt.errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError, shown
+from distckpt.errors import CheckpointExistsError, ConfigError, MissingFileError, NotAFileError, StorageError, shown
 from distckpt.storage.capabilities import LOCAL_DISK
 from distckpt.storage.registry import LOCAL_PATH, BackendSpec, register_backend
 
@@ -83,24 +84,23 @@ class LocalStorage:
 
     @contextlib.contextmanager
     def _reading(self, full: str) -> Iterator[Any]:
-        """Open for reading with errors translated; checkpoint files are never links, and one
-        planted in a step directory could point anywhere, so links are not followed: neither
-        the file (O_NOFOLLOW) nor any directory between the root and it."""
+        """Open for reading with errors translated. Checkpoint files are regular files, never
+        links: a link planted in a step directory could point anywhere, so none is followed
+        (neither the file, O_NOFOLLOW, nor any directory between the root and it); and a FIFO,
+        socket or device node standing there is refused before it is read (see _open_regular)."""
         self._refuse_linked_directories(full)
         try:
-            with os.fdopen(os.open(full, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+            with os.fdopen(_open_regular(full), "rb") as f:
                 yield f
         except FileNotFoundError as e:
             raise _not_found(full) from e
-        except (NotADirectoryError, IsADirectoryError) as e:  # a stray file spelled like a step
-            # directory, or a directory where a file should be: that file does not exist
-            raise MissingFileError(errno.ENOENT, f"{full} does not exist ({e.strerror}: "
-                                   f"{'a directory' if isinstance(e, IsADirectoryError) else 'a file'} "
-                                   "stands in its path)") from e
+        except NotADirectoryError as e:  # a stray file spelled like a step directory: that file does not exist
+            raise MissingFileError(errno.ENOENT, f"{full} does not exist ({e.strerror}: a file stands in its path)") from e
+        except NotAFileError:
+            raise
         except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise StorageError(errno.ELOOP, f"{full} is a symbolic link; checkpoint files never are, "
-                                   "so it was not followed") from e
+            if e.errno == errno.ELOOP:  # the link was swapped in after the look (O_NOFOLLOW refused it)
+                raise _not_a_file(full, "a symbolic link") from e
             raise StorageError(e.errno, f"reading {full} failed: {e.strerror or e}") from e
 
     def read_bytes(self, path: str, max_bytes: int | None = None) -> bytes:
@@ -117,8 +117,8 @@ class LocalStorage:
         for part in relative.split(os.sep):
             current = os.path.join(current, part)
             if os.path.islink(current):
-                raise StorageError(errno.ELOOP, f"{current} is a symbolic link to a directory; checkpoint "
-                                   "directories never are, so it was not followed")
+                raise NotAFileError(errno.ELOOP, f"{current} is a symbolic link to a directory; checkpoint "
+                                    "directories never are, so it was not followed")
 
     def read_buffer(self, path: str) -> memoryview | bytes:
         """The file mapped copy-on-write: no copy out of the page cache, and writes to tensors
@@ -354,6 +354,52 @@ def _silently_remove(path: str) -> None:
 
 def _not_found(where: str) -> MissingFileError:
     return MissingFileError(errno.ENOENT, f"{where} does not exist")
+
+
+# -- only regular files are read ---------------------------------------------------------------
+#
+# open() of a FIFO for reading waits for a writer, forever: a FIFO planted where a payload file,
+# a manifest, a marker or a lease goes hung every load and every command that read it. A device
+# node may read without end (/dev/zero), a socket cannot be opened at all. So the entry is looked
+# at (lstat) before it is opened, and opened without waiting (O_NONBLOCK) and looked at again on
+# the open descriptor (fstat): something swapped in between the two looks is refused too.
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"))
+_ERRNO_OF_KIND = {"a directory": errno.EISDIR, "a symbolic link": errno.ELOOP}
+
+
+def file_kind(mode: int) -> str:
+    """What a file of `mode` (st_mode) is, for a message: "a FIFO (named pipe)", "a directory" ..."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _not_a_file(full: str, kind: str) -> NotAFileError:
+    if kind == "a symbolic link":
+        return NotAFileError(errno.ELOOP, f"{full} is a symbolic link; checkpoint files never are, so it was not followed")
+    return NotAFileError(_ERRNO_OF_KIND.get(kind, errno.ENXIO),
+                         f"{full} is {kind}, not a regular file: checkpoint files are always regular files, so "
+                         "it was not opened (the file is damaged: remove it, or restore the file)")
+
+
+def _open_regular(full: str) -> int:
+    """A descriptor of the regular file at `full` (not followed if a link), opened without
+    waiting; NotAFileError, before any read, for anything else standing there."""
+    mode = os.lstat(full).st_mode  # FileNotFoundError / NotADirectoryError: the caller's to say
+    if not stat.S_ISREG(mode):
+        raise _not_a_file(full, file_kind(mode))
+    # O_NONBLOCK: a FIFO swapped in after the look opens at once instead of waiting for a writer
+    # (on a regular file the flag changes nothing); the descriptor is looked at again below.
+    fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_a_file(full, file_kind(mode))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 
