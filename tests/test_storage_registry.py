@@ -23,19 +23,26 @@ from distckpt.storage import BackendSpec, FsspecStorage, backends, open_storage,
 from distckpt.storage.registry import LOCAL_PATH, backend_for
 
 FIELDS = [f.name for f in dataclasses.fields(BackendSpec)]
+OPTIONAL_FIELDS = {"client_errors"}
 
 
 def _spec_kwargs(**changes) -> dict:
     base = dict(name="probe", schemes=("probe",), open=lambda url, options: None, exclusive_create=True, container=None,
                 client_packages=(), install_hint="", jitter_modules=(), secret_env=(), secret_options=(),
-                credential_env_prefixes=(), selected_by=())
+                credential_env_prefixes=(), selected_by=(), client_errors=())
     assert sorted(base) == sorted(FIELDS), "a field of BackendSpec this test does not know"
     return {**base, **changes}
 
 
 @pytest.mark.parametrize("field", FIELDS)
 def test_a_spec_without_a_field_is_refused(field):
-    """No field has a default: a backend states each fact, even that it has none of a kind."""
+    """No field has a default (but client_errors, added later: a backend written before it still
+    registers): a backend states each fact, even that it has none of a kind."""
+    if field in OPTIONAL_FIELDS:
+        kwargs = _spec_kwargs()
+        del kwargs[field]
+        assert getattr(BackendSpec(**kwargs), field) == ()
+        return
     kwargs = _spec_kwargs()
     del kwargs[field]
     with pytest.raises(TypeError, match=field):
@@ -45,7 +52,7 @@ def test_a_spec_without_a_field_is_refused(field):
 MALFORMED = {"name": "Not A Name", "schemes": ("S3",), "open": "not callable", "exclusive_create": "yes",
              "container": "", "client_packages": ("",), "install_hint": None, "jitter_modules": "botocore",
              "secret_env": ("",), "secret_options": [("key")], "credential_env_prefixes": (3,),
-             "selected_by": (("client",),)}
+             "selected_by": (("client",),), "client_errors": (ValueError, "not a path", int)}
 
 
 @pytest.mark.parametrize("field", FIELDS)
@@ -61,7 +68,8 @@ def test_every_registered_backend_states_every_field(spec):
     a backend with a client library says how to install it, a backend with secrets in the
     environment names the environment its client reads them from."""
     for field in FIELDS:
-        assert dataclasses.fields(BackendSpec)[FIELDS.index(field)].default is dataclasses.MISSING
+        if field not in OPTIONAL_FIELDS:
+            assert dataclasses.fields(BackendSpec)[FIELDS.index(field)].default is dataclasses.MISSING
         assert getattr(spec, field, None) is not None or field == "container", field
     dataclasses.replace(spec)  # __post_init__ checks every field again
     if spec.client_packages:
@@ -208,3 +216,59 @@ def test_a_backend_that_says_it_checks_then_writes_is_warned_about(toy):
     with pytest.warns(distckpt.NonAtomicStorageWarning, match="toy://warned"):
         storage = open_storage("toy://warned")
     assert not storage.capabilities.exclusive_create
+
+
+def _wrapper_module_with_its_own_error() -> types.ModuleType:
+    """A module of the backend's own (not its client package) that defines the store's error."""
+    module = types.ModuleType("toy_wrapper.errors")
+    module.ToyWrapperError = type("ToyWrapperError", (Exception,), {"__module__": "toy_wrapper.errors"})
+    return module
+
+
+@pytest.mark.parametrize("named_as", ["class", "dotted path", "colon path"])
+def test_a_backends_client_errors_become_storage_errors_in_save(toy, monkeypatch, named_as):
+    """An exception class named in client_errors, defined outside client_packages, is the store's
+    answer: save() raises StorageError naming it (nothing committed), not the raw class; one not
+    named stays a defect, raised as it is."""
+    wrapper = _wrapper_module_with_its_own_error()
+    monkeypatch.setitem(sys.modules, "toy_wrapper.errors", wrapper)
+    error = wrapper.ToyWrapperError
+    named = {"class": error, "dotted path": "toy_wrapper.errors.ToyWrapperError",
+             "colon path": "toy_wrapper.errors:ToyWrapperError"}[named_as]
+
+    def refusing_writes(self, path, value, *args, **kwargs):
+        raise error("503 SlowDown")
+
+    monkeypatch.setattr(ToyFileSystem, "pipe_file", refusing_writes)
+    url = f"toy://client-errors/{uuid.uuid4().hex[:8]}"
+    register_backend(dataclasses.replace(TOY, client_errors=(named,)), replace=True)
+    with distckpt.CheckpointManager(url) as mgr:
+        with pytest.raises(distckpt.StorageError, match="ToyWrapperError: 503 SlowDown") as caught:
+            mgr.save(1, {"w": torch.ones(2)})
+        assert isinstance(caught.value, OSError) and isinstance(caught.value.__cause__, error)
+    register_backend(TOY, replace=True)
+    with distckpt.CheckpointManager(url) as mgr:
+        with pytest.raises(error):  # no spec names it: a defect, not translated
+            mgr.save(2, {"w": torch.ones(2)})
+
+
+@pytest.mark.parametrize("listing", ["nothing", "all but the rank file"])
+def test_a_listing_that_lags_its_writes_is_named_so_in_a_world_of_one(toy, monkeypatch, listing):
+    """A store whose listing is not read-after-write consistent, in a world of one: the files rank 0
+    has just written are said to be missing from the store's listing (a backend's fault), not a
+    disagreement of ranks that should be given one URL; nothing is committed."""
+    honest = FsspecStorage.list_files
+
+    def lagging(self, path="", start_after=None):
+        files = honest(self, path, start_after)
+        return {} if listing == "nothing" else {k: v for k, v in files.items() if not k.startswith("ranks/")}
+
+    monkeypatch.setattr(ToyStorage, "list_files", lagging)
+    url = f"toy://lagging/{uuid.uuid4().hex[:8]}"
+    with distckpt.CheckpointManager(url) as mgr:
+        with pytest.raises(distckpt.StorageError, match=r"just written are not listed by the store \(first: ranks/") as caught:
+            mgr.save(1, {"w": torch.ones(2)})
+    assert "Give every rank" not in str(caught.value) and "step-000000001" in str(caught.value)
+    monkeypatch.setattr(ToyStorage, "list_files", honest)
+    with distckpt.CheckpointManager(url) as mgr:
+        assert mgr.committed_steps() == []

@@ -18,6 +18,7 @@ then ships to every node; that layout refuses sharded entries and split writes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from distckpt.errors import (
     CoordinationError,
     FencedError,
     RankDisagreementError,
+    StorageError,
     UnstorableValueError,
 )
 from distckpt.io import manifest as mf
@@ -576,6 +578,11 @@ def _check_visible_to_the_committer(storage: Storage, base: str, reports: list[R
         return
     present = set(storage.list_files(base))
     missing = sorted(written - present)
+    if missing and len(reports) == 1:  # rank 0 wrote them itself: the store's listing lags its writes
+        raise StorageError(
+            errno.EIO, f"{where}: {len(missing)} file(s) just written are not listed by the store "
+            f"(first: {missing[0]}); nothing was committed. The storage's listing is not read-after-write "
+            "consistent: a backend's list_files (its client's ls) must name every file written before it")
     if missing:
         raise RankDisagreementError(
             f"{where}: the ranks do not see one storage: {len(missing)} file(s) other ranks reported written are "

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 from distckpt.errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError, shown
 from distckpt.storage.capabilities import Capabilities
-from distckpt.storage.registry import BackendSpec, client_error_modules, register_backend
+from distckpt.storage.registry import BackendSpec, is_client_error, register_backend
 
 
 def _join(root: str, path: str) -> str:
@@ -61,7 +61,7 @@ class FsspecStorage:
             raise StorageError(e.errno or errno.EIO, f"{what} {self.public(target)} failed: "
                                f"{type(e).__name__}: {e}") from e
         except Exception as e:
-            if type(e).__module__.partition(".")[0] not in client_error_modules():
+            if not is_client_error(e):
                 raise  # a defect, not the store's answer
             # a client's own error class that its fsspec layer lets through (gcsfs's HttpError
             # for a 416, an Azure HttpResponseError): the store's answer all the same

@@ -9,7 +9,9 @@ whose exceptions are the store's answers (they become :class:`~distckpt.StorageE
 ``pip install`` advice when one is missing, the modules whose retry jitter is kept off the
 process's global ``random`` stream (jitter.py), the environment variables that hold secrets
 (redacted from every log record, redact.py) and the prefixes of the environment that feeds its
-credentials (a change gives a new shared client, clients.py).
+credentials (a change gives a new shared client, clients.py). ``client_errors`` names exception
+classes that are the store's answers wherever they are defined (an error class of a wrapper
+module, not of ``client_packages``): they become StorageError too.
 
 How to add a backend
 --------------------
@@ -43,6 +45,7 @@ import dataclasses
 import importlib
 import pkgutil
 import re
+import sys
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -54,6 +57,7 @@ if TYPE_CHECKING:
 
 LOCAL_PATH = ""  # the scheme of a path written without one: a local path, taken literally
 _SCHEME_SHAPE = re.compile(r"[a-z][a-z0-9+.\-]+")  # lower case, two characters at least (C: is a drive)
+_ERROR_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*[.:][A-Za-z_]\w*")  # module.Class or module:Class
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,11 @@ class BackendSpec:
     secret_options: tuple[str, ...]  # storage_options (or their client_kwargs) holding secrets, likewise
     credential_env_prefixes: tuple[str, ...]  # environment its client reads credentials from (clients.py)
     selected_by: tuple[tuple[str, Any], ...]  # storage_options that pick it over another of its schemes
+    # The client's own exception classes, or their import paths ("mystorefs.errors.MyStoreError",
+    # resolved only once that module is imported): each is the store's answer and becomes a
+    # StorageError, wherever the class is defined. The one field with a default, so a backend
+    # written before it still registers.
+    client_errors: tuple[type[BaseException] | str, ...] = ()
 
     def __post_init__(self) -> None:
         problems = [f"{f.name}={shown(getattr(self, f.name))}: {why}" for f in dataclasses.fields(self)
@@ -103,6 +112,11 @@ def _field_problem(name: str, value: Any) -> str:
         return "" if value is None or (isinstance(value, str) and value) else "a word such as 'bucket', or None"
     if name == "install_hint":
         return "" if isinstance(value, str) else "a str"
+    if name == "client_errors":
+        ok = isinstance(value, tuple) and all(
+            (isinstance(v, type) and issubclass(v, BaseException)) or (isinstance(v, str) and _ERROR_PATH.fullmatch(v))
+            for v in value)
+        return "" if ok else "a tuple of exception classes or their import paths ('package.module.ErrorClass')"
     if name == "selected_by":
         ok = isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in value)
         return "" if ok else "a tuple of (storage option, value) pairs"
@@ -192,6 +206,29 @@ def backend_for(scheme: str, storage_options: Mapping[str, Any]) -> BackendSpec:
 def client_error_modules() -> frozenset[str]:
     """Top-level modules whose exceptions are a store's answer, not a defect (fsspec_fs.py)."""
     return frozenset(p for spec in backends() for p in spec.client_packages)
+
+
+def client_error_classes() -> tuple[type[BaseException], ...]:
+    """Every registered backend's `client_errors` whose module is imported (a class of a module
+    never imported cannot have been raised, so none is imported here)."""
+    found: list[type[BaseException]] = []
+    for spec in backends():
+        for entry in spec.client_errors:
+            if isinstance(entry, type):
+                found.append(entry)
+                continue
+            module_name, _, class_name = entry.replace(":", ".").rpartition(".")
+            module = sys.modules.get(module_name)
+            candidate = getattr(module, class_name, None) if module is not None else None
+            if isinstance(candidate, type) and issubclass(candidate, BaseException):
+                found.append(candidate)
+    return tuple(found)
+
+
+def is_client_error(error: BaseException) -> bool:
+    """Whether `error` is a store's answer (a registered client's exception), not a defect."""
+    return (type(error).__module__.partition(".")[0] in client_error_modules()
+            or isinstance(error, client_error_classes()))
 
 
 def secret_environment() -> tuple[str, ...]:
