@@ -28,7 +28,8 @@ CASES = [
     pytest.param(["--loader", "stateful", "--workers", "2"], "13", id="stateful-loader-workers", marks=faults),
     # The prepared loader in `state`, mid-epoch and at an epoch's last batch, sync and async.
     pytest.param(["--loader", "prepared"], "9", id="prepared-loader"),
-    pytest.param(["--loader", "prepared", "--workers", "2", "--async"], "13", id="prepared-loader-workers-async"),
+    pytest.param(["--loader", "prepared", "--workers", "2", "--async"], "13", id="prepared-loader-workers-async",
+                 marks=faults),
     pytest.param(["--loader", "prepared", "--async", "--overlap", "--accum", "3"], "19",
                  id="prepared-loader-overlap-accum3", marks=faults),
     pytest.param(["--loader", "prepared", "--every", "1"], "6,17", id="prepared-loader-two-resumes", marks=faults),
@@ -87,7 +88,7 @@ def test_a_save_before_the_first_optimizer_step_says_where_saves_belong(tmp_path
     assert "save after an optimizer step" in said and "accelerator.sync_gradients" in said
 
 
-@pytest.mark.parametrize("loader", ["stateful", "prepared"])
+@pytest.mark.parametrize("loader", ["stateful", pytest.param("prepared", marks=faults)])
 def test_the_doctor_with_every_passes_an_accelerate_loop(tmp_path, capsys, monkeypatch, loader):
     """doctor --every fingerprints every optimizer step through a step hook: on the optimizer
     Accelerate prepared, its install raised AttributeError at load_latest."""
