@@ -16,6 +16,7 @@ import distckpt
 from distckpt.errors import ConfigError, IncompatibleCheckpointError
 from distckpt.state.kinds import (
     PER_RANK,
+    REPLICATED,
     Differing,
     Job,
     Kind,
@@ -26,6 +27,7 @@ from distckpt.state.kinds import (
     unregister_kind,
 )
 from distckpt.state.kinds.builtin import BUILTIN
+from distckpt.testing import run_world
 
 PACKAGE = os.path.dirname(distckpt.__file__)
 KINDS_PACKAGE = os.path.join(PACKAGE, "state", "kinds")
@@ -282,10 +284,102 @@ def test_a_checkpoint_of_a_kind_this_process_does_not_know_is_still_inspected(tm
     assert cli.main(["inspect", str(tmp_path / "a"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ranks"][0]["entries"]["res"] == {"kind": "test_reservoir"}
     with distckpt.CheckpointManager(str(tmp_path / "a")) as mgr:  # restored as a value: its kind differs
-        with pytest.raises(IncompatibleCheckpointError, match="test_reservoir entry in the checkpoint"):
+        with pytest.raises(IncompatibleCheckpointError, match="test_reservoir entry in the checkpoint") as refused:
             mgr.load_latest({"model": torch.nn.Linear(2, 1), "res": {"items": [], "seen": 0}})
+    # the likely cause and its fix: the module registering the kind was not imported here
+    said = str(refused.value)
+    assert "kind 'test_reservoir' is not registered in this process" in said and "register_kind" in said, said
+
+
+def test_a_kind_mismatch_between_registered_kinds_names_no_registration(tmp_path, reservoir_kind):
+    """The registration hint is only for a kind this process does not know: a saved value loaded
+    into a reservoir is a mismatch of two known kinds."""
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(0, {"res": {"items": [], "seen": 0}})
+        with pytest.raises(IncompatibleCheckpointError, match="value entry in the checkpoint") as refused:
+            mgr.load_latest({"res": Reservoir(3)})
+    assert "not registered" not in str(refused.value)
 
 
 def test_every_built_in_kind_says_what_it_holds():
     for kind in BUILTIN:
         assert kind.description, f"{kind.__name__}: say in `description` what it holds"
+
+
+# -- a replicated kind of the user's is compared across ranks -------------------------------------
+
+class Counter:
+    """A user's object every rank is meant to hold equal (a curriculum step): no state_dict."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+
+class CounterKind(Kind):
+    """Left at the default scope (replicated): written once, from rank 0."""
+
+    name = "test_counter"
+    description = "a counter every rank holds equal"
+
+    def matches(self, key, obj):
+        return isinstance(obj, Counter)
+
+    def capture(self, entry):
+        return {"count": entry.target.count}
+
+    def restore(self, entry, value, state, release):
+        entry.target.count = value["count"]
+        return []
+
+
+def _save_and_load_counters(rank: int, world: int, url: str, counts: list[int]) -> dict:
+    register_kind(CounterKind)
+    with distckpt.CheckpointManager(url) as mgr:
+        try:
+            mgr.save(1, {"counter": Counter(counts[rank])})
+        except distckpt.UnstorableValueError as e:
+            return {"refused": str(e)}
+        fresh = Counter(-1)
+        mgr.load_latest({"counter": fresh})
+        return {"loaded": fresh.count}
+
+
+@pytest.mark.parametrize("counts", [[5, 5], [5, 6], [0, 1]])
+def test_a_replicated_kind_of_the_users_that_differs_between_two_ranks_is_refused_at_save(tmp_path, counts):
+    """Two gloo ranks: rank 0's copy alone is written, so a difference is refused on every rank,
+    naming the entry; equal copies are saved and every rank loads them."""
+    results = run_world("test_kinds:_save_and_load_counters", 2, url=str(tmp_path), counts=counts)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    if len(set(counts)) == 1:
+        assert [r.value for r in results] == [{"loaded": counts[0]}] * 2
+        return
+    said = {r.value.get("refused") for r in results}
+    assert len(said) == 1 and None not in said, said
+    message = said.pop()
+    assert "state['counter'] differs on rank(s) [1] from rank 0's" in message and "per_rank" in message, message
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr.committed_steps() == []  # nothing of the refused save is committed
+
+
+class _NotCompared(CounterKind):
+    name = "test_not_compared"
+    compared_across_ranks = False
+
+
+class _NotComparedWithReason(_NotCompared):
+    name = "test_not_compared_with_reason"
+    not_compared_because = "each rank checks it against its own on load"
+
+
+def test_a_replicated_kind_that_is_not_compared_must_say_why():
+    with pytest.raises(ConfigError, match="not_compared_because"):
+        register_kind(_NotCompared)
+    assert all(type(k) is not _NotCompared for k in registered_kinds())
+    register_kind(_NotComparedWithReason)
+    unregister_kind(_NotComparedWithReason)
+
+
+def test_every_replicated_built_in_kind_is_compared_or_says_why():
+    for kind in BUILTIN:
+        if kind.scope == REPLICATED:
+            assert kind.compared_across_ranks or kind.not_compared_because, kind.__name__

@@ -3,8 +3,9 @@
 A replicated entry is written once, from rank 0, and every rank gets rank 0's copy back on
 load. Modules and optimizers are kept equal by DDP (and checked on load against each rank's
 own objects); a plain value or tensor is not — nanoGPT's `best_val_loss` is each rank's own —
-and a resume then silently gives every rank rank 0's. So every rank digests its replicated
-value, tensor and stateful (state_dict) entries during the capture, the digests travel in the capture's agreement
+and a resume then silently gives every rank rank 0's. So every rank digests each replicated
+entry whose kind compares it (compared_across_ranks: values, tensors, stateful objects by their
+state_dict, a user's kind by its capture) during the capture, the digests travel in the capture's agreement
 (no extra exchange), and a difference is refused on every rank by save() itself, naming the
 entry and the ranks. Hashing costs a pass over those tensors' bytes (xxh3: several GB/s per
 core); optimizers and config (compared on load instead) are not hashed. A module's parameters
@@ -30,7 +31,7 @@ import xxhash
 from distckpt.errors import DistCkptError, UnstorableValueError
 from distckpt.io.serialize import dim_order
 from distckpt.io.staging import memory_of, region_key
-from distckpt.state.capture import PER_RANK, Entry, note_user_error, unwrap_module
+from distckpt.state.capture import PER_RANK, REPLICATED, Entry, note_user_error, unwrap_module
 
 MODULE_DIGEST_PREFIX = "module:"  # marks a module's digest, so a difference is explained as one
 # A compared entry's top-level fields (a scheduler's state_dict keys, a dict value's keys) have digests
@@ -48,7 +49,7 @@ REWALK_SAVES = 64
 
 
 def replicated_digests(entries: list[Entry], gpu_modules: bool = False, save_seq: int | None = None) -> dict[str, str]:
-    """Each replicated value, tensor or stateful entry's digest (the same on every rank iff equal),
+    """Each compared replicated entry's digest (the same on every rank iff equal),
     and each replicated module's sampled digest (module_digest: every parameter, GPU ones too,
     with `gpu_modules` — a manager's first save —, else a window of them moving with `save_seq`)."""
     out = {}
@@ -59,7 +60,7 @@ def replicated_digests(entries: list[Entry], gpu_modules: bool = False, save_seq
         kind = entry.kind_spec
         if entry.scope != PER_RANK and kind.holds_weights:
             out[entry.key] = MODULE_DIGEST_PREFIX + module_digest(entry.target, gpu_modules, save_seq)
-        if entry.scope != PER_RANK and kind.compared_across_ranks:
+        if entry.scope == REPLICATED and kind.compared_across_ranks:
             if isinstance(entry.target, torch.optim.Optimizer):
                 continue  # DDP keeps them equal; its state is as large as the model (checked on load)
             h = xxhash.xxh3_64()

@@ -141,8 +141,11 @@ class Kind:
     # nothing else of the file is touched, so the pages are not let go of wholesale after it.
     restores_by_copies_alone: ClassVar[bool] = False
     # A replicated entry each rank holds a copy of, digested at every save: ranks must agree, or
-    # the save is refused (rank 0's copy would silently become every rank's on resume).
-    compared_across_ranks: ClassVar[bool] = False
+    # the save is refused (rank 0's copy would silently become every rank's on resume). On for
+    # every kind: one that turns it off says why in `not_compared_because` (register_kind refuses
+    # a replicated kind that is not compared and says nothing).
+    compared_across_ranks: ClassVar[bool] = True
+    not_compared_because: ClassVar[str] = ""  # how its ranks' agreement is checked instead
     # Its tensors are handed over as loaded (refilled into a value, given to load_state_dict):
     # saved with their device, they go back to it, as torch.load does.
     handed_over: ClassVar[bool] = False
@@ -177,8 +180,9 @@ class Kind:
         raise NotImplementedError(f"{type(self).__name__}.capture")
 
     def compared_value(self, entry: Entry) -> Any:
-        """What the ranks' agreement digests (compared_across_ranks)."""
-        return entry.target
+        """What the ranks' agreement digests (compared_across_ranks): by default what `capture`
+        returns, so `capture` of a replicated entry runs on every rank at each save."""
+        return self.capture(entry)
 
     def staged_tensors(self, entry: Entry) -> list[Any]:
         """The tensors an async save of the entry copies into staging buffers, as far as they can

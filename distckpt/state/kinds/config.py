@@ -13,6 +13,8 @@ class Config(Kind):
 
     name = "config"
     description = "the run's settings (state['config']): compared on load, never overwritten"
+    compared_across_ranks = False
+    not_compared_because = "every rank compares its own settings with the saved ones on load"
 
     def matches(self, key: str, obj: Any) -> bool:
         return key == CONFIG_KEY and not hasattr(obj, "state_dict")

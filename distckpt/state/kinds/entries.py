@@ -34,7 +34,7 @@ from distckpt.state.capture import (
 )
 from distckpt.state.kinds.base import Kind, World
 from distckpt.state.kinds.builtin import BUILTIN
-from distckpt.state.kinds.registry import kind_named, matching_kind, registered_kinds
+from distckpt.state.kinds.registry import UnknownKind, kind_named, matching_kind, registered_kinds
 from distckpt.state.kinds.sharded_optimizer import ShardedOptimizer
 from distckpt.state.kinds.tensor import Tensor
 from distckpt.state.kinds.value import Value
@@ -214,7 +214,8 @@ def validate_entry(entry: Entry, saved: dict[str, Any], world: World, rules: Loa
     where = f"state[{entry.key!r}]"
     if saved.get("kind") != entry.kind:
         raise IncompatibleCheckpointError(
-            f"{where} is a {entry.kind} entry here but a {saved.get('kind')} entry in the checkpoint")
+            f"{where} is a {entry.kind} entry here but a {saved.get('kind')} entry in the checkpoint"
+            f"{_unregistered_hint(saved.get('kind'))}")
     saved_type, live_type = saved.get("type"), type(entry.target).__name__
     if isinstance(entry.target, torch.optim.Optimizer) and isinstance(saved_type, str) and saved_type != live_type:
         raise IncompatibleCheckpointError(
@@ -226,6 +227,15 @@ def validate_entry(entry: Entry, saved: dict[str, Any], world: World, rules: Loa
     except (KeyError, TypeError, IndexError, AttributeError, ValueError) as e:  # a forged file that verifies
         raise CorruptCheckpointError(f"{where}: the saved state does not have the structure of a {entry.kind} "
                                      f"entry ({type(e).__name__}: {str(e)[:120]})") from e
+
+
+def _unregistered_hint(saved_kind: Any) -> str:
+    """The fix when the saved kind is one this process never registered: the likely cause of a
+    mismatch when the job that saved registered a kind of its own."""
+    if not isinstance(kind_named(saved_kind), UnknownKind):
+        return ""
+    return (f": kind {saved_kind!r} is not registered in this process. Import the module that calls "
+            f"register_kind for it (as the job that saved did) before loading, then load again; nothing was changed")
 
 
 def snapshot(entry: Entry, state: dict[str, Any]) -> Undo:

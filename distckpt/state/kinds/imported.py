@@ -17,6 +17,8 @@ class Imported(Kind):
 
     name = IMPORTED
     description = "an entry imported from torch.save or DCP: takes the live entry's kind on load"
+    compared_across_ranks = False
+    not_compared_because = "never a live entry: nothing is saved of this kind"
 
     def as_loaded_into(self, entry: Entry, record: dict[str, Any]) -> dict[str, Any]:
         return entry.kind_spec.from_imported(entry, record.get("state"))

@@ -28,6 +28,8 @@ class ModuleLike(Kind):
     leaves every late entry untouched on every rank."""
 
     late, copies_loaded_tensors, holds_weights = True, False, True
+    compared_across_ranks = False
+    not_compared_because = "its parameters are sampled into the ranks' agreement instead (holds_weights)"
 
     def is_late(self, entry: Entry) -> bool:
         return not has_own_load_logic(unwrap_module(entry.target))

@@ -12,7 +12,7 @@ import threading
 from typing import Any, TypeVar
 
 from distckpt.errors import ConfigError
-from distckpt.state.kinds.base import Kind
+from distckpt.state.kinds.base import REPLICATED, Kind
 
 K = TypeVar("K", bound=type[Kind])
 
@@ -33,6 +33,11 @@ def register_kind(cls: K, *, before: type[Kind] | None = None) -> K:
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise ConfigError(f"register_kind({cls.__name__}): set `name`, the kind's name in checkpoints (a str)")
+    if cls.scope == REPLICATED and not cls.compared_across_ranks and not cls.not_compared_because:
+        raise ConfigError(
+            f"register_kind({cls.__name__}): a replicated kind's entries are compared across ranks at every save "
+            "(rank 0's copy is the one saved and every rank gets it back); set `not_compared_because` to how its "
+            "ranks' agreement is checked instead, or leave `compared_across_ranks` on")
     with _lock:
         taken = _by_name.get(name)
         if taken is not None:
@@ -100,3 +105,5 @@ class UnknownKind(Kind):
     """A saved kind this process does not know: shown by its name, holding nothing it declares."""
 
     name = "unknown"
+    compared_across_ranks = False
+    not_compared_because = "never a live entry: only read from a checkpoint"

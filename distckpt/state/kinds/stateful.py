@@ -22,8 +22,7 @@ class Stateful(Kind):
 
     name = "stateful"
     description = "anything with state_dict/load_state_dict: optimizers, LR schedulers, scalers, your objects"
-    generic = True
-    compared_across_ranks = handed_over = True
+    generic = handed_over = True
 
     def matches(self, key: str, obj: Any) -> bool:
         return _has_state_dict(obj)

@@ -18,7 +18,7 @@ class Tensor(Kind):
 
     name = "tensor"
     description = "a tensor: copied into in place on load"
-    generic = late = restores_by_copies_alone = compared_across_ranks = replaceable_by_value = True
+    generic = late = restores_by_copies_alone = replaceable_by_value = True
     copies_loaded_tensors = False
 
     def matches(self, key: str, obj: Any) -> bool:
@@ -26,6 +26,9 @@ class Tensor(Kind):
 
     def capture(self, entry: Entry) -> Any:
         return entry.target
+
+    def compared_value(self, entry: Entry) -> Any:
+        return entry.target  # what capture returns
 
     def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
         validation._tensor(entry.target, saved, where, world, rules)

@@ -16,13 +16,16 @@ class Value(Kind):
 
     name = "value"
     description = "plain values and containers (None, bool, int, float, str, list, tuple, dict)"
-    generic = compared_across_ranks = handed_over = replaceable_by_value = True
+    generic = handed_over = replaceable_by_value = True
 
     def matches(self, key: str, obj: Any) -> bool:
         return True
 
     def capture(self, entry: Entry) -> Any:
         return _capture_plain(entry.target)
+
+    def compared_value(self, entry: Entry) -> Any:
+        return entry.target  # the live value itself: what capture returns, without a copy
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
         target = entry.target
