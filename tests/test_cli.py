@@ -451,8 +451,10 @@ def test_inspect_of_a_damaged_step_names_the_damaged_file(tmp_path, capsys):
     damaged = os.path.join(folder, os.listdir(folder)[0])
     open(damaged, "wb").close()
     capsys.readouterr()
-    assert cli.main(["inspect", url, "--step", "2"]) == 2
-    assert f"{damaged}: 0 bytes is too short for a header" in capsys.readouterr().err
+    assert cli.main(["inspect", url, "--step", "2"]) == 1  # the step is damaged, said as such
+    err = capsys.readouterr().err
+    assert err.startswith(f"distckpt inspect: damaged: step 2 at {url}: ")
+    assert f"{damaged}: 0 bytes" in err  # the damaged file named
 
 
 def _as_an_unprivileged_reader(argv: list[str]) -> list[str]:

@@ -662,12 +662,28 @@ def test_an_export_of_a_model_with_a_metadata_key_is_refused_naming_it(tmp_path)
 # --- inspect: a damaged newest step is said, and the exit code says it ------------------------------
 
 
-@pytest.mark.parametrize("damage", ["truncated header", "no manifest", "garbage marker"])
+def _flip_last_byte(folder: str) -> None:
+    """One bit of a payload's tensor bytes (its end): the header still parses, only the checksum
+    can tell."""
+    path = os.path.join(folder, sorted(os.listdir(folder))[0])
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+
+
+@pytest.mark.parametrize("damage", ["truncated header", "no manifest", "garbage marker",
+                                    "replicated checksum", "rank file checksum"])
 def test_inspect_passing_over_a_damaged_newest_step_says_which_and_why_and_exits_1(tmp_path, damage):
+    """Without --step, inspect describes the step load_latest loads, after saying each damaged one
+    above it; with --step, a damaged step is said to be damaged (exit 1)."""
     url = str(tmp_path / "c")
     _three_steps(url)
     step3 = os.path.join(url, "step-000000003")
-    if damage == "truncated header":
+    if damage.endswith("checksum"):
+        _flip_last_byte(os.path.join(step3, "replicated" if damage.startswith("replicated") else "ranks"))
+    elif damage == "truncated header":
         folder = os.path.join(step3, "replicated")
         os.truncate(os.path.join(folder, os.listdir(folder)[0]), 4)
     elif damage == "no manifest":
@@ -682,3 +698,10 @@ def test_inspect_passing_over_a_damaged_newest_step_says_which_and_why_and_exits
     assert code == 1 and described["manifest"]["step"] == 2
     assert [p["step"] for p in described["passed_over"]] == [3] and described["passed_over"][0]["error"]
     assert _cli("inspect", url, "--step", "2")[0] == 0  # asked for by name: nothing passed over
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # load_latest warns of the step it passes over
+        loaded = distckpt.CheckpointManager(url).load_latest({"model": nn.Linear(4, 3), "config": {"step": 0}})
+    assert loaded is not None and loaded.step == described["manifest"]["step"]
+    if damage != "garbage marker":  # a step whose marker is garbage is not committed: --step refuses it otherwise
+        code, _, err = _cli("inspect", url, "--step", "3")
+        assert code == 1 and err.startswith(f"distckpt inspect: damaged: step 3 at {url}: "), err

@@ -260,12 +260,14 @@ def cmd_inspect(storage: Storage, args: argparse.Namespace) -> int:
             d = describe_step(root, step, rank_tensors=not args.json)
             break
         except (CorruptCheckpointError, StorageError) as e:
-            # Without --step, the newest step it can read, as export and load_weights fall back
-            # (describing reads headers and manifests, not every byte: `verify` checks those).
-            if args.step is not None or index == len(found) - 1 or \
-                    (type(e) is StorageError and e.errno != errno.ELOOP):
-                raise
+            # Without --step, the newest step it can read, as load_latest, export and load_weights
+            # fall back (the files it describes are checked against the manifest's checksums as a
+            # load checks them; `verify` checks every file of every step).
+            if type(e) is StorageError and e.errno != errno.ELOOP:
+                raise  # the storage failed, not the step: said as such (exit 2)
             passed_over.append({"step": step, "tier": tier, "url": root.url, "error": str(e)})
+            if args.step is not None or index == len(found) - 1:  # nothing left to describe
+                return fail(args, "\n".join(_damaged_lines(passed_over)), EXIT_PROBLEM)
             print(f"distckpt inspect: step {step} at {root.url} is damaged ({e}); describing the previous one",
                   file=sys.stderr)
     tier = found[index][2]
@@ -301,9 +303,13 @@ def _inspect_candidates(storage: Storage, args: argparse.Namespace) -> list[tupl
     return found
 
 
+def _damaged_lines(passed_over: list[dict[str, Any]]) -> list[str]:
+    return [f"damaged: step {p['step']} at {p['url']}: {p['error']}" for p in passed_over]
+
+
 def _inspect_text(d: dict[str, Any], args: argparse.Namespace, tier: str, passed_over: list[dict[str, Any]]) -> list[str]:
     m = d["manifest"]
-    lines = [f"damaged: step {p['step']} at {p['url']}: {p['error']}" for p in passed_over]
+    lines = _damaged_lines(passed_over)
     lines += [f"step {m['step']}  epoch {m['epoch']}  metric {m['metric']}  world size {m['world_size']}  run {m['run_id']}"
               + (f"  ({tier} tier)" if getattr(args, "local_dir", None) else "")
               + ("  (an older step: the newer ones above are damaged)" if passed_over else ""),

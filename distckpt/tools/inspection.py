@@ -156,12 +156,12 @@ def _describe_step(storage: Storage, step: int, rank_tensors: bool = False) -> d
     replicated_name, rank_names = manifest.payload_names()
     reused = incremental.reused_specs(storage, manifest)
     # each file named by its URL: "replicated: 0 bytes is too short for a header" named no file
-    replicated, table = _header_tree(storage.read_bytes(f"{base}/{replicated_name}"),
+    replicated, table = _header_tree(_verified_bytes(storage, manifest, replicated_name),
                                      f"{storage.url}/{base}/{replicated_name}", reused)
     ranks: list[dict[str, Any]] = []
     tables: list[list[dict[str, Any]]] = []
     for rank in range(manifest.world_size):
-        own, own_table = _header_tree(storage.read_bytes(f"{base}/{rank_names[rank]}"),
+        own, own_table = _header_tree(_verified_bytes(storage, manifest, rank_names[rank]),
                                       f"{storage.url}/{base}/{rank_names[rank]} (rank {rank})")
         ranks.append({"rank": rank, "epoch": own.get("epoch"), "rng_streams": sorted(own.get("rng") or {}),
                       "entries": {k: _summarise(v) for k, v in own["entries"].items()}})
@@ -172,6 +172,16 @@ def _describe_step(storage: Storage, step: int, rank_tensors: bool = False) -> d
     described = {"manifest": manifest.to_json(), "ranks": ranks, "config": _plain(config), "tensors": table,
                  "bytes_owned": owned, "bytes_shared": shared}
     return {**described, "rank_tensors": tables} if rank_tensors else described
+
+
+def _verified_bytes(storage: Storage, manifest: mf.Manifest, name: str) -> bytes:
+    """One of the step's files, its size and checksum checked against the manifest as a load
+    checks them: a step no load can read is never described as if it were whole (the file is
+    read whole anyway, so the checksum costs no extra read)."""
+    base = mf.step_dir(manifest.step)
+    data = storage.read_bytes(f"{base}/{name}")
+    mf.verify_file(data, manifest.files[name], f"{storage.url}/{base}/{name}")
+    return data
 
 
 def _summarise(entry: dict[str, Any]) -> dict[str, Any]:
