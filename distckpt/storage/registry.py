@@ -34,7 +34,10 @@ How to add a backend
 
 Nothing else changes: every module of this package is imported the first time the registry is
 asked (``backends()``), so the new module's scheme is dispatched by ``open_storage``. A backend
-kept outside distckpt calls ``register_backend`` before it opens a manager.
+kept outside distckpt declares an entry point of the group ``distckpt.backends`` (its module, or
+its BackendSpec) in its distribution's metadata; it is imported with the builtins, in every
+process, the command line included. Calling ``register_backend`` before a manager is opened
+works too, in that process only.
 
 This module never imports torch.distributed.
 """
@@ -51,6 +54,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from distckpt.errors import ConfigError, shown
+from distckpt.runtime.plugins import BACKENDS_GROUP, load_plugins
 
 if TYPE_CHECKING:
     from distckpt.storage.base import Storage
@@ -163,7 +167,9 @@ def backends() -> tuple[BackendSpec, ...]:
 
 
 def _discover() -> None:
-    """Import every module of distckpt.storage once: each backend module registers its spec."""
+    """Import every module of distckpt.storage once: each backend module registers its spec; then
+    the plugins of the entry point group ``distckpt.backends`` (runtime/plugins.py): a module that
+    registers its spec when imported, or a BackendSpec, registered here."""
     global _discovered
     if _discovered:
         return
@@ -171,7 +177,14 @@ def _discover() -> None:
 
     for module in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"{package.__name__}.{module.name}")
-    _discovered = True
+    _discovered = True  # before the plugins: one that asks the registry while imported sees the builtins
+    try:
+        for plugin in load_plugins(BACKENDS_GROUP):
+            if isinstance(plugin, BackendSpec) and _SPECS.get(plugin.name) is not plugin:
+                register_backend(plugin)
+    except BaseException:
+        _discovered = False  # asked again, the broken plugin is said again
+        raise
 
 
 def spec_named(name: str) -> BackendSpec:

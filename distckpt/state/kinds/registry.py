@@ -12,6 +12,7 @@ import threading
 from typing import Any, TypeVar
 
 from distckpt.errors import ConfigError
+from distckpt.runtime.plugins import KINDS_GROUP, load_plugins
 from distckpt.state.kinds.base import REPLICATED, Kind
 
 K = TypeVar("K", bound=type[Kind])
@@ -20,6 +21,7 @@ _lock = threading.Lock()
 _ordered: tuple[Kind, ...] = ()       # in matching order
 _by_name: dict[str, Kind] = {}
 _unknown: dict[str, Kind] = {}
+_plugins_loaded = False
 
 
 def register_kind(cls: K, *, before: type[Kind] | None = None) -> K:
@@ -74,13 +76,33 @@ def _position(kinds: list[Kind], cls: type[Kind], before: type[Kind] | None) -> 
     return next((i for i, k in enumerate(kinds) if k.generic), len(kinds))
 
 
+def _load_kind_plugins() -> None:
+    """On the first lookup, the kinds of the entry point group ``distckpt.kinds``
+    (runtime/plugins.py): a module that registers its kinds when imported, or a Kind class,
+    registered here. A kind saved by a job is then read back by name in every process (the
+    command line included) with no import by hand."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True  # before the imports: a plugin's own lookups see the kinds so far
+    try:
+        for plugin in load_plugins(KINDS_GROUP):
+            if isinstance(plugin, type) and issubclass(plugin, Kind) and type(_by_name.get(plugin.name)) is not plugin:
+                register_kind(plugin)
+    except BaseException:
+        _plugins_loaded = False  # asked again, the broken plugin is said again
+        raise
+
+
 def registered_kinds() -> tuple[Kind, ...]:
     """Every registered kind, in the order they are asked."""
+    _load_kind_plugins()
     return _ordered
 
 
 def matching_kind(key: str, obj: Any) -> Kind:
     """The kind of `obj` under `state[key]`: the first registered kind that matches it."""
+    _load_kind_plugins()
     for kind in _ordered:
         if kind.matches(key, obj):
             return kind
@@ -91,6 +113,7 @@ def kind_named(name: Any) -> Kind:
     """The kind a saved record names. A name no registered kind has (a kind registered by the
     job that saved and not here, a record from a later version) gives a kind that declares
     nothing and is shown by that name: a live entry of it cannot be restored (its kind differs)."""
+    _load_kind_plugins()
     kind = _by_name.get(name) if isinstance(name, str) else None
     if kind is not None:
         return kind
