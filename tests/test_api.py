@@ -95,6 +95,20 @@ def test_layering():
     assert not {n for n in coord if n.startswith(("distckpt.storage", "distckpt.io"))}, "coordination never touches storage"
 
 
+MAX_MODULE_LINES = 700  # a module a reader holds in mind at once; past it, it holds two ideas
+
+
+def test_no_module_is_longer_than_700_lines():
+    pkg = os.path.dirname(distckpt.__file__)
+    long = {}
+    for rel, _ in _modules():
+        with open(os.path.join(pkg, rel), encoding="utf-8") as f:
+            lines = len(f.read().splitlines())
+        if lines > MAX_MODULE_LINES:
+            long[rel] = lines
+    assert long == {}, f"split these into cohesive modules of their room: {long}"
+
+
 def test_import_distckpt_does_not_import_torch():
     """`import distckpt` (and the command line's --help) stays light: names load on first use."""
     import subprocess

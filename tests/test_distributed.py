@@ -216,7 +216,8 @@ def test_an_overlapped_save_failing_on_one_rank_fails_on_every_rank_and_commits_
 def _rewrite_rank_epoch(ckpt_dir: str, rank: int, epoch: int) -> None:
     """Forge a checkpoint whose files all verify but whose ranks disagree on the epoch."""
     from distckpt.io import manifest as mf
-    from distckpt.io.serialize import encode_tree, load_tree_file, safetensors_chunks
+    from distckpt.io.safetensors_format import safetensors_chunks
+    from distckpt.io.serialize import encode_tree, load_tree_file
 
     path = os.path.join(ckpt_dir, "step-000000005", *mf.rank_file(rank, 1).split("/"))
     tree = load_tree_file(open(path, "rb").read(), path)

@@ -12,7 +12,8 @@ import torch
 
 import distckpt
 from distckpt.io import manifest as mf
-from distckpt.io.serialize import FORMAT_NAME, TREE_METADATA_KEY, encode_tree, load_tree_file, safetensors_chunks
+from distckpt.io.safetensors_format import FORMAT_NAME, TREE_METADATA_KEY, safetensors_chunks
+from distckpt.io.serialize import encode_tree, load_tree_file
 
 
 def file_with(header: dict, data: bytes = b"", tree: object = None, reference: bool = True) -> bytes:
@@ -57,8 +58,8 @@ def test_two_hundred_thousand_unreferenced_entries_are_refused_quickly():
 
 
 def test_more_tensors_than_the_limit_are_refused_on_load_and_at_save(monkeypatch):
-    from distckpt.io import serialize
-    monkeypatch.setattr(serialize, "MAX_TENSORS", 1000)
+    from distckpt.io import safetensors_format
+    monkeypatch.setattr(safetensors_format, "MAX_TENSORS", 1000)
     header = {f"t{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(1001)}
     assert refused(file_with(header), "more than any checkpoint holds") < 1
     with pytest.raises(distckpt.UnstorableValueError, match="at most 1,000"):

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import distckpt
-from distckpt.io.serialize import encode_tree, load_tree_file, safetensors_chunks
+from distckpt.io.safetensors_format import safetensors_chunks
+from distckpt.io.serialize import encode_tree, load_tree_file
 
 EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "40"))
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -357,10 +358,10 @@ def test_a_long_plain_list_is_stored_and_loaded(tmp_path):
 
 
 def test_the_tree_limits_are_the_same_for_save_and_load():
-    from distckpt.io import serialize
+    from distckpt.io import safetensors_format
     data = b"".join(bytes(c) for c in safetensors_chunks(encode_tree({"x": [torch.zeros(1)] * 3})))
     assert load_tree_file(bytearray(data), "t")["x"][0].shape == (1,)
-    assert serialize.MAX_TENSORS >= 4_000_000  # a million parameters with their AdamW state
+    assert safetensors_format.MAX_TENSORS >= 4_000_000  # a million parameters with their AdamW state
 
 
 def test_a_tensor_held_by_two_entries_comes_back_as_one_object(tmp_path):
@@ -531,3 +532,138 @@ def test_every_dense_dimension_order_comes_back_with_every_stride(tmp_path_facto
     back, _ = _through_the_manager(tmp_path_factory.mktemp("order"), t)
     assert back.stride() == t.stride(), (shape, t.stride(), back.stride())
     assert torch.equal(back, t)
+
+
+# -- keys of any text: each round-trips exactly, or is refused at save naming it ----------------
+#
+# Keys name the tensors in a file's header (key paths joined by "/"), so they reach JSON, the
+# header's reserved "__metadata__" key, and the safetensors library's strict UTF-8. A key with a
+# lone surrogate was written into a file that library could not open; `{"__metadata__": t}`
+# encoded at the top of a file replaced the file's metadata.
+
+HOSTILE_KEY_TEXT = ["__metadata__", "", "::", "a::b", "[", "]", "[0]", "?", "#", "#1", "/", "a/b", "//", "%",
+                    "%2F", ".", "..", "a.b", "tensor", "format", "distckpt.tree", "é", "\U0001f600", "\ud800",
+                    "w\udfff", "\udc80x"]
+hostile_keys = st.one_of(
+    st.sampled_from(HOSTILE_KEY_TEXT),
+    st.text(alphabet=st.sampled_from([":", "[", "]", "?", "#", "/", "%", ".", "a", "é", "\ud800", "\udc00"]),
+            max_size=6),
+    st.integers(300, 5000).map(lambda n: "k/." * n),  # very long, past any path or name limit
+)
+small_leaves = st.one_of(st.none(), st.integers(), st.text(max_size=4),
+                         st.integers(0, 3).map(lambda n: torch.arange(float(n))))
+hostile_trees = st.recursive(small_leaves, lambda children: st.dictionaries(hostile_keys, children, max_size=3),
+                             max_leaves=8)
+
+
+def _keys_without_utf8(value, path=()):
+    """The key paths of every str key that has no UTF-8 form (a lone surrogate)."""
+    out = []
+    if isinstance(value, dict):
+        for key, child in value.items():
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError:
+                out.append(path + (key,))
+            out += _keys_without_utf8(child, path + (key,))
+    return out
+
+
+def _refused_naming_a_key(error: BaseException, paths: list) -> None:
+    from distckpt.io.serialize import key_path
+
+    message = str(error)
+    message.encode("utf-8")  # prints: the key is escaped
+    assert any(key_path(p) in message for p in paths), (message, paths)
+
+
+def _every_file_opens_with_safetensors(root: str) -> None:
+    """Any safetensors reader opens what was written: the library itself, every header and tensor."""
+    from safetensors import safe_open
+
+    files = [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if n.endswith(".safetensors")]
+    assert files
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            assert f.metadata()["format"] == "distckpt-tree-v1"
+            for name in f.keys():
+                f.get_tensor(name)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+@given(state=st.dictionaries(hostile_keys, hostile_trees, min_size=1, max_size=3), per_rank=st.booleans())
+def test_keys_of_any_text_come_back_exactly_or_are_refused_at_save_naming_the_key(tmp_path_factory, state, per_rank):
+    root = str(tmp_path_factory.mktemp("keys"))
+    wrap = distckpt.per_rank if per_rank else (lambda v: v)
+    unwritable = _keys_without_utf8(state)
+    with distckpt.CheckpointManager(root) as mgr:
+        if unwritable:
+            with pytest.raises(distckpt.UnstorableValueError) as info:
+                mgr.save(1, {key: wrap(value) for key, value in state.items()})
+            _refused_naming_a_key(info.value, unwritable)
+            assert not [n for n in os.listdir(root) if n.startswith("step-")], "nothing of the step is written"
+            return
+        mgr.save(1, {key: wrap(value) for key, value in state.items()})
+    _every_file_opens_with_safetensors(root)
+    back = {key: wrap(None) for key in state}
+    with distckpt.CheckpointManager(root) as mgr:
+        assert mgr.load_latest(back).step == 1
+    for key, value in state.items():
+        assert_identical(value, back[key].obj if per_rank else back[key], f"state[{key!r}]")
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+@given(tree=st.dictionaries(hostile_keys, hostile_trees, max_size=4))
+def test_a_tree_file_of_any_keys_opens_with_safetensors_and_decodes_identically(tmp_path_factory, tree):
+    """Encoded at the top of a file (as the shard files are): a key that is the header's reserved
+    name at the top level names a tensor there too."""
+    unwritable = _keys_without_utf8(tree)
+    if unwritable:
+        with pytest.raises(distckpt.UnstorableValueError) as info:
+            encode_tree(tree)
+        _refused_naming_a_key(info.value, unwritable)
+        return
+    data = b"".join(bytes(c) for c in safetensors_chunks(encode_tree(tree)))
+    folder = tmp_path_factory.mktemp("file")
+    (folder / "tree.safetensors").write_bytes(data)
+    _every_file_opens_with_safetensors(str(folder))
+    assert_identical(tree, load_tree_file(bytearray(data), "tree"))
+
+
+@pytest.mark.parametrize("where", ["entry", "per-rank entry", "in a dict", "over a tensor", "in a list", "deep",
+                                   "in an OrderedDict"])
+def test_a_key_that_is_not_utf8_text_is_refused_at_save_naming_it_and_nothing_is_written(tmp_path, where):
+    bad = "w\ud800"
+    state = {"entry": {bad: torch.ones(2)}, "per-rank entry": {bad: distckpt.per_rank({"x": 1})},
+             "in a dict": {"cfg": {bad: 1}}, "over a tensor": {"cfg": {bad: torch.ones(2)}},
+             "in a list": {"cfg": [0, {bad: 1}]}, "deep": {"cfg": {"a": {"b": {bad: {"c": 1}}}}},
+             "in an OrderedDict": {"cfg": collections.OrderedDict([("ok", 1), (bad, torch.zeros(1))])}}[where]
+    expected = {"entry": r"state\['w\\ud800'\]", "per-rank entry": r"state\['w\\ud800'\]",
+                "in a dict": r"state\['cfg'\]\['w\\ud800'\]", "over a tensor": r"state\['cfg'\]\['w\\ud800'\]",
+                "in a list": r"state\['cfg'\]\[1\]\['w\\ud800'\]",
+                "deep": r"state\['cfg'\]\['a'\]\['b'\]\['w\\ud800'\]",
+                "in an OrderedDict": r"state\['cfg'\]\['w\\ud800'\]"}[where]
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(distckpt.UnstorableValueError, match=expected + r": the key is not UTF-8 text") as info:
+            mgr.save(1, state)
+        str(info.value).encode("utf-8")
+        assert mgr.committed_steps() == []
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("step-")]
+
+
+@pytest.mark.parametrize("per_rank", [False, True])
+def test_a_key_named_like_the_headers_metadata_comes_back_at_any_depth(tmp_path, per_rank):
+    wrap = distckpt.per_rank if per_rank else (lambda v: v)
+    value = {"__metadata__": torch.arange(3.0), "cfg": {"__metadata__": {"__metadata__": torch.ones(2)}}}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, {"__metadata__": wrap(value), "t": torch.zeros(1)})
+    _every_file_opens_with_safetensors(str(tmp_path))
+    back = {"__metadata__": wrap(None), "t": torch.ones(1)}
+    with distckpt.CheckpointManager(str(tmp_path)) as mgr:
+        mgr.load_latest(back)
+    assert_identical(value, back["__metadata__"].obj if per_rank else back["__metadata__"])
+    # at the top of a file, where the key alone names the tensor
+    data = b"".join(bytes(c) for c in safetensors_chunks(encode_tree({"__metadata__": torch.arange(2.0)})))
+    (tmp_path / "top.safetensors").write_bytes(data)
+    _every_file_opens_with_safetensors(str(tmp_path))
+    assert torch.equal(load_tree_file(bytearray(data), "top")["__metadata__"], torch.arange(2.0))

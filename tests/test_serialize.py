@@ -14,7 +14,8 @@ from safetensors import safe_open
 from torch import nn
 
 import distckpt
-from distckpt.io.serialize import encode_tree, load_tree_file, safetensors_chunks
+from distckpt.io.safetensors_format import safetensors_chunks
+from distckpt.io.serialize import encode_tree, load_tree_file
 
 
 def roundtrip(value):
@@ -197,7 +198,7 @@ def test_no_code_path_unpickles():
             if name.endswith(".py") and name != "importing.py":  # checked on its own below
                 offenders += [f"{name}: {site}" for site in _unpickling_sites(open(os.path.join(root, name)).read())]
     assert offenders == []
-    importing = _unpickling_sites(open(os.path.join(pkg, "importing.py")).read())
+    importing = _unpickling_sites(open(os.path.join(pkg, "tools", "importing.py")).read())
     assert not any("weights_only=False" in s or "pickle" in s for s in importing), importing
 
 
@@ -227,8 +228,8 @@ def _deep_equal(a, b) -> bool:
 def test_a_tree_whose_escaped_json_passes_the_header_limit_is_refused_at_save(tmp_path, monkeypatch, text):
     # The tree's JSON is a JSON string inside the header: quotes and backslashes double there. The
     # limit was counted on the unescaped JSON: committed, then refused by every load.
-    from distckpt.io import serialize
-    monkeypatch.setattr(serialize, "MAX_HEADER_BYTES", 40_000)
+    from distckpt.io import safetensors_format
+    monkeypatch.setattr(safetensors_format, "MAX_HEADER_BYTES", 40_000)
     value = {"notes": [text, text]}
     assert len(json.dumps(value)) < 40_000 < len(json.dumps(json.dumps(value)))
     with distckpt.CheckpointManager(str(tmp_path)) as mgr:
@@ -371,7 +372,7 @@ def test_a_set_from_an_owners_state_dict_is_refused_with_advice_for_the_set(tmp_
 def _unstorable_dtypes() -> list:
     """Every dtype torch makes a plain tensor of that safetensors cannot hold (quantized dtypes,
     which torch.zeros cannot make, are refused as quantized tensors elsewhere)."""
-    from distckpt.io.serialize import _DTYPE_TO_ST
+    from distckpt.io.safetensors_format import DTYPE_TO_ST
 
     out = []
     for dtype in {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}:
@@ -379,7 +380,7 @@ def _unstorable_dtypes() -> list:
             torch.zeros(2, dtype=dtype)
         except (RuntimeError, TypeError):
             continue
-        if dtype not in _DTYPE_TO_ST:
+        if dtype not in DTYPE_TO_ST:
             out.append(dtype)
     return sorted(out, key=str)
 

@@ -417,7 +417,7 @@ def test_an_export_failing_half_way_leaves_the_earlier_export_whole(tmp_path, mo
     """A sharded export of another step into the same directory fails at its Nth shard, its index
     or while moving files into place: the earlier export is still there byte for byte, no temporary
     file is left (each shard used to replace the old one as it was written: two steps, one index)."""
-    from distckpt.tools import weights
+    from distckpt.tools import exporting
     root, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     with distckpt.CheckpointManager(root) as mgr:
         mgr.save(1, {"model": _trained(0)})
@@ -425,7 +425,7 @@ def test_an_export_failing_half_way_leaves_the_earlier_export_whole(tmp_path, mo
     assert cli.main(["export", root, out, "--step", "1", "--max-shard-size", "2KB"]) == 0
     before = {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)}
     assert len(before) > 3
-    real_write, real_synced, real_replace = weights._write_shard, weights._write_synced, os.replace
+    real_write, real_synced, real_replace = exporting.write_shard, exporting.write_synced, os.replace
     calls = {"shard": 0, "move": 0}
 
     def write_shard(*args, **kwargs):
@@ -445,9 +445,9 @@ def test_an_export_failing_half_way_leaves_the_earlier_export_whole(tmp_path, mo
             raise OSError(5, "Input/output error")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(weights, "_write_shard", write_shard)
-    monkeypatch.setattr(weights, "_write_synced", write_synced)
-    monkeypatch.setattr(weights.os, "replace", replace)
+    monkeypatch.setattr(exporting, "write_shard", write_shard)
+    monkeypatch.setattr(exporting, "write_synced", write_synced)
+    monkeypatch.setattr(exporting.os, "replace", replace)
     assert cli.main(["export", root, out, "--step", "2", "--max-shard-size", "2KB"]) == 2
     monkeypatch.undo()
     after = {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)}
@@ -755,3 +755,38 @@ def test_a_step_directory_replaced_by_a_link_is_said_damaged_by_load_weights_and
     assert report.step == 1
     said = [r.getMessage() for r in caplog.records if "step 2" in r.getMessage() and "symbolic link" in r.getMessage()]
     assert len(said) == 2, caplog.text
+
+
+class _HeaderKeyNamed(nn.Module):
+    """A module whose state_dict holds a tensor named like safetensors' reserved header key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_parameter("__metadata__", nn.Parameter(torch.arange(2.0)))
+        self.w = nn.Parameter(torch.ones(3))
+
+
+def test_a_tensor_named_like_the_safetensors_metadata_is_refused_by_export_naming_it(tmp_path):
+    """A Hugging Face file cannot hold a tensor named "__metadata__" (it replaced the file's
+    metadata, and the export failed its own read-back naming no key): refused before anything is
+    written; the checkpoint itself holds it and loads it as saved."""
+    root, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    with distckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": _HeaderKeyNamed()})
+    with pytest.raises(distckpt.IncompatibleCheckpointError, match=r"'__metadata__', the key the safetensors format reserves"):
+        distckpt.export_weights(root, out)
+    assert not os.path.exists(out), "nothing is written"
+    fresh = _HeaderKeyNamed()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    distckpt.load_weights(root, fresh)
+    assert torch.equal(fresh.get_parameter("__metadata__"), torch.arange(2.0)) and torch.equal(fresh.w, torch.ones(3))
+
+
+def test_a_tensor_name_that_is_not_utf8_text_is_refused_by_export_naming_it():
+    from distckpt.tools.hf_layout import check_tensor_names
+
+    check_tensor_names(["a", "b.c", "é"], "src")
+    with pytest.raises(distckpt.IncompatibleCheckpointError, match=r"src: the model's tensor name 'w\\ud800' is not UTF-8"):
+        check_tensor_names(["a", "w\ud800"], "src")

@@ -1,10 +1,11 @@
 """Turning state into bytes and back, with no pickle in either direction.
 
 A state tree is made of tensors and plain values (None, bool, int, float, str, list, tuple,
-dict with str or int keys). It is stored as one file in the safetensors format: the tensors
-are the file's tensors, and the tree, with every tensor replaced by a reference to its name,
-is JSON in the file's ``__metadata__`` (so the file is self-describing and any safetensors
-reader opens it).
+dict with str or int keys). It is stored as one file in the safetensors format
+(safetensors_format.py: the bytes, the header checks, the limits): the tensors are the file's
+tensors, and the tree, with every tensor replaced by a reference to its name, is JSON in the
+file's ``__metadata__`` (so the file is self-describing and any safetensors reader opens it).
+This module is the tree's schema: what is stored, how each value is encoded, and back.
 
 Tree encoding (JSON): None/bool/int/str and finite floats are themselves; every container is
 tagged so that types survive the round trip exactly::
@@ -34,7 +35,9 @@ tagged so that types survive the round trip exactly::
 Every value comes back as the type it was saved as, or is refused at save time
 (UnstorableValueError naming its key path): subclasses of the plain types (IntEnum, namedtuple,
 defaultdict, str enums) would come back as their base type, and sparse, nested, meta and
-quantized tensors and tensor subclasses have no bytes of their own to store.
+quantized tensors and tensor subclasses have no bytes of their own to store. A str key must be
+UTF-8 text (a lone surrogate cannot name a tensor in a file's header), and a tensor is never
+named by the header's reserved ``__metadata__`` key.
 
 Tensors are written as their own bytes: a view of a large buffer costs only its elements, a
 non-contiguous tensor is written in row-major order, and tensors that share the same storage
@@ -43,52 +46,37 @@ region (tied weights) are written once and come back as one tensor object.
 
 from __future__ import annotations
 
-import json
 import math
 import struct
-import warnings
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from distckpt.errors import (
     CorruptCheckpointError,
-    DeviceAbsentWarning,  # noqa: F401  (re-exported where it was defined)
+    DeviceAbsentWarning,
     UnstorableValueError,
     shown,
+    warn,
 )
-from distckpt.io.staging import StagingPool, memory_of, region_key
+from distckpt.io.safetensors_format import (
+    DTYPE_TO_ST,
+    METADATA_KEY,
+    EncodedTree,
+    check_limits,
+    refuse_unreferenced,
+    tensors_of_file,
+)
+from distckpt.io.staging import StagingPool, region_key
 
-TREE_METADATA_KEY = "distckpt.tree"
-FORMAT_METADATA_KEY = "format"
-FORMAT_NAME = "distckpt-tree-v1"
-# The limits of a tree file, shared by the writer (checked at save, so a save never commits
-# what a load refuses) and the reader (checked before parsing). Sized for real models: a
-# million parameter tensors with their AdamW moments and steps is 4,000,000 tensors and a
-# header of ~400 MB. The reader never allocates by them before checking the file's real size.
-MAX_HEADER_BYTES = 1024 * 1024 * 1024
-MAX_TENSORS = 1 << 22
 MAX_DEPTH = 200  # containers inside containers; JSON parsers recurse once per level
 _CANONICAL_NAN = struct.pack("<d", float("nan"))
 _INT64 = 1 << 63
 _DICT_TAGS: dict[type, str] = {dict: "d", OrderedDict: "od", Counter: "ct"}  # the dict types kept as themselves
 _CONTAINERS = frozenset({dict, OrderedDict, Counter, list, tuple})
-
-_DTYPE_TO_ST: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-                     ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
-    if hasattr(torch, _name):
-        _DTYPE_TO_ST[getattr(torch, _name)] = _code
-_ST_TO_DTYPE = {code: dtype for dtype, code in _DTYPE_TO_ST.items()}
-
-
 _MAX_INT_HEX_DIGITS = 1 << 20  # an int value's hex text, sign and 0x included (saved and loaded alike)
 _MAX_INT_KEY_BITS = 14_000  # ~4,214 decimal digits: under Python's default 4,300-digit int/str limit
 
@@ -96,26 +84,6 @@ _MAX_INT_KEY_BITS = 14_000  # ~4,214 decimal digits: under Python's default 4,30
 def key_path(path: tuple[Any, ...], root: str = "state") -> str:
     """`("config", "lr")` -> `state['config']['lr']`, the form used in every error message."""
     return root + "".join(f"[{shown(p, 80)}]" for p in path)
-
-
-@dataclass
-class EncodedTree:
-    """A tree ready to write: JSON-able nodes plus the tensors they reference by name."""
-
-    node: Any
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    _node_json: str | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def node_json(self) -> str:
-        """The tree's JSON, made once: the save-time limit check and the file header both need it."""
-        if self._node_json is None:
-            self._node_json = json.dumps(self.node, allow_nan=False, separators=(",", ":"))
-        return self._node_json
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 @dataclass(frozen=True)
@@ -177,8 +145,8 @@ def on_saved_device(tensor: torch.Tensor, device: str, what: str, warned: set[st
     module = getattr(torch, where.type, None)
     if module is None or not callable(getattr(module, "is_available", None)) or not module.is_available():
         if warned is None or device not in warned:
-            warnings.warn(f"{what}: tensors saved on {device} come back on the CPU: this process has no "
-                          f"{where.type} device", DeviceAbsentWarning, stacklevel=2)
+            warn(f"{what}: tensors saved on {device} come back on the CPU: this process has no {where.type} device",
+                 DeviceAbsentWarning)
         if warned is not None:
             warned.add(device)
         return tensor
@@ -283,7 +251,11 @@ class _Encoder:
             # written as a JSON number: beyond Python's 4,300-digit conversion limit no load could read it
             raise UnstorableValueError(f"{key_path(path)} has an int key of {key.bit_length():,} bits (at most "
                                        f"{_MAX_INT_KEY_BITS:,}): use a str key")
-        if kind is str or kind is int:
+        if kind is str:
+            if not key.isascii():  # the common key costs one scan, not an encode
+                check_key_text(key, path)
+            return key  # type: ignore[no-any-return]
+        if kind is int:
             return key  # type: ignore[no-any-return]
         if isinstance(key, (str, int, np.integer, np.str_)) and not isinstance(key, bool):
             raise UnstorableValueError(
@@ -295,7 +267,7 @@ class _Encoder:
 
     def _add_tensor(self, tensor: torch.Tensor, path: tuple[Any, ...], plain: bool = False) -> str:
         self._check_dense(tensor, path, plain)
-        if tensor.dtype not in _DTYPE_TO_ST:
+        if tensor.dtype not in DTYPE_TO_ST:
             check_dtype(tensor, path)
         region = region_key(tensor)
         if region is not None and region in self._by_region:
@@ -335,15 +307,32 @@ class _Encoder:
                 "or its own state_dict())")
 
     def _unique_name(self, path: tuple[Any, ...]) -> str:
+        """The tensor's name in the file: its key path, made unique. Never the header's own
+        metadata key: a tensor named so replaced the file's metadata (a tree `{"__metadata__": t}`
+        encoded at the top wrote a file no reader could open)."""
         base = "/".join(map(str, path)) or "tensor"
         name, n = base, 1
-        while name in self.tensors:
+        while name in self.tensors or name == METADATA_KEY:
             name, n = f"{base}#{n}", n + 1
         return name
 
 
+def check_key_text(key: str, path: tuple[Any, ...]) -> None:
+    """Refuse a str key with no UTF-8 form (a lone surrogate: what os.fsdecode makes of a file
+    name's undecodable byte, or a str cut between the halves of a pair). Keys become the names of
+    tensors, which are the JSON keys of a file's header: the safetensors library refused to open
+    such a file at all, and only Python's own JSON reader took it. `path`: the dict holding it."""
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UnstorableValueError(
+            f"{key_path(path + (key,))}: the key is not UTF-8 text (it holds the lone surrogate "
+            f"{ascii(key[e.start])} at position {e.start}), so no checkpoint file can name it: use a key of "
+            "text (for a name from os.listdir: os.fsencode(name).decode('utf-8', 'replace'))") from None
+
+
 def check_dtype(tensor: torch.Tensor, path: tuple[Any, ...]) -> None:
-    if tensor.dtype not in _DTYPE_TO_ST:
+    if tensor.dtype not in DTYPE_TO_ST:
         if tensor.is_complex():
             how = "store torch.view_as_real(t) (complex32: t.to(torch.complex64) first) and view_as_complex it back"
         else:
@@ -484,24 +473,6 @@ def encode_tree(value: Any, path: tuple[Any, ...] = (), *, stage: "bool | Stagin
     check_limits(tree, key_path(path))
     return tree
 
-
-def check_limits(tree: EncodedTree, where: str) -> None:
-    """Refuse at save time what the loader would refuse (the limits are the loader's)."""
-    if len(tree.tensors) > MAX_TENSORS:
-        raise UnstorableValueError(f"{where} holds {len(tree.tensors):,} tensors; one checkpoint file holds "
-                                   f"at most {MAX_TENSORS:,}: stack small tensors into larger ones")
-    # Each tensor's header entry is its name plus ~80 bytes; the tree's JSON travels as a JSON
-    # string in the header, so each '"' and '\' in it takes two bytes there (a tree of quotes
-    # under the limit by its own length was committed, then refused by every load).
-    node_json = tree.node_json
-    estimate = (sum(len(name) + 80 for name in tree.tensors) + len(node_json) + node_json.count('"')
-                + node_json.count("\\") + 2)
-    if estimate > MAX_HEADER_BYTES:
-        raise UnstorableValueError(
-            f"{where}: its plain values and tensor names need about {estimate:,} bytes of header, more than "
-            f"the {MAX_HEADER_BYTES:,} a checkpoint file may hold: store large lists of numbers as tensors")
-
-
 def decode_tree(node: Any, tensors: dict[str, torch.Tensor], where: str = "tree") -> Any:
     """Inverse of encode_tree; a node we never write is a CorruptCheckpointError. Tensors stay
     where `tensors` are (inspection decodes placeholders)."""
@@ -635,103 +606,6 @@ def _pair(p: Any, where: str) -> tuple[Any, Any]:
     raise CorruptCheckpointError(f"{where}: malformed dict entry {str(p)[:80]!r}")
 
 
-# -- the safetensors container -------------------------------------------------------------
-
-def safetensors_chunks(tree: EncodedTree) -> Iterator[memoryview]:
-    """Yield the bytes of a safetensors file holding the tree, without building it in memory.
-
-    Hand-written because safetensors' own `save`/`save_file` first assemble the whole file in
-    one buffer (a second copy of the state) and give no way to checksum while writing.
-    """
-    header: dict[str, Any] = {"__metadata__": {
-        FORMAT_METADATA_KEY: FORMAT_NAME,
-        TREE_METADATA_KEY: tree.node_json,
-    }}
-    offset = 0
-    ordered = _aligned_order(tree.tensors)
-    for name, t in ordered:
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_TO_ST[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format aligns the data section to 8 bytes
-    yield memoryview(struct.pack("<Q", len(raw)) + raw)
-    small = bytearray()
-    for _, t in ordered:
-        if not t.numel():
-            continue
-        data = memory_of(t)  # a view of t's memory: valid while the tree (the caller's) holds t
-        if data.nbytes >= SMALL_TENSOR_BYTES:
-            if small:
-                yield memoryview(small)
-                small = bytearray()
-            yield data
-        else:
-            small += data
-            if len(small) >= COALESCE_BYTES:
-                yield memoryview(small)
-                small = bytearray()
-    if small:
-        yield memoryview(small)
-
-
-# Tensors smaller than SMALL_TENSOR_BYTES travel to storage in shared pieces of about
-# COALESCE_BYTES: one write and one hash update per piece, not per tensor (a save of the demo's
-# optimizer state writes ~110 tensors averaging 10 KiB). Larger ones go as they are: copying
-# 64 MiB of 0.64 MiB tensors into shared pieces cost 19 ms of a 0.18 s save.
-SMALL_TENSOR_BYTES = 64 << 10
-COALESCE_BYTES = 1 << 20
-
-
-def _aligned_order(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """Largest elements first: with the header padded to 8 bytes, every tensor then starts at an
-    offset divisible by its element size, so a reader can view it in place without copying
-    (the format forbids gaps between tensors, so padding is not an option)."""
-    return sorted(tensors.items(), key=lambda kv: -_itemsize(kv[1].dtype))
-
-
-def read_header(data: bytes | bytearray | memoryview, where: str) -> tuple[dict[str, Any], int]:
-    """Parse the safetensors header; returns (header, data_start). Bounded before parsing."""
-    if len(data) < 8:
-        raise CorruptCheckpointError(f"{where}: {len(data)} bytes is too short for a header")
-    (n,) = struct.unpack("<Q", bytes(data[:8]))
-    if n > MAX_HEADER_BYTES or 8 + n > len(data):
-        raise CorruptCheckpointError(f"{where}: header length {n} exceeds the file ({len(data)} bytes)")
-    try:
-        header = json.loads(bytes(data[8:8 + n]))
-    except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{where}: header is not valid JSON: {e}") from e
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{where}: header is not a JSON object")
-    return header, 8 + n
-
-
-def checked_header(data: bytes | bytearray | memoryview, where: str,
-                   check_references: bool = True) -> tuple[Any, list[Any], int]:
-    """The header checked against the format: (tree JSON, tensor ranges by offset, data start).
-    Every field is checked before use; nothing is allocated by a number read from it. Without
-    `check_references` the caller checks that the tree references every tensor (load_tree_file
-    does as it decodes: a walk of its own cost 10 us per tensor)"""
-    header, start = read_header(data, where)
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or meta.get(FORMAT_METADATA_KEY) != FORMAT_NAME \
-            or not isinstance(meta.get(TREE_METADATA_KEY), str):
-        raise CorruptCheckpointError(f"{where}: not a {FORMAT_NAME} file (field '__metadata__')")
-    if len(header) > MAX_TENSORS:
-        raise CorruptCheckpointError(f"{where}: {len(header)} tensors is more than any checkpoint holds "
-                                     f"(at most {MAX_TENSORS:,})")
-    try:
-        tree = json.loads(meta[TREE_METADATA_KEY])
-    except (ValueError, RecursionError, TypeError) as e:
-        raise CorruptCheckpointError(f"{where}: the tree is not valid: {str(e)[:200]}") from e
-    if check_references:
-        _refuse_unreferenced(set(header) - _referenced_names(tree), where)
-    ranges = sorted((_checked_range(name, spec, len(data) - start, where) for name, spec in header.items()),
-                    key=lambda r: r[1])
-    return tree, ranges, start
-
-
 def load_tree_file(data: bytes | bytearray | memoryview, where: str,
                    extra: dict[str, torch.Tensor] | None = None, place: bool = False) -> Any:
     """Decode a tree file (already checksum-verified) into the original tree.
@@ -755,92 +629,7 @@ def load_tree_file(data: bytes | bytearray | memoryview, where: str,
         value = decoder.decode(tree, 0)
     except (ValueError, RecursionError, TypeError) as e:
         raise CorruptCheckpointError(f"{where}: the tree is not valid: {str(e)[:200]}") from e
-    _refuse_unreferenced({name for name in own if name not in decoder.used}, where)
+    refuse_unreferenced({name for name in own if name not in decoder.used}, where)
     return value
 
 
-def _refuse_unreferenced(names: set[str], where: str) -> None:
-    if names:
-        raise CorruptCheckpointError(f"{where}: {len(names)} tensors are not referenced by the tree "
-                                     "(a file we write references every tensor it holds)")
-
-
-def tensors_of_file(data: bytes | bytearray | memoryview, where: str,
-                    check_references: bool = True) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The tree JSON and the file's tensors by name (views into `data`), every range checked."""
-    tree, ranges, start = checked_header(data, where, check_references)
-    end = 0
-    for name, begin, stop, _, _ in ranges:
-        if begin != end:
-            raise CorruptCheckpointError(f"{where}: tensor {name!r} at byte {begin} overlaps or leaves a gap after byte {end}")
-        end = stop
-    if start + end != len(data):
-        raise CorruptCheckpointError(f"{where}: {len(data) - start - end} bytes after the last tensor")
-    buffer = memoryview(data)
-    with warnings.catch_warnings():
-        # A read-only buffer (bytes from an object store) is viewed too: restore only copies out
-        # of these tensors, and entries an owner keeps are cloned first (capture._owned).
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        tensors = {name: _tensor_at(buffer, start + begin, stop - begin, dtype, shape)
-                   for name, begin, stop, dtype, shape in ranges}
-    return tree, tensors
-
-
-def _referenced_names(tree: Any) -> set[str]:
-    """Every tensor name the tree references (iterative: a hostile tree may nest deep)."""
-    names: set[str] = set()
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if isinstance(node.get("T"), str):
-                names.add(node["T"])
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return names
-
-
-def _checked_range(name: str, spec: Any, available: int, where: str) -> tuple[str, int, int, torch.dtype, list[int]]:
-    ok = (isinstance(spec, dict) and isinstance(spec.get("dtype"), str) and spec["dtype"] in _ST_TO_DTYPE
-          and isinstance(spec.get("shape"), list) and len(spec["shape"]) <= 64
-          and all(type(d) is int and 0 <= d < _INT64 for d in spec["shape"])
-          and isinstance(spec.get("data_offsets"), list) and len(spec["data_offsets"]) == 2
-          and all(type(x) is int for x in spec["data_offsets"]))
-    if not ok:
-        raise CorruptCheckpointError(f"{where}: tensor {name!r} has a malformed entry (dtype, shape as a list of "
-                                     f"ints, two data_offsets): {str(spec)[:120]}")
-    dtype = _ST_TO_DTYPE[spec["dtype"]]
-    shape = list(spec["shape"])
-    begin, stop = spec["data_offsets"]
-    numel = math.prod(shape)
-    itemsize = _itemsize(dtype)
-    if not 0 <= begin <= stop <= available or stop - begin != numel * itemsize:
-        raise CorruptCheckpointError(f"{where}: tensor {name!r} claims bytes [{begin}, {stop}) for "
-                                     f"{numel} x {itemsize} bytes in a {available}-byte data section")
-    return name, begin, stop, dtype, shape
-
-
-_ITEMSIZES: dict[torch.dtype, int] = {}
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element (remembered: making an empty tensor to ask cost 30 us per tensor, 0.6 s
-    for a file of 20,000 tensors)."""
-    size = _ITEMSIZES.get(dtype)
-    if size is None:
-        size = _ITEMSIZES[dtype] = torch.empty((), dtype=dtype).element_size()
-    return size
-
-
-def _tensor_at(buffer: memoryview, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    itemsize = _itemsize(dtype)
-    if offset % itemsize:  # a file from another writer, not aligned: copy rather than fail
-        raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset).clone()
-        return raw.view(dtype).reshape(shape)
-    # Straight to the dtype, and no reshape of what is already 1-D: per tensor, 13 -> 3 us of a
-    # 20,000-tensor load (frombuffer in bytes + view(dtype) + reshape against one frombuffer).
-    flat = torch.frombuffer(buffer, dtype=dtype, count=nbytes // itemsize, offset=offset)
-    return flat if len(shape) == 1 else flat.view(shape)

@@ -37,7 +37,7 @@ import xxhash
 from distckpt.errors import CheckpointExistsError, CorruptCheckpointError, MissingFileError
 from distckpt.io import manifest as mf
 from distckpt.io.reading import read_verified
-from distckpt.io.serialize import tensors_of_file
+from distckpt.io.safetensors_format import checked_header, tensors_of_file
 from distckpt.io.staging import memory_of
 from distckpt.storage import Storage
 
@@ -197,8 +197,6 @@ def _open_shared(storage: Storage, file: str, record: dict[str, Any], where: str
 def reused_specs(storage: Storage, manifest: mf.Manifest) -> dict[str, tuple[str, list[int], int, str]]:
     """name -> (dtype, shape, bytes, shared file) of every reused tensor, from the shared files'
     headers (for inspect: no checksum, no tensor bytes used)."""
-    from distckpt.io.serialize import checked_header
-
     out = {}
     headers: dict[str, dict[str, Any]] = {}
     for name, ref in (manifest.reused or {}).items():

@@ -34,7 +34,8 @@ from distckpt.errors import (
     UnstorableValueError,
 )
 from distckpt.io import manifest as mf
-from distckpt.io.serialize import EncodedTree, encode_tree, key_path, safetensors_chunks
+from distckpt.io.safetensors_format import EncodedTree, safetensors_chunks
+from distckpt.io.serialize import check_key_text, encode_tree, key_path
 from distckpt.io.staging import StagingPool, region_key
 from distckpt.protocol import fencing, incremental
 from distckpt.protocol.agreement import check_replicated_agree, replicated_digests
@@ -433,9 +434,11 @@ def _named_by_the_users_path(path: tuple[Any, ...], entries: Sequence[Entry]) ->
 
 def _check_storable(captured: dict[str, Any], entries: Sequence[Entry] = ()) -> None:
     """Refuse unstorable values with the user's key path (state['config'][...]), not ours.
-    DTensors are accepted only inside sharded entries (a sharded module or its optimizer)."""
+    DTensors are accepted only inside sharded entries (a sharded module or its optimizer). An
+    entry's own key names its tensors too, so it must be UTF-8 text as any key inside must."""
     sharded_keys = {e.key for e in entries if e.scope == SHARDED}
     for key, entry in captured.items():
+        check_key_text(key, ())
         sink = _NoShards() if key in sharded_keys else None
         encode_tree(entry["state"], (key,), shards=sink)  # validation only: no tensor is copied
 

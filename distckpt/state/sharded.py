@@ -34,10 +34,8 @@ from distckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError,
 from distckpt.io import manifest as mf
 from distckpt.io.checksums import checksum_of
 from distckpt.io.reading import read_verified
+from distckpt.io.safetensors_format import DTYPE_TO_ST, ST_TO_DTYPE, EncodedTree
 from distckpt.io.serialize import (
-    _DTYPE_TO_ST,
-    _ST_TO_DTYPE,
-    EncodedTree,
     ShardRef,
     check_dtype,
     encode_tree,
@@ -174,7 +172,7 @@ class LocalShards:
         name = "/".join(str(p) for p in path)
         if region is not None:
             self._by_region[region] = name
-        self.meta[name] = {"dtype": _DTYPE_TO_ST[tensor.dtype], "shape": list(tensor.shape)}
+        self.meta[name] = {"dtype": DTYPE_TO_ST[tensor.dtype], "shape": list(tensor.shape)}
         if tensor.numel():
             owner = 0 if region in self.rank0_regions else \
                 min(range(self.world_size), key=lambda r: (self._assigned[r], r))
@@ -197,7 +195,7 @@ class LocalShards:
         check_dtype(dt, path)
         name = "/".join(str(p) for p in path)
         self._by_id[id(dt)] = name
-        self.meta[name] = {"dtype": _DTYPE_TO_ST[dt.dtype], "shape": list(dt.shape)}
+        self.meta[name] = {"dtype": DTYPE_TO_ST[dt.dtype], "shape": list(dt.shape)}
         local = dt.to_local().detach()  # type: ignore[attr-defined]
         if _owns(dt) and local.numel():
             self.offsets[name] = local_box(dt)[0]
@@ -295,7 +293,7 @@ class ShardReader:
     def spec(self, name: str) -> tuple[torch.dtype, list[int], list[dict[str, Any]]]:
         entry = self.table.get(name)
         try:
-            dtype = _ST_TO_DTYPE[entry["dtype"]]  # type: ignore[index]
+            dtype = ST_TO_DTYPE[entry["dtype"]]  # type: ignore[index]
             shape = [int(s) for s in entry["shape"]]  # type: ignore[index]
             chunks = list(entry["chunks"])  # type: ignore[index]
             for c in chunks:

@@ -28,7 +28,8 @@ from distckpt.errors import (
     UnstorableValueError,
     shown,
 )
-from distckpt.io.serialize import encode_tree, safetensors_chunks
+from distckpt.io.safetensors_format import safetensors_chunks
+from distckpt.io.serialize import encode_tree
 from distckpt.protocol.commit import list_committed
 from distckpt.protocol.fencing import acquire
 from distckpt.protocol.saving import StagedSave, write_and_commit

@@ -18,7 +18,8 @@ import torch
 from distckpt.errors import CorruptCheckpointError, DistCkptError, SupersededCheckpointError
 from distckpt.io import manifest as mf
 from distckpt.io.copying import same_bits
-from distckpt.io.serialize import checked_header, decode_tree, load_tree_file
+from distckpt.io.safetensors_format import checked_header
+from distckpt.io.serialize import decode_tree, load_tree_file
 from distckpt.protocol import incremental
 from distckpt.protocol.commit import check_not_superseded, list_committed, read_marker, read_verified_manifest
 from distckpt.protocol.fencing import Lease, read_leases
