@@ -371,9 +371,8 @@ def test_export_and_load_weights_choose_the_step_load_latest_chooses(tmp_path, d
     capsys.readouterr()
     code = cli.main(["inspect", root, "--json"])
     described = json.loads(capsys.readouterr().out)["manifest"]["step"]
-    assert code == (0 if described == 2 else 1), (code, described)
-    # inspect reads headers and manifests, not every byte: a flipped payload byte is verify's to see
-    assert described == (2 if damage == "flip_replicated" else 1), described
+    # inspect verifies what it describes as a load does: a flipped payload byte is passed over too
+    assert (code, described) == (1, 1), (code, described)
 
 
 def test_an_export_into_a_step_directory_of_a_root_is_refused(tmp_path):
