@@ -16,8 +16,6 @@ This module never touches storage or torch.distributed.
 
 from __future__ import annotations
 
-import logging
-import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -28,9 +26,10 @@ from torch import nn
 
 from distckpt.config import arguments_checked
 from distckpt.errors import (
-    CheckpointWarning,  # noqa: F401  (re-exported where it was defined)
+    CheckpointWarning,
     ConfigError,
     IncompatibleCheckpointError,
+    warn,
 )
 from distckpt.io.copying import PageRelease, copy_released, same_bits
 from distckpt.io.serialize import key_path
@@ -40,7 +39,6 @@ from distckpt.state import sharded
 if TYPE_CHECKING:
     from distckpt.state.kinds.base import Kind
 
-log = logging.getLogger("distckpt")
 
 REPLICATED = "replicated"
 PER_RANK = "per_rank"
@@ -415,5 +413,4 @@ def warn_extra_entries(saved_keys: set[str], state_keys: set[str], where: str) -
     extra = sorted(saved_keys - state_keys)
     if extra:
         message = f"{where}: entries {extra} are in the checkpoint but not in `state`; they were not restored"
-        log.warning(message)
-        warnings.warn(message, CheckpointWarning, stacklevel=4)
+        warn(message, CheckpointWarning)

@@ -9,18 +9,14 @@ This module never touches storage or torch.distributed.
 
 from __future__ import annotations
 
-import logging
-import warnings
 import weakref
 from typing import Any
 
 import torch
 
-from distckpt.errors import IncompatibleCheckpointError
+from distckpt.errors import IncompatibleCheckpointError, warn
 from distckpt.state.capture import CheckpointWarning, has_class_named
 from distckpt.state.streams import EPOCH_START, PrivateStream, private_stream_of
-
-log = logging.getLogger("distckpt")
 
 EPOCHS_KEY = "_distckpt_sampler_epochs"  # the samplers' epochs at the save, checked at the resumed iter()
 EPOCH_START_ATTR = "_distckpt_epoch_start"  # on an iterator: the streams when its epoch started
@@ -268,8 +264,7 @@ def check_epochs(loader: Any, saved: Any, where: str) -> None:
     message = (f"{where}: the loader was saved at the end of a pass in epoch {was} of its {path}, and its next pass "
                f"starts in epoch {is_}, an earlier one: unless the uninterrupted run went back too, the run does "
                f"not continue as it did; {cause}")
-    log.warning(message)
-    warnings.warn(message, CheckpointWarning, stacklevel=4)
+    warn(message, CheckpointWarning)
 
 
 def _check_seeds(loader: Any, saved: dict[str, Any], where: str) -> None:
@@ -290,6 +285,5 @@ def _check_seeds(loader: Any, saved: dict[str, Any], where: str) -> None:
             "travels with it)")
     if saved.get("mid_pass"):
         raise IncompatibleCheckpointError(f"{what}; the loader resumes in the middle of an epoch")
-    log.warning(what)
-    warnings.warn(what, CheckpointWarning, stacklevel=4)
+    warn(what, CheckpointWarning)
 

@@ -10,19 +10,15 @@ This module never touches storage or torch.distributed.
 
 from __future__ import annotations
 
-import logging
 import sys
-import warnings
 import weakref
 from typing import Any
 
 import torch
 
-from distckpt.errors import UnstorableValueError
+from distckpt.errors import UnstorableValueError, warn
 from distckpt.state.capture import CheckpointWarning, has_class_named
 from distckpt.state.epoch_record import is_torchdata
-
-log = logging.getLogger("distckpt")
 
 
 def is_hf_iterable(obj: Any) -> bool:
@@ -68,8 +64,7 @@ def warn_lossy_dataset_state(loader: Any, key: str) -> None:
                "buffer (datasets refills the buffer on load), so a resume reads other items than the uninterrupted "
                "run, and fewer of them in that epoch. For an exact resume shuffle a map-style Dataset with a "
                "sampler (DistributedSampler), or shuffle before streaming (Dataset.shuffle(seed=...).to_iterable_dataset())")
-    log.warning(message)
-    warnings.warn(message, CheckpointWarning, stacklevel=5)
+    warn(message, CheckpointWarning)
 
 
 # -- loaders left out of `state` ----------------------------------------------------------------
@@ -218,8 +213,7 @@ def warn_first_pass_draws_left_out(loaders: list[Any]) -> list[str]:
                    "there on (dropout, augmentation) and the run does not continue as it did. Put the loader in "
                    "`state` (a torchdata StatefulDataLoader), or give it a generator of its own "
                    "(generator=torch.Generator().manual_seed(...)) so that it never draws from the global stream")
-        log.warning(message)
-        warnings.warn(message, CheckpointWarning, stacklevel=4)
+        warn(message, CheckpointWarning)
     return [_described(iterator) for iterator in found]
 
 
@@ -234,6 +228,5 @@ def warn_positions_left_out(loaders: list[Any]) -> list[str]:
                "StatefulDataLoader): skipping the batches already taken after a resume is not exact either, as the "
                "new iterator draws its seed from torch's global stream again. A loader outside the training loop "
                "(a validation pass under way at this save) may be left out")
-    log.warning(message)
-    warnings.warn(message, CheckpointWarning, stacklevel=4)
+    warn(message, CheckpointWarning)
     return found

@@ -12,12 +12,11 @@ This module never touches storage or torch.distributed.
 
 from __future__ import annotations
 
-import logging
 import sys
-import warnings
 import weakref
 from typing import Any, Callable, NamedTuple
 
+from distckpt.errors import warn
 from distckpt.state.capture import CheckpointWarning
 from distckpt.state.epoch_record import check_epochs, is_stateful_dataloader, record, sampling_streams, states
 from distckpt.state.loader_hazards import is_hf_iterable, note_a_fabric_wrapper
@@ -27,7 +26,6 @@ DROPPED_KEY = "_distckpt_iterator_dropped"  # the loop had dropped the save's it
 _PLAN = "_distckpt_resume_plan"            # on a loader: what its next iterator is created with
 _RESUMED = "_distckpt_resumed_iterator"     # on a loader: its iterator that took the restored position
 
-log = logging.getLogger("distckpt")
 
 
 # -- recording each epoch's start --------------------------------------------------------------
@@ -97,8 +95,7 @@ def _warn_if_the_resumed_position_is_left(loader: Any) -> None:
                "batches from one iterator; a peek at an epoch's start (`next(iter(loader))` to read the batch "
                "size) takes the resumed position: read loader.batch_size instead. If the loop makes a new iterator here in every run (fixed-length "
                "passes with islice or break), this is expected and the run is exact")
-    log.warning(message)
-    warnings.warn(message, CheckpointWarning, stacklevel=4)
+    warn(message, CheckpointWarning)
 
 
 def _anew_after_a_dropped_iterator(loader: Any, restored: Any, start: Any, create: Callable[[], Any]) -> Any:

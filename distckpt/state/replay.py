@@ -31,8 +31,6 @@ This module never touches storage or torch.distributed.
 from __future__ import annotations
 
 import itertools
-import logging
-import warnings
 import weakref
 from typing import Any, Callable
 
@@ -43,6 +41,7 @@ from distckpt.errors import (
     IncompatibleCheckpointError,
     ReplayWarning,
     UnstorableValueError,
+    warn,
 )
 from distckpt.state.capture import _has_state_dict
 from distckpt.state.epoch_record import (
@@ -58,7 +57,6 @@ from distckpt.state.epoch_record import (
 
 REPLAY_KEY = "_distckpt_sampler_replay"  # beside torchdata's keys in the loader's saved state
 
-log = logging.getLogger("distckpt")
 
 # Samplers whose order follows from their attributes alone (DistributedSampler seeds a generator
 # of its own from seed + epoch at each iter()): their replay needs no record.
@@ -131,8 +129,7 @@ def capture(loader: Any, key: str) -> dict[str, Any] | None:
     if loader not in _WARNED:  # it may draw nothing (a fixed order, files read in turn): said once
         _WARNED.add(loader)
         message = f"{problem}: if it draws random numbers, a resume will not continue it exactly; {remedy}"
-        log.warning(message)
-        warnings.warn(message, ReplayWarning, stacklevel=5)
+        warn(message, ReplayWarning)
     return None
 
 

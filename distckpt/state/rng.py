@@ -8,19 +8,16 @@ loud warning, never silence.
 
 from __future__ import annotations
 
-import logging
-import warnings
 from typing import Any
 
 import torch
 
 from distckpt.errors import (
     CorruptCheckpointError,
-    RngRestoreWarning,  # noqa: F401  (re-exported where it was defined)
+    RngRestoreWarning,
+    warn,
 )
 from distckpt.state.streams import DEVICES, PROCESS, DeviceFamily
-
-log = logging.getLogger("distckpt")
 
 
 def capture_process_rng(devices: bool = True) -> dict[str, Any]:
@@ -82,5 +79,4 @@ def _restore_family(family: DeviceFamily, saved: list[Any], present: int, where:
                "current state" if present > len(saved) else
                f"{len(saved) - present} saved {name} stream(s) are dropped")
             + ". Random draws on those devices will not continue the saved run bit for bit.")
-        log.warning(message)
-        warnings.warn(message, RngRestoreWarning, stacklevel=3)
+        warn(message, RngRestoreWarning)

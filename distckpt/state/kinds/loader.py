@@ -8,15 +8,13 @@ and whether the loop had dropped its iterator.
 
 from __future__ import annotations
 
-import logging
 import re
-import warnings
 import weakref
 from typing import Any
 
 import torch
 
-from distckpt.errors import IncompatibleCheckpointError, UnstorableValueError
+from distckpt.errors import IncompatibleCheckpointError, UnstorableValueError, warn
 from distckpt.state import epoch_record, loader_hazards, loader_plan, replay, undo
 from distckpt.state.capture import (
     FABRIC_MODULES,
@@ -31,8 +29,6 @@ from distckpt.state.kinds.base import Differing, Job, Kind, Trait, World, shown
 from distckpt.state.undo import Undo
 from distckpt.state.validation import LoadRules
 from distckpt.state.workers import WorkerRngDataset, WorkerRngIterableDataset
-
-log = logging.getLogger("distckpt")
 
 
 class Loader(Kind):
@@ -337,8 +333,7 @@ def _warn_iterator_made_before(entry: Entry) -> None:
     message = (f"state[{entry.key!r}]: an iterator of this loader was made before this load; it goes on from its "
                "own position, not the checkpoint's. Make the iterator after the load (iter(loader) or "
                "`for batch in loader` after load_latest); only a new one resumes")
-    log.warning(message)
-    warnings.warn(message, CheckpointWarning, stacklevel=6)
+    warn(message, CheckpointWarning)
 
 
 def _own_generator(loader: Any) -> torch.Generator | None:
@@ -375,5 +370,4 @@ def _warn_unwrapped_workers(entry: Entry) -> None:
     message = (f"state[{entry.key!r}] loads with {loader.num_workers} workers and its dataset is not wrapped "
                "with distckpt.with_worker_rng(dataset): random draws inside the workers (augmentation, "
                "random crops) will not resume exactly. Wrap the dataset, or ignore this if it draws nothing")
-    log.warning(message)
-    warnings.warn(message, CheckpointWarning, stacklevel=6)
+    warn(message, CheckpointWarning)
