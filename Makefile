@@ -39,13 +39,13 @@ test: $(STAMP)
 
 # The fault tests with their whole matrices (make test runs a sample of the long ones: the loop
 # zoo's marked cases, 6-60 generated examples per property); each trial prints one line.
-FAULT_TESTS = tests/test_load_memory.py tests/test_loop_zoo.py tests/test_accelerate.py tests/test_hf_trainer.py tests/test_fabric.py tests/test_timm.py tests/test_outside_state.py tests/test_doctor.py tests/test_doctor_compare.py tests/test_tiers.py tests/test_weights.py tests/test_incremental.py \
-	tests/test_roundtrip_property.py tests/test_hostile_corpus.py tests/test_overlap.py tests/test_s3_reads.py tests/test_object_stores.py tests/test_storage_contract.py \
-	tests/test_no_half_restore.py tests/test_loop_patterns.py tests/test_crash_matrix.py tests/test_powercut.py tests/test_s3_faults.py tests/test_damage.py \
-	tests/test_fencing.py tests/test_hostile.py tests/test_distributed.py tests/test_preemption.py tests/test_sharded.py \
-	tests/test_exact_resume.py tests/test_s3.py tests/test_cluster.py tests/test_interrupts.py tests/test_preemption_unit.py \
-	tests/test_manager_local.py::test_a_full_disk_at_every_write_never_damages_the_previous_checkpoint \
-	tests/test_manager_local.py::test_an_io_error_at_every_fsync_rename_and_link_keeps_the_previous_checkpoint
+FAULT_TESTS = tests/protocol/test_load_memory.py tests/resume/test_loop_zoo.py tests/frameworks/test_accelerate.py tests/frameworks/test_hf_trainer.py tests/frameworks/test_fabric.py tests/frameworks/test_timm.py tests/resume/test_outside_state.py tests/tools/test_doctor.py tests/tools/test_doctor_compare.py tests/protocol/test_tiers.py tests/tools/test_weights.py tests/protocol/test_incremental.py \
+	tests/unit/test_roundtrip_property.py tests/unit/test_hostile_corpus.py tests/protocol/test_overlap.py tests/storage/test_s3_reads.py tests/storage/test_object_stores.py tests/storage/test_storage_contract.py \
+	tests/protocol/test_no_half_restore.py tests/resume/test_loop_patterns.py tests/protocol/test_crash_matrix.py tests/storage/test_powercut.py tests/storage/test_s3_faults.py tests/storage/test_damage.py \
+	tests/protocol/test_fencing.py tests/unit/test_hostile.py tests/distributed/test_distributed.py tests/distributed/test_preemption.py tests/distributed/test_sharded.py \
+	tests/resume/test_exact_resume.py tests/storage/test_s3.py tests/distributed/test_cluster.py tests/protocol/test_interrupts.py tests/distributed/test_preemption_unit.py \
+	tests/protocol/test_manager_local.py::test_a_full_disk_at_every_write_never_damages_the_previous_checkpoint \
+	tests/protocol/test_manager_local.py::test_an_io_error_at_every_fsync_rename_and_link_keeps_the_previous_checkpoint
 test-faults: $(STAMP)
 	DISTCKPT_HYPOTHESIS_EXAMPLES=300 $(PY) -m pytest -q -s -m "faults or not faults" $(FAULT_TESTS)
 

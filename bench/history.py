@@ -31,7 +31,7 @@ TRAINING_S = 5.0
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "launch"))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "helpers"))
 
 from faultproxy import FaultProxy  # noqa: E402
 from seaweed import SeaweedS3  # noqa: E402

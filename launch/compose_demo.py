@@ -37,7 +37,7 @@ from demo import compare, read_losses, resumed_from  # noqa: E402
 
 PROJECT = "distckpt-demo"  # its own compose project: `down -v` never touches a cluster of yours
 COMPOSE_FILE = os.path.join(ROOT, "docker", "compose.yaml")
-REGISTRY_BASE = "python:3.11-slim"  # docker/Dockerfile's defaults (tests/test_cluster.py keeps them equal)
+REGISTRY_BASE = "python:3.11-slim"  # docker/Dockerfile's defaults (tests/distributed/test_cluster.py keeps them equal)
 REGISTRY_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 OFFLINE_BASE = "distckpt-base:bookworm"
 OFFLINE_TORCH_INDEX = "https://pypi.org/simple"  # + the base's local CPU wheel (docker/offline-base.sh)

@@ -7,7 +7,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "launch"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+# helper scripts and modules, and the test folders (a test module may reuse another's fixtures)
+for _folder in ("helpers", "unit", "storage", "protocol", "distributed", "resume", "frameworks", "tools"):
+    sys.path.insert(0, os.path.join(HERE, _folder))
 
 
 def pytest_configure(config):

@@ -15,5 +15,5 @@ python3 -c "import torch, torchdata; print('torch', torch.__version__, 'torchdat
 timeout 200 python3 -m pytest tests/gpu -v -p no:cacheprovider --timeout 150 2>&1 | tee "$out/gpu_tests.log" | tail -25
 timeout 70 python3 bench/gpu.py --mib 512 2048 --repeats 3 2>&1 | tee "$out/gpu_bench.md"
 [ -n "${SKIP_OVERLAP:-}" ] || timeout 60 python3 bench/overlap.py --device cuda --sizes 256 1024 --rounds 3 2>&1 | tee "$out/overlap.md"
-timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_rng.py tests/test_serialize.py \
-    tests/test_manager_local.py tests/test_sampler_replay.py tests/test_loop_patterns.py 2>&1 | tee "$out/cpu_tests_on_gpu_host.log" | tail -8
+timeout 90 python3 -m pytest -q -p no:cacheprovider tests/unit/test_rng.py tests/unit/test_serialize.py \
+    tests/protocol/test_manager_local.py tests/resume/test_sampler_replay.py tests/resume/test_loop_patterns.py 2>&1 | tee "$out/cpu_tests_on_gpu_host.log" | tail -8
