@@ -101,7 +101,9 @@ def test_an_upload_that_ends_after_the_next_local_commit_is_no_branch(roots, mon
     finally:
         for undo in remove:
             undo()
-    said = [str(w.message) for w in caught if issubclass(w.category, distckpt.CheckpointWarning)]
+    # the branch warning only: a loader some earlier test left mid-pass in this process is said too
+    said = [str(w.message) for w in caught if issubclass(w.category, distckpt.CheckpointWarning)
+            and "committed below the newest" in str(w.message)]
     assert said == [], said
     assert steps_at(durable)[-1] == 5
 
@@ -786,8 +788,11 @@ def _durable_only(s3_server, s3_url: str) -> tuple[distckpt.Progress | None, dic
         return reader.load_latest(state), state
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-@pytest.mark.parametrize("ending", ["close", "wait", "pre-emption"])
+# make test runs one case per ending (sync close, async wait, sync pre-emption); make test-faults all six
+@pytest.mark.parametrize("ending, async_save", [
+    ("close", False), pytest.param("close", True, marks=pytest.mark.faults),
+    pytest.param("wait", False, marks=pytest.mark.faults), ("wait", True),
+    ("pre-emption", False), pytest.param("pre-emption", True, marks=pytest.mark.faults)])
 def test_an_upload_that_failed_is_retried_by_the_next_call_never_skipped(tmp_path, s3_server, s3_url, proxy, caplog,
                                                                         async_save, ending):
     """The durable tier unreachable when the newest local step is to be uploaded (at close(), at a
