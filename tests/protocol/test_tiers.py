@@ -788,11 +788,12 @@ def _durable_only(s3_server, s3_url: str) -> tuple[distckpt.Progress | None, dic
         return reader.load_latest(state), state
 
 
-# make test runs one case per ending (sync close, async wait, sync pre-emption); make test-faults all six
+# make test runs the reported case (a retried close()); make test-faults every ending, sync and async
 @pytest.mark.parametrize("ending, async_save", [
     ("close", False), pytest.param("close", True, marks=pytest.mark.faults),
-    pytest.param("wait", False, marks=pytest.mark.faults), ("wait", True),
-    ("pre-emption", False), pytest.param("pre-emption", True, marks=pytest.mark.faults)])
+    pytest.param("wait", False, marks=pytest.mark.faults), pytest.param("wait", True, marks=pytest.mark.faults),
+    pytest.param("pre-emption", False, marks=pytest.mark.faults),
+    pytest.param("pre-emption", True, marks=pytest.mark.faults)])
 def test_an_upload_that_failed_is_retried_by_the_next_call_never_skipped(tmp_path, s3_server, s3_url, proxy, caplog,
                                                                         async_save, ending):
     """The durable tier unreachable when the newest local step is to be uploaded (at close(), at a

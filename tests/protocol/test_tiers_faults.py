@@ -223,9 +223,8 @@ TIER_FAULTS = {
 }
 
 
-# make test: the two rows of the tiers' fault matrix named for this library's promise at 2 ranks;
-# make test-faults adds the pre-emption row
-@pytest.mark.parametrize("fault", [f if "pre-emption" not in f else pytest.param(f, marks=pytest.mark.faults)
+# make test: the durable tier unreachable at close, then back; make test-faults every row
+@pytest.mark.parametrize("fault", [f if "at close" in f else pytest.param(f, marks=pytest.mark.faults)
                                    for f in TIER_FAULTS])
 def test_two_tier_faults_at_two_ranks(fault, tmp_path, s3_server, s3_url):
     scenario, ending = TIER_FAULTS[fault]
