@@ -152,7 +152,7 @@ def check_step_is_free(storage: Storage, step: int, policy: ReplacePolicy) -> mf
         "resume with load_latest() so steps continue after it, or use another directory. A job that "
         f"resumed from step {step} has it saved already: skip a second save of it (the per-epoch save after "
         "the loop, when the pre-emption save inside the loop took the epoch's last step: start "
-        "`last_saved` at progress.step; README, Loop patterns)")
+        "`last_saved` at progress.step; docs: guides/loop-patterns.md)")
 
 
 def clear_step_dir(storage: Storage, step: int, policy: ReplacePolicy) -> None:

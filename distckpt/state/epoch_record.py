@@ -255,7 +255,7 @@ def check_epochs(loader: Any, saved: Any, where: str) -> None:
     cause = ("something set the sampler's epoch after load_latest from a count that restarted with the process "
              "(a loop's own counter, or Lightning Fabric's loader wrapper, which calls set_epoch with its count of "
              "iter() calls); call sampler.set_epoch(epoch) with the epoch load_latest returned, and iterate the "
-             "StatefulDataLoader itself (README: Lightning Fabric)")
+             "StatefulDataLoader itself (docs: guides/frameworks.md, Lightning Fabric)")
     if saved.get("mid_pass"):
         raise IncompatibleCheckpointError(
             f"{where}: the loader resumes in the middle of an epoch, at a position in the order of epoch {was} of its "

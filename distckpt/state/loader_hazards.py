@@ -146,7 +146,7 @@ def refuse_a_fabric_wrapper(loader: Any, key: str) -> None:
             "each iter() of the wrapper sets the sampler's epoch to its own count of iter() calls, which restarts at "
             "0 in a resumed process, so a resume would take another epoch's order. Iterate the StatefulDataLoader "
             "itself and call sampler.set_epoch(epoch) at each epoch start; move batches with fabric.to_device "
-            "(README: Lightning Fabric)")
+            "(docs: guides/frameworks.md, Lightning Fabric)")
 
 
 def positions_left_out(loaders: list[Any]) -> list[str]:

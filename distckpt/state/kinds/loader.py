@@ -49,7 +49,7 @@ class Loader(Kind):
                 f"{obj.__class__.__name__} (Hugging Face Accelerate's prepared loader): it iterates its loader a "
                 "batch ahead and reseeds it each epoch, so a resume would not continue exactly. Keep the loader out "
                 "of accelerator.prepare(): build a torchdata StatefulDataLoader with a DistributedSampler and put "
-                "that in `state` (README: Hugging Face Accelerate)")
+                "that in `state` (docs: guides/frameworks.md, Accelerate)")
         if has_class_named(obj, "_FabricDataLoader", *FABRIC_MODULES):
             # Its __iter__ calls set_epoch on the sampler with its own count of iter() calls, which
             # restarts at 0 in a resumed process: a resume took another epoch's order, silently
@@ -58,12 +58,13 @@ class Loader(Kind):
                 "sampler's epoch to its own count of iter() calls, which restarts at 0 in a resumed process, so a "
                 "resume would take another epoch's order. Iterate the torchdata StatefulDataLoader itself (with "
                 "a DistributedSampler you build, sampler.set_epoch(epoch) at each epoch start) and put that in "
-                "`state`; move batches with fabric.to_device (README: Lightning Fabric)")
+                "`state`; move batches with fabric.to_device (docs: guides/frameworks.md, Lightning Fabric)")
         if isinstance(obj, torch.utils.data.DataLoader) and not _has_state_dict(obj):
             raise UnstorableValueError(
                 f"state[{key!r}] is a DataLoader without state_dict(): its position cannot be "
                 "saved; use torchdata.stateful_dataloader.StatefulDataLoader (a drop-in "
-                "replacement), or leave the loader out and store its sampler and generator")
+                "replacement, `pip install torchdata`) and keep it in `state`: with only its sampler "
+                "and generator, a mid-epoch save resumes from the epoch's first batch")
         return isinstance(obj, torch.utils.data.DataLoader)
 
     def capture(self, entry: Entry) -> Any:
@@ -203,11 +204,11 @@ class Loader(Kind):
                           "ahead of what the loop consumed: a prefetcher holds them (prefetching: a "
                           "wrapper taking batches ahead of the loop, as timm's PrefetchLoader, or a batch drawn before "
                           "the save), and "
-                          "the resume skipped them. Keep the held batches in `state` (the README's loop patterns; "
+                          "the resume skipped them. Keep the held batches in `state` (docs: guides/loop-patterns.md; "
                           "distckpt.integrations.timm for timm's prefetcher)")
         elif any(_WORKER_STREAMS not in d.path and d.path != "kind" for d in differing):
             causes.append("the loader's position differs → a batch drawn before the save (prefetching) is not in "
-                          "state (keep it there: the README's loop patterns), or an iterator made twice after the "
+                          "state (keep it there: docs: guides/loop-patterns.md), or an iterator made twice after the "
                           "resume (a peek `next(iter(loader))` at an epoch's start) took the resumed position")
         return causes
 

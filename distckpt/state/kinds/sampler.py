@@ -61,7 +61,7 @@ class Sampler(Kind):
             return ["the sampler's epoch differs and no data loader is in `state` → the resumed run started the "
                     "saved epoch over (its position inside the epoch is lost), so its steps fell in other epochs "
                     "than the uninterrupted run's: put the loader (a torchdata StatefulDataLoader) in `state` "
-                    "(README: keep the loader in `state`)"]
+                    "(docs: guides/loop-rules.md, keep the loader in `state`)"]
         return ["the sampler's epoch differs → call sampler.set_epoch(epoch) at every epoch start "
                 "(and pass epoch= to save)"]
 

@@ -54,8 +54,8 @@ class Value(Kind):
         causes = []
         if whole:
             causes.append(f"a plain value in `state` differs ({'; '.join(whole[:3])}) → a loop variable is not written "
-                          "into `state` before each save, or not read back from it after the load (README: plain loop "
-                          "variables)")
+                          "into `state` before each save, or not read back from it after the load (docs: guides/loop-patterns.md, "
+                          "plain loop variables)")
         if inside:
             first = inside[0]
             causes.append(f"a value your loop keeps in `state[{first.key!r}]` differs ({first.path}: {first.detail}) → "
