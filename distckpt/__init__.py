@@ -26,8 +26,8 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _ERRORS = (
     "ArgumentNameError", "AsyncSaveError", "CheckpointExistsError", "ConfigError", "CoordinationError",
-    "CorruptCheckpointError", "DistCkptError", "FencedError", "IncompatibleCheckpointError", "MissingFileError",
-    "RankDisagreementError", "RunConflictError", "SnapshotChangedError", "StateArgumentError", "StorageError",
+    "CorruptCheckpointError", "DistCkptError", "ElasticResumeError", "FencedError", "IncompatibleCheckpointError",
+    "MissingFileError", "RankDisagreementError", "RunConflictError", "SnapshotChangedError", "StateArgumentError", "StorageError",
     "SupersededCheckpointError", "UnstorableValueError",
     "DistCkptWarning", "CheckpointWarning", "ReplayWarning", "CheckpointFallbackWarning", "ReshardWarning",
     "DurableUploadWarning", "NonAtomicStorageWarning", "RngRestoreWarning", "DeviceAbsentWarning",
@@ -50,7 +50,7 @@ __all__ = [
     "ArgumentNameError", "AsyncSaveError", "CheckpointExistsError", "CheckpointFallbackWarning",
     "CheckpointManager", "CheckpointWarning", "ConfigError", "CoordinationError",
     "CorruptCheckpointError", "DeviceAbsentWarning", "DistCkptError", "DistCkptWarning", "DistInfo",
-    "DurableUploadWarning", "FencedError", "IncompatibleCheckpointError", "MissingFileError",
+    "DurableUploadWarning", "ElasticResumeError", "FencedError", "IncompatibleCheckpointError", "MissingFileError",
     "NonAtomicStorageWarning", "PREEMPTED_EXIT_CODE", "PerRank", "Progress", "RankDisagreementError",
     "ReplayWarning", "ReshardWarning", "RngRestoreWarning", "RunConflictError", "SnapshotChangedError",
     "StateArgumentError", "StorageError", "SupersededCheckpointError", "UnstorableValueError",
@@ -91,6 +91,7 @@ if TYPE_CHECKING:  # what type checkers and the docs generator see; not run
         DistCkptError,
         DistCkptWarning,
         DurableUploadWarning,
+        ElasticResumeError,
         FencedError,
         IncompatibleCheckpointError,
         MissingFileError,

@@ -59,10 +59,11 @@ class ManagerConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={shown(getattr(self, name))}: must be True or False")
         object.__setattr__(self, "timeout", seconds("timeout", self.timeout, default=DEFAULT_TIMEOUT_S))
-        if self.world_size_policy not in ("refuse", "reshard", "replicated_only"):
-            raise ConfigError(f"world_size_policy={shown(self.world_size_policy)}: must be 'refuse' (default) or "
+        if self.world_size_policy not in ("refuse", "reshard", "replicated_only", "elastic"):
+            raise ConfigError(f"world_size_policy={shown(self.world_size_policy)}: must be 'refuse' (default), "
                               "'reshard' (restore replicated and sharded state at another world size, keep "
-                              "this run's per-rank state; 'replicated_only' is its older name)")
+                              "this run's per-rank state; 'replicated_only' is its older name) or 'elastic' "
+                              "(as 'reshard', and continue the interrupted epoch's sample order)")
         grace = self.leftover_grace_s
         if isinstance(grace, bool) or not isinstance(grace, numbers.Real) or not (0 <= grace < math.inf):
             raise ConfigError(f"leftover_grace_s={shown(grace)}: must be a finite number of seconds >= 0")

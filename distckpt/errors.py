@@ -15,7 +15,9 @@ builtin, so code that already handles ``OSError`` keeps working::
     │                                      (a FIFO, socket, device, directory, link): damage
     ├── CorruptCheckpointError             a file's size/checksum/structure is wrong
     ├── IncompatibleCheckpointError        the checkpoint does not fit this run
-    │                                      (world size, keys, shapes, devices)
+    │   │                                  (world size, keys, shapes, devices)
+    │   └── ElasticResumeError             world_size_policy="elastic" cannot continue an entry
+    │                                      at the new world size (names it and what to do)
     ├── CoordinationError(RuntimeError)    a rank failed, disagreed or timed out;
     │   │                                  raised identically on every rank
     │   └── RankDisagreementError          ranks hold different step/epoch/digest
@@ -108,6 +110,11 @@ class SupersededCheckpointError(CorruptCheckpointError):
 
 class IncompatibleCheckpointError(DistCkptError):
     """The checkpoint is intact but does not fit the state it is loaded into."""
+
+
+class ElasticResumeError(IncompatibleCheckpointError):
+    """world_size_policy="elastic" at another world size cannot continue an entry exactly (a
+    sampler without a global order, a per_rank value without reshard=): named, with what to do."""
 
 
 class CoordinationError(DistCkptError, RuntimeError):

@@ -41,7 +41,7 @@ from distckpt.io import manifest as mf
 from distckpt.io.copying import CopyFailed, PageRelease, Prefault
 from distckpt.io.reading import read_verified
 from distckpt.io.serialize import ShardRef, load_tree_file
-from distckpt.protocol import fencing, incremental, tiers
+from distckpt.protocol import elastic, fencing, incremental, tiers
 from distckpt.protocol.choosing import check_nothing_was_committed, choose, committed_since, settled_uncommitted
 from distckpt.protocol.commit import (
     check_not_superseded,
@@ -90,8 +90,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("distckpt")
 
 
-
-
 @dataclass(frozen=True)
 class Progress:
     """Where a loaded checkpoint left off. `config_diff` lists config keys that differ."""
@@ -123,9 +121,12 @@ class ReadCheckpoint:
     per_rank_restored: bool = True
     entries: list[Entry] = field(default_factory=list)  # as restored (sharded ones resolved)
     buffers: list[Any] = field(default_factory=list)  # the files' buffers the tensors view
+    sources: list[dict[str, Any]] | None = None  # "elastic" at another world size: every old rank's file
+    rederived: list[str] = field(default_factory=list)  # what an elastic resume seeded afresh here
+    elastic_note: str = ""  # its warning, said once the load is applied
 
 
-WORLD_SIZE_POLICIES = ("refuse", "reshard", "replicated_only")  # the last: the older name of "reshard"
+WORLD_SIZE_POLICIES = ("refuse", "reshard", "replicated_only", elastic.POLICY)  # replicated_only: reshard's older name
 
 
 def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
@@ -155,18 +156,20 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
     replicated_name, rank_names = manifest.payload_names()
     imported = manifest.imported is not None  # from torch.save / DCP: no per-rank state in the source
     buffers: list[Any] = []
-    if imported or (manifest.world_size != world_size and world_size_policy in ("reshard", "replicated_only")):
+    if imported or (manifest.world_size != world_size and world_size_policy in WORLD_SIZE_POLICIES[1:]):
         replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers)
         own: dict[str, Any] = {"epoch": manifest.epoch, "rank": rank, "entries": {}, "rng": None}
+        sources = None if imported or world_size_policy != elastic.POLICY else elastic.read_sources(
+            lambda name: _read_tree(storage, base, name, manifest, where, buffers, per_rank=True), manifest, where)
         return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, per_rank_restored=False,
-                              buffers=buffers)
+                              buffers=buffers, sources=sources)
     if manifest.world_size != world_size:
         raise IncompatibleCheckpointError(
             f"{where} was written by {manifest.world_size} ranks, this job has {world_size}: "
             "per-rank state (RNG streams, sampler and loader positions) cannot be mapped to "
             f"another world size; relaunch with --nproc-per-node/--nnodes giving {manifest.world_size} ranks, "
             "or pass world_size_policy='reshard' to restore the replicated and sharded state and keep "
-            "this run's per-rank state")
+            "this run's per-rank state, or 'elastic' to also continue the interrupted epoch's sample order")
     replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers)
     mf.check_tree_belongs(replicated, manifest.step, manifest.epoch, f"{where}/{replicated_name}")
     own = _read_tree(storage, base, rank_names[rank], manifest, where, buffers, per_rank=True)
@@ -438,6 +441,8 @@ def _read_and_check(coord: Coordinator, storage: Storage, entries: list[Entry], 
                                owned_by_leases, superseded_ok)
         read.entries = replaced_under_key(_resolve_sharded(storage, entries, read),
                                           {**read.replicated["entries"], **read.own["entries"]})
+        if read.sources is not None:
+            elastic.derive(read, read.entries, coord.rank, coord.world_size)
     except CorruptCheckpointError as e:
         if not isinstance(e, NotCommittedError) and removed_meanwhile(storage, step):
             raise NotCommittedError(f"{storage.url}/{mf.step_dir(step)} was removed while it was read "
@@ -614,7 +619,7 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
         exc = _restore_rng(coord, read, kept, entries)
     outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
     _agree_or_undo(coord, outcome, exc, undos, f"restoring the modules of step {read.step}", "load/apply-modules")
-    return notes, ([] if read.per_rank_restored else ["rng", *kept])
+    return notes, (read.rederived if read.per_rank_restored else ["rng", *kept])
 
 
 def _restore_all(entries: list[Entry], saved: dict[str, Any], state: dict[str, Any], memo: dict[int, Any],
@@ -655,6 +660,8 @@ def _restore_rng(coord: Coordinator, read: ReadCheckpoint, kept: list[str],
     try:
         if read.per_rank_restored:
             restore_process_rng(read.own["rng"], f"rank {coord.rank}, step {read.step}")  # last
+            if read.elastic_note:
+                warn(read.elastic_note, ReshardWarning)
         else:
             # only here (a reshard or an import) are the modules' buffers looked at
             buffered = _modules_with_buffers(entries) if read.manifest.world_size > 1 else []

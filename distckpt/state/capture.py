@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import numpy as np
 import torch
@@ -50,17 +50,28 @@ CONFIG_KEY = "config"
 @dataclass(eq=False)
 class PerRank:
     """Marks a `state` entry as per rank: every rank saves and restores its own copy. `obj` may
-    be reassigned between saves (`state["best"].obj = loss`): each save reads it afresh."""
+    be reassigned between saves (`state["best"].obj = loss`): each save reads it afresh.
+    `reshard`: how its values map to another world size (world_size_policy="elastic")."""
 
     obj: Any
+    reshard: "Callable[[list[Any], int], Sequence[Any]] | None" = None
 
 
 @arguments_checked
-def per_rank(obj: Any) -> PerRank:
-    """Mark `obj` as per rank: each rank stores its own copy instead of rank 0's."""
+def per_rank(obj: Any, *, reshard: "Callable[[list[Any], int], Sequence[Any]] | None" = None) -> PerRank:
+    """Mark `obj` as per rank: each rank stores its own copy instead of rank 0's.
+
+    `reshard(old_values, new_world_size) -> new_values`: under world_size_policy="elastic" at
+    another world size, called on every new rank with every old rank's saved value (in old rank
+    order; a plain value or tensor as it is, an object with state_dict as its state_dict) and
+    returns one value per new rank, of the same form; each rank restores its own. Without it, an
+    elastic resume at another world size refuses the entry (docs: guides/elastic.md)."""
     if isinstance(obj, PerRank):
         raise ConfigError("per_rank(per_rank(...)): the value is marked per rank once; pass the inner object")
-    return PerRank(obj)
+    if reshard is not None and not callable(reshard):
+        raise ConfigError(f"per_rank(..., reshard={type(reshard).__name__}): must be a function "
+                          "(old_values: list, new_world_size: int) -> list of new values, or None")
+    return PerRank(obj, reshard)
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,7 @@ class Entry:
     kind: str    # its kind's name, as checkpoints hold it (kinds/: module, loader, value, ...)
     target: Any  # the object state is captured from and restored into
     owner: Any = None  # an optimizer's module (sharded state is named by the module's parameters)
+    reshard: Any = None  # per_rank(obj, reshard=fn): its values at another world size (elastic.py)
 
     @property
     def kind_spec(self) -> "Kind":

@@ -44,6 +44,7 @@ from distckpt.errors import (
     warn,
 )
 from distckpt.state.capture import _has_state_dict
+from distckpt.state.elastic import RemainderSampler
 from distckpt.state.epoch_record import (
     EPOCH_START_ATTR,
     LOADER_GENERATOR,
@@ -60,7 +61,8 @@ REPLAY_KEY = "_distckpt_sampler_replay"  # beside torchdata's keys in the loader
 
 # Samplers whose order follows from their attributes alone (DistributedSampler seeds a generator
 # of its own from seed + epoch at each iter()): their replay needs no record.
-_DRAWS_NOTHING = (SequentialSampler, DistributedSampler, range, list, tuple)
+# An elastic resume's RemainderSampler yields a list it was given.
+_DRAWS_NOTHING = (SequentialSampler, DistributedSampler, RemainderSampler, range, list, tuple)
 
 
 # -- save --------------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ from typing import Any, ClassVar, Iterator, Mapping
 
 import torch
 
+from distckpt.errors import ElasticResumeError
 from distckpt.state.capture import PER_RANK, REPLICATED, SHARDED, Entry, Release  # noqa: F401  (a kind's scopes)
 from distckpt.state.undo import Undo
 from distckpt.state.validation import LoadRules
@@ -230,6 +231,18 @@ class Kind:
         """A saved record of this kind as `entry`'s kind restores it (an imported record takes the
         shape of the live entry's kind); most records are restored as they are."""
         return record
+
+    def elastic(self, entry: Entry, saved: list[Any], context: Any) -> Any:
+        """This rank's state of a per-rank entry at another world size (world_size_policy=
+        "elastic"), made from `saved`: every old rank's saved state, in old rank order; `context`
+        is an elastic.ElasticContext (the new rank and world, the step, a seed source). Restored
+        as a saved state is (validate, then restore). The default refuses: a per-rank value has
+        no rule to map it to another number of ranks unless its kind has one."""
+        raise ElasticResumeError(
+            f"state[{entry.key!r}] ({self.name} entry) is per rank, and its {context.old_world_size} saved values have "
+            f"no rule to become {context.world_size}: wrap it as distckpt.per_rank(obj, reshard=fn) with "
+            "fn(old_values, new_world_size) -> one value per new rank, or load with world_size_policy='reshard' "
+            "(each rank keeps the value it has) (docs: guides/elastic.md)")
 
     def resolve_shards(self, entry: Entry, saved_state: Any, reader: Any) -> Any:
         """`saved_state` with its references to sharded pieces replaced by this rank's (scope

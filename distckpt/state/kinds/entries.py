@@ -59,7 +59,8 @@ def classify(state: dict[str, Any]) -> list[Entry]:
         target = obj.obj if forced else obj
         kind = _kind_of(key, target)
         kind.observe(target)
-        entries.append(Entry(key, PER_RANK if forced else kind.scope, kind.name, target))
+        entries.append(Entry(key, PER_RANK if forced else kind.scope, kind.name, target,
+                             reshard=obj.reshard if forced else None))
     return _link_optimizers(entries)
 
 
@@ -204,7 +205,7 @@ def replaced_under_key(entries: list[Entry], saved: dict[str, Any]) -> list[Entr
         if (isinstance(record, dict) and entry.kind_spec.replaceable_by_value and record.get("kind") != entry.kind
                 and kind_named(record.get("kind")).replaceable_by_value):
             record["kind"] = Value.name
-            entry = Entry(entry.key, entry.scope, Value.name, entry.target, entry.owner)
+            entry = Entry(entry.key, entry.scope, Value.name, entry.target, entry.owner, entry.reshard)
         out.append(entry)
     return out
 

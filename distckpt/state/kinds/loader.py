@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from distckpt.errors import IncompatibleCheckpointError, UnstorableValueError, warn
-from distckpt.state import epoch_record, loader_hazards, loader_plan, replay, undo
+from distckpt.state import elastic, elastic_rules, epoch_record, loader_hazards, loader_plan, replay, undo
 from distckpt.state.capture import (
     FABRIC_MODULES,
     PER_RANK,
@@ -25,6 +25,7 @@ from distckpt.state.capture import (
     _has_state_dict,
     has_class_named,
 )
+from distckpt.state.elastic import ELASTIC_KEY
 from distckpt.state.kinds.base import Differing, Job, Kind, Trait, World, shown
 from distckpt.state.undo import Undo
 from distckpt.state.validation import LoadRules
@@ -93,7 +94,7 @@ class Loader(Kind):
             # next epoch's order differed from the uninterrupted run's. It travels with the loader.
             saved = {**saved, _LOADER_GENERATOR: generator.get_state()}
         if isinstance(saved, dict):
-            saved = {**saved, _LOADER_MAKEUP: _loader_makeup(entry.target)}
+            saved = {**saved, _LOADER_MAKEUP: _loader_makeup(entry.target), ELASTIC_KEY: elastic_rules.describe(entry.target)}
         sampling = replay.capture(entry.target, entry.key) if untouched is None else untouched.replay
         if sampling is not None and isinstance(saved, dict):
             saved = {**saved, replay.REPLAY_KEY: sampling}
@@ -108,6 +109,8 @@ class Loader(Kind):
     def validate(self, entry: Entry, saved: Any, where: str, world: World, rules: LoadRules) -> None:
         if not isinstance(saved, dict):
             return
+        if _ELASTIC_RESUME in saved:  # made by elastic() for this loader: its generator, checked below
+            saved = {k: v for k, v in saved.items() if k == _LOADER_GENERATOR}
         workers = _saved_worker_count(saved)
         live = getattr(entry.target, "num_workers", 0)
         if workers is not None and workers != live:
@@ -130,7 +133,12 @@ class Loader(Kind):
                                                   f"generator: {e}") from e
 
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
+        if isinstance(value, dict) and _ELASTIC_RESUME in value:
+            return _restore_elastic(entry, value)
         sampling, was_dropped, epochs = None, False, None
+        if isinstance(value, dict) and isinstance(value.get(ELASTIC_KEY), dict):
+            value = dict(value)
+            _reinstall_remainder(entry.target, value.pop(ELASTIC_KEY), value)
         if isinstance(value, dict) and ({_LOADER_GENERATOR, _LOADER_MAKEUP, replay.REPLAY_KEY, loader_plan.DROPPED_KEY,
                                          epoch_record.EPOCHS_KEY} & set(value)):
             value = dict(value)
@@ -147,6 +155,20 @@ class Loader(Kind):
         loader_plan.plan_resume(entry.target, sampling, was_dropped, epochs, f"state[{entry.key!r}]", restored=value)
         return []
 
+    def elastic(self, entry: Entry, saved: list[Any], context: Any) -> Any:
+        """The rest of the interrupted epoch for this rank (elastic_rules.plan_for), and the
+        loader's own generator by the streams' rule: old rank j's on new rank j, else seeded."""
+        plan = elastic_rules.plan_for(entry.key, saved, entry.target, context)
+        out: dict[str, Any] = {_ELASTIC_RESUME: {"plan": None if plan is None else plan.as_record()}}
+        generator = _own_generator(entry.target)
+        if generator is not None:
+            if context.takes_over and isinstance(saved[context.rank], dict) and _LOADER_GENERATOR in saved[context.rank]:
+                out[_LOADER_GENERATOR] = saved[context.rank][_LOADER_GENERATOR]
+            else:
+                seeded = elastic_rules.seeded_like(generator, context.seed(f"{entry.key}/generator"))
+                out[_LOADER_GENERATOR] = seeded.get_state()
+        return out
+
     def observe(self, target: Any) -> None:
         loader_plan.watch(target)  # each epoch's start, for a save in its middle
 
@@ -157,8 +179,12 @@ class Loader(Kind):
         attributes = dict(vars(entry.target))  # StatefulDataLoader.load_state_dict only sets attributes
         generator = _own_generator(entry.target)
         before = generator.get_state() if generator is not None else None
+        holder = getattr(entry.target, "batch_sampler", None)
+        inner = getattr(holder, "sampler", None)  # an elastic resume puts its remainder sampler there
 
         def put_back() -> None:
+            if holder is not None and getattr(holder, "sampler", None) is not inner:
+                holder.sampler = inner
             undo.replace_dict(vars(entry.target), attributes.items())
             if generator is not None and before is not None:
                 generator.set_state(before)
@@ -321,6 +347,40 @@ def _check_sampler_settings(saved: Any, live: dict[str, dict[str, bool]], where:
                     f"counts in the saved order, so the resume would continue another one (items seen before the save "
                     f"again, others never); build the sampler with {name}={was}, or change it at an epoch boundary with "
                     "the loader left out of that load")
+
+
+_ELASTIC_RESUME = "_distckpt_elastic_resume"  # a record elastic() made: the rest of the epoch, no torchdata state
+
+
+def _restore_elastic(entry: Entry, value: dict[str, Any]) -> list[str]:
+    """A fresh pass of the loader over this rank's share of the interrupted epoch's rest (no
+    torchdata position: its next iterator starts the share's pass, its workers seeded from the
+    rank's streams as any new pass is)."""
+    generator = _own_generator(entry.target)
+    if generator is not None and _LOADER_GENERATOR in value:  # validated
+        generator.set_state(value[_LOADER_GENERATOR])
+    _warn_iterator_made_before(entry)
+    plan = value[_ELASTIC_RESUME].get("plan")
+    if plan is not None:
+        elastic.install(entry.target, elastic.ElasticPlan.from_record(plan), entry.target.batch_sampler.sampler.rank)
+    return []
+
+
+def _reinstall_remainder(loader: Any, described: dict[str, Any], value: dict[str, Any]) -> None:
+    """A loader saved while it ran a resized epoch's rest, loaded at the world that ran it: the
+    rest is installed again before torchdata skips the batches taken (unless the pass was over)."""
+    plan = described.get("plan")
+    if plan is None or value.get("_iterator_finished") is True or elastic_rules.unsupported(loader):
+        return
+    plan = elastic.ElasticPlan.from_record(plan)
+    sampler = loader.batch_sampler.sampler
+    sampler = sampler.original if isinstance(sampler, elastic.RemainderSampler) else sampler
+    if plan.current_world != sampler.num_replicas:
+        raise IncompatibleCheckpointError(
+            f"the loader was saved running the rest of an epoch resized to {plan.current_world} ranks and its sampler "
+            f"has num_replicas={sampler.num_replicas} here: load with world_size_policy='elastic' at another world size, "
+            "or build the sampler with num_replicas=world size")
+    elastic.install(loader, plan, sampler.rank)
 
 
 def _warn_iterator_made_before(entry: Entry) -> None:

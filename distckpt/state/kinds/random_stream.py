@@ -3,10 +3,12 @@ per rank, tried on a scratch copy before a restore."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from distckpt.errors import CorruptCheckpointError
 from distckpt.state.capture import PER_RANK, Entry, Release
+from distckpt.state.elastic_rules import seeded_like
 from distckpt.state.kinds.base import Kind, Trait, World
 from distckpt.state.streams import PrivateStream
 from distckpt.state.undo import Undo
@@ -49,6 +51,13 @@ class RandomStreamKind(Kind):
     def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
         saved = self.stream.get(entry.target)
         return lambda: self.stream.set(entry.target, saved)
+
+    def elastic(self, entry: Entry, saved: list[Any], context: Any) -> Any:
+        """Old rank j's stream on new rank j; a new rank past the old world seeds a fresh one
+        (elastic_rules.py: never one old rank's stream on two new ranks)."""
+        if context.takes_over:
+            return saved[context.rank]
+        return self.capture(replace(entry, target=seeded_like(entry.target, context.seed(entry.key))))
 
     def traits(self, record: dict[str, Any]) -> frozenset[Trait]:
         return frozenset({Trait.RANDOM_STREAM})

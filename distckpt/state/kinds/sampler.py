@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from distckpt.errors import IncompatibleCheckpointError
+from distckpt.errors import ElasticResumeError, IncompatibleCheckpointError
 from distckpt.state.capture import PER_RANK, Entry, Release, _has_state_dict
 from distckpt.state.kinds.base import Differing, Job, Kind, Trait, World, shown
 from distckpt.state.undo import Undo
@@ -34,6 +34,21 @@ class Sampler(Kind):
     def restore(self, entry: Entry, value: Any, state: dict[str, Any], release: Release | None) -> list[str]:
         _restore(entry.target, value)
         return []
+
+    def elastic(self, entry: Entry, saved: list[Any], context: Any) -> Any:
+        """A DistributedSampler at the new world size: the epoch and seed every old rank agreed
+        on, this rank's num_replicas and rank (the epoch's rest is the loader's: elastic.py)."""
+        target = entry.target
+        if type(target) is not torch.utils.data.DistributedSampler:
+            raise ElasticResumeError(
+                f"state[{entry.key!r}] is a {type(target).__name__}: world_size_policy='elastic' continues a "
+                "torch.utils.data.DistributedSampler only (it defines one order across ranks); use one, or load with "
+                "world_size_policy='reshard' to restart the epoch (docs: guides/elastic.md)")
+        views = {(s.get("epoch"), s.get("seed")) if isinstance(s, dict) else None for s in saved}
+        if len(views) != 1 or None in views:
+            raise ElasticResumeError(f"state[{entry.key!r}]: the old ranks' samplers were saved in different epochs "
+                                     f"or with different seeds ({sorted(map(str, views))}): no one order to continue")
+        return {**saved[0], "num_replicas": target.num_replicas, "rank": target.rank}
 
     def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
         target = entry.target
