@@ -22,6 +22,7 @@ from distckpt.errors import CorruptCheckpointError, ElasticResumeError
 from distckpt.io import manifest as mf
 from distckpt.state.capture import PER_RANK, Entry
 from distckpt.state.elastic import ElasticContext
+from distckpt.state.kinds import Trait
 from distckpt.state.elastic_rules import process_rng_for
 
 if TYPE_CHECKING:
@@ -64,8 +65,8 @@ def derive(read: "ReadCheckpoint", entries: list[Entry], rank: int, world_size: 
             resharded.append(entry.key)
         else:
             state = entry.kind_spec.elastic(entry, states, context)
-            if not context.takes_over:
-                rederived.append(entry.key)
+            if not context.takes_over and Trait.SAMPLING_ORDER not in entry.kind_spec.traits(records[0]):
+                rederived.append(entry.key)  # its streams seeded afresh (a sampler's epoch and seed are agreed)
         own_entries[entry.key] = {**records[0], "state": state}
     read.own = {"epoch": read.manifest.epoch, "rank": rank, "entries": own_entries,
                 "rng": process_rng_for(sources, context)}

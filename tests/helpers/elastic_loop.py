@@ -2,7 +2,7 @@
 over a DistributedSampler, saving mid-epoch; every rank logs each step's sample ids.
 
     torchrun --nproc-per-node N elastic_loop.py --ckpt URL --records DIR [--save-at S] [--kill-after S]
-        [--n 96] [--batch 2] [--workers 0] [--no-shuffle] [--drop-last] [--epochs 2] [--async]
+        [--items 96] [--batch 2] [--workers 0] [--no-shuffle] [--drop-last] [--epochs 2] [--async]
         [--fsdp] [--sampler distributed|custom] [--tally none|plain|reshard]
 
 Each rank appends `step epoch loss id,id,...` lines to DIR/rank-R.txt, and `# ...` lines for
@@ -49,7 +49,7 @@ def main() -> int:
     p.add_argument("--records", required=True)
     p.add_argument("--save-at", type=int, default=-1)
     p.add_argument("--kill-after", type=int, default=-1)
-    p.add_argument("--n", type=int, default=96)
+    p.add_argument("--items", type=int, default=96)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--no-shuffle", action="store_true")
@@ -76,9 +76,9 @@ def main() -> int:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sampler_type = CustomSampler if a.sampler == "custom" else DistributedSampler
-    sampler = sampler_type(Items(a.n), num_replicas=world, rank=rank, shuffle=not a.no_shuffle, seed=7,
+    sampler = sampler_type(Items(a.items), num_replicas=world, rank=rank, shuffle=not a.no_shuffle, seed=7,
                            drop_last=a.drop_last)
-    loader = StatefulDataLoader(Items(a.n), batch_size=a.batch, sampler=sampler, num_workers=a.workers,
+    loader = StatefulDataLoader(Items(a.items), batch_size=a.batch, sampler=sampler, num_workers=a.workers,
                                 generator=torch.Generator().manual_seed(11))
     state: dict = {"model": model, "optimizer": opt, "sampler": sampler, "loader": loader,
                    "gen": torch.Generator().manual_seed(100 + rank)}
