@@ -41,6 +41,7 @@ _WHERE.update({
     "Progress": "distckpt.protocol.loading",
     "WeightsReport": "distckpt.tools.weights", "export_weights": "distckpt.tools.weights",
     "load_weights": "distckpt.tools.weights",
+    "doctor_record": "distckpt.protocol.doctor_hooks",
     "preemption_safe_worker_init": "distckpt.runtime.worker_signals", "with_worker_rng": "distckpt.state.workers",
 })
 _SUBMODULES = ("config", "errors", "io", "manager", "protocol", "runtime", "state", "storage", "testing", "tools")
@@ -54,7 +55,7 @@ __all__ = [
     "NonAtomicStorageWarning", "PREEMPTED_EXIT_CODE", "PerRank", "Progress", "RankDisagreementError",
     "ReplayWarning", "ReshardWarning", "RngRestoreWarning", "RunConflictError", "SnapshotChangedError",
     "StateArgumentError", "StorageError", "SupersededCheckpointError", "UnstorableValueError",
-    "WeightsReport", "__version__", "export_weights", "init_distributed", "load_weights", "per_rank",
+    "WeightsReport", "__version__", "doctor_record", "export_weights", "init_distributed", "load_weights", "per_rank",
     "preemption_safe_worker_init", "shutdown_distributed", "with_worker_rng",
 ]
 
@@ -108,6 +109,7 @@ if TYPE_CHECKING:  # what type checkers and the docs generator see; not run
         UnstorableValueError,
     )
     from distckpt.manager import CheckpointManager
+    from distckpt.protocol.doctor_hooks import doctor_record
     from distckpt.protocol.loading import Progress
     from distckpt.runtime.dist import DistInfo, init_distributed, shutdown_distributed
     from distckpt.runtime.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE

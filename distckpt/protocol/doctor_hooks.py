@@ -4,10 +4,11 @@ no-op unless the doctor set its environment variables for this job."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -22,6 +23,7 @@ STOP_AFTER_ENV = "DISTCKPT_DOCTOR_STOP_AFTER"
 WORLD_MARK_ENV = "DISTCKPT_DOCTOR_WORLD_MARK"  # rank 0 writes the job's world size there once
 EVERY_ENV = "DISTCKPT_DOCTOR_EVERY"  # --every K: fingerprint the parameters every K optimizer steps
 FIRST = "first"  # --kill-at not given: kill after the first commit of the run
+SAMPLES_ENV = "DISTCKPT_DOCTOR_SAMPLES"  # --resize: the folder each rank's doctor_record lines go to
 
 
 # -- the hooks the manager calls ---------------------------------------------------------------
@@ -35,6 +37,22 @@ def local_override(local_dir: Any) -> Any:
     """The doctor's local tier for this job (next to its root), or `local_dir` unchanged."""
     root = os.environ.get(ROOT_ENV)
     return local_root(root) if root and local_dir is not None else local_dir
+
+
+def doctor_record(step: int, *, epoch: int, samples: Iterable[Any] = (), loss: float | None = None) -> None:
+    """Record what a training step consumed on this rank, for `distckpt doctor --resize`: the
+    step, its epoch, the dataset indices of this rank's batch and its loss. Call on every rank
+    once per step, after the step. A no-op unless the doctor runs the job (it sets
+    DISTCKPT_DOCTOR_SAMPLES), so it can stay in the script."""
+    folder = os.environ.get(SAMPLES_ENV)
+    if not folder:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    line = {"step": int(step), "epoch": int(epoch), "samples": [int(s) for s in samples],
+            "loss": None if loss is None else float(loss)}
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"rank-{rank}.jsonl"), "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def keeps_everything() -> bool:

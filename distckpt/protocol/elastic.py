@@ -22,8 +22,8 @@ from distckpt.errors import CorruptCheckpointError, ElasticResumeError
 from distckpt.io import manifest as mf
 from distckpt.state.capture import PER_RANK, Entry
 from distckpt.state.elastic import ElasticContext
-from distckpt.state.kinds import Trait
 from distckpt.state.elastic_rules import process_rng_for
+from distckpt.state.kinds import Trait
 
 if TYPE_CHECKING:
     from distckpt.protocol.loading import ReadCheckpoint

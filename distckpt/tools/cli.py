@@ -8,7 +8,7 @@
     distckpt prune URL --keep-last N [--keep-best K] [--best-mode min|max] [--dry-run]
     distckpt gc URL [--grace-s S] [--dry-run]         uncommitted leftovers, abandoned uploads
     distckpt diff URL A B [--json]                    what changed between steps A and B: a summary, then the details
-    distckpt doctor [--kill-at N] [--steps M] [--every K] [--kill-rank R] [--timeout S] [--json] -- <launch command>
+    distckpt doctor [--kill-at N] [--steps M] [--every K] [--kill-rank R] [--resize M] [--timeout S] [--json] -- <launch command>
                                                       does the job resume bit for bit? names what breaks it
     distckpt import-torch FILE URL --trust-pickle [--world-size N] [--step S]   a torch.save file in
     distckpt import-dcp DCP_DIR URL --trust-pickle [--world-size N] [--step S]  a DCP checkpoint in
@@ -249,6 +249,8 @@ def _doctor_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-rank", type=_whole, help="which rank (default: the last)")
     p.add_argument("--every", type=_whole, help="also fingerprint the parameters every K optimizer steps, to find "
                    "the first differing step between checkpoints")
+    p.add_argument("--resize", type=_whole, help="resume the killed run at this many ranks (--nproc-per-node; the "
+                   "job uses world_size_policy='elastic'): report the sample accounting and the loss curves")
     p.add_argument("--workdir", help="where the two runs' roots go (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds each run may take before it counts as hung and is killed (default 3600)")
@@ -275,6 +277,8 @@ def doctor_main(argv: list[str]) -> int:
     from distckpt.runtime.gcpause import collector_paused
     from distckpt.tools.doctor import report_json, report_text, run_doctor
 
+    if args.resize is not None:
+        return _doctor_resize(args, command)
     start = time.monotonic()
     try:
         with collector_paused():  # its own process compares whole states (gcpause.py)
@@ -294,6 +298,23 @@ def doctor_main(argv: list[str]) -> int:
     # 1 means "they differ" (a checkpoint, or the parameters' fingerprints); a check that compared
     # nothing after the kill (the kill step never reached, no common step after it) proved nothing
     return EXIT_PROBLEM if report.differs else EXIT_USAGE
+
+
+def _doctor_resize(args: argparse.Namespace, command: list[str]) -> int:
+    """`doctor --resize M` (tools/doctor_resize.py): exit 0 iff the interrupted epoch was fed exactly once."""
+    import subprocess
+
+    from distckpt.tools.doctor import _run
+    from distckpt.tools.doctor_resize import resize_json, resize_text, run_resize
+
+    try:
+        report = run_resize(command, args.resize, args.kill_at, args.kill_rank, args.workdir, args.timeout, _run,
+                            announce=lambda line: print(f"distckpt doctor: {line}", file=sys.stderr, flush=True))
+    except (DistCkptError, OSError, subprocess.TimeoutExpired) as e:
+        args.command = "doctor"
+        return fail(args, str(e)[-4000:], EXIT_USAGE)
+    print(resize_json(report) if args.json else resize_text(report))
+    return EXIT_OK if report.exactly_once else EXIT_PROBLEM if report.records else EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ def main() -> int:
     p.add_argument("--records", required=True)
     p.add_argument("--save-at", type=int, default=-1)
     p.add_argument("--kill-after", type=int, default=-1)
+    p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--items", type=int, default=96)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--workers", type=int, default=0)
@@ -115,7 +116,8 @@ def main() -> int:
                 if "tally" in state:
                     state["tally"].obj += len(ids)
                 log.write(f"{step} {epoch} {loss.item():.9g} {','.join(str(int(i)) for i in ids)}\n")
-                if step == a.save_at:
+                distckpt.doctor_record(step, epoch=epoch, samples=ids, loss=loss.item())
+                if step == a.save_at or (a.save_every and step % a.save_every == 0):
                     mgr.save(step, state, epoch=epoch)
                     mgr.wait()
                 if step == a.kill_after:
