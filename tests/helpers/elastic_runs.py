@@ -99,3 +99,30 @@ def _interleaved(steps: list[Step]) -> list[int]:
     for i in range(max((len(r) for r in ranks), default=0)):
         out.extend(r[i] for r in ranks if i < len(r))
     return out
+
+
+def run_chain(tmp: str, worlds: list[int], saves: list[int], extra: list[str] | None = None,
+              timeout: float = 300) -> tuple[list[Log], list[int]]:
+    """Runs at worlds[0], worlds[1], ...: run i saves at saves[i] and is killed one step later, the
+    last runs to the end; each resumes the previous one's checkpoint (elastic, or exact at the same
+    size). Returns every run's log and return code."""
+    ckpt = os.path.join(tmp, "ckpt")
+    logs, codes = [], []
+    for i, world in enumerate(worlds):
+        args = ["--ckpt", ckpt, "--records", os.path.join(tmp, f"log-{i}"), *(extra or [])]
+        if i < len(saves):
+            args += ["--save-at", str(saves[i]), "--kill-after", str(saves[i] + 1)]
+        codes.append(torchrun(world, args, timeout).returncode)
+        logs.append(read_log(os.path.join(tmp, f"log-{i}")))
+    return logs, codes
+
+
+def chain_consumed(logs: list[Log], saves: list[int], epoch: int = 0) -> list[int]:
+    """The epoch's ids in dealing order across a chain: run i's steps after the previous save up
+    to its own save (the last run: all its steps of the epoch)."""
+    out: list[int] = []
+    for i, log in enumerate(logs):
+        low = saves[i - 1] if i else -1
+        high = saves[i] if i < len(saves) else 1 << 60
+        out += _interleaved([s for s in log.steps if s.epoch == epoch and low < s.step <= high])
+    return out

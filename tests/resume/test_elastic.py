@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 
 import pytest
-from elastic_runs import Elastic, run_elastic
+from elastic_runs import Elastic, chain_consumed, run_chain, run_elastic
 
 from distckpt.state.elastic import Order
 
@@ -120,3 +120,26 @@ def test_per_rank_values_need_a_reshard_rule(tmp_path):
     tallies = [int(next(e for e in applied.resumed.events[r] if e.startswith("resumed")).split("tally ")[1])
                for r in range(3)]
     assert sum(tallies) == seen and max(tallies) - min(tallies) <= 1
+
+
+@pytest.mark.parametrize("worlds", [[2, 3, 2], pytest.param([2, 3, 3], marks=pytest.mark.faults)])
+def test_an_epoch_resized_twice_or_resumed_exactly_in_its_rest(tmp_path, worlds):
+    """A save in the middle of an epoch's rest: resumed at yet another size (the rest of the rest,
+    dealt again) or at the same size (exact: torchdata's position inside the rest)."""
+    saves, batch = [3, 6], 2
+    logs, codes = run_chain(str(tmp_path), worlds, saves, extra=["--items", "48"])
+    assert codes[-1] == 0
+    g = Order(48, worlds[0], True, False, 7, 0).global_indices()
+    expected, rest = [], g
+    for i, world in enumerate(worlds):
+        if i:  # the rest dealt to this world: padded with its head to a multiple of it
+            rest = rest + [rest[j % len(rest)] for j in range((-len(rest)) % world)]
+        if i < len(saves):
+            steps = saves[i] - (saves[i - 1] if i else -1)
+            taken = steps * batch * world
+            expected, rest = expected + rest[:taken], rest[taken:]
+    expected += rest
+    assert chain_consumed(logs, saves) == expected
+    assert set(expected) == set(range(48))
+    nxt = collections.Counter(i for s in logs[-1].steps if s.epoch == 1 for i in s.ids)
+    assert nxt == collections.Counter(Order(48, worlds[-1], True, False, 7, 1).global_indices())

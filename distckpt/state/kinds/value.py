@@ -38,7 +38,9 @@ class Value(Kind):
         elif type(target) is type(value) and isinstance(value, list):
             target[:] = value
         else:
-            state[entry.key] = PerRank(value) if entry.scope == PER_RANK and isinstance(state[entry.key], PerRank) else value
+            live = state[entry.key]
+            state[entry.key] = PerRank(value, live.reshard) if entry.scope == PER_RANK and isinstance(live, PerRank) \
+                else value
         return []
 
     def undo(self, entry: Entry, state: dict[str, Any]) -> Undo:
