@@ -249,7 +249,7 @@ def _doctor_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-rank", type=_whole, help="which rank (default: the last)")
     p.add_argument("--every", type=_whole, help="also fingerprint the parameters every K optimizer steps, to find "
                    "the first differing step between checkpoints")
-    p.add_argument("--resize", type=_whole, help="resume the killed run at this many ranks (--nproc-per-node; the "
+    p.add_argument("--resize", type=_whole, help="resume the killed run at this many ranks (torchrun processes per node; the "
                    "job uses world_size_policy='elastic'): report the sample accounting and the loss curves")
     p.add_argument("--workdir", help="where the two runs' roots go (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=3600.0,

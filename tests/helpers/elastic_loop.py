@@ -16,6 +16,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 import warnings
 
 import torch
@@ -50,6 +51,7 @@ def main() -> int:
     p.add_argument("--save-at", type=int, default=-1)
     p.add_argument("--kill-after", type=int, default=-1)
     p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--step-sleep", type=float, default=0.0)  # seconds per step: time for a test to kill a node
     p.add_argument("--items", type=int, default=96)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--workers", type=int, default=0)
@@ -65,8 +67,10 @@ def main() -> int:
 
     distckpt.init_distributed(timeout=120)
     rank, world = dist.get_rank(), dist.get_world_size()
-    os.makedirs(a.records, exist_ok=True)
-    log = open(os.path.join(a.records, f"rank-{rank}.txt"), "a", buffering=1)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's restart of the job
+    records = a.records if restart == 0 else f"{a.records}-restart{restart}"
+    os.makedirs(records, exist_ok=True)
+    log = open(os.path.join(records, f"rank-{rank}.txt"), "a", buffering=1)
 
     torch.manual_seed(0)
     model: nn.Module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -120,6 +124,8 @@ def main() -> int:
                 if step == a.save_at or (a.save_every and step % a.save_every == 0):
                     mgr.save(step, state, epoch=epoch)
                     mgr.wait()
+                if a.step_sleep:
+                    time.sleep(a.step_sleep)
                 if step == a.kill_after:
                     log.close()
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -6,9 +6,15 @@ across the two runs, in the epoch's global order; the next epoch is a full permu
 from __future__ import annotations
 
 import collections
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
-from elastic_runs import Elastic, chain_consumed, run_chain, run_elastic
+from elastic_runs import LOOP, ROOT, Elastic, chain_consumed, read_log, run_chain, run_elastic
 
 from distckpt.state.elastic import Order
 
@@ -143,3 +149,52 @@ def test_an_epoch_resized_twice_or_resumed_exactly_in_its_rest(tmp_path, worlds)
     assert set(expected) == set(range(48))
     nxt = collections.Counter(i for s in logs[-1].steps if s.epoch == 1 for i in s.ids)
     assert nxt == collections.Counter(Order(48, worlds[-1], True, False, 7, 1).global_indices())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agent(node: int, port: int, args: list[str], out) -> subprocess.Popen:
+    """One torchrun agent ("node") of a --nnodes 1:2 job on loopback; node 0 hosts the rendezvous."""
+    conf = "join_timeout=120,last_call_timeout=3" + ("" if node == 0 else ",is_host=false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+           "--max-restarts", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-id", "elastic-test", "--rdzv-conf", conf, "--monitor-interval", "0.5", LOOP, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _reached(records: str, step: int) -> bool:
+    return os.path.isdir(records) and any(
+        line.split(" ", 1)[0] == str(step) for name in os.listdir(records)
+        for line in open(os.path.join(records, name)) if not line.startswith("#"))
+
+
+def test_a_node_that_does_not_return_torchrun_elastic(tmp_path):
+    """torchrun --nnodes 1:2 with two agents on loopback (2 ranks each): saved mid-epoch at 4
+    ranks, one node is SIGKILLed whole and never returns; the other's agent restarts its workers
+    at 2 ranks, which resume elastically."""
+    records, port = str(tmp_path / "records"), _free_port()
+    args = ["--ckpt", str(tmp_path / "ckpt"), "--records", records, "--save-at", "5", "--step-sleep", "0.3"]
+    with open(tmp_path / "node0.txt", "w") as out0, open(tmp_path / "node1.txt", "w") as out1:
+        first = _agent(0, port, args, out0)
+        time.sleep(2)  # node 0 hosts the rendezvous store: it must outlive node 1
+        second = _agent(1, port, args, out1)
+        try:
+            deadline = time.monotonic() + 240
+            while not _reached(records, 7) and time.monotonic() < deadline and first.poll() is None:
+                time.sleep(0.2)
+            assert _reached(records, 7), open(tmp_path / "node0.txt").read()[-3000:]
+            os.killpg(second.pid, signal.SIGKILL)  # the whole node: its agent and its workers
+            assert first.wait(timeout=400) == 0, open(tmp_path / "node0.txt").read()[-3000:]
+        finally:
+            for agent in (first, second):
+                if agent.poll() is None:
+                    os.killpg(agent.pid, signal.SIGKILL)
+                    agent.wait()
+    result = Elastic(read_log(records), read_log(records + "-restart1"), (0, 0), "")
+    _check(result, old=4, new=2, save_at=5)
