@@ -70,7 +70,8 @@ def unsupported(loader: Any) -> str:
     return ""
 
 
-def plan_for(key: str, saved: list[Any], loader: Any, context: ElasticContext) -> ElasticPlan | None:
+def plan_for(key: str, saved: list[Any], loader: Any, context: ElasticContext,
+             held: list[int] | None = None) -> ElasticPlan | None:
     """The resized plan of the interrupted epoch (None: every old rank had finished its pass, the
     next pass is a new epoch as usual), from every old rank's saved loader state."""
     where = f"state[{key!r}]"
@@ -104,22 +105,27 @@ def plan_for(key: str, saved: list[Any], loader: Any, context: ElasticContext) -
                                  f"but {context.old_world_size} ranks saved: num_replicas must be the world size")
     _check_live_sampler(where, plan.order, loader, context)
     shares = plan.assigned()
-    consumed = [_consumed(s, len(share), first) for s, share in zip(saved, shares)]
+    held = held or [0] * len(saved)
+    consumed = [_consumed(s, len(share), first, h) for s, share, h in zip(saved, shares, held)]
     if all(k == len(share) for k, share in zip(consumed, shares)):
         return None
     return plan.resized(consumed, context.world_size)
 
 
-def _consumed(state: dict[str, Any], share: int, described: dict[str, Any]) -> int:
+def _consumed(state: dict[str, Any], share: int, described: dict[str, Any], held: int = 0) -> int:
     """Samples of its share an old rank's loop took: torchdata's count of batches yielded (with
-    workers: its snapshot's step and the batches since), all of them after a finished pass."""
-    if state.get("_iterator_finished") is True or state.get("_distckpt_iterator_dropped") is True:
+    workers: its snapshot's step and the batches since), less the batches a prefetching wrapper
+    held ahead of the loop; all of them after a finished pass."""
+    if held == 0 and (state.get("_iterator_finished") is True or state.get("_distckpt_iterator_dropped") is True):
         return share  # the pass was over (or dropped: its next iter() started a new one)
     snapshot = state.get("_snapshot")
     if isinstance(snapshot, dict):
         batches = int(snapshot.get("_snapshot_step", 0)) + int(state.get("_steps_since_snapshot", 0))
     else:
         batches = int(state.get("_num_yielded", 0))
+    if state.get("_iterator_finished") is True:  # every batch was taken from the loader, some held
+        batches = -(-share // int(described["batch_size"]))
+    batches -= held
     return consumed_samples(batches, int(described["batch_size"]), share, bool(described["batch_drop_last"]))
 
 

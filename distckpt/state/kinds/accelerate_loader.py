@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from distckpt.errors import IncompatibleCheckpointError, UnstorableValueError
+from distckpt.errors import ElasticResumeError, IncompatibleCheckpointError, UnstorableValueError
 from distckpt.state.capture import Entry, Release, has_class_named
 from distckpt.state.epoch_record import is_stateful_dataloader
 from distckpt.state.kinds.loader import Loader
@@ -136,6 +136,13 @@ class AcceleratePreparedLoader(Loader):
                 vars(inner)[_PENDING] = pending
 
         return put_back
+
+    def elastic(self, entry: Entry, saved: list[Any], context: Any, held: list[int] | None = None) -> Any:
+        raise ElasticResumeError(
+            f"state[{entry.key!r}] is Accelerate's prepared loader: it shards batches by its own rules (its batch "
+            "sampler shard, a batch held ahead), which world_size_policy='elastic' does not continue at another world "
+            "size. Load with world_size_policy='reshard' to restart the epoch, or keep the loader out of "
+            "accelerator.prepare(): a torchdata StatefulDataLoader over a DistributedSampler (docs: guides/elastic.md)")
 
     def summary(self, state: Any) -> dict[str, Any]:
         if not isinstance(state, dict):

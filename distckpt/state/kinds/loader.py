@@ -155,10 +155,11 @@ class Loader(Kind):
         loader_plan.plan_resume(entry.target, sampling, was_dropped, epochs, f"state[{entry.key!r}]", restored=value)
         return []
 
-    def elastic(self, entry: Entry, saved: list[Any], context: Any) -> Any:
-        """The rest of the interrupted epoch for this rank (elastic_rules.plan_for), and the
-        loader's own generator by the streams' rule: old rank j's on new rank j, else seeded."""
-        plan = elastic_rules.plan_for(entry.key, saved, entry.target, context)
+    def elastic(self, entry: Entry, saved: list[Any], context: Any, held: list[int] | None = None) -> Any:
+        """The rest of the interrupted epoch for this rank (elastic_rules.plan_for; `held`: batches
+        each old rank's wrapper held ahead of its loop, not consumed), and the loader's own
+        generator by the streams' rule: old rank j's on new rank j, else seeded."""
+        plan = elastic_rules.plan_for(entry.key, saved, entry.target, context, held)
         out: dict[str, Any] = {_ELASTIC_RESUME: {"plan": None if plan is None else plan.as_record()}}
         generator = _own_generator(entry.target)
         if generator is not None:

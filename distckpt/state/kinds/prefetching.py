@@ -90,6 +90,15 @@ class PrefetchingLoader(Loader):
 
         return put_back
 
+    def elastic(self, entry: Entry, saved: list[Any], context: Any, held: list[int] | None = None) -> Any:
+        """The inner loader's rest of the epoch, counting the batches each old rank's wrapper held
+        ahead of its loop as not consumed (they are dealt again, not given first)."""
+        if not all(isinstance(s, dict) and isinstance(s.get("held"), list) for s in saved):
+            raise IncompatibleCheckpointError(f"state[{entry.key!r}]: not the records of a prefetching loader")
+        inner = super().elastic(_inner(entry), [s["loader"] for s in saved], context,
+                                [len(s["held"]) for s in saved])
+        return {"loader": inner, "held": [], "ending": False}
+
     def summary(self, state: Any) -> dict[str, Any]:
         if not isinstance(state, dict):
             return {}
