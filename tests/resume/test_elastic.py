@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -168,6 +167,23 @@ def _agent(node: int, port: int, args: list[str], out) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _kill_node(agent: subprocess.Popen) -> None:
+    """SIGKILL an agent and every process under it (its workers may run in sessions of their own)."""
+    import psutil
+
+    try:
+        top = psutil.Process(agent.pid)
+        processes = [*top.children(recursive=True), top]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    agent.wait()
+
+
 def _reached(records: str, step: int) -> bool:
     return os.path.isdir(records) and any(
         line.split(" ", 1)[0] == str(step) for name in os.listdir(records)
@@ -189,12 +205,11 @@ def test_a_node_that_does_not_return_torchrun_elastic(tmp_path):
             while not _reached(records, 7) and time.monotonic() < deadline and first.poll() is None:
                 time.sleep(0.2)
             assert _reached(records, 7), open(tmp_path / "node0.txt").read()[-3000:]
-            os.killpg(second.pid, signal.SIGKILL)  # the whole node: its agent and its workers
+            _kill_node(second)  # the whole node: its workers and its agent
             assert first.wait(timeout=400) == 0, open(tmp_path / "node0.txt").read()[-3000:]
         finally:
             for agent in (first, second):
                 if agent.poll() is None:
-                    os.killpg(agent.pid, signal.SIGKILL)
-                    agent.wait()
+                    _kill_node(agent)
     result = Elastic(read_log(records), read_log(records + "-restart1"), (0, 0), "")
     _check(result, old=4, new=2, save_at=5)
