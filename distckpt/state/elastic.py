@@ -7,7 +7,8 @@ order is tracked as *positions* into `G`, so a resize is arithmetic on positions
 
 * a `Segment` is one world's share of the epoch: for each of its ranks the positions assigned
   to it (`assigned(...)`), and the count it consumed before the save;
-* the positions not consumed, in `G`'s order, are the remainder; the new world of M ranks
+* the positions not consumed, in the order they were dealt (`G`'s order for the epoch's first
+  world), are the remainder; the new world of M ranks
   splits it as DistributedSampler splits an epoch (interleaved: new rank j takes the
   remainder's j-th, (j+M)-th, ... position). When its length is not a multiple of M, the
   sampler's own rule applies: drop_last=False repeats its first positions (padding, at most
@@ -127,15 +128,16 @@ class ElasticPlan:
 
 
 def remainder(shares: Sequence[Sequence[int]], consumed: Sequence[int]) -> list[int]:
-    """The positions not consumed, in G's order (ascending positions)."""
+    """The positions not consumed, in dealing order: rank r's i-th position stood at r + W*i of
+    the sequence dealt to these W ranks (G itself for the epoch's first world; a rest, padding
+    at its end, after a resize), and keeps its place in it."""
     if len(consumed) != len(shares):
         raise ValueError(f"{len(consumed)} consumed counts for {len(shares)} ranks")
-    rest: list[int] = []
     for share, k in zip(shares, consumed):
         if not 0 <= k <= len(share):
             raise ValueError(f"a rank consumed {k} of its {len(share)} samples")
-        rest.extend(share[k:])
-    return sorted(rest)
+    longest = max((len(share) for share in shares), default=0)
+    return [share[i] for i in range(longest) for share, k in zip(shares, consumed) if k <= i < len(share)]
 
 
 def split(rest: Sequence[int], world: int, drop_last: bool) -> list[list[int]]:
