@@ -67,3 +67,65 @@ def test_the_accounting_finds_missed_and_repeated_samples():
     report = account(ref, killed, bad, 0, 4, 2)
     assert not report.exactly_once and report.missed == {8: 1, 9: 1} and report.repeated == {0: 1, 1: 1}
     assert not account(ref, killed, [], 0, 4, 2).records
+
+
+# -- the loader rule, with loaders built here (no processes: the world is given) -----------------
+
+def _loader(world: int, rank: int, sampler=None, n: int = 40, batch: int = 2):
+    from torch.utils.data import DistributedSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = list(range(n))
+    sampler = sampler or DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=3)
+    return StatefulDataLoader(data, batch_size=batch, sampler=sampler)
+
+
+def _saved(world: int, batches: int, **extra):
+    from distckpt.state.elastic import ELASTIC_KEY
+    from distckpt.state.elastic_rules import describe
+
+    return [{ELASTIC_KEY: describe(_loader(world, r)), "_num_yielded": batches, "_iterator_finished": False, **extra}
+            for r in range(world)]
+
+
+def test_the_loader_rule_deals_the_rest_and_counts_held_batches_as_not_consumed():
+    from distckpt.state.elastic import ElasticContext, Order
+    from distckpt.state.elastic_rules import plan_for
+
+    context = ElasticContext(1, 3, 2, 7, b"")
+    plan = plan_for("loader", _saved(2, 4), _loader(3, 1), context)
+    assert plan is not None and plan.segments[0].consumed == (8, 8) and plan.current_world == 3
+    g = Order(40, 2, True, False, 3, 0).global_indices()
+    assert [g[p] for p in plan.assigned()[1]] == g[16:][1::3]
+    held = plan_for("loader", _saved(2, 4), _loader(3, 1), context, held=[1, 1])
+    assert held is not None and held.segments[0].consumed == (6, 6)  # the held batches are dealt again
+    assert plan_for("loader", _saved(2, 4, _iterator_finished=True), _loader(3, 1), context) is None
+
+
+@pytest.mark.parametrize("case", ["random-sampler", "iterable", "old-record", "other-epochs", "wrong-rank"])
+def test_the_loader_rule_refuses_what_it_cannot_continue_by_name(case):
+    import torch
+
+    from distckpt.state.elastic import ELASTIC_KEY, ElasticContext
+    from distckpt.state.elastic_rules import plan_for
+
+    context = ElasticContext(0, 3, 2, 7, b"")
+    saved, live, named = _saved(2, 4), _loader(3, 0), ""
+    if case == "random-sampler":
+        live, named = _loader(3, 0, sampler=torch.utils.data.RandomSampler(range(40))), "RandomSampler"
+    elif case == "iterable":
+        class Stream(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                return iter(range(40))
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        live, named = StatefulDataLoader(Stream(), batch_size=2), "IterableDataset"
+    elif case == "old-record":
+        saved[1].pop(ELASTIC_KEY)
+        named = "old rank 1"
+    elif case == "other-epochs":
+        saved[1][ELASTIC_KEY]["order"] = {**saved[1][ELASTIC_KEY]["order"], "epoch": 1}
+        named = "different epochs"
+    else:
+        live, named = _loader(3, 2), "rank 2 of 3"
+    with pytest.raises(distckpt.ElasticResumeError, match=named):
+        plan_for("loader", saved, live, context)
