@@ -26,6 +26,7 @@ from torch.utils.data import BatchSampler, DistributedSampler
 from distckpt.errors import ElasticResumeError
 from distckpt.state.elastic import ELASTIC_KEY, ElasticContext, ElasticPlan, Order, consumed_samples, installed
 from distckpt.state.epoch_record import is_torchdata
+from distckpt.state.loader_plan import DROPPED_KEY
 from distckpt.state.rng import capture_process_rng, restore_process_rng
 
 _WHAT_TO_DO = ("load with world_size_policy='reshard' to restart the epoch at the new world size (samples of it "
@@ -116,7 +117,7 @@ def _consumed(state: dict[str, Any], share: int, described: dict[str, Any], held
     """Samples of its share an old rank's loop took: torchdata's count of batches yielded (with
     workers: its snapshot's step and the batches since), less the batches a prefetching wrapper
     held ahead of the loop; all of them after a finished pass."""
-    if held == 0 and (state.get("_iterator_finished") is True or state.get("_distckpt_iterator_dropped") is True):
+    if held == 0 and (state.get("_iterator_finished") is True or state.get(DROPPED_KEY) is True):
         return share  # the pass was over (or dropped: its next iter() started a new one)
     snapshot = state.get("_snapshot")
     if isinstance(snapshot, dict):

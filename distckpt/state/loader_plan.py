@@ -163,6 +163,12 @@ def plan_resume(loader: Any, saved: dict[str, Any] | None, was_dropped: bool = F
                               "restored": restored}
 
 
+def forget_plan(loader: Any) -> None:
+    """Drop a resume plan an earlier restore left for the next iterator (an elastic restore
+    starts a fresh pass of its own instead)."""
+    vars(loader).pop(_PLAN, None)
+
+
 class Untouched(NamedTuple):
     """A loader as its restore left it: what a save of it holds."""
     state: dict[str, Any]          # the state its load_state_dict was given

@@ -361,6 +361,7 @@ def _restore_elastic(entry: Entry, value: dict[str, Any]) -> list[str]:
     if generator is not None and _LOADER_GENERATOR in value:  # validated
         generator.set_state(value[_LOADER_GENERATOR])
     _warn_iterator_made_before(entry)
+    loader_plan.forget_plan(entry.target)
     plan = value[_ELASTIC_RESUME].get("plan")
     if plan is not None:
         elastic.install(entry.target, elastic.ElasticPlan.from_record(plan), entry.target.batch_sampler.sampler.rank)
