@@ -32,6 +32,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from distckpt.errors import CheckpointWarning, warn
+
 ELASTIC_KEY = "_distckpt_elastic"  # beside torchdata's keys in a loader's saved state
 
 
@@ -177,6 +179,11 @@ class RemainderSampler(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         if not self.active():
+            if not self.spent:  # the loop moved the sampler on before the rest was served
+                warn(f"the rest of epoch {self.plan.order.epoch} ({len(self.indices)} samples on this rank) continued "
+                     f"by an elastic resume was not served: the loader's sampler is at epoch "
+                     f"{getattr(self.original, 'epoch', '?')} at its first pass after the load; call "
+                     "sampler.set_epoch(epoch) with the epoch load_latest returned", CheckpointWarning)
             self.uninstall()
             return iter(self.original)
         return self._pass()
