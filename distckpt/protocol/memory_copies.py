@@ -224,9 +224,13 @@ class MemoryTier:
         def read() -> dict[str, Any]:
             out: dict[str, Any] = {}
             for lost in sending:
-                files = memory.read_step(memory.peer(lost), step)
-                replicated = mf.replicated_file(mf.Marker.parse(files[mf.MARKER], "").generation)
-                files.update(memory.read_step(memory.own, step, [replicated]))
+                generation = read_marker(memory.peer(lost), step).generation
+                names = [name for r in self.ranks_of(lost)
+                         for name in (mf.rank_file(r, generation), sharded.shard_file(r, generation))]
+                listed = memory.read_step(memory.own, step, [mf.replicated_file(generation)])
+                manifest = verify_files(listed, step, f"{memory.own.url}/{mf.step_dir(step)}")
+                files = memory.read_step(memory.peer(lost), step, [n for n in names if n in manifest.files])
+                files[mf.replicated_file(generation)] = listed[mf.replicated_file(generation)]
                 out[str(lost)] = files
             return out
 
