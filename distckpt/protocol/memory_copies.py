@@ -29,7 +29,7 @@ from typing import Any
 from distckpt.errors import CheckpointFallbackWarning, ConfigError, DistCkptError, warn
 from distckpt.io import manifest as mf
 from distckpt.io.safetensors_format import safetensors_chunks
-from distckpt.protocol.commit import read_marker
+from distckpt.protocol.commit import list_committed, read_marker
 from distckpt.protocol.coord import Coordinator, attempt_on_root, attempt_phase, run_phase
 from distckpt.protocol.fencing import Lease, read_leases, superseded_by
 from distckpt.protocol.memory_tier import MemorySettings, NodeMemory, verify_files
@@ -40,6 +40,7 @@ from distckpt.storage import Storage
 log = logging.getLogger("distckpt")
 
 MEMORY, PEER = "memory", "peer"
+_DISK_STEPS = 64  # the newest committed steps of each disk tier compared with the memory tier's newest
 
 
 class MemoryTier:
@@ -144,9 +145,9 @@ class MemoryTier:
                 for r in self.ranks_of(n):
                     peer[n].update(files_of[r])
         self.memory.check_room(_size(own), sum(_size(f) for f in peer.values()), step)
-        self.memory.commit(self.memory.own, step, own, lease)
+        self.memory.commit(self.memory.own, step, own, lease, self.rank)
         for n, files in peer.items():
-            self.memory.commit(self.memory.peer(n), step, files, lease)
+            self.memory.commit(self.memory.peer(n), step, files, lease, self.rank)
         self.memory.prune(self.memory.own)
         for n in self.memory.peer_nodes():
             self.memory.prune(self.memory.peer(n))
@@ -159,7 +160,7 @@ class MemoryTier:
 
     # -- recover --------------------------------------------------------------------------
 
-    def recover(self, coord: Coordinator, durable: Storage, load_from: Any) -> Any:
+    def recover(self, coord: Coordinator, durable: Storage, load_from: Any, local: Storage | None = None) -> Any:
         """Load the newest step the memory tier covers for every rank (collective). Returns the
         Progress (tier "memory", or "peer" when a node's files came from its partner), or None when
         no memory copy covers every rank, after a warning saying why: the caller loads the disk
@@ -167,8 +168,11 @@ class MemoryTier:
         the Progress or None when it does not verify."""
         if not self.enabled or self.memory is None:
             return None
-        outcome, _ = attempt_on_root(coord, "memory/leases",
-                                     lambda: {"leases": [dataclasses.asdict(x) for x in read_leases(durable)]})
+        def disk() -> dict[str, Any]:  # listings and the fence's leases: no payload byte
+            steps = {s for root in (durable, local) if root is not None for s in list_committed(root)[:_DISK_STEPS]}
+            return {"leases": [dataclasses.asdict(x) for x in read_leases(durable)], "steps": sorted(steps)}
+
+        outcome, _ = attempt_on_root(coord, "memory/leases", disk)
         if not outcome.ok:
             self._fall_back(f"the durable root's leases cannot be read ({outcome.message})")
             return None
@@ -176,10 +180,21 @@ class MemoryTier:
         views = coord.all_gather(self._holdings(), "memory/holdings")
         by_node = {self.node_of[r]: v for r, v in enumerate(views) if self.leader(self.node_of[r]) == r}
         candidates, why = _covered(self, by_node, leases)
+        # Only the newest step: an older memory copy never wins over a newer step on disk (memory
+        # copies are made of committed steps, so the disk tiers hold every step the memory tier
+        # does). A newer disk step a newer incarnation superseded, as its memory copy's marker
+        # tells, does not count: the disk load would skip it too.
+        newer = [s for s in outcome.info["steps"] if candidates and s > candidates[0][0]
+                 and not _superseded(int(s), by_node, leases)]
+        if newer:
+            why = (f"the disk tiers hold a newer step ({max(newer)}) than the newest step the memory tier covers "
+                   f"for every rank ({candidates[0][0]})")
+            candidates = []
+        candidates = candidates[:1]
         if not candidates:
             self._fall_back(why)
             return None
-        for step, sources in candidates[:3]:
+        for step, sources in candidates:
             repaired = self._repair(coord, step, sources)
             if not repaired:
                 continue
@@ -190,7 +205,7 @@ class MemoryTier:
                     log.info("rank 0: resumed step %d from the memory tier (%s)", step,
                              "own copies" if not sources else f"node(s) {sorted(sources)} from their partner")
                 return dataclasses.replace(progress, tier=tier)
-        self._fall_back("the memory copies of the newest steps do not verify (see the warnings above)")
+        self._fall_back(f"the memory copy of step {candidates[0][0]} cannot be used (see the warnings above)")
         return None
 
     def _holdings(self) -> dict[str, Any]:
@@ -246,7 +261,7 @@ class MemoryTier:
                 verify_files(files, step, f"the partner copy of step {step} for node {node}")
                 faults.point("memory/repairing", step=step, rank=self.rank)
                 lease = _lease_of(files)
-                memory.commit(memory.own, step, files, lease)
+                memory.commit(memory.own, step, files, lease, self.rank)
 
         _, _, outcomes = attempt_phase(coord, f"memory/repaired step {step}", receive)
         if not all(o.ok for o in outcomes):
@@ -256,8 +271,8 @@ class MemoryTier:
 
     def _warn_damaged(self, step: int, outcomes: list[Any]) -> None:
         failed = "; ".join(f"rank {o.rank}: {o.error_type}: {o.message}" for o in outcomes if not o.ok)
-        warn(f"rank {self.rank}: the memory copy of step {step} cannot be used ({failed}); trying an older "
-             "memory step, then the disk tiers", CheckpointFallbackWarning)
+        warn(f"rank {self.rank}: the memory copy of step {step} cannot be used ({failed}); loading "
+             "the disk tiers", CheckpointFallbackWarning)
 
     def _fall_back(self, why: str) -> None:
         warn(f"rank {self.rank}: not resuming from the memory tier: {why}; loading the disk tiers",

@@ -170,11 +170,11 @@ class NodeMemory:
                 "keep_memory, give the node more shared memory (docker --shm-size, a larger /dev/shm), or save "
                 "without memory_tier=True")
 
-    def commit(self, storage: Storage, step: int, files: dict[str, bytes], lease: Lease) -> None:
+    def commit(self, storage: Storage, step: int, files: dict[str, bytes], lease: Lease, rank: int) -> None:
         """Commit `files` (manifest and marker among them) as `step` of one area, marker last."""
-        faults.point("memory/files-writing", step=step, rank=-1)
+        faults.point("memory/files-writing", step=step, rank=rank, area=storage.url)
         commit_files(storage, step, files, lease)
-        faults.point("memory/committed", step=step, rank=-1)
+        faults.point("memory/committed", step=step, rank=rank, area=storage.url)
 
     def prune(self, storage: Storage, spared: int | None = None) -> list[int]:
         """Keep the newest keep_memory committed steps of one area (marker first, then files), and

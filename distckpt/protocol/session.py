@@ -365,7 +365,7 @@ class Session:
             return load_memory_copy(self.coord, self.durable, copy, entries, state, step,
                                     self.config.world_size_policy, self.rules, leases)
 
-        progress: Progress | None = self.memory.recover(self.coord, self.durable, load_from)
+        progress: Progress | None = self.memory.recover(self.coord, self.durable, load_from, self.local)
         return progress
 
     def list_ahead(self) -> None:
