@@ -29,7 +29,7 @@ from typing import Any
 from distckpt.errors import CheckpointFallbackWarning, ConfigError, DistCkptError, warn
 from distckpt.io import manifest as mf
 from distckpt.io.safetensors_format import safetensors_chunks
-from distckpt.protocol.commit import list_committed, read_marker
+from distckpt.protocol.commit import is_committed, read_marker, step_candidates
 from distckpt.protocol.coord import Coordinator, attempt_on_root, attempt_phase, run_phase
 from distckpt.protocol.fencing import Lease, read_leases, superseded_by
 from distckpt.protocol.memory_tier import MemorySettings, NodeMemory, verify_files
@@ -40,7 +40,6 @@ from distckpt.storage import Storage
 log = logging.getLogger("distckpt")
 
 MEMORY, PEER = "memory", "peer"
-_DISK_STEPS = 64  # the newest committed steps of each disk tier compared with the memory tier's newest
 
 
 class MemoryTier:
@@ -168,26 +167,25 @@ class MemoryTier:
         the Progress or None when it does not verify."""
         if not self.enabled or self.memory is None:
             return None
-        def disk() -> dict[str, Any]:  # listings and the fence's leases: no payload byte
-            steps = {s for root in (durable, local) if root is not None for s in list_committed(root)[:_DISK_STEPS]}
-            return {"leases": [dataclasses.asdict(x) for x in read_leases(durable)], "steps": sorted(steps)}
-
-        outcome, _ = attempt_on_root(coord, "memory/leases", disk)
-        if not outcome.ok:
-            self._fall_back(f"the durable root's leases cannot be read ({outcome.message})")
+        mine = self._holdings()
+        if coord.rank == 0:  # the durable root's leases and both disk tiers' step directories: listings only
+            try:
+                mine["disk"] = {"leases": [dataclasses.asdict(x) for x in read_leases(durable)],
+                                "dirs": sorted({s for root in (durable, local) if root is not None
+                                                for s in step_candidates(root)})}
+            except (OSError, DistCkptError) as e:
+                mine["disk"] = {"error": f"{type(e).__name__}: {e}"}
+        views = coord.all_gather(mine, "memory/holdings")
+        disk = views[0]["disk"]
+        if "error" in disk:
+            self._fall_back(f"the durable root cannot be read ({disk['error']})")
             return None
-        leases = [Lease(**d) for d in outcome.info["leases"]]
-        views = coord.all_gather(self._holdings(), "memory/holdings")
+        leases = [Lease(**d) for d in disk["leases"]]
         by_node = {self.node_of[r]: v for r, v in enumerate(views) if self.leader(self.node_of[r]) == r}
         candidates, why = _covered(self, by_node, leases)
-        # Only the newest step: an older memory copy never wins over a newer step on disk (memory
-        # copies are made of committed steps, so the disk tiers hold every step the memory tier
-        # does). A newer disk step a newer incarnation superseded, as its memory copy's marker
-        # tells, does not count: the disk load would skip it too.
-        newer = [s for s in outcome.info["steps"] if candidates and s > candidates[0][0]
-                 and not _superseded(int(s), by_node, leases)]
-        if newer:
-            why = (f"the disk tiers hold a newer step ({max(newer)}) than the newest step the memory tier covers "
+        newer = self._newer_on_disk(coord, durable, local, disk["dirs"], candidates, by_node, leases)
+        if newer is not None:
+            why = (f"the disk tiers hold a newer step ({newer}) than the newest step the memory tier covers "
                    f"for every rank ({candidates[0][0]})")
             candidates = []
         candidates = candidates[:1]
@@ -207,6 +205,30 @@ class MemoryTier:
                 return dataclasses.replace(progress, tier=tier)
         self._fall_back(f"the memory copy of step {candidates[0][0]} cannot be used (see the warnings above)")
         return None
+
+    def _newer_on_disk(self, coord: Coordinator, durable: Storage, local: Storage | None, dirs: list[int],
+                       candidates: list[tuple[int, dict[int, int]]], by_node: dict[int, dict[str, Any]],
+                       leases: list[Lease]) -> int | None:
+        """The newest step committed on a disk tier above the memory tier's newest (collective when
+        there are step directories above it; None: none). Only the newest memory step may win: an
+        older memory copy never wins over a newer step on disk (memory copies are made of committed
+        steps, so the disk tiers hold every step the memory tier does). A newer disk step that a
+        newer incarnation superseded, as its memory copy's marker tells, does not count: the disk
+        load would skip it too."""
+        if not candidates:
+            return None
+        above = [int(d) for d in dirs if int(d) > candidates[0][0] and not _superseded(int(d), by_node, leases)]
+        if not above:
+            return None
+
+        def committed() -> dict[str, Any]:  # one marker lookup per directory (no payload byte)
+            return {"steps": [d for d in above if any(root is not None and is_committed(root, d)
+                                                      for root in (durable, local))]}
+
+        outcome, _ = attempt_on_root(coord, "memory/newer-on-disk", committed)
+        if not outcome.ok:  # cannot tell: the disk tiers decide
+            return max(above)
+        return max(outcome.info["steps"], default=None)
 
     def _holdings(self) -> dict[str, Any]:
         """What this node holds: {step: marker digest} of its own copies and of each partner area."""
