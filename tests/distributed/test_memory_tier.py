@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -176,7 +175,34 @@ def test_a_damaged_partner_copy_falls_back_to_the_durable_tier(tmp_path, via_pro
     assert "cannot be used" in "".join(outs), outs[0][-3000:]
 
 
-def wait_for(predicate, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.05)
+@pytest.fixture(scope="module")
+def reference_8(s3_server, tmp_path_factory):
+    """The uninterrupted run of 8 steps, 2 nodes x 1 rank: its loss logs."""
+    tmp = str(tmp_path_factory.mktemp("memory-reference"))
+    finish(launch(tmp, "ref", "s3://ckpt/memory-reference-8", json.dumps(s3_server.storage_options()), 8, 1))
+    return os.path.join(tmp, "logs-ref")
+
+
+# (fault point[@area], the rank SIGKILLed there, the tier the restart resumes step 3 from)
+KILLS = [
+    ("memory/exchanged", 1, "peer"),         # node 1 dies before writing: node 0 holds its partner copy
+    ("memory/files-writing", 1, "peer"),     # node 1 dies writing its own copy
+    ("memory/committed", 1, "memory"),       # node 1's own copy committed; dies before its partner copy
+    ("memory/files-writing@peer", 1, "memory"),  # a partner dying during its copy: the own copies stand
+    ("memory/exchanged", 0, "peer"),         # node 0 dies before writing: node 1 holds its partner copy
+]
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+@pytest.mark.parametrize("point, rank, tier", KILLS)
+def test_sigkill_at_a_memory_commit_point_resumes_bitwise(tmp_path, via_proxy, reference_8, point, rank, tier):
+    url, proxy = via_proxy
+    tmp = str(tmp_path)
+    kill_all(launch(tmp, "run", url, proxy.endpoint, 8, 1, ("--fault", f"{point}:{rank}")), first=rank)
+    proxy.clear()
+    finish(launch(tmp, "run", url, proxy.endpoint, 8, 1, ("--no-save-after-resume",)))
+    logs = os.path.join(tmp, "logs-run")
+    assert [resumes(logs, r)[-1][:2] for r in (0, 1)] == [["3", tier]] * 2
+    assert all(losses(logs, r) == losses(reference_8, r) for r in (0, 1))
+    assert proxy.bytes_served("GET", r"step-\d+") == 0

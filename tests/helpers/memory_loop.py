@@ -50,11 +50,13 @@ def main() -> None:
     state = {"model": model, "optimizer": opt, "data": data}
     options = json.loads(args.options) if args.options else None
     tiers = {"local_dir": args.local_dir, "durable_every": args.durable_every} if args.local_dir else {}
-    if args.fault:
+    if args.fault:  # POINT[@AREA]:RANK — SIGKILL this rank there, at the first save of step 3 or later
         point, who = args.fault.rsplit(":", 1)
+        point, _, area = point.partition("@")
 
         def hook(name: str, context: dict) -> None:
-            if name == point and int(who) == rank and context.get("step", 0) >= 3:
+            if name == point and int(who) == rank and context.get("step", 0) >= 3 \
+                    and f"/{area}" in str(context.get("area", f"/{area}")):
                 os.kill(os.getpid(), signal.SIGKILL)
 
         faults.on_point(hook)
