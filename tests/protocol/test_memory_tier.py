@@ -229,3 +229,38 @@ def two_ranks(rank: int, world: int, url: str) -> None:
     assert (progress.step, progress.tier) == (2, "memory")
     assert torch.equal(state["g"].get_state(), expected.get_state())
     assert torch.equal(state["w"], torch.arange(4.0))
+
+
+def test_fsdp2_shards_resume_from_memory_bitwise(shm, ckpt_dir):
+    from distckpt.testing import run_world
+
+    saved = run_world("test_memory_tier:fsdp_save", 2, url=ckpt_dir)
+    assert all(r.error is None for r in saved), saved
+    shards = [n for n in os.listdir(os.path.join(shm, "own", mf.step_dir(3))) if n.startswith("shard")]
+    assert shards, os.listdir(os.path.join(shm, "own", mf.step_dir(3)))
+    loaded = run_world("test_memory_tier:fsdp_load", 2, url=ckpt_dir)
+    assert all(r.error is None for r in loaded), loaded
+    for s, r in zip(saved, loaded):
+        assert r.value["tier"] == "memory"
+        assert r.value["values"] == s.value["values"]
+        assert r.value["more"] == s.value["more"]  # training goes on bitwise
+
+
+def fsdp_save(rank: int, world: int, url: str) -> dict:
+    import sharded_workers as w
+
+    state = w.build(0)
+    w.train(state, 3)
+    with distckpt.CheckpointManager(url, memory_tier=True, timeout=60) as mgr:
+        mgr.save(3, state)
+        values = w.full_values(state)
+    return {"values": values, "more": w.train(state, 2, 3)}
+
+
+def fsdp_load(rank: int, world: int, url: str) -> dict:
+    import sharded_workers as w
+
+    state = w.build(123)
+    with distckpt.CheckpointManager(url, memory_tier=True, timeout=60) as mgr:
+        progress = mgr.load_latest(state)
+    return {"tier": progress.tier, "values": w.full_values(state), "more": w.train(state, 2, 3)}
