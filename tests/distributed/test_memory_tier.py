@@ -125,6 +125,22 @@ def test_a_replaced_node_resumes_from_its_partners_memory_bitwise_reading_no_pay
 
 
 @pytest.mark.slow
+@pytest.mark.faults
+def test_fsdp2_a_replaced_node_gets_its_shards_from_its_partner(tmp_path, via_proxy):
+    url, proxy = via_proxy
+    tmp = str(tmp_path)
+    finish(launch(tmp, "ref", url + "-ref", proxy.endpoint, 8, 1, ("--fsdp",)))
+    kill_all(launch(tmp, "run", url, proxy.endpoint, 8, 1, ("--fsdp", "--kill-at", "4:0")))
+    shutil.rmtree(os.path.join(tmp, "mem-run", "node1"))
+    proxy.clear()
+    finish(launch(tmp, "run", url, proxy.endpoint, 8, 1, ("--fsdp", "--no-save-after-resume")))
+    logs, reference = os.path.join(tmp, "logs-run"), os.path.join(tmp, "logs-ref")
+    assert [resumes(logs, r)[-1][:2] for r in (0, 1)] == [["4", "peer"]] * 2
+    assert all(losses(logs, r) == losses(reference, r) for r in (0, 1))
+    assert proxy.bytes_served("GET", r"step-\d+") == 0
+
+
+@pytest.mark.slow
 def test_a_restarted_node_with_its_memory_resumes_from_its_own_copy(tmp_path, via_proxy):
     url, proxy = via_proxy
     tmp = str(tmp_path)

@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--durable-every", type=int)
     parser.add_argument("--memory-every", type=int)
     parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard)")
     args = parser.parse_args()
 
     distckpt.init_distributed(timeout=60)
@@ -45,6 +46,11 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.Tanh(),
                                 torch.nn.Linear(args.width, 1))
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model[0])
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(1000 + rank)
     state = {"model": model, "optimizer": opt, "data": data}
@@ -75,7 +81,7 @@ def main() -> None:
         loss = model(x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
-        for p in model.parameters():
+        for p in model.parameters() if not args.fsdp else ():  # FSDP2 reduces the gradients itself
             dist.all_reduce(p.grad)
             p.grad /= world
         opt.step()
