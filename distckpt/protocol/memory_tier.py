@@ -76,6 +76,11 @@ class MemorySettings:
         return cls(True, every, keep, memory_root(url, node), node, _free_limit())
 
 
+    def shared(self) -> dict[str, Any]:
+        """The settings every rank must share (compared when the managers are built)."""
+        return {"memory_tier": self.enabled, "memory_every": self.every, "keep_memory": self.keep}
+
+
 def _positive(name: str, value: Any, why: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ConfigError(f"{name}={shown(value)}: must be an int >= 1 ({why})")
@@ -156,7 +161,7 @@ class NodeMemory:
     def check_room(self, own_bytes: int, peer_bytes: int, step: int) -> None:
         """Refuse, naming the sizes, a step that would not fit in shared memory: a full tmpfs fails a
         write with ENOSPC at best, and a bus error in a process that maps a file of it at worst."""
-        os.makedirs(self.root, exist_ok=True)
+        os.makedirs(self.root, mode=0o700, exist_ok=True)  # the job's state: not for other users of the node
         free = shutil.disk_usage(self.root).free
         if self.settings.free_limit is not None:
             free = min(free, self.settings.free_limit)

@@ -83,7 +83,8 @@ def agree_on_settings(coord: Coordinator, settings: Settings | None, refusal: Ex
     a difference the group is closed before raising."""
     mine: dict[str, Any] = {"run_id": uuid.uuid4().hex, "refused": None if refusal is None else str(refusal),
                             "kind": type(refusal).__name__,
-                            "settings": None if settings is None else settings.config.shared_settings()}
+                            "settings": None if settings is None else
+                            {**settings.config.shared_settings(), **settings.memory.shared()}}
     if coord.world_size == 1:
         return str(mine["run_id"])
     every = coord.all_gather(mine, "init/run-id")

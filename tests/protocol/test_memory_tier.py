@@ -264,3 +264,15 @@ def fsdp_load(rank: int, world: int, url: str) -> dict:
     with distckpt.CheckpointManager(url, memory_tier=True, timeout=60) as mgr:
         progress = mgr.load_latest(state)
     return {"tier": progress.tier, "values": w.full_values(state), "more": w.train(state, 2, 3)}
+
+
+def test_ranks_built_with_different_memory_settings_are_refused_on_every_rank(shm, ckpt_dir):
+    from distckpt.testing import run_world
+
+    results = run_world("test_memory_tier:differing", 2, url=ckpt_dir)
+    assert [r.error_type for r in results] == ["ConfigError", "ConfigError"], results
+    assert all("memory_tier" in r.error for r in results)
+
+
+def differing(rank: int, world: int, url: str) -> None:
+    distckpt.CheckpointManager(url, memory_tier=rank == 0, timeout=30)
