@@ -141,6 +141,24 @@ def test_fsdp2_a_replaced_node_gets_its_shards_from_its_partner(tmp_path, via_pr
 
 
 @pytest.mark.slow
+@pytest.mark.faults
+def test_with_two_tiers_a_replaced_node_that_lost_memory_and_disk_resumes_from_its_partner(tmp_path, via_proxy):
+    url, proxy = via_proxy
+    tmp = str(tmp_path)
+    tiers = ("--local-dir", os.path.join(tmp, "local-{node}"), "--durable-every", "3")
+    reference = _reference(tmp, url, proxy.endpoint, 8, 1)
+    kill_all(launch(tmp, "run", url, proxy.endpoint, 8, 1, ("--kill-at", "4:0", *tiers)))
+    shutil.rmtree(os.path.join(tmp, "mem-run", "node1"))  # node 1 replaced: memory and local disk gone
+    shutil.rmtree(os.path.join(tmp, "local-1"))
+    proxy.clear()
+    finish(launch(tmp, "run", url, proxy.endpoint, 8, 1, ("--no-save-after-resume", *tiers)))
+    logs = os.path.join(tmp, "logs-run")
+    assert [resumes(logs, r)[-1][:2] for r in (0, 1)] == [["4", "peer"]] * 2
+    assert all(losses(logs, r) == losses(reference, r) for r in (0, 1))
+    assert proxy.bytes_served("GET", r"step-\d+") == 0
+
+
+@pytest.mark.slow
 def test_a_restarted_node_with_its_memory_resumes_from_its_own_copy(tmp_path, via_proxy):
     url, proxy = via_proxy
     tmp = str(tmp_path)

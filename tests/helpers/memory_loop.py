@@ -55,7 +55,9 @@ def main() -> None:
     data = torch.Generator().manual_seed(1000 + rank)
     state = {"model": model, "optimizer": opt, "data": data}
     options = json.loads(args.options) if args.options else None
-    tiers = {"local_dir": args.local_dir, "durable_every": args.durable_every} if args.local_dir else {}
+    # a node-local directory per node: "{node}" stands for torchrun's GROUP_RANK
+    local_dir = args.local_dir.replace("{node}", os.environ.get("GROUP_RANK", "0")) if args.local_dir else None
+    tiers = {"local_dir": local_dir, "durable_every": args.durable_every} if local_dir else {}
     if args.fault:  # POINT[@AREA]:RANK — SIGKILL this rank there, at the first save of step 3 or later
         point, who = args.fault.rsplit(":", 1)
         point, _, area = point.partition("@")

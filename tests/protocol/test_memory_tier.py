@@ -276,3 +276,24 @@ def test_ranks_built_with_different_memory_settings_are_refused_on_every_rank(sh
 
 def differing(rank: int, world: int, url: str) -> None:
     distckpt.CheckpointManager(url, memory_tier=rank == 0, timeout=30)
+
+
+def test_the_pre_emption_save_reaches_memory_and_the_resume_reads_it(shm, ckpt_dir, tmp_path):
+    import signal
+
+    local = str(tmp_path / "local")
+    state = make_state()
+    with distckpt.CheckpointManager(ckpt_dir, memory_tier=True, local_dir=local, durable_every=100,
+                                    preemption_signals=(signal.SIGUSR1,)) as mgr:
+        for step in range(10):
+            train(state, [step])
+            if step == 6:
+                os.kill(os.getpid(), signal.SIGUSR1)  # the notice, mid-run
+            if mgr.preemption_requested():
+                mgr.save(step, state)
+                break
+    assert own_steps(shm) == [6]
+    assert 6 in list_committed(open_storage(ckpt_dir))  # made durable too, as every pre-emption save
+    progress, resumed = resume(ckpt_dir, local_dir=local)
+    assert (progress.step, progress.tier) == (6, "memory")
+    assert train(resumed, range(2)) == train(state, range(2))
