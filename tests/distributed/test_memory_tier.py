@@ -40,6 +40,7 @@ def launch(tmp, tag: str, url: str, endpoint: str, steps: int, nproc: int = 1, e
     for node in (0, 1):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([HELPERS, os.getcwd()]),
                "DISTCKPT_MEMORY_DIR": os.path.join(memory or os.path.join(tmp, f"mem-{tag}"), f"node{node}"),
+               "DISTCKPT_NODE": f"node{node}",  # the local tier's node identity: the host name repeats here
                **(env_extra or {})}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
