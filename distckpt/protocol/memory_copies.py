@@ -99,12 +99,20 @@ class MemoryTier:
         if coord.rank == 0:
             mine["root"] = self._root_parts(step, staged, target)
             mine["lease"] = dataclasses.asdict(lease) if lease is not None else None
-        every = coord.all_gather(mine, "memory/copies")
+        # One node: rank 0 writes its one copy, so the files go to it alone (a gather); several:
+        # every node's lowest rank needs rank 0's files and its own ranks' and partner's (all_gather).
+        every = coord.gather(mine, "memory/copies") if len(self.nodes) == 1 else \
+            coord.all_gather(mine, "memory/copies")
         faults.point("memory/exchanged", step=step, rank=coord.rank)
-        root = every[0]
-        lease_used = Lease(**root["lease"]) if root.get("lease") else Lease(generation, None, captured.run_id)
-        run_phase(coord, "memory/committed", f"memory copy of step {step}",
-                  lambda: self._commit_node(step, [v["files"] for v in every], root["root"], lease_used))
+
+        def commit() -> None:
+            if every is None:  # one node, not rank 0: nothing to write
+                return
+            root = every[0]
+            lease_used = Lease(**root["lease"]) if root.get("lease") else Lease(generation, None, captured.run_id)
+            self._commit_node(step, [v["files"] for v in every], root["root"], lease_used)
+
+        run_phase(coord, "memory/committed", f"memory copy of step {step}", commit)
         self._tell_if_alone()
 
     def _own_parts(self, captured: Any, generation: int) -> dict[str, bytes]:
