@@ -11,6 +11,7 @@ builtin, so code that already handles ``OSError`` keeps working::
     ├── StorageError(OSError)              reading or writing storage failed
     │   ├── CheckpointExistsError(FileExistsError)  the step is already committed
     │   ├── MissingFileError(FileNotFoundError)     a file that should be there is not
+    │   ├── MemoryTierFullError            a step does not fit in the node's shared memory
     │   └── NotAFileError                  something else stands where a file should be
     │                                      (a FIFO, socket, device, directory, link): damage
     ├── CorruptCheckpointError             a file's size/checksum/structure is wrong
@@ -84,6 +85,11 @@ class CheckpointExistsError(StorageError, FileExistsError):
 
 class MissingFileError(StorageError, FileNotFoundError):
     """A file the checkpoint names is not in storage."""
+
+
+class MemoryTierFullError(StorageError):
+    """A step does not fit in the free shared memory of a node (memory_tier=True); the message
+    names the sizes. Nothing was written to memory; the step stays committed where it was saved."""
 
 
 class NotAFileError(StorageError):

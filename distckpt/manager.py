@@ -28,6 +28,7 @@ from distckpt.protocol.commit import list_committed
 from distckpt.protocol.coord import make_coordinator
 from distckpt.protocol.leases import LeaseKeeper
 from distckpt.protocol.loading import Progress
+from distckpt.protocol.memory_copies import MemoryTier
 from distckpt.protocol.pruning import Pruner
 from distckpt.protocol.retention import Committed, best_first, read_committed
 from distckpt.protocol.session import Session
@@ -55,7 +56,8 @@ class CheckpointManager:
     and the reason) and agreed across ranks; the settings page of the reference lists each with
     its default and what it is for: keep_last/keep_best/best_mode (retention), async_save and
     overlap_snapshot (saves in the background), local_dir/durable_every/keep_local (two tiers),
-    incremental, timeout, storage_options, world_size_policy, preemption_signals.
+    incremental, timeout, storage_options, world_size_policy, preemption_signals,
+    memory_tier/memory_every/keep_memory (a tier in shared memory with a partner copy on another node).
 
     A checkpoint is committed only when its COMMITTED marker is written, after every file is
     durable; a failed or interrupted save never changes an earlier checkpoint.
@@ -75,7 +77,8 @@ class CheckpointManager:
                  allow_dtype_cast: bool = False, missing_entries: str = "refuse",
                  local_dir: str | os.PathLike[str] | None = None, durable_every: int | None = None,
                  keep_local: int | None = None, incremental: bool = False,
-                 overlap_snapshot: bool = False) -> None:
+                 overlap_snapshot: bool = False, memory_tier: bool = False, memory_every: int | None = None,
+                 keep_memory: int | None = None) -> None:
         refusal: Exception | None = None
         settings: Settings | None = None
         try:  # every argument before any exchange (settings.py)
@@ -83,7 +86,8 @@ class CheckpointManager:
                                    timeout,  # type: ignore[arg-type]  # a timedelta or None: made seconds there
                                    leftover_grace_s, world_size_policy, split_writes, allow_dtype_cast,
                                    missing_entries, preemption_signals, incremental, overlap_snapshot)
-            settings = Settings.check(url, storage_options, local_dir, durable_every, keep_local, config)
+            settings = Settings.check(url, storage_options, local_dir, durable_every, keep_local, config,
+                                      (memory_tier, memory_every, keep_memory))
         except Exception as e:  # a refused argument, an unreachable store: raised on every rank below
             refusal = e
         loader_hazards.track_iterators()  # a loop's loader left out of `state` is told at the first saves
@@ -103,9 +107,10 @@ class CheckpointManager:
         self._preemption = PreemptionFlag(self.config.preemption_signals)
         self._uploads = DurableUploads(self._coord, self.storage, self.local, self.tiers, self.config,
                                        self.split_writes, self._leases, self._pruner)  # two tiers (uploads.py)
+        self._memory = MemoryTier(self._coord, settings.memory)  # memory_tier=True (memory_copies.py)
         # last: rank 0's git (for the manifests) runs from here to the first save
         self._session = Session(self._coord, self.run_id, self.config, self.storage, self.local, self.tiers,
-                                self._leases, self._pruner, self._uploads)
+                                self._leases, self._pruner, self._uploads, self._memory)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.storage!r}, rank={self.rank}, world_size={self.world_size})"
@@ -160,7 +165,7 @@ class CheckpointManager:
         if progress is None:
             return f"no committed checkpoint at {self.storage.url}: starting fresh"
         epoch = f" (epoch {progress.epoch})" if progress.epoch is not None else ""
-        tier = f" ({progress.tier} tier)" if self.local is not None else ""
+        tier = f" ({progress.tier} tier)" if self.local is not None or self._memory.enabled else ""
         return f"resumed from step {progress.step}{epoch} at {progress.url}{tier}"
 
     @arguments_checked

@@ -102,7 +102,8 @@ class Progress:
     # world_size_policy="reshard" at another world size: what this rank did not restore but kept
     # as its own seeding made it ("rng" and per-rank entry keys); () after an exact resume
     rederived: tuple[str, ...] = ()
-    # which tier it came from: "local" (the manager's local_dir) or "durable" (its URL)
+    # which tier it came from: "memory" / "peer" (memory_tier: the nodes' own copies / some node's
+    # files from its partner), "local" (the manager's local_dir) or "durable" (its URL)
     tier: str = "durable"
     # the write lease generation of the incarnation that committed it (fencing.py; 0: before fencing)
     generation: int = 0

@@ -34,6 +34,8 @@ from distckpt.protocol.frameworks import classify_in_world
 from distckpt.protocol.incremental import ContentTable
 from distckpt.protocol.leases import LeaseKeeper, ResumedBranch
 from distckpt.protocol.loading import Progress, load, refuse_load_request
+from distckpt.protocol.memory_copies import MemoryTier
+from distckpt.protocol.memory_load import load_memory_copy
 from distckpt.protocol.pruning import Pruner
 from distckpt.protocol.saving import (
     CapturedSave,
@@ -43,7 +45,6 @@ from distckpt.protocol.saving import (
     gather_save,
     raise_gathered_failures,
     share_outcome,
-    stage_save,
     write_and_commit,
 )
 from distckpt.protocol.snapshot import OverlappedSnapshot
@@ -66,10 +67,11 @@ class Session:
 
     def __init__(self, coord: Coordinator, run_id: str, config: ManagerConfig, durable: Storage,
                  local: Storage | None, tiers: TierSettings, leases: LeaseKeeper, pruner: Pruner,
-                 uploads: DurableUploads) -> None:
+                 uploads: DurableUploads, memory: MemoryTier | None = None) -> None:
         self.coord, self.rank, self.world_size, self.run_id = coord, coord.rank, coord.world_size, run_id
         self.config, self.durable, self.local, self.tiers = config, durable, local, tiers
         self.leases, self.pruner, self.uploads = leases, pruner, uploads
+        self.memory = memory  # the memory tier (memory_copies.py); None or disabled: off
         self.rules = LoadRules(config.allow_dtype_cast, config.missing_entries)
         self.writer = AsyncWriter()
         self.writer_coord: Coordinator | None = None  # the writer thread's own group (async saves)
@@ -118,15 +120,17 @@ class Session:
         doctor_hooks.note_first_pass_draws(drawn, self.rank)
         doctor_hooks.rebase_fingerprints(step)
         durable = self.uploads.next_save_is_durable(entries, metric)
+        in_memory = self.memory is not None and self.memory.next_save_is_memory()
         self.save_seq += 1
         args = (self.coord, self.target, entries, step, epoch, metric, self.run_id,
                 self.staging if self.config.async_save else None, self.leases.replace_policy, self.leases.take,
                 self.save_seq, self.config.split_writes, self.durable if self.local is not None else None,
                 self.leases.prepare_local if self.local is not None else None, self.uploads.hands_over_rank_files)
         if self.config.async_save:
-            self._save_in_background(entries, step, durable, args)
+            self._save_in_background(entries, step, durable, args, in_memory)
             return
-        staged, own_write = stage_save(*args)
+        captured = capture_save(*args)
+        staged, own_write = gather_save(self.coord, captured), captured.own_write
         exc = None
         try:
             self._write(staged, own_write, durable)
@@ -135,6 +139,8 @@ class Session:
         if staged is None:
             faults.point("save/awaiting-commit", step=step, rank=self.rank)
         share_outcome(self.coord, exc, "save/commit", f"save of step {step}", step)
+        if in_memory:
+            self._copy_to_memory(self.coord, captured, staged)
         self.uploads.ship(step)
         if durable and self.uploads.preempting:
             self.uploads.report(block=True, final=True)
@@ -146,11 +152,14 @@ class Session:
         fails their first agreement (the peers raised CoordinationError when this rank went on
         or died, or waited out the timeout when it stayed)."""
         self.uploads.next_save_is_durable([])
+        if self.memory is not None:
+            self.memory.next_save_is_memory()
         self.save_seq += 1
         agree(self.coord, Outcome.failure(self.rank, refusal), "save/capture", f"save of step {step!r}", refusal)
         raise refusal  # not reached: agree raised, the failure being in the outcomes
 
-    def _save_in_background(self, entries: list[Any], step: int, durable: bool, args: tuple[Any, ...]) -> None:
+    def _save_in_background(self, entries: list[Any], step: int, durable: bool, args: tuple[Any, ...],
+                            in_memory: bool = False) -> None:
         """The training thread's only exchange: capture and agree. The gather, the write and the
         outcome run on the writer thread, over the writer's own process group."""
         if self.config.overlap_snapshot:
@@ -161,7 +170,8 @@ class Session:
             background = self._background_coordinator()
             with sigint_deferred():  # a Ctrl-C between these would leave a job no wait() collects
                 self.snapshot.started()  # optimizer steps wait from here until the copy is done
-                self.writer.submit(lambda: self._background_save(background, captured, durable), f"step {step}")
+                self.writer.submit(lambda: self._background_save(background, captured, durable, in_memory),
+                                   f"step {step}")
                 self.pending_step = step
         except BaseException:
             if self.pending_step != step:
@@ -239,7 +249,8 @@ class Session:
             self.writer_coord = make_coordinator(self.config.timeout) if self.world_size > 1 else self.coord
         return self.writer_coord
 
-    def _background_save(self, coord: Coordinator, captured: CapturedSave, durable: bool) -> None:
+    def _background_save(self, coord: Coordinator, captured: CapturedSave, durable: bool,
+                         in_memory: bool = False) -> None:
         """The writer thread's part of an async save, on every rank: the overlapped snapshot's
         copies and their check, gather (with this rank's failure, if any), write, and rank 0's
         outcome to every rank (raised here, so each rank's wait() sees the same error)."""
@@ -259,6 +270,13 @@ class Session:
         except Exception as e:
             exc = e
         share_outcome(coord, exc, "save/async-outcome", f"background save of step {captured.step}", captured.step)
+        if in_memory:  # on the writer's own group: the training thread does not wait for the copies
+            self._copy_to_memory(coord, captured, staged)
+
+    def _copy_to_memory(self, coord: Coordinator, captured: CapturedSave, staged: StagedSave | None) -> None:
+        """The committed step to every node's memory and its partner copy (collective, memory_copies.py)."""
+        assert self.memory is not None
+        self.memory.after_commit(coord, captured.step, captured, staged, self.target, self.leases.lease)
 
     def finish_pending(self) -> None:
         """Check the overlapped snapshot, join the background save in flight and raise its
@@ -317,10 +335,12 @@ class Session:
             if refusal is not None:
                 refuse_load_request(self.coord, refusal)
                 raise refusal  # not reached: refuse_load_request raised
-            progress = load(self.coord, self.durable, entries, state, step, self.config.world_size_policy,
-                            self.rules, self.local)
-        if progress is not None:
-            self.uploads.resumed(progress.tier)
+            progress = self._load_memory(entries, state) if step is None else None
+            if progress is None:
+                progress = load(self.coord, self.durable, entries, state, step, self.config.world_size_policy,
+                                self.rules, self.local)
+        if progress is not None:  # a memory step may be on the local tier only: made durable next
+            self.uploads.resumed("local" if progress.tier in ("memory", "peer") else progress.tier)
         self.leases.resumed(progress.step if progress is not None else None,
                             None if progress is None or progress.leases_checked or self.local is None else
                             ResumedBranch(progress.step, progress.generation, self.local.url, step is None))
@@ -334,6 +354,18 @@ class Session:
                 log.warning("rank %d: config differs from the checkpoint's: %s", self.rank, line)
             log.info("rank %d: resumed from %s (step %d, epoch %s%s)", self.rank, progress.url,
                      progress.step, progress.epoch, f", {progress.tier} tier" if self.local is not None else "")
+        return progress
+
+    def _load_memory(self, entries: list[Any], state: dict[str, Any]) -> Progress | None:
+        """The memory tier's newest step every rank is covered for (collective; None: load the disk tiers)."""
+        if self.memory is None or not self.memory.enabled:
+            return None
+
+        def load_from(copy: Storage, step: int, leases: list[Any]) -> Progress | None:
+            return load_memory_copy(self.coord, self.durable, copy, entries, state, step,
+                                    self.config.world_size_policy, self.rules, leases)
+
+        progress: Progress | None = self.memory.recover(self.coord, self.durable, load_from, self.local)
         return progress
 
     def list_ahead(self) -> None:

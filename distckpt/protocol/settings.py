@@ -23,6 +23,7 @@ from distckpt.io import manifest as mf
 from distckpt.protocol import doctor_hooks
 from distckpt.protocol.coord import Coordinator
 from distckpt.protocol.frameworks import negative_step_refusal
+from distckpt.protocol.memory_tier import MemorySettings
 from distckpt.protocol.tiers import TierSettings
 from distckpt.state.validation import check_step
 from distckpt.storage import Storage, open_storage
@@ -38,10 +39,11 @@ class Settings:
     storage: Storage
     tiers: TierSettings
     local: Storage | None
+    memory: MemorySettings = MemorySettings()
 
     @classmethod
     def check(cls, url: Any, storage_options: Any, local_dir: Any, durable_every: Any, keep_local: Any,
-              config: ManagerConfig) -> "Settings":
+              config: ManagerConfig, memory: tuple[Any, Any, Any] = (False, None, None)) -> "Settings":
         """Every argument (the config's own were checked as it was built); raises the first refusal."""
         if config.keep_best is not None and config.keep_last is None:
             warn(f"keep_best={config.keep_best} without keep_last keeps every step: retention keeps "
@@ -63,7 +65,14 @@ class Settings:
             raise ConfigError("incremental=True with split_writes=True is not supported: incremental saves "
                               "leave out the unchanged tensors of rank 0's file, and split writes move them to "
                               "every rank's shard file, written whole at each save; use one of the two")
-        return cls(config, os.fspath(url) if isinstance(url, os.PathLike) else url, storage, tiers, local)
+        in_memory = MemorySettings.check(storage.url, *memory)
+        if in_memory.enabled and (config.incremental or config.split_writes):
+            name = "incremental=True" if config.incremental else "split_writes=True"
+            raise ConfigError(f"memory_tier=True with {name} is not supported: a node's memory copy holds the "
+                              "replicated file and its own ranks' files whole, so it could not hold "
+                              + ("the files each step references from older ones" if config.incremental else
+                                 "the replicated tensors split across every rank's shard file") + "; use one of the two")
+        return cls(config, os.fspath(url) if isinstance(url, os.PathLike) else url, storage, tiers, local, in_memory)
 
 
 def agree_on_settings(coord: Coordinator, settings: Settings | None, refusal: Exception | None) -> str:
@@ -74,7 +83,8 @@ def agree_on_settings(coord: Coordinator, settings: Settings | None, refusal: Ex
     a difference the group is closed before raising."""
     mine: dict[str, Any] = {"run_id": uuid.uuid4().hex, "refused": None if refusal is None else str(refusal),
                             "kind": type(refusal).__name__,
-                            "settings": None if settings is None else settings.config.shared_settings()}
+                            "settings": None if settings is None else
+                            {**settings.config.shared_settings(), **settings.memory.shared()}}
     if coord.world_size == 1:
         return str(mine["run_id"])
     every = coord.all_gather(mine, "init/run-id")

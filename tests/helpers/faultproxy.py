@@ -12,7 +12,8 @@ first `skip` matches through, and act on up to `times` of the rest:
     late        hold the request `delay` seconds, then forward it (the client may have given up
                 by then; the server still applies it)
 
-Every request is logged as (method, path, status or action) for assertions.
+Every request is logged as (method, path, status or action) for assertions, and the body bytes
+each response carried to the client as (method, path, bytes) in `served` (what a restore read).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class FaultProxy:
     upstream_port: int
     rules: list[Rule] = field(default_factory=list)
     log: list[tuple[str, str, str]] = field(default_factory=list)
+    served: list[tuple[str, str, int]] = field(default_factory=list)  # response body bytes sent
     port: int = 0
 
     def start(self) -> "FaultProxy":
@@ -77,6 +79,12 @@ class FaultProxy:
         with self._lock:
             self.rules.clear()
             self.log.clear()
+            self.served.clear()
+
+    def bytes_served(self, method: str = "GET", path: str = "") -> int:
+        """Response body bytes sent for requests of `method` whose path matches the regex `path`."""
+        with self._lock:
+            return sum(n for m, p, n in self.served if m == method and re.search(path, p) is not None)
 
     def stop(self) -> None:
         self._server.close()
@@ -144,6 +152,8 @@ class FaultProxy:
                     resp_body = bytes(flipped)
                 else:
                     self.log.append((method, path, status_line.split()[1]))
+                with self._lock:
+                    self.served.append((method, path, len(resp_body)))
                 client.sendall(resp_raw + resp_body)
         except (OSError, ValueError):
             return

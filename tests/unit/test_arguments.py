@@ -42,11 +42,22 @@ def test_every_tier_setting_refuses_a_bad_value_naming_itself(tmp_path, name):
         distckpt.CheckpointManager(str(tmp_path / "root"), **kwargs)
 
 
+# The memory tier's settings (memory_tier.MemorySettings), each refused by name.
+MEMORY_SETTINGS = {"memory_tier": {"memory_tier": "yes"}, "memory_every": {"memory_tier": True, "memory_every": 0},
+                   "keep_memory": {"memory_tier": True, "keep_memory": -1}}
+
+
+@pytest.mark.parametrize("name", sorted(MEMORY_SETTINGS))
+def test_every_memory_setting_refuses_a_bad_value_naming_itself(tmp_path, name):
+    with pytest.raises(distckpt.ConfigError, match=name):
+        distckpt.CheckpointManager(str(tmp_path / "root"), **MEMORY_SETTINGS[name])
+
+
 def test_every_constructor_parameter_is_checked_by_one_of_the_tables():
     import inspect
 
     params = set(inspect.signature(distckpt.CheckpointManager.__init__).parameters) - {"self", "url"}
-    assert params == set(SETTINGS) | set(TIER_SETTINGS) | {"storage_options"}
+    assert params == set(SETTINGS) | set(TIER_SETTINGS) | set(MEMORY_SETTINGS) | {"storage_options"}
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -1,0 +1,371 @@
+"""The memory tier across nodes: each memory save's copies, and the recovery that reads them.
+
+    save      after a step commits (on the URL or the local tier), every memory_every-th save
+              is also committed to each node's memory root (memory_tier.py): each rank hands its
+              own files (rank file, shard file) and rank 0 the replicated file, manifest and
+              marker to one exchange on the save's own group (the background writer's with
+              async_save, so the training thread never waits for it); the lowest rank of each
+              node commits the node's copy, and the lowest rank of the next node (a ring over the
+              nodes) a partner copy of the node's own files. Bounded: keep_memory steps per area,
+              and the free shared memory checked before anything is written.
+    recover   at load_latest, before the disk tiers: the ranks agree on the newest step that every
+              node holds in its own memory or its partner holds for it (markers compared), the
+              partner sends a lost node's files over the manager's group (checked against the
+              manifest before anything is written), and the load reads every rank's files from its
+              own node's memory, with the durable root's leases (fencing as every tier). When no
+              step is covered for every rank, or the copy is damaged, the load goes on to the disk
+              tiers with a warning naming why.
+
+The exchanges go through the coordinator (object collectives on gloo groups the manager makes),
+never through a transport of our own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from distckpt.errors import CheckpointFallbackWarning, ConfigError, DistCkptError, warn
+from distckpt.io import manifest as mf
+from distckpt.io.safetensors_format import safetensors_chunks
+from distckpt.protocol.commit import is_committed, read_marker, step_candidates
+from distckpt.protocol.coord import Coordinator, attempt_on_root, attempt_phase, run_phase
+from distckpt.protocol.fencing import Lease, read_leases, superseded_by
+from distckpt.protocol.memory_tier import MemorySettings, NodeMemory, verify_files
+from distckpt.runtime import faults
+from distckpt.state import sharded
+from distckpt.storage import Storage
+
+log = logging.getLogger("distckpt")
+
+MEMORY, PEER = "memory", "peer"
+
+
+class MemoryTier:
+    """A manager's memory tier (every method does nothing when it is off). Collective where it says."""
+
+    def __init__(self, coord: Coordinator, settings: MemorySettings) -> None:
+        self.settings, self.coord, self.rank = settings, coord, coord.rank
+        self.enabled = settings.enabled
+        self.memory = NodeMemory(settings) if settings.enabled else None
+        nodes = [settings.node] if not settings.enabled or coord.world_size == 1 else \
+            coord.all_gather(settings.node, "init/memory-nodes")
+        self.node_of: list[int] = [int(n) for n in nodes]  # by rank
+        self._saves = 0
+        self._told_alone = False
+
+    # -- which ranks, which nodes ---------------------------------------------------------
+
+    @property
+    def nodes(self) -> list[int]:
+        return sorted(set(self.node_of))
+
+    def leader(self, node: int) -> int:
+        return self.node_of.index(node)
+
+    def ranks_of(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.node_of) if n == node]
+
+    def partner_of(self, node: int) -> int | None:
+        """The node that keeps `node`'s partner copy: the next one in a ring (None: one node)."""
+        nodes = self.nodes
+        if len(nodes) < 2:
+            return None
+        return nodes[(nodes.index(node) + 1) % len(nodes)]
+
+    # -- save -----------------------------------------------------------------------------
+
+    def check_save(self, incremental: bool) -> None:
+        """The combinations refused by name (at construction)."""
+        if self.enabled and incremental:
+            raise ConfigError("memory_tier=True with incremental=True is not supported: a memory copy would have "
+                              "to carry the files each step references from older ones; use one of the two")
+
+    def next_save_is_memory(self) -> bool:
+        """Every memory_every-th save (counted alike on every rank)."""
+        if not self.enabled:
+            return False
+        self._saves += 1
+        return self._saves % self.settings.every == 0
+
+    def after_commit(self, coord: Coordinator, step: int, captured: Any, staged: Any, target: Storage,
+                     lease: Lease | None) -> None:
+        """Commit committed `step` to every node's memory and its partner copies (collective, on the
+        save's group). Raises on every rank alike when a node could not (the step stays committed
+        where it was saved)."""
+        generation = int(captured.infos[0]["generation"] or 0)
+        mine: dict[str, Any] = {"files": self._own_parts(captured, generation)}
+        if coord.rank == 0:
+            mine["root"] = self._root_parts(step, staged, target)
+            mine["lease"] = dataclasses.asdict(lease) if lease is not None else None
+        # One node: rank 0 writes its one copy, so the files go to it alone (a gather); several:
+        # every node's lowest rank needs rank 0's files and its own ranks' and partner's (all_gather).
+        every = coord.gather(mine, "memory/copies") if len(self.nodes) == 1 else \
+            coord.all_gather(mine, "memory/copies")
+        faults.point("memory/exchanged", step=step, rank=coord.rank)
+
+        def commit() -> None:
+            if every is None:  # one node, not rank 0: nothing to write
+                return
+            root = every[0]
+            lease_used = Lease(**root["lease"]) if root.get("lease") else Lease(generation, None, captured.run_id)
+            self._commit_node(step, [v["files"] for v in every], root["root"], lease_used)
+
+        run_phase(coord, "memory/committed", f"memory copy of step {step}", commit)
+        self._tell_if_alone()
+
+    def _own_parts(self, captured: Any, generation: int) -> dict[str, bytes]:
+        """This rank's own files of the save, by their names in the manifest."""
+        out = {mf.rank_file(captured.rank, generation): captured.local.rank_file}
+        own = captured.own_write
+        if own is not None and own.shard_tree is not None:
+            out[sharded.shard_file(captured.rank, generation)] = b"".join(bytes(c) for c in
+                                                                           safetensors_chunks(own.shard_tree))
+        return out
+
+    def _root_parts(self, step: int, staged: Any, target: Storage) -> dict[str, bytes]:
+        """Rank 0: the replicated file as written, and the committed manifest and marker."""
+        base = mf.step_dir(step)
+        marker = read_marker(target, step)
+        replicated = b"".join(bytes(c) for c in safetensors_chunks(staged.replicated))
+        return {mf.replicated_file(marker.generation): replicated,
+                mf.MANIFEST: target.read_bytes(f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES),
+                mf.MARKER: marker.to_bytes()}
+
+    def _commit_node(self, step: int, files_of: list[dict[str, bytes]], root: dict[str, bytes],
+                     lease: Lease) -> None:
+        """The node leader's part: its node's copy (the replicated file, manifest and marker, and its
+        ranks' own files) and the partner copy it keeps for the node before it in the ring (that
+        node's ranks' own files, manifest and marker), room checked first."""
+        assert self.memory is not None
+        node = self.node_of[self.rank]
+        if self.leader(node) != self.rank:
+            return
+        own = dict(root)
+        for r in self.ranks_of(node):
+            own.update(files_of[r])
+        peer: dict[int, dict[str, bytes]] = {}
+        for n in self.nodes:
+            if n != node and self.partner_of(n) == node:
+                peer[n] = {mf.MANIFEST: root[mf.MANIFEST], mf.MARKER: root[mf.MARKER]}
+                for r in self.ranks_of(n):
+                    peer[n].update(files_of[r])
+        self.memory.check_room(_size(own), sum(_size(f) for f in peer.values()), step)
+        self.memory.commit(self.memory.own, step, own, lease, self.rank)
+        for n, files in peer.items():
+            self.memory.commit(self.memory.peer(n), step, files, lease, self.rank)
+        self.memory.prune(self.memory.own)
+        for n in self.memory.peer_nodes():
+            self.memory.prune(self.memory.peer(n))
+
+    def _tell_if_alone(self) -> None:
+        if self.rank == 0 and not self._told_alone and len(self.nodes) < 2:
+            self._told_alone = True
+            log.warning("rank 0: the memory tier runs on one node: no partner copy is made, so a lost node's "
+                        "memory copy is lost with it (its restart loads the disk tiers)")
+
+    # -- recover --------------------------------------------------------------------------
+
+    def recover(self, coord: Coordinator, durable: Storage, load_from: Any, local: Storage | None = None) -> Any:
+        """Load the newest step the memory tier covers for every rank (collective). Returns the
+        Progress (tier "memory", or "peer" when a node's files came from its partner), or None when
+        no memory copy covers every rank, after a warning saying why: the caller loads the disk
+        tiers then. `load_from(storage, step, leases)` reads and applies one step's copy, returning
+        the Progress or None when it does not verify."""
+        if not self.enabled or self.memory is None:
+            return None
+        mine = self._holdings()
+        if coord.rank == 0:  # the durable root's leases and both disk tiers' step directories: listings only
+            try:
+                mine["disk"] = {"leases": [dataclasses.asdict(x) for x in read_leases(durable)],
+                                "dirs": sorted({s for root in (durable, local) if root is not None
+                                                for s in step_candidates(root)})}
+            except (OSError, DistCkptError) as e:
+                mine["disk"] = {"error": f"{type(e).__name__}: {e}"}
+        views = coord.all_gather(mine, "memory/holdings")
+        disk = views[0]["disk"]
+        if "error" in disk:
+            self._fall_back(f"the durable root cannot be read ({disk['error']})")
+            return None
+        leases = [Lease(**d) for d in disk["leases"]]
+        by_node = {self.node_of[r]: v for r, v in enumerate(views) if self.leader(self.node_of[r]) == r}
+        candidates, why = _covered(self, by_node, leases)
+        newer = self._newer_on_disk(coord, durable, local, disk["dirs"], candidates, by_node, leases)
+        if newer is not None:
+            why = (f"the disk tiers hold a newer step ({newer}) than the newest step the memory tier covers "
+                   f"for every rank ({candidates[0][0]})")
+            candidates = []
+        candidates = candidates[:1]
+        if not candidates:
+            self._fall_back(why)
+            return None
+        for step, sources in candidates:
+            repaired = self._repair(coord, step, sources)
+            if not repaired:
+                continue
+            progress = load_from(self.memory.own, step, leases)
+            if progress is not None:
+                tier = PEER if sources else MEMORY
+                if coord.rank == 0:
+                    log.info("rank 0: resumed step %d from the memory tier (%s)", step,
+                             "own copies" if not sources else f"node(s) {sorted(sources)} from their partner")
+                return dataclasses.replace(progress, tier=tier)
+        self._fall_back(f"the memory copy of step {candidates[0][0]} cannot be used (see the warnings above)")
+        return None
+
+    def _newer_on_disk(self, coord: Coordinator, durable: Storage, local: Storage | None, dirs: list[int],
+                       candidates: list[tuple[int, dict[int, int]]], by_node: dict[int, dict[str, Any]],
+                       leases: list[Lease]) -> int | None:
+        """The newest step committed on a disk tier above the memory tier's newest (collective when
+        there are step directories above it; None: none). Only the newest memory step may win: an
+        older memory copy never wins over a newer step on disk (memory copies are made of committed
+        steps, so the disk tiers hold every step the memory tier does). A newer disk step that a
+        newer incarnation superseded, as its memory copy's marker tells, does not count: the disk
+        load would skip it too."""
+        if not candidates:
+            return None
+        above = [int(d) for d in dirs if int(d) > candidates[0][0] and not _superseded(int(d), by_node, leases)]
+        if not above:
+            return None
+
+        def committed() -> dict[str, Any]:  # one marker lookup per directory (no payload byte)
+            return {"steps": [d for d in above if any(root is not None and is_committed(root, d)
+                                                      for root in (durable, local))]}
+
+        outcome, _ = attempt_on_root(coord, "memory/newer-on-disk", committed)
+        if not outcome.ok:  # cannot tell: the disk tiers decide
+            return max(above)
+        return max(outcome.info["steps"], default=None)
+
+    def _holdings(self) -> dict[str, Any]:
+        """What this node holds: {step: marker digest} of its own copies and of each partner area."""
+        assert self.memory is not None
+        memory = self.memory
+
+        def digests(storage: Storage) -> dict[str, str]:
+            out = {}
+            for step in memory.steps(storage):
+                try:
+                    m = read_marker(storage, step)
+                    out[str(step)] = f"{m.manifest_digest}:{m.generation}:{m.run_id}"
+                except (OSError, DistCkptError):
+                    continue
+            return out
+
+        return {"own": digests(memory.own), "peers": {str(n): digests(memory.peer(n)) for n in memory.peer_nodes()}}
+
+    def _repair(self, coord: Coordinator, step: int, sources: dict[int, int]) -> bool:
+        """Nodes without their own copy of `step` get it from their partner (collective): the
+        partner's leader reads and verifies its copy, the lost node's leader checks every file
+        against the manifest, then commits it into its own memory. False (with a warning) if any failed."""
+        if not sources:
+            return True
+        assert self.memory is not None
+        memory = self.memory
+        node = self.node_of[self.rank]
+        sending = {lost: src for lost, src in sources.items() if src == node and self.leader(node) == self.rank}
+
+        def read() -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for lost in sending:
+                generation = read_marker(memory.peer(lost), step).generation
+                names = [name for r in self.ranks_of(lost)
+                         for name in (mf.rank_file(r, generation), sharded.shard_file(r, generation))]
+                listed = memory.read_step(memory.own, step, [mf.replicated_file(generation)])
+                manifest = verify_files(listed, step, f"{memory.own.url}/{mf.step_dir(step)}")
+                files = memory.read_step(memory.peer(lost), step, [n for n in names if n in manifest.files])
+                files[mf.replicated_file(generation)] = listed[mf.replicated_file(generation)]
+                out[str(lost)] = files
+            return out
+
+        sent, _, outcomes = attempt_phase(coord, f"memory/read step {step}", read)
+        if not all(o.ok for o in outcomes):
+            self._warn_damaged(step, outcomes)
+            return False
+        every = coord.all_gather(sent or {}, f"memory/send step {step}")
+
+        def receive() -> None:
+            if node in sources and self.leader(node) == self.rank:
+                files = every[self.leader(sources[node])][str(node)]
+                verify_files(files, step, f"the partner copy of step {step} for node {node}")
+                faults.point("memory/repairing", step=step, rank=self.rank)
+                lease = _lease_of(files)
+                memory.commit(memory.own, step, files, lease, self.rank)
+
+        _, _, outcomes = attempt_phase(coord, f"memory/repaired step {step}", receive)
+        if not all(o.ok for o in outcomes):
+            self._warn_damaged(step, outcomes)
+            return False
+        return True
+
+    def _warn_damaged(self, step: int, outcomes: list[Any]) -> None:
+        failed = "; ".join(f"rank {o.rank}: {o.error_type}: {o.message}" for o in outcomes if not o.ok)
+        warn(f"rank {self.rank}: the memory copy of step {step} cannot be used ({failed}); loading "
+             "the disk tiers", CheckpointFallbackWarning)
+
+    def _fall_back(self, why: str) -> None:
+        warn(f"rank {self.rank}: not resuming from the memory tier: {why}; loading the disk tiers",
+             CheckpointFallbackWarning)
+
+
+def _covered(tier: MemoryTier, by_node: dict[int, dict[str, Any]],
+             leases: list[Lease]) -> tuple[list[tuple[int, dict[int, int]]], str]:
+    """The steps every node holds (its own copy, or its partner's with the partner's own copy for the
+    replicated file), one marker for all, newest first: [(step, {lost node: source node})]. A step
+    a newer incarnation superseded is left out (fencing.py): a zombie's memory copy never wins."""
+    steps = sorted({int(s) for v in by_node.values() for s in v["own"]}, reverse=True)
+    steps = [s for s in steps if not _superseded(s, by_node, leases)]
+    out = []
+    uncovered: dict[int, list[int]] = {}
+    for step in steps:
+        sources: dict[int, int] = {}
+        markers: set[str] = set()
+        missing = []
+        for node in tier.nodes:
+            own = by_node[node]["own"].get(str(step))
+            if own is not None:
+                markers.add(own)
+                continue
+            partner = tier.partner_of(node)
+            if partner is None:
+                missing.append(node)
+                continue
+            held = by_node[partner]["peers"].get(str(node), {}).get(str(step))
+            if held is not None and by_node[partner]["own"].get(str(step)) == held:
+                markers.add(held)
+                sources[node] = partner
+            else:
+                missing.append(node)
+        if missing:
+            uncovered[step] = missing
+            continue
+        if len(markers) == 1:
+            out.append((step, sources))
+    if out:
+        return out, ""
+    if not steps:
+        return [], "no node holds a committed step in memory"
+    step = steps[0]
+    ranks = [r for n in uncovered.get(step, []) for r in tier.ranks_of(n)]
+    return [], (f"no memory copy covers every rank (step {step}: neither node(s) {uncovered.get(step)} nor their "
+                f"partner hold it, so rank(s) {ranks} have no copy; or the nodes' markers differ)")
+
+
+def _superseded(step: int, by_node: dict[int, dict[str, Any]], leases: list[Lease]) -> bool:
+    for view in by_node.values():
+        held = view["own"].get(str(step))
+        if held is not None and superseded_by(int(held.split(":")[1]), step, leases) is not None:
+            return True
+    return False
+
+
+def _lease_of(files: dict[str, bytes]) -> Lease:
+    """The lease a repaired copy is committed under: its marker's generation, replacing nothing newer."""
+    marker = mf.Marker.parse(files[mf.MARKER], "")
+    return Lease(marker.generation, None, marker.run_id)
+
+
+def _size(files: dict[str, bytes]) -> int:
+    return sum(len(v) for v in files.values())
+
