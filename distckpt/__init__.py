@@ -28,7 +28,7 @@ _ERRORS = (
     "ArgumentNameError", "AsyncSaveError", "CheckpointExistsError", "ConfigError", "CoordinationError",
     "CorruptCheckpointError", "DistCkptError", "FencedError", "IncompatibleCheckpointError", "MissingFileError",
     "RankDisagreementError", "RunConflictError", "SnapshotChangedError", "StateArgumentError", "StorageError",
-    "SupersededCheckpointError", "UnstorableValueError",
+    "SupersededCheckpointError", "UnstorableValueError", "UntrustedCheckpointError",
     "DistCkptWarning", "CheckpointWarning", "ReplayWarning", "CheckpointFallbackWarning", "ReshardWarning",
     "DurableUploadWarning", "NonAtomicStorageWarning", "RngRestoreWarning", "DeviceAbsentWarning",
 )
@@ -54,7 +54,7 @@ __all__ = [
     "NonAtomicStorageWarning", "PREEMPTED_EXIT_CODE", "PerRank", "Progress", "RankDisagreementError",
     "ReplayWarning", "ReshardWarning", "RngRestoreWarning", "RunConflictError", "SnapshotChangedError",
     "StateArgumentError", "StorageError", "SupersededCheckpointError", "UnstorableValueError",
-    "WeightsReport", "__version__", "export_weights", "init_distributed", "load_weights", "per_rank",
+    "UntrustedCheckpointError", "WeightsReport", "__version__", "export_weights", "init_distributed", "load_weights", "per_rank",
     "preemption_safe_worker_init", "shutdown_distributed", "with_worker_rng",
 ]
 
@@ -105,6 +105,7 @@ if TYPE_CHECKING:  # what type checkers and the docs generator see; not run
         StorageError,
         SupersededCheckpointError,
         UnstorableValueError,
+        UntrustedCheckpointError,
     )
     from distckpt.manager import CheckpointManager
     from distckpt.protocol.loading import Progress

@@ -35,6 +35,7 @@ from distckpt.errors import (  # noqa: F401  (re-exported where it was defined)
     ReshardWarning,
     StorageError,
     SupersededCheckpointError,
+    UntrustedCheckpointError,
     warn,
 )
 from distckpt.io import manifest as mf
@@ -390,7 +391,8 @@ def _uncommitted(outcomes: list[Outcome]) -> bool:
     return bool(failed) and all(o.error_type == NotCommittedError.__name__ for o in failed)
 
 
-_SKIPPABLE = (CorruptCheckpointError.__name__, NotCommittedError.__name__, SupersededCheckpointError.__name__)
+_SKIPPABLE = (CorruptCheckpointError.__name__, NotCommittedError.__name__, SupersededCheckpointError.__name__,
+              UntrustedCheckpointError.__name__)  # a verify key's refusal falls back as damage does
 
 
 def _attempt_read(coord: Coordinator, storage: Storage, entries: list[Entry], step: int, tier: str,
