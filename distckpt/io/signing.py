@@ -43,7 +43,7 @@ from distckpt.errors import ConfigError, CorruptCheckpointError, MissingFileErro
 SIGNATURE = "SIGNATURE"
 DIGEST = "blake3"  # the key of a file record's cryptographic digest
 FORMAT = 1
-MAX_SIGNATURE_BYTES = 4096
+MAX_SIGNATURE_BYTES = 64 << 20  # a signed table of every file of a step (`distckpt sign`)
 SIGNING_ENV = "DISTCKPT_SIGNING_KEY"
 VERIFY_ENV = "DISTCKPT_VERIFY_KEY"
 _DOMAIN = b"distckpt signed manifest v1\n"
@@ -244,13 +244,21 @@ def verifies(storage: Any) -> bool:
 
 # -- the signature file -----------------------------------------------------------------------
 
-def signature_bytes(signer: Any, manifest: bytes) -> bytes:
-    """The SIGNATURE file's bytes for `manifest` (every record in it must carry a digest)."""
-    manifest_digest = digest_of(manifest)
-    sig = signer.sign(_DOMAIN + bytes.fromhex(manifest_digest))
-    body = {"format": FORMAT, "algorithm": "ed25519", "key": fingerprint(signer.public_key()),
-            "manifest_blake3": manifest_digest, "signature": base64.b64encode(sig).decode()}
+def signature_bytes(signer: Any, manifest: bytes, files: dict[str, str] | None = None) -> bytes:
+    """The SIGNATURE file's bytes for `manifest`. A save's manifest gives every file its digest;
+    `files` (path -> BLAKE3) carries them instead for a step committed unsigned and signed
+    afterwards (`distckpt sign`), whose manifest and marker are never rewritten."""
+    body: dict[str, Any] = {"format": FORMAT, "algorithm": "ed25519", "key": fingerprint(signer.public_key()),
+                            "manifest_blake3": digest_of(manifest)}
+    if files is not None:
+        body["files"] = dict(sorted(files.items()))
+    body["signature"] = base64.b64encode(signer.sign(_signed_message(body))).decode()
     return json.dumps(body, sort_keys=True).encode()
+
+
+def _signed_message(body: dict[str, Any]) -> bytes:
+    fields = {k: v for k, v in body.items() if k != "signature"}
+    return _DOMAIN + json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 
 def sign_step(storage: Any, base: str, manifest: bytes) -> None:
@@ -262,10 +270,10 @@ def sign_step(storage: Any, base: str, manifest: bytes) -> None:
     storage.write_file(f"{base}/{SIGNATURE}", [signature_bytes(trust.signer, manifest)])
 
 
-def check_step(storage: Any, base: str, manifest: bytes, raw: Any) -> None:
+def check_step(storage: Any, base: str, manifest: bytes, parsed: Any) -> None:
     """When this storage verifies: the step's SIGNATURE is there, by the verify key, valid over
-    these manifest bytes, and the manifest gives every file a digest (`raw`: its parsed fields).
-    UntrustedCheckpointError naming what is wrong."""
+    these manifest bytes, and every file of the manifest (`parsed`) has a signed digest, which
+    its record then carries for the reads. UntrustedCheckpointError naming what is wrong."""
     trust = trust_of(storage)
     if trust is None or trust.verifier is None:
         return
@@ -274,16 +282,16 @@ def check_step(storage: Any, base: str, manifest: bytes, raw: Any) -> None:
         data = storage.read_bytes(f"{base}/{SIGNATURE}", MAX_SIGNATURE_BYTES)
     except MissingFileError:
         raise UntrustedCheckpointError(f"{where}: no {SIGNATURE} file: the step is not signed (a verify key "
-                                       "refuses unsigned steps)") from None
+                                       "refuses unsigned steps; `distckpt sign` signs a committed one)") from None
     except StorageError as e:
         raise UntrustedCheckpointError(f"{where}/{SIGNATURE}: unreadable ({e.strerror or e})") from e
-    verify_signature(trust.verifier, data, manifest, where)
-    require_digests(raw, where)
+    signed = verify_signature(trust.verifier, data, manifest, where)
+    require_digests(parsed, signed, where)
 
 
-def verify_signature(public_key: Any, signature: bytes, manifest: bytes, where: str) -> None:
+def verify_signature(public_key: Any, signature: bytes, manifest: bytes, where: str) -> dict[str, str] | None:
     """UntrustedCheckpointError unless `signature` (a SIGNATURE file's bytes) is `public_key`'s
-    valid signature of `manifest`."""
+    valid signature of `manifest`; returns the signed digest table it carries (or None)."""
     from cryptography.exceptions import InvalidSignature
 
     body = _parse_signature(signature, where)
@@ -291,21 +299,23 @@ def verify_signature(public_key: Any, signature: bytes, manifest: bytes, where: 
     if body["key"] != expected:
         raise UntrustedCheckpointError(f"{where}: signed by key {str(body['key'])[:48]}, not by the verify key "
                                        f"{expected}")
-    actual = digest_of(manifest)
-    if body["manifest_blake3"] != actual:
-        raise UntrustedCheckpointError(f"{where}: the signature is of another manifest (the manifest was "
-                                       "replaced or edited after signing)")
     try:
-        public_key.verify(base64.b64decode(body["signature"], validate=True), _DOMAIN + bytes.fromhex(actual))
+        public_key.verify(base64.b64decode(body["signature"], validate=True), _signed_message(body))
     except (InvalidSignature, ValueError) as e:
         raise UntrustedCheckpointError(f"{where}: the signature is invalid (forged, or damaged)") from e
+    if body["manifest_blake3"] != digest_of(manifest):
+        raise UntrustedCheckpointError(f"{where}: the signature is of another manifest (the manifest was "
+                                       "replaced or edited after signing)")
+    return body.get("files")
 
 
 def _parse_signature(data: bytes, where: str) -> dict[str, Any]:
     try:
         body = json.loads(data)
         ok = (isinstance(body, dict) and body.get("format") == FORMAT and body.get("algorithm") == "ed25519"
-              and all(isinstance(body.get(k), str) for k in ("key", "manifest_blake3", "signature")))
+              and all(isinstance(body.get(k), str) for k in ("key", "manifest_blake3", "signature"))
+              and (body.get("files") is None or (isinstance(body["files"], dict)
+                                                 and all(isinstance(v, str) for v in body["files"].values()))))
     except (ValueError, RecursionError):
         ok = False
     if not ok:
@@ -313,12 +323,17 @@ def _parse_signature(data: bytes, where: str) -> dict[str, Any]:
     return body  # type: ignore[no-any-return]
 
 
-def require_digests(raw: Any, where: str) -> None:
-    """Every file record of a signed manifest (its own and the older steps' it shares) carries
-    a digest: without one, the signature vouches for a file only by its xxh3, which a forger
-    recomputes."""
-    for field in ("files", "shared_files"):
-        for name, record in (getattr(raw, field, None) or {}).items():
+def require_digests(parsed: Any, signed: dict[str, str] | None, where: str) -> None:
+    """Every file of a signed manifest (its own and the older steps' it shares) has a digest, in
+    its record or in the signature's table (which then goes into the record, over anything the
+    record said): without one, the signature would vouch for a file only by its xxh3, which a
+    forger recomputes."""
+    for field, prefix in (("files", where.rsplit("/", 1)[-1] + "/"), ("shared_files", "")):
+        for name, record in (getattr(parsed, field, None) or {}).items():
+            if signed is not None:
+                if prefix + name not in signed:
+                    raise UntrustedCheckpointError(f"{where}: the signature gives {name[:80]!r} no digest")
+                record[DIGEST] = signed[prefix + name]
             digest = record.get(DIGEST) if isinstance(record, dict) else None
             if not (isinstance(digest, str) and len(digest) == 64):
                 raise UntrustedCheckpointError(f"{where}: the signed manifest gives {name[:80]!r} no {DIGEST} digest")
