@@ -38,7 +38,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from distckpt.errors import ConfigError, CorruptCheckpointError, MissingFileError, StorageError, UntrustedCheckpointError
+from distckpt.errors import ConfigError, MissingFileError, StorageError, UntrustedCheckpointError
 
 SIGNATURE = "SIGNATURE"
 DIGEST = "blake3"  # the key of a file record's cryptographic digest
@@ -358,6 +358,3 @@ def copy_signature(source: Any, target: Any, base: str) -> None:
         return
     target.write_file(f"{base}/{SIGNATURE}", [data])
 
-
-def describe_failure(e: Exception) -> str:
-    return str(e) if isinstance(e, (UntrustedCheckpointError, CorruptCheckpointError)) else f"{type(e).__name__}: {e}"
