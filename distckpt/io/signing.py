@@ -237,6 +237,15 @@ def writes_digests(storage: Any) -> bool:
     return trust is not None and trust.digests
 
 
+def refusal_hint(storage: Any) -> str:
+    """What a load that found no step verifying adds when it verified signatures."""
+    trust = trust_of(storage)
+    if trust is None or trust.verifier is None:
+        return ""
+    return (f". Only steps signed by the verify key {fingerprint(trust.verifier)} verify: an unsigned step or one "
+            "signed by another key is refused (`distckpt verify URL --key PUBKEY` says why for each)")
+
+
 def verifies(storage: Any) -> bool:
     trust = trust_of(storage)
     return trust is not None and trust.verifier is not None

@@ -39,6 +39,7 @@ from distckpt.errors import (  # noqa: F401  (re-exported where it was defined)
     warn,
 )
 from distckpt.io import manifest as mf
+from distckpt.io import signing
 from distckpt.io.copying import CopyFailed, PageRelease, Prefault
 from distckpt.io.reading import read_verified
 from distckpt.io.serialize import ShardRef, load_tree_file
@@ -368,7 +369,8 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
     named = [f"{s} ({t})" for s, t in tried[:10]] if tiered else [s for s, _ in tried[:10]]
     error = CorruptCheckpointError(
         f"no committed checkpoint at {where} verifies (committed steps tried: {named}); "
-        "see the warnings above for each damaged file; `distckpt verify` lists them")
+        "see the warnings above for each damaged file; `distckpt verify` lists them"
+        + signing.refusal_hint(storages[tiers.DURABLE]))
     if explicit:
         raise error
     return _Attempt(error=error, split=split)

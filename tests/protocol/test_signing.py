@@ -296,3 +296,24 @@ def test_a_signing_key_on_some_ranks_only_is_refused_on_every_rank(tmp_path, key
                         key=keys["a_priv"])
     assert all(r.error_type == "ConfigError" and "signing_key" in r.error for r in results), results
     assert all(keys["a_priv"].decode() not in r.error for r in results)
+
+
+def test_two_ranks_sign_their_own_files_and_both_fall_back_past_a_forged_step(tmp_path, keys):
+    results = run_world("sign_workers:save_signed_forge_and_resume", 2, timeout=120, url=str(tmp_path),
+                        key=keys["a_priv"], pub=keys["a_pub"])
+    assert all(r.error is None for r in results), [r.error for r in results]
+    for rank, r in enumerate(results):
+        assert r.value["step"] == 1 and r.value["w"] == [1.0] * 8 and r.value["mine"] == [float(rank)] * 4
+        assert r.value["warned"] and "signature is of another manifest" in r.value["warned"][0]
+    raw = json.loads((tmp_path / mf.step_dir(1) / mf.MANIFEST).read_bytes())
+    assert sum(1 for n in raw["files"] if n.startswith("ranks/")) == 2
+    assert all(signing.DIGEST in r for r in raw["files"].values())
+
+
+def test_the_error_when_no_step_verifies_names_the_verify_key(tmp_path, keys):
+    root = str(tmp_path)
+    _save_two(root, keys)
+    with pytest.raises(distckpt.CorruptCheckpointError) as caught:
+        _load(root, keys["b_pub"])
+    assert signing.fingerprint(keys["b"].public_key()) in str(caught.value)
+    assert "distckpt verify URL --key" in str(caught.value)
