@@ -84,25 +84,35 @@ def verify_file(data: bytes | bytearray | memoryview, record: dict[str, Any], wh
     """Size and checksum against the manifest's record. With `release` (a function of a byte
     range), the bytes are hashed in 8 MiB pieces and each piece released after it is hashed, so
     verifying a mapped file does not keep it resident (export's bounded memory). With `digest`
-    (a reader with a verify key), the record's BLAKE3 digest too, in the same pass
-    (UntrustedCheckpointError when it is absent or differs)."""
+    (a reader with a verify key), the record's BLAKE3 digest instead (UntrustedCheckpointError
+    when it is absent or differs): it covers everything xxh3 does, so a file that matches it is
+    not hashed twice; one that does not is checked against xxh3 too, to say damage as damage."""
     if len(data) != record["size"]:
         raise CorruptCheckpointError(f"{where}: {len(data)} bytes, the manifest says {record['size']} (truncated or replaced)")
-    crypto = signing.new_digest() if digest else None
-    if release is None and crypto is None:
+    if digest:
+        crypto = signing.new_digest()
+        _hash_pieces(data, crypto, release)
+        if crypto.hexdigest() != record.get(signing.DIGEST):
+            _check_xxh3(checksum_of(data), record, where)  # the failure path only: damage, or forgery
+            signing.check_digest(crypto, record, where)
+        return
+    if release is None:
         actual = checksum_of(data)
     else:
         h = xxhash.xxh3_64()
-        view = memoryview(data)
-        for start in range(0, len(view), RELEASE_CHUNK):
-            piece = view[start:start + RELEASE_CHUNK]
-            h.update(piece)
-            if crypto is not None:
-                crypto.update(piece)
-            if release is not None:
-                release(start, min(RELEASE_CHUNK, len(view) - start))
+        _hash_pieces(data, h, release)
         actual = h.hexdigest()
+    _check_xxh3(actual, record, where)
+
+
+def _hash_pieces(data: bytes | bytearray | memoryview, h: Any, release: Any) -> None:
+    view = memoryview(data)
+    for start in range(0, len(view), RELEASE_CHUNK):
+        h.update(view[start:start + RELEASE_CHUNK])
+        if release is not None:
+            release(start, min(RELEASE_CHUNK, len(view) - start))
+
+
+def _check_xxh3(actual: str, record: dict[str, Any], where: str) -> None:
     if actual != record["xxh3_64"]:
         raise CorruptCheckpointError(f"{where}: checksum {actual} does not match the manifest's {record['xxh3_64']} (damaged)")
-    if crypto is not None:  # after xxh3: damage is named as damage; what passes xxh3 and not this was forged
-        signing.check_digest(crypto, record, where)
