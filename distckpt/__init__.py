@@ -29,7 +29,7 @@ _ERRORS = (
     "CorruptCheckpointError", "DistCkptError", "ElasticResumeError", "FencedError", "IncompatibleCheckpointError",
     "MemoryTierFullError", "MissingFileError", "RankDisagreementError", "RunConflictError", "SnapshotChangedError",
     "StateArgumentError", "StorageError",
-    "SupersededCheckpointError", "UnstorableValueError",
+    "SupersededCheckpointError", "UnstorableValueError", "UntrustedCheckpointError",
     "DistCkptWarning", "CheckpointWarning", "ReplayWarning", "CheckpointFallbackWarning", "ReshardWarning",
     "DurableUploadWarning", "NonAtomicStorageWarning", "RngRestoreWarning", "DeviceAbsentWarning",
 )
@@ -57,7 +57,8 @@ __all__ = [
     "Progress", "RankDisagreementError",
     "ReplayWarning", "ReshardWarning", "RngRestoreWarning", "RunConflictError", "SnapshotChangedError",
     "StateArgumentError", "StorageError", "SupersededCheckpointError", "UnstorableValueError",
-    "WeightsReport", "__version__", "doctor_record", "export_weights", "init_distributed", "load_weights", "per_rank",
+    "UntrustedCheckpointError", "WeightsReport", "__version__", "doctor_record", "export_weights", "init_distributed",
+    "load_weights", "per_rank",
     "preemption_safe_worker_init", "shutdown_distributed", "with_worker_rng",
 ]
 
@@ -110,6 +111,7 @@ if TYPE_CHECKING:  # what type checkers and the docs generator see; not run
         StorageError,
         SupersededCheckpointError,
         UnstorableValueError,
+        UntrustedCheckpointError,
     )
     from distckpt.manager import CheckpointManager
     from distckpt.protocol.doctor_hooks import doctor_record

@@ -40,12 +40,17 @@ class ManagerConfig:
     preemption_signals: tuple[int, ...] = field(default=(signal.SIGTERM,))
     incremental: bool = False
     overlap_snapshot: bool = False
+    # PEM bytes or text, a path, or None (then DISTCKPT_SIGNING_KEY / DISTCKPT_VERIFY_KEY); parsed,
+    # and compared across ranks by fingerprint, in protocol/settings.py (io/signing.py). Never shown.
+    signing_key: Any = field(default=None, repr=False)
+    verify_key: Any = field(default=None, repr=False)
 
     def shared_settings(self) -> dict[str, Any]:
         """The settings every rank must share (compared when the manager is built): all but the
-        timeout and the signals, which act on each process alone."""
+        timeout and the signals, which act on each process alone, and the keys (compared by
+        their fingerprints: Settings.shared)."""
         return {name: list(value) if isinstance(value, tuple) else value for name, value in asdict(self).items()
-                if name not in ("timeout", "preemption_signals")}
+                if name not in ("timeout", "preemption_signals", "signing_key", "verify_key")}
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_best"):
@@ -161,7 +166,7 @@ SETTINGS = {
     "keep_last": 0, "keep_best": "2", "best_mode": "lowest", "async_save": "no", "timeout": True,
     "leftover_grace_s": float("nan"), "world_size_policy": "auto", "split_writes": 1,
     "allow_dtype_cast": "yes", "missing_entries": "ignore", "preemption_signals": signal.SIGKILL,
-    "incremental": 1, "overlap_snapshot": "on",
+    "incremental": 1, "overlap_snapshot": "on", "signing_key": b"not a key", "verify_key": 12,
 }
 
 

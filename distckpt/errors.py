@@ -15,6 +15,7 @@ builtin, so code that already handles ``OSError`` keeps working::
     │   └── NotAFileError                  something else stands where a file should be
     │                                      (a FIFO, socket, device, directory, link): damage
     ├── CorruptCheckpointError             a file's size/checksum/structure is wrong
+    │   └── UntrustedCheckpointError       a verify key refuses the step (signature, digests)
     ├── IncompatibleCheckpointError        the checkpoint does not fit this run
     │   │                                  (world size, keys, shapes, devices)
     │   └── ElasticResumeError             world_size_policy="elastic" cannot continue an entry
@@ -112,6 +113,12 @@ class SupersededCheckpointError(CorruptCheckpointError):
     """A step committed by a superseded writer (fencing.py): intact, but after a newer incarnation
     took over from an earlier step. Never preferred; loaded only as the last resort, with a warning,
     when no other committed step verifies."""
+
+
+class UntrustedCheckpointError(CorruptCheckpointError):
+    """A manager, tool or reader given a verify key refuses a step: its SIGNATURE is missing,
+    unreadable, by another key or invalid, or a file does not match the signed manifest's digest.
+    A CorruptCheckpointError, so a load falls back to an older step that verifies."""
 
 
 class IncompatibleCheckpointError(DistCkptError):

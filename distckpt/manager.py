@@ -57,7 +57,8 @@ class CheckpointManager:
     its default and what it is for: keep_last/keep_best/best_mode (retention), async_save and
     overlap_snapshot (saves in the background), local_dir/durable_every/keep_local (two tiers),
     incremental, timeout, storage_options, world_size_policy, preemption_signals,
-    memory_tier/memory_every/keep_memory (a tier in shared memory with a partner copy on another node).
+    memory_tier/memory_every/keep_memory (a tier in shared memory with a partner copy on another node),
+    signing_key and verify_key (signed checkpoints: a load with a verify key refuses any step its key did not sign).
 
     A checkpoint is committed only when its COMMITTED marker is written, after every file is
     durable; a failed or interrupted save never changes an earlier checkpoint.
@@ -78,14 +79,15 @@ class CheckpointManager:
                  local_dir: str | os.PathLike[str] | None = None, durable_every: int | None = None,
                  keep_local: int | None = None, incremental: bool = False,
                  overlap_snapshot: bool = False, memory_tier: bool = False, memory_every: int | None = None,
-                 keep_memory: int | None = None) -> None:
+                 keep_memory: int | None = None, signing_key: Any = None, verify_key: Any = None) -> None:
         refusal: Exception | None = None
         settings: Settings | None = None
         try:  # every argument before any exchange (settings.py)
             config = ManagerConfig(keep_last, keep_best, best_mode, async_save,
                                    timeout,  # type: ignore[arg-type]  # a timedelta or None: made seconds there
                                    leftover_grace_s, world_size_policy, split_writes, allow_dtype_cast,
-                                   missing_entries, preemption_signals, incremental, overlap_snapshot)
+                                   missing_entries, preemption_signals, incremental, overlap_snapshot,
+                                   signing_key, verify_key)
             settings = Settings.check(url, storage_options, local_dir, durable_every, keep_local, config,
                                       (memory_tier, memory_every, keep_memory))
         except Exception as e:  # a refused argument, an unreachable store: raised on every rank below
@@ -107,7 +109,7 @@ class CheckpointManager:
         self._preemption = PreemptionFlag(self.config.preemption_signals)
         self._uploads = DurableUploads(self._coord, self.storage, self.local, self.tiers, self.config,
                                        self.split_writes, self._leases, self._pruner)  # two tiers (uploads.py)
-        self._memory = MemoryTier(self._coord, settings.memory)  # memory_tier=True (memory_copies.py)
+        self._memory = MemoryTier(self._coord, settings.memory, settings.trust)  # memory_tier=True (memory_copies.py)
         # last: rank 0's git (for the manifests) runs from here to the first save
         self._session = Session(self._coord, self.run_id, self.config, self.storage, self.local, self.tiers,
                                 self._leases, self._pruner, self._uploads, self._memory)

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Iterator
 import xxhash
 
 from distckpt.errors import CorruptCheckpointError
+from distckpt.io import signing
 from distckpt.runtime.interrupts import Helpers, Task
 
 
@@ -23,8 +24,11 @@ class Checksum:
 
     algorithm = "xxh3_64"
 
-    def __init__(self) -> None:
+    def __init__(self, digest: bool = False) -> None:
         self._h = xxhash.xxh3_64()
+        # With signing (signing.py), a BLAKE3 digest too, in the same helper task as xxh3: the
+        # write waits for neither unless the hash falls behind it.
+        self._digest = signing.new_digest() if digest else None
         self.size = 0
         self._pending: Task | None = None
 
@@ -34,13 +38,18 @@ class Checksum:
                 n = memoryview(chunk).nbytes
                 self._settle()
                 if n >= _HASH_AHEAD_BYTES:
-                    self._pending = _HASHER.submit(self._h.update, chunk)
+                    self._pending = _HASHER.submit(self._update, chunk)
                 else:
-                    self._h.update(chunk)
+                    self._update(chunk)
                 self.size += n
                 yield chunk
         finally:
             self._settle()
+
+    def _update(self, chunk: memoryview | bytes) -> None:
+        self._h.update(chunk)
+        if self._digest is not None:
+            self._digest.update(chunk)
 
     def _settle(self) -> None:
         if self._pending is not None:
@@ -50,6 +59,13 @@ class Checksum:
     def hexdigest(self) -> str:
         self._settle()
         return self._h.hexdigest()
+
+    def record(self) -> dict[str, Any]:
+        """The file's manifest record: size, xxh3 and, with digests, BLAKE3."""
+        out: dict[str, Any] = {"size": self.size, "xxh3_64": self.hexdigest()}
+        if self._digest is not None:
+            out[signing.DIGEST] = self._digest.hexdigest()
+        return out
 
 
 _HASH_AHEAD_BYTES = 256 << 10  # smaller ones: handing over costs more than it saves
@@ -64,20 +80,39 @@ RELEASE_CHUNK = 8 << 20  # xxh3 over 8 MiB pieces runs as fast as over the whole
 
 
 def verify_file(data: bytes | bytearray | memoryview, record: dict[str, Any], where: str,
-                release: Any = None) -> None:
+                release: Any = None, digest: bool = False) -> None:
     """Size and checksum against the manifest's record. With `release` (a function of a byte
     range), the bytes are hashed in 8 MiB pieces and each piece released after it is hashed, so
-    verifying a mapped file does not keep it resident (export's bounded memory)."""
+    verifying a mapped file does not keep it resident (export's bounded memory). With `digest`
+    (a reader with a verify key), the record's BLAKE3 digest instead (UntrustedCheckpointError
+    when it is absent or differs): it covers everything xxh3 does, so a file that matches it is
+    not hashed twice; one that does not is checked against xxh3 too, to say damage as damage."""
     if len(data) != record["size"]:
         raise CorruptCheckpointError(f"{where}: {len(data)} bytes, the manifest says {record['size']} (truncated or replaced)")
+    if digest:
+        crypto = signing.new_digest()
+        _hash_pieces(data, crypto, release)
+        if crypto.hexdigest() != record.get(signing.DIGEST):
+            _check_xxh3(checksum_of(data), record, where)  # the failure path only: damage, or forgery
+            signing.check_digest(crypto, record, where)
+        return
     if release is None:
         actual = checksum_of(data)
     else:
         h = xxhash.xxh3_64()
-        view = memoryview(data)
-        for start in range(0, len(view), RELEASE_CHUNK):
-            h.update(view[start:start + RELEASE_CHUNK])
-            release(start, min(RELEASE_CHUNK, len(view) - start))
+        _hash_pieces(data, h, release)
         actual = h.hexdigest()
+    _check_xxh3(actual, record, where)
+
+
+def _hash_pieces(data: bytes | bytearray | memoryview, h: Any, release: Any) -> None:
+    view = memoryview(data)
+    for start in range(0, len(view), RELEASE_CHUNK):
+        h.update(view[start:start + RELEASE_CHUNK])
+        if release is not None:
+            release(start, min(RELEASE_CHUNK, len(view) - start))
+
+
+def _check_xxh3(actual: str, record: dict[str, Any], where: str) -> None:
     if actual != record["xxh3_64"]:
         raise CorruptCheckpointError(f"{where}: checksum {actual} does not match the manifest's {record['xxh3_64']} (damaged)")

@@ -17,6 +17,7 @@ import logging
 from typing import Any, Callable
 
 from distckpt.errors import CorruptCheckpointError, MissingFileError, NotAFileError, StorageError
+from distckpt.io import signing
 from distckpt.io.checksums import verify_file
 
 log = logging.getLogger("distckpt")
@@ -44,7 +45,7 @@ def read_verified(storage: Any, path: str, record: dict[str, Any], where: str,
             first = e
             continue
         try:
-            verify_file(data, record, where, release(data) if release is not None else None)
+            verify_file(data, record, where, release(data) if release is not None else None, signing.verifies(storage))
         except CorruptCheckpointError as e:
             if attempt == 2:
                 raise  # damage at rest: the caller says so (a fallback's warning), once

@@ -35,6 +35,7 @@ from distckpt.errors import (
     SupersededCheckpointError,
 )
 from distckpt.io import manifest as mf
+from distckpt.io import signing
 from distckpt.protocol import fencing
 from distckpt.protocol.fencing import Lease
 from distckpt.runtime.interrupts import Helpers, Task
@@ -81,6 +82,7 @@ def read_verified_manifest(storage: Storage, step: int, marker: mf.Marker) -> mf
     if manifest.step != step:
         raise CorruptCheckpointError(f"{storage.url}/{base}: its manifest records step {manifest.step}: a step "
                                      "directory copied or renamed from another step; it is not this step")
+    signing.check_step(storage, base, data, manifest)  # with a verify key: signed by it, every file digested
     return manifest
 
 

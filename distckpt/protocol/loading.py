@@ -35,9 +35,11 @@ from distckpt.errors import (  # noqa: F401  (re-exported where it was defined)
     ReshardWarning,
     StorageError,
     SupersededCheckpointError,
+    UntrustedCheckpointError,
     warn,
 )
 from distckpt.io import manifest as mf
+from distckpt.io import signing
 from distckpt.io.copying import CopyFailed, PageRelease, Prefault
 from distckpt.io.reading import read_verified
 from distckpt.io.serialize import ShardRef, load_tree_file
@@ -371,7 +373,8 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
     named = [f"{s} ({t})" for s, t in tried[:10]] if tiered else [s for s, _ in tried[:10]]
     error = CorruptCheckpointError(
         f"no committed checkpoint at {where} verifies (committed steps tried: {named}); "
-        "see the warnings above for each damaged file; `distckpt verify` lists them")
+        "see the warnings above for each damaged file; `distckpt verify` lists them"
+        + signing.refusal_hint(storages[tiers.DURABLE]))
     if explicit:
         raise error
     return _Attempt(error=error, split=split)
@@ -394,7 +397,8 @@ def _uncommitted(outcomes: list[Outcome]) -> bool:
     return bool(failed) and all(o.error_type == NotCommittedError.__name__ for o in failed)
 
 
-_SKIPPABLE = (CorruptCheckpointError.__name__, NotCommittedError.__name__, SupersededCheckpointError.__name__)
+_SKIPPABLE = (CorruptCheckpointError.__name__, NotCommittedError.__name__, SupersededCheckpointError.__name__,
+              UntrustedCheckpointError.__name__)  # a verify key's refusal falls back as damage does
 
 
 def _attempt_read(coord: Coordinator, storage: Storage, entries: list[Entry], step: int, tier: str,

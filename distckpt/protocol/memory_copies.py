@@ -29,10 +29,11 @@ from typing import Any
 from distckpt.errors import CheckpointFallbackWarning, ConfigError, DistCkptError, warn
 from distckpt.io import manifest as mf
 from distckpt.io.safetensors_format import safetensors_chunks
+from distckpt.io.signing import SIGNATURE, Trust
 from distckpt.protocol.commit import is_committed, read_marker, step_candidates
 from distckpt.protocol.coord import Coordinator, attempt_on_root, attempt_phase, run_phase
 from distckpt.protocol.fencing import Lease, read_leases, superseded_by
-from distckpt.protocol.memory_tier import MemorySettings, NodeMemory, verify_files
+from distckpt.protocol.memory_tier import MemorySettings, NodeMemory, signed_copy, verify_files
 from distckpt.runtime import faults
 from distckpt.state import sharded
 from distckpt.storage import Storage
@@ -45,10 +46,10 @@ MEMORY, PEER = "memory", "peer"
 class MemoryTier:
     """A manager's memory tier (every method does nothing when it is off). Collective where it says."""
 
-    def __init__(self, coord: Coordinator, settings: MemorySettings) -> None:
+    def __init__(self, coord: Coordinator, settings: MemorySettings, trust: Trust | None = None) -> None:
         self.settings, self.coord, self.rank = settings, coord, coord.rank
         self.enabled = settings.enabled
-        self.memory = NodeMemory(settings) if settings.enabled else None
+        self.memory = NodeMemory(settings, trust) if settings.enabled else None
         nodes = [settings.node] if not settings.enabled or coord.world_size == 1 else \
             coord.all_gather(settings.node, "init/memory-nodes")
         self.node_of: list[int] = [int(n) for n in nodes]  # by rank
@@ -129,9 +130,13 @@ class MemoryTier:
         base = mf.step_dir(step)
         marker = read_marker(target, step)
         replicated = b"".join(bytes(c) for c in safetensors_chunks(staged.replicated))
-        return {mf.replicated_file(marker.generation): replicated,
-                mf.MANIFEST: target.read_bytes(f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES),
-                mf.MARKER: marker.to_bytes()}
+        out = {mf.replicated_file(marker.generation): replicated,
+               mf.MANIFEST: target.read_bytes(f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES),
+               mf.MARKER: marker.to_bytes()}
+        signature = signed_copy(target, step)  # signing_key: the copies carry the step's signature
+        if signature is not None:
+            out[SIGNATURE] = signature
+        return out
 
     def _commit_node(self, step: int, files_of: list[dict[str, bytes]], root: dict[str, bytes],
                      lease: Lease) -> None:
@@ -148,7 +153,7 @@ class MemoryTier:
         peer: dict[int, dict[str, bytes]] = {}
         for n in self.nodes:
             if n != node and self.partner_of(n) == node:
-                peer[n] = {mf.MANIFEST: root[mf.MANIFEST], mf.MARKER: root[mf.MARKER]}
+                peer[n] = {name: root[name] for name in (mf.MANIFEST, mf.MARKER, SIGNATURE) if name in root}
                 for r in self.ranks_of(n):
                     peer[n].update(files_of[r])
         self.memory.check_room(_size(own), sum(_size(f) for f in peer.values()), step)

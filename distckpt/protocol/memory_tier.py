@@ -30,6 +30,7 @@ from typing import Any
 
 from distckpt.errors import ConfigError, DistCkptError, MemoryTierFullError, shown
 from distckpt.io import manifest as mf
+from distckpt.io import signing
 from distckpt.protocol.commit import ReplacePolicy, list_committed, read_marker, read_verified_manifest
 from distckpt.protocol.fencing import Lease
 from distckpt.protocol.tiers import commit_files
@@ -126,16 +127,22 @@ def memory_root(url: str, node: int) -> str:
 class NodeMemory:
     """One node's memory root: its own copies and the partner copies it keeps for another node."""
 
-    def __init__(self, settings: MemorySettings) -> None:
+    def __init__(self, settings: MemorySettings, trust: signing.Trust | None = None) -> None:
         self.settings = settings
         self.root = settings.root
-        self.own = open_storage(f"{self.root}/{OWN}")
+        self.trust = trust  # signing_key / verify_key: a memory copy is signed and verified as any tier
+        self.own = self._open(f"{self.root}/{OWN}")
         self._peers: dict[int, Storage] = {}
+
+    def _open(self, root: str) -> Storage:
+        storage = open_storage(root)
+        signing.attach(storage, self.trust)
+        return storage
 
     def peer(self, node: int) -> Storage:
         """The area holding node `node`'s partner copies."""
         if node not in self._peers:
-            self._peers[node] = open_storage(f"{self.root}/{PEER}/node-{node}")
+            self._peers[node] = self._open(f"{self.root}/{PEER}/node-{node}")
         return self._peers[node]
 
     def peer_nodes(self) -> list[int]:
@@ -215,7 +222,20 @@ class NodeMemory:
             data = storage.read_buffer(f"{base}/{name}")
             mf.verify_file(data, record, f"{storage.url}/{base}/{name}")
             out[name] = bytes(data)
+        signature = signed_copy(storage, step)
+        if signature is not None:
+            out[signing.SIGNATURE] = signature
         return out
+
+
+def signed_copy(storage: Storage, step: int) -> bytes | None:
+    """The step's SIGNATURE file where it has one (it travels with every copy of the step)."""
+    from distckpt.errors import MissingFileError
+
+    try:
+        return storage.read_bytes(f"{mf.step_dir(step)}/{signing.SIGNATURE}", signing.MAX_SIGNATURE_BYTES)
+    except MissingFileError:
+        return None
 
 
 def verify_files(files: dict[str, bytes], step: int, where: str) -> mf.Manifest:
@@ -230,7 +250,7 @@ def verify_files(files: dict[str, bytes], step: int, where: str) -> mf.Manifest:
     if manifest.step != step:
         raise CorruptCheckpointError(f"{where}: the copy records step {manifest.step}, not {step}")
     for name, data in files.items():
-        if name in (mf.MANIFEST, mf.MARKER):
+        if name in (mf.MANIFEST, mf.MARKER, signing.SIGNATURE):  # the signature is checked at the load
             continue
         record = manifest.files.get(name)
         if record is None:

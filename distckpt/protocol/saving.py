@@ -34,6 +34,7 @@ from distckpt.errors import (
     UnstorableValueError,
 )
 from distckpt.io import manifest as mf
+from distckpt.io import signing
 from distckpt.io.safetensors_format import EncodedTree, safetensors_chunks
 from distckpt.io.serialize import check_key_text, encode_tree, key_path
 from distckpt.io.staging import StagingPool, region_key
@@ -539,6 +540,7 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: Callable[[
     create_manifest(storage, base, data, gen, policy, staged.step)
     digest = mf.checksum_of(data)
     faults.point("save/manifest-written", step=staged.step, rank=0)
+    signing.sign_step(storage, base, data)  # before the marker: a committed signed step has its signature
     fencing.check_current(storage, lease)  # last check before the point of no return
     create_marker(storage, mf.Marker(staged.step, digest, staged.run_id, gen), policy)
     _check_still_current(storage, lease, staged.step)
@@ -619,9 +621,9 @@ def _check_still_current(storage: Storage, lease: Lease, step: int) -> None:
 
 
 def _write(storage: Storage, path: str, chunks: Any) -> dict[str, Any]:
-    check = mf.Checksum()
+    check = mf.Checksum(digest=signing.writes_digests(storage))
     storage.write_file(path, check.wrap(chunks))
-    return {"size": check.size, "xxh3_64": check.hexdigest()}
+    return check.record()
 
 
 def share_outcome(coord: Coordinator, exc: BaseException | None, phase: str, what: str,

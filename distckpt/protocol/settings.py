@@ -9,6 +9,7 @@ rank 0's run id. The per-call arguments of save() are checked here too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -20,6 +21,7 @@ from distckpt import errors
 from distckpt.config import ManagerConfig
 from distckpt.errors import CheckpointWarning, ConfigError, CoordinationError, DistCkptError, shown, warn
 from distckpt.io import manifest as mf
+from distckpt.io import signing
 from distckpt.protocol import doctor_hooks
 from distckpt.protocol.coord import Coordinator
 from distckpt.protocol.frameworks import negative_step_refusal
@@ -40,6 +42,13 @@ class Settings:
     tiers: TierSettings
     local: Storage | None
     memory: MemorySettings = MemorySettings()
+    trust: signing.Trust | None = None  # signing_key / verify_key, parsed (io/signing.py)
+
+    def shared(self) -> dict[str, Any]:
+        """What every rank must hold alike: the config's shared settings, the memory tier's, the keys by
+        fingerprint."""
+        keys = self.trust.shared_settings() if self.trust is not None else {"signing_key": None, "verify_key": None}
+        return {**self.config.shared_settings(), **self.memory.shared(), **keys}
 
     @classmethod
     def check(cls, url: Any, storage_options: Any, local_dir: Any, durable_every: Any, keep_local: Any,
@@ -72,7 +81,12 @@ class Settings:
                               "replicated file and its own ranks' files whole, so it could not hold "
                               + ("the files each step references from older ones" if config.incremental else
                                  "the replicated tensors split across every rank's shard file") + "; use one of the two")
-        return cls(config, os.fspath(url) if isinstance(url, os.PathLike) else url, storage, tiers, local, in_memory)
+        trust = signing.Trust.from_arguments(config.signing_key, config.verify_key)
+        for opened in (storage, local):  # every read and write through them signs / verifies
+            signing.attach(opened, trust)
+        config = dataclasses.replace(config, signing_key=None, verify_key=None)  # parsed: the raw key is let go
+        return cls(config, os.fspath(url) if isinstance(url, os.PathLike) else url, storage, tiers, local, in_memory,
+                   trust)
 
 
 def agree_on_settings(coord: Coordinator, settings: Settings | None, refusal: Exception | None) -> str:
@@ -83,8 +97,7 @@ def agree_on_settings(coord: Coordinator, settings: Settings | None, refusal: Ex
     a difference the group is closed before raising."""
     mine: dict[str, Any] = {"run_id": uuid.uuid4().hex, "refused": None if refusal is None else str(refusal),
                             "kind": type(refusal).__name__,
-                            "settings": None if settings is None else
-                            {**settings.config.shared_settings(), **settings.memory.shared()}}
+                            "settings": None if settings is None else settings.shared()}
     if coord.world_size == 1:
         return str(mine["run_id"])
     every = coord.all_gather(mine, "init/run-id")

@@ -38,6 +38,7 @@ from distckpt.errors import (
     warn,
 )
 from distckpt.io import manifest as mf
+from distckpt.io import signing
 from distckpt.protocol import fencing
 from distckpt.protocol.commit import ReplacePolicy, clear_step_dir, create_manifest, create_marker, list_committed, read_marker
 from distckpt.protocol.coord import Coordinator, attempt_on_root, attempt_phase
@@ -152,6 +153,7 @@ def upload_step(local: Storage, durable: Storage, step: int, lease: Lease) -> bo
     marker = read_marker(local, step)
     manifest_bytes = local.read_bytes(f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES)
     manifest = mf.Manifest.parse(manifest_bytes, marker, where)
+    signing.check_step(local, base, manifest_bytes, manifest)  # with a verify key: never upload an untrusted step
     if _same_marker(durable, step, marker):
         return False
     policy = ReplacePolicy(lease.floor, lease.generation)
@@ -159,8 +161,9 @@ def upload_step(local: Storage, durable: Storage, step: int, lease: Lease) -> bo
     for name, record in manifest.files.items():
         mf.check_relative_path(name, where)
         data = local.read_buffer(f"{base}/{name}")
-        mf.verify_file(data, record, f"{where}/{name}")  # damaged local bytes never become durable
+        mf.verify_file(data, record, f"{where}/{name}", digest=signing.verifies(local))  # damaged local bytes never become durable
         durable.write_file(f"{base}/{name}", [memoryview(data)])
+    signing.copy_signature(local, durable, base)  # before the marker, as the save wrote it
     faults.point("upload/files-written", step=step, rank=0)
     clear_step_dir(durable, step, policy)  # a superseded writer's commit: taken down only now (saving.py)
     create_manifest(durable, base, manifest_bytes, lease.generation, policy, step)
@@ -183,12 +186,17 @@ def committed_files(storage: Storage, step: int) -> dict[str, bytes]:
     marker = read_marker(storage, step)
     manifest_bytes = storage.read_bytes(f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES)
     manifest = mf.Manifest.parse(manifest_bytes, marker, where)
+    signing.check_step(storage, base, manifest_bytes, manifest)
     out = {mf.MANIFEST: manifest_bytes, mf.MARKER: marker.to_bytes()}
     for name, record in manifest.files.items():
         mf.check_relative_path(name, where)
         data = storage.read_buffer(f"{base}/{name}")
-        mf.verify_file(data, record, f"{where}/{name}")
+        mf.verify_file(data, record, f"{where}/{name}", digest=signing.verifies(storage))
         out[name] = bytes(data)
+    try:  # the signature travels with the step (written before its marker by commit_files)
+        out[signing.SIGNATURE] = storage.read_bytes(f"{base}/{signing.SIGNATURE}", signing.MAX_SIGNATURE_BYTES)
+    except MissingFileError:
+        pass
     return out
 
 

@@ -46,7 +46,7 @@ EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 LARGEST_COUNT = 2**63 - 1
 
 # The subcommands this parser runs; `doctor` has a parser of its own (everything after -- is the user's).
-COMMANDS = ("ls", "inspect", "verify", "prune", "gc", "diff", "export", "import-torch", "import-dcp")
+COMMANDS = ("ls", "inspect", "verify", "sign", "prune", "gc", "diff", "export", "import-torch", "import-dcp")
 
 
 def emit(args: argparse.Namespace, data: Any, text: str) -> None:
@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     which = verify.add_mutually_exclusive_group()
     which.add_argument("--step", type=_step)
     which.add_argument("--all", action="store_true")
+    sign = command("sign", "sign a committed step (after checking its checksums) with an Ed25519 private key")
+    sign.add_argument("--key", required=True, help="the private key, a PEM file")
+    sign.add_argument("--step", type=_step, required=True)
     prune = command("prune", "apply a retention policy")
     prune.add_argument("--keep-last", type=_whole, required=True)
     prune.add_argument("--keep-best", type=_whole)
@@ -176,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", type=_size, default="5GB",
                         help=f"e.g. 5GB, 500MB, 2GiB or a count of bytes, at most {LARGEST_SIZE} (Hugging Face's "
                              "convention)")
+    for keyed in (ls, verify, export):
+        keyed.add_argument("--key", help="an Ed25519 public key (PEM file; default: $DISTCKPT_VERIFY_KEY): also "
+                           "check each step's signature and BLAKE3 digests; a step it did not sign is BAD")
     for name, what in (("import-torch", "a torch.save file"), ("import-dcp", "a torch.distributed.checkpoint directory")):
         imp = sub.add_parser(name, help=f"{what} in, as a committed checkpoint")
         imp.add_argument("source", help=what)

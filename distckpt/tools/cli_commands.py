@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 
 from distckpt.errors import ConfigError, CorruptCheckpointError, DistCkptError, StorageError, SupersededCheckpointError
 from distckpt.io import manifest as mf
+from distckpt.io import signing
 from distckpt.protocol.commit import (
     CommitIndex,
     check_not_superseded,
@@ -47,6 +48,7 @@ from distckpt.tools.inspection import (
     read_manifest,
     verify_step,
 )
+from distckpt.tools.signing_tools import sign_step, use_verify_key
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -61,6 +63,8 @@ def run_command(args: argparse.Namespace) -> int:
                 return fail(args, f"{args.url}: is a file, not a checkpoint root (a directory a CheckpointManager "
                             "saved into)", EXIT_USAGE)
             return fail(args, f"{args.url}: no such checkpoint root (nothing is stored there)", EXIT_USAGE)
+        if args.command in ("ls", "verify", "export"):
+            use_verify_key([storage], args.key)  # the local tier's storage too: _tiers
         with collector_paused():  # one command's trees, as in a save or load (gcpause.py)
             code = COMMANDS[args.command](storage, args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below
@@ -92,7 +96,9 @@ def _tiers(storage: Storage, args: argparse.Namespace) -> list[tuple[str, Storag
     if getattr(args, "local_dir", None):
         if not os.path.isdir(args.local_dir):
             raise ConfigError(f"--local-dir {args.local_dir}: no such directory (the job's local_dir on this node)")
-        tiers.append(("local", open_storage(args.local_dir)))
+        local = open_storage(args.local_dir)
+        signing.attach(local, signing.trust_of(storage))  # a verify key checks both tiers alike
+        tiers.append(("local", local))
     return tiers
 
 
@@ -201,7 +207,9 @@ def _metric(value: Any) -> str:
 
 
 def _steps(storage: Storage, args: argparse.Namespace) -> list[int]:
-    if getattr(args, "all", False):  # as `ls` lists them: a damaged or unreadable step included
+    every = getattr(args, "all", False) or (args.command == "verify" and args.step is None
+                                              and signing.verifies(storage))  # --key: every step, as a signer vouches
+    if every:  # as `ls` lists them: a damaged or unreadable step included
         return sorted(s.step for s in list_steps(storage) if not s.status.startswith(("uncommitted", "retired")))
     if args.step is not None:
         return [args.step]
@@ -370,8 +378,11 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     lines = [f"{label(r)}: ok" + (f" (superseded, loaded only as the last resort: {r['superseded']})" if r["superseded"] else "")
              if r["ok"] else f"{label(r)}: BAD\n" + "\n".join(f"  {x}" for x in r["problems"])
              for r in rows]
+    bad = [r for r in rows if not r["ok"]]
+    if bad and signing.verifies(storage):  # the first bad step and why, last, where a script's log ends
+        lines.append(f"first bad step: {label(bad[0])}: {bad[0]['problems'][0]}")
     emit(args, rows, "\n".join(lines))
-    return EXIT_PROBLEM if any(not r["ok"] for r in rows) else EXIT_OK
+    return EXIT_PROBLEM if bad else EXIT_OK
 
 
 def _bytes_of(todo: list[tuple[str, Storage, int]]) -> int:
@@ -524,14 +535,20 @@ def _value_change(old: Any, new: Any) -> str:
 # export, import
 
 
+def cmd_sign(storage: Storage, args: argparse.Namespace) -> int:
+    done = sign_step(storage, args.step, args.key)
+    emit(args, done, f"signed step {done['step']}: {done['files']} files' BLAKE3 digests, key {done['key']}")
+    return EXIT_OK
+
+
 def cmd_export(storage: Storage, args: argparse.Namespace) -> int:
     from distckpt.tools.weights import export_weights, open_checkpoint_model
 
-    source = open_checkpoint_model(args.url, step=args.step, entry=args.entry)
+    source = open_checkpoint_model(args.url, step=args.step, entry=args.entry, verify_key=args.key)
     total = sum(_nbytes(d, s) for d, s in source.spec.values())
     with progress_bar(args, total, "export") as bar:
         summary = export_weights(args.url, args.out_dir, step=source.step, entry=args.entry, dtype=args.dtype,
-                                 max_shard_size=args.max_shard_size, progress=bar.update)
+                                 max_shard_size=args.max_shard_size, progress=bar.update, verify_key=args.key)
     text = (f"exported step {summary.step}: {summary.tensors} tensors, {summary.total_size:,} bytes into "
             f"{summary.out_dir} ({', '.join(summary.files)}); every tensor read back and verified")
     emit(args, vars(summary), text)
@@ -568,7 +585,7 @@ def _nbytes(dtype: Any, shape: list[int]) -> int:
 
 
 COMMANDS: dict[str, Callable[[Storage, argparse.Namespace], int]] = {
-    "ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "prune": cmd_prune, "gc": cmd_gc,
+    "ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "sign": cmd_sign, "prune": cmd_prune, "gc": cmd_gc,
     "diff": cmd_diff, "export": cmd_export, "import-torch": cmd_import, "import-dcp": cmd_import}
 
 

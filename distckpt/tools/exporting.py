@@ -61,8 +61,9 @@ def parse_size(text: str | int) -> int:
 def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: str = "model",
                    dtype: str | None = None, max_shard_size: str | int = "5GB",
                    storage_options: dict[str, Any] | None = None,
-                   progress: Callable[[int], None] = lambda n: None) -> ExportSummary:
-    """Write the model entry as Hugging Face safetensors under `out_dir` (see the module doc)."""
+                   progress: Callable[[int], None] = lambda n: None, verify_key: Any = None) -> ExportSummary:
+    """Write the model entry as Hugging Face safetensors under `out_dir` (see the module doc).
+    `verify_key` (else DISTCKPT_VERIFY_KEY): only a step it signed is exported."""
     if isinstance(out_dir, os.PathLike):
         out_dir = os.fspath(out_dir)
     if not isinstance(out_dir, str) or not out_dir.strip() or "\0" in out_dir:
@@ -88,7 +89,8 @@ def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: st
     if inside is not None:
         raise ConfigError(f"out_dir={shown(out_dir)} lies in {inside}, a step directory (or the leases) of a distckpt "
                           "checkpoint root, which ls, gc and the loader own: export into a directory of its own")
-    src = open_checkpoint_model(url, step=step, entry=entry, storage_options=storage_options, bounded=True)
+    src = open_checkpoint_model(url, step=step, entry=entry, storage_options=storage_options, bounded=True,
+                                verify_key=verify_key)
     check_tensor_names(src.names, src.where)
     out_spec = {name: (_out_dtype(d, cast), shape) for name, (d, shape) in src.spec.items()}
     shards = plan_shards(src.names, out_spec, limit)

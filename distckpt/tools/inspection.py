@@ -17,6 +17,7 @@ import torch
 
 from distckpt.errors import CorruptCheckpointError, DistCkptError, SupersededCheckpointError
 from distckpt.io import manifest as mf
+from distckpt.io import signing
 from distckpt.io.copying import same_bits
 from distckpt.io.safetensors_format import checked_header
 from distckpt.io.serialize import decode_tree, load_tree_file
@@ -108,7 +109,7 @@ def verify_step(storage: Storage, step: int, progress: Callable[[int], None] = l
         where = f"{storage.url}/{base}/{name}"
         try:
             data = storage.read_bytes(f"{base}/{name}")
-            mf.verify_file(data, record, where)
+            mf.verify_file(data, record, where, digest=signing.verifies(storage))
             # incremental: the files it shares with older steps are verified as its own
             extra = incremental.resolve(storage, manifest, where) if name == replicated_name else None
             mf.check_tree_belongs(load_tree_file(data, where, extra), manifest.step, manifest.epoch, where)

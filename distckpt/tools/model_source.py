@@ -27,6 +27,7 @@ from distckpt.errors import (
     shown,
 )
 from distckpt.io import manifest as mf
+from distckpt.io import signing
 from distckpt.io.reading import read_verified
 from distckpt.io.serialize import ShardRef, load_tree_file
 from distckpt.protocol import incremental
@@ -74,11 +75,15 @@ def _marker_stands(storage: Storage, step: int) -> bool:
 
 
 def open_checkpoint_model(url: str, *, step: int | None = None, entry: str = "model",
-                          storage_options: dict[str, Any] | None = None, bounded: bool = False) -> ModelSource:
+                          storage_options: dict[str, Any] | None = None, bounded: bool = False,
+                          verify_key: Any = None) -> ModelSource:
     """The model entry of a committed distckpt checkpoint (the newest that verifies, or `step`).
     `bounded`: the files are verified piece by piece and their mapped pages released, so the
-    source never keeps more than one tensor resident (with ModelSource.release after each)."""
+    source never keeps more than one tensor resident (with ModelSource.release after each).
+    `verify_key` (else DISTCKPT_VERIFY_KEY): only a step it signed verifies (io/signing.py)."""
+    verifier = signing.load_verify_key(verify_key)
     storage = open_storage(url, storage_options)
+    signing.attach(storage, signing.Trust(verifier=verifier) if verifier is not None else None)
     mf.refuse_step_directory(url)
     steps = list_committed(storage)
     if step is not None:

@@ -58,8 +58,10 @@ class WeightsReport:
 
 
 def open_model_source(source: str, *, step: int | None = None, entry: str = "model",
-                      storage_options: dict[str, Any] | None = None) -> ModelSource:
-    """A distckpt root (it has committed steps) or a Hugging Face file / directory."""
+                      storage_options: dict[str, Any] | None = None, verify_key: Any = None) -> ModelSource:
+    """A distckpt root (it has committed steps) or a Hugging Face file / directory. With
+    `verify_key` (or DISTCKPT_VERIFY_KEY) a distckpt step must be signed by it; an exported
+    safetensors source carries no signature, so an explicit verify_key refuses it."""
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError(f"source={shown(source)}: must be a distckpt URL or a safetensors file / directory")
     source = os.fspath(source)
@@ -75,8 +77,12 @@ def open_model_source(source: str, *, step: int | None = None, entry: str = "mod
         if step is not None:
             raise ConfigError(f"step={shown(step)}: {shown(source)} is an exported safetensors file or directory, which holds "
                               "one set of weights; step= applies to a distckpt checkpoint root")
+        if verify_key is not None:
+            raise ConfigError(f"verify_key: {shown(source)} is an exported safetensors file or directory, which carries "
+                              "no distckpt signature; verify_key applies to a distckpt checkpoint root")
         return open_hf_model(source)
-    return open_checkpoint_model(source, step=step, entry=entry, storage_options=storage_options)
+    return open_checkpoint_model(source, step=step, entry=entry, storage_options=storage_options,
+                                 verify_key=verify_key)
 
 
 @paused_while_running
@@ -84,7 +90,7 @@ def open_model_source(source: str, *, step: int | None = None, entry: str = "mod
 def load_weights(source: str, module: nn.Module, *, step: int | None = None, strict: bool = True,
                  entry: str = "model", prefix_map: dict[str, str] | None = None,
                  ignore: tuple[str, ...] | list[str] = (), allow_cast: bool = True,
-                 storage_options: dict[str, Any] | None = None) -> WeightsReport:
+                 storage_options: dict[str, Any] | None = None, verify_key: Any = None) -> WeightsReport:
     """Load weights into `module` (bare, DDP-wrapped or compiled) from a distckpt checkpoint of any
     world size (its `entry`, the newest committed step unless `step`) or a Hugging Face
     safetensors file / directory. One process, no process group.
@@ -92,14 +98,16 @@ def load_weights(source: str, module: nn.Module, *, step: int | None = None, str
     `prefix_map` renames source keys before matching ({"transformer.": ""} drops a prefix);
     `ignore` holds fnmatch patterns of source or module keys to leave out. Every check (keys with
     `strict`, shapes, dtypes unless `allow_cast`) passes before any parameter changes; raises
-    IncompatibleCheckpointError naming the keys otherwise. Returns a WeightsReport.
+    IncompatibleCheckpointError naming the keys otherwise. `verify_key` (an Ed25519 public key:
+    PEM bytes or a path; else DISTCKPT_VERIFY_KEY): only a step it signed is loaded, the newest
+    that verifies. Returns a WeightsReport.
     """
     if not isinstance(module, nn.Module):
         raise ConfigError(f"module={type(module).__name__}: must be an nn.Module")
     if not isinstance(strict, bool) or not isinstance(allow_cast, bool):
         raise ConfigError("strict and allow_cast must be True or False")
     _check_patterns(prefix_map, ignore)
-    src = open_model_source(source, step=step, entry=entry, storage_options=storage_options)
+    src = open_model_source(source, step=step, entry=entry, storage_options=storage_options, verify_key=verify_key)
     bare = unwrap_module(module)
     target = bare.state_dict(keep_vars=True)
     mapping = _map_keys(src.names, prefix_map or {})
