@@ -161,6 +161,11 @@ class GlooCoordinator:
         tagged = self._run(phase, lambda: self._broadcast_object([phase, obj] if self.rank == 0 else None))
         return _untagged([tagged], phase, root_only=True)[0]
 
+    def all_gather_into(self, outputs: list[Any], tensor: Any, phase: str) -> None:
+        """Bytes, not objects: every rank's `tensor` (the same size on every rank) into
+        `outputs[rank]` (cooperative loads' ranges of a file)."""
+        self._run(phase, lambda: self._dist.all_gather(outputs, tensor, group=self._group))
+
     def _gather_objects(self, obj: Any) -> list[Any] | None:
         """One fixed-size gather; an object larger than a slot follows as one message to rank 0."""
         import torch

@@ -50,6 +50,7 @@ from distckpt.protocol.commit import (
     read_verified_manifest,
     removed_meanwhile,
 )
+from distckpt.protocol.cooperative import CooperativeRead, reading_together
 from distckpt.protocol.coord import Coordinator, Outcome, agree, attempt_phase, raise_if_failed
 from distckpt.protocol.fencing import Lease
 from distckpt.runtime import faults
@@ -130,8 +131,10 @@ WORLD_SIZE_POLICIES = ("refuse", "reshard", "replicated_only")  # the last: the 
 
 def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
                     world_size_policy: str = "refuse", leases: list[Lease] | None = None,
-                    owned_by_leases: bool = False, superseded_ok: bool = False) -> ReadCheckpoint:
+                    owned_by_leases: bool = False, superseded_ok: bool = False,
+                    together: CooperativeRead | None = None) -> ReadCheckpoint:
     """Read and verify what this rank needs of one committed step. Raises CorruptCheckpointError.
+    With `together`, the replicated file is read with the other ranks (cooperative.py).
 
     With another world size than the writer's: "refuse" raises IncompatibleCheckpointError;
     "reshard" (or its older name "replicated_only") reads the replicated state and the sharded
@@ -156,7 +159,7 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
     imported = manifest.imported is not None  # from torch.save / DCP: no per-rank state in the source
     buffers: list[Any] = []
     if imported or (manifest.world_size != world_size and world_size_policy in ("reshard", "replicated_only")):
-        replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers)
+        replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers, together=together)
         own: dict[str, Any] = {"epoch": manifest.epoch, "rank": rank, "entries": {}, "rng": None}
         return ReadCheckpoint(step, marker.manifest_digest, manifest, replicated, own, per_rank_restored=False,
                               buffers=buffers)
@@ -167,7 +170,7 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
             f"another world size; relaunch with --nproc-per-node/--nnodes giving {manifest.world_size} ranks, "
             "or pass world_size_policy='reshard' to restore the replicated and sharded state and keep "
             "this run's per-rank state")
-    replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers)
+    replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers, together=together)
     mf.check_tree_belongs(replicated, manifest.step, manifest.epoch, f"{where}/{replicated_name}")
     own = _read_tree(storage, base, rank_names[rank], manifest, where, buffers, per_rank=True)
     _check_rank_file_belongs(own, manifest, rank, f"{where}/{rank_names[rank]}")
@@ -190,16 +193,18 @@ def _check_rank_file_belongs(own: dict[str, Any], manifest: mf.Manifest, rank: i
 
 
 def _read_tree(storage: Storage, base: str, name: str, manifest: mf.Manifest, where: str,
-               buffers: list[Any] | None = None, per_rank: bool = False) -> Any:
+               buffers: list[Any] | None = None, per_rank: bool = False,
+               together: CooperativeRead | None = None) -> Any:
     """One verified tree file, its tensors viewing the file's buffer (appended to `buffers`). A
     mapped file is verified piece by piece, each piece's pages let go once hashed, so a load
     never holds the whole file resident (the restore lets go of them again as it copies)."""
     record = manifest.files.get(name)
     if record is None:
         raise CorruptCheckpointError(f"{where}: the manifest lists no {name}")
+    read = together.read if together is not None else functools.partial(read_verified, storage)
     try:
-        data = read_verified(storage, f"{base}/{name}", record, f"{where}/{name}",
-                             lambda buffer: lambda start, n: release_pages(buffer, start, n))
+        data = read(f"{base}/{name}", record, f"{where}/{name}",
+                    lambda buffer: lambda start, n: release_pages(buffer, start, n))
     except MissingFileError as e:
         raise CorruptCheckpointError(f"{where}/{name} is missing") from e
     except StorageError as e:
@@ -434,8 +439,9 @@ def _read_and_check(coord: Coordinator, storage: Storage, entries: list[Entry], 
     files vanished while they were read, and whose marker is gone too, was removed by a
     concurrent writer's retention: NotCommittedError, skipped like a save that never committed."""
     try:
-        read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy, leases,
-                               owned_by_leases, superseded_ok)
+        with reading_together(coord, storage, step) as together:  # the replicated file: cooperative.py
+            read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy, leases,
+                                   owned_by_leases, superseded_ok, together)
         read.entries = replaced_under_key(_resolve_sharded(storage, entries, read),
                                           {**read.replicated["entries"], **read.own["entries"]})
     except CorruptCheckpointError as e:

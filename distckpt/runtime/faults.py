@@ -25,6 +25,8 @@ POINTS = (
     "upload/started",        # rank 0's uploader, a committed local step about to be copied to the URL
     "upload/files-written",  # uploader: every file durable at the URL, no manifest or marker yet
     "upload/committed",      # uploader: the marker at the URL written, before durable retention
+    "load/cooperative-part",  # every rank of a cooperative load, its range of the replicated file read
+    "load/cooperative-exchange",  # every rank, every range read, before the ranges are exchanged
     "load/read",             # every rank, files read and verified, nothing restored
     "load/applied",          # every rank, state restored, before the final agreement
 )

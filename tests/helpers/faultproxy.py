@@ -12,7 +12,9 @@ first `skip` matches through, and act on up to `times` of the rest:
     late        hold the request `delay` seconds, then forward it (the client may have given up
                 by then; the server still applies it)
 
-Every request is logged as (method, path, status or action) for assertions.
+Every request is logged as (method, path, status or action) for assertions, and the bytes of
+request and response bodies are counted (`sent` to the server, `received` from it: what a
+save uploads and a load downloads), headers not included.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class FaultProxy:
     rules: list[Rule] = field(default_factory=list)
     log: list[tuple[str, str, str]] = field(default_factory=list)
     port: int = 0
+    sent: int = 0      # request body bytes forwarded to the server (uploads)
+    received: int = 0  # response body bytes returned to the client (downloads)
 
     def start(self) -> "FaultProxy":
         self._server = socket.socket()
@@ -77,6 +81,12 @@ class FaultProxy:
         with self._lock:
             self.rules.clear()
             self.log.clear()
+            self.sent = self.received = 0
+
+    def _count(self, sent: int, received: int) -> None:
+        with self._lock:
+            self.sent += sent
+            self.received += received
 
     def stop(self) -> None:
         self._server.close()
@@ -130,6 +140,7 @@ class FaultProxy:
                     upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
                     up_reader = upstream.makefile("rb")
                 upstream.sendall(raw_head + body)
+                self._count(len(body), 0)
                 status_line, resp_headers, resp_raw = _read_head(up_reader)
                 resp_body = b"" if method == "HEAD" else _read_body(up_reader, resp_headers, response=True,
                                                                       status=int(status_line.split()[1]))
@@ -145,6 +156,7 @@ class FaultProxy:
                 else:
                     self.log.append((method, path, status_line.split()[1]))
                 client.sendall(resp_raw + resp_body)
+                self._count(0, len(resp_body))
         except (OSError, ValueError):
             return
         finally:
