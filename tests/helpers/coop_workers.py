@@ -95,3 +95,41 @@ def die_during_load(rank: int, world: int, url: str, options: dict, timeout_s: f
     unchanged = (list(state["r"]) == ["big"] and torch.equal(state["r"]["big"], before[0])
                  and torch.equal(state["gen"].get_state(), before[1]))
     return {"raised": raised, "elapsed": time.monotonic() - started, "unchanged": unchanged}
+
+
+def exchange_generated_sizes(rank: int, world: int, examples: int) -> int:
+    """Every rank runs the same derandomized hypothesis examples (no database, no shrinking, so
+    the draws are identical on every rank): per example a message size for each rank, from 0
+    bytes to past the old 64 KiB slot, and each rank checks every message it receives through
+    all_gather, gather and broadcast byte for byte. Returns the examples run."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    from distckpt.protocol.coord import SLOT_BYTES, GlooCoordinator
+
+    edges = [0, 1, SLOT_BYTES - 64, SLOT_BYTES, SLOT_BYTES + 1, 64 << 10, (64 << 10) + 1, 200 << 10]
+    size = st.one_of(st.sampled_from(edges), st.integers(0, 3 * SLOT_BYTES), st.integers(0, 160 << 10))
+    coord = GlooCoordinator(timeout_s=60)
+    ran = [0]
+
+    def payload(who: int, n: int, i: int) -> dict:
+        return {"rank": who, "blob": bytes((who * 7 + i + k) % 256 for k in range(min(n, 64))) * (n // 64)
+                + bytes(n % 64), "text": "é" * (n % 5)}
+
+    @settings(max_examples=examples, derandomize=True, database=None, phases=[Phase.generate],
+              deadline=None, suppress_health_check=list(HealthCheck))
+    @given(sizes=st.lists(size, min_size=world, max_size=world))
+    def check(sizes: list[int]) -> None:
+        i = ran[0]
+        ran[0] += 1
+        expected = [payload(r, n, i) for r, n in enumerate(sizes)]
+        assert coord.all_gather(expected[rank], f"test/all-gather {i}") == expected
+        gathered = coord.gather(expected[rank], f"test/gather {i}")
+        assert gathered == (expected if rank == 0 else None)
+        assert coord.broadcast(expected[0] if rank == 0 else None, f"test/broadcast {i}") == expected[0]
+
+    try:
+        check()
+    finally:
+        coord.close()
+    return ran[0]
