@@ -38,10 +38,13 @@ def worker(root: str, rounds: int) -> None:
     times: dict[str, list[float]] = {"save": [], "load": []}
     with distckpt.CheckpointManager(root, keep_last=2, timeout=300) as mgr:
         for step in range(rounds + 2):
-            for what, call in (("save", lambda: mgr.save(step, state)), ("load", lambda: mgr.load(state, step))):
+            for what in ("save", "load"):
                 dist.barrier()
                 started = time.perf_counter()
-                call()
+                if what == "save":
+                    mgr.save(step, state)
+                else:
+                    mgr.load(state, step)
                 took = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)
                 if step >= 2:  # warm-up rounds left out
