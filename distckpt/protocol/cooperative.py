@@ -127,7 +127,7 @@ class CooperativeRead:
         part = -(-size // world)  # every range this long (the last one padded) so all_gather lines up
         whole = torch.empty(part * world, dtype=torch.uint8)
         start, end = min(size, rank * part), min(size, (rank + 1) * part)
-        error = self._read_part(path, whole.numpy(), start, end, where)
+        error = self._read_part(path, whole.numpy(), size, start, end, where)
         outcomes = self.coord.all_gather(Outcome.failure(rank, error) if error else Outcome(rank),
                                          f"load/cooperative parts step {self.step}")
         failed = [o for o in outcomes if not o.ok]
@@ -142,7 +142,17 @@ class CooperativeRead:
                                        f"load/cooperative exchange step {self.step}")
         return whole.numpy().data[:size]
 
-    def _read_part(self, path: str, whole: Any, start: int, end: int, where: str) -> BaseException | None:
+    def _check_size(self, path: str, size: int, where: str) -> None:
+        """A stored file of another size than the manifest's is damage (a truncated or replaced
+        object), as for a file read whole: the load falls back, rather than failing on a range
+        past the object's end."""
+        actual = self.storage.size(path)
+        if actual is None:
+            raise MissingFileError(errno.ENOENT, f"{where} does not exist")
+        if actual != size:
+            raise CorruptCheckpointError(f"{where}: {actual} bytes, the manifest says {size} (truncated or replaced)")
+
+    def _read_part(self, path: str, whole: Any, size: int, start: int, end: int, where: str) -> BaseException | None:
         """This rank's range into `whole` (a uint8 array), read once more after a failed
         transfer; its error, as the error every rank will raise, or None."""
         import numpy as np
@@ -152,10 +162,13 @@ class CooperativeRead:
 
         for attempt in (1, 2):
             try:
+                self._check_size(path, size, where)
                 if end > start:
                     self.storage.read_range(path, start, end, put)
                 faults.point("load/cooperative-part", step=self.step, rank=self.coord.rank, start=start, end=end)
                 return None
+            except CorruptCheckpointError as e:
+                return e
             except MissingFileError as e:
                 return _chained(CorruptCheckpointError(f"{where} is missing"), e)
             except StorageError as e:
