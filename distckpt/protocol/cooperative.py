@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import mmap
 from typing import Any, Iterator
 
 from distckpt.errors import CorruptCheckpointError, MissingFileError, StorageError
@@ -44,6 +45,7 @@ from distckpt.io.checksums import verify_file
 from distckpt.io.reading import read_verified
 from distckpt.protocol.coord import Coordinator, Outcome, error_of
 from distckpt.runtime import faults
+from distckpt.storage.spill import SpillError, download_mapped
 
 log = logging.getLogger("distckpt")
 
@@ -99,7 +101,7 @@ class CooperativeRead:
         for attempt in (1, 2):
             data = self._read_together(path, int(record["size"]), where)
             try:
-                verify_file(data, record, where)
+                verify_file(data, record, where, release(data) if release is not None else None)
             except CorruptCheckpointError as e:
                 if attempt == 2:
                     raise  # damage at rest, or in every read: the fallback says so on every rank
@@ -119,13 +121,45 @@ class CooperativeRead:
             return None
         return mine
 
-    def _read_together(self, path: str, size: int, where: str) -> memoryview:
-        """Every rank's copy of the file: its own range read, the others' received."""
+    def _read_together(self, path: str, size: int, where: str) -> Any:
+        """Every rank's copy of the file: its own range read, the others' received. Into a
+        mapped download file where the storage has a `spill_dir` (as its own reads of large
+        files: the pages are let go of as they are verified and restored), else in memory."""
         import torch
 
+        part = -(-size // self.coord.world_size)  # every range this long (the last padded): all_gather lines up
+        padded = part * self.coord.world_size
+        directory = getattr(self.storage, "spill_dir", None)
+        if directory:
+            try:
+                return download_mapped(directory, padded, lambda fd: self._into_file(fd, path, size, part, where))[:size]
+            except SpillError as e:  # only this rank's destination: the exchange is the same either way
+                log.warning("%s: a download file in %s could not be made (%s); holding the file in memory "
+                            "instead (storage option spill_dir)", where, directory, e)
+        whole = torch.empty(padded, dtype=torch.uint8)
+        self._fill(whole, path, size, part, where)
+        return whole.numpy().data[:size]
+
+    def _into_file(self, fd: int, path: str, size: int, part: int, where: str) -> None:
+        """The exchange written through a shared mapping of the download file, its pages let go
+        of once written (they stay in the file, mapped again to be read)."""
+        import torch
+
+        writable = mmap.mmap(fd, part * self.coord.world_size, access=mmap.ACCESS_WRITE)
+        whole = torch.frombuffer(writable, dtype=torch.uint8)
+        try:
+            self._fill(whole, path, size, part, where)
+        finally:
+            del whole
+            if hasattr(mmap, "MADV_DONTNEED"):
+                writable.madvise(mmap.MADV_DONTNEED)
+            try:
+                writable.close()
+            except BufferError:  # a view still held somewhere: unmapped when it goes
+                pass
+
+    def _fill(self, whole: Any, path: str, size: int, part: int, where: str) -> None:
         world, rank = self.coord.world_size, self.coord.rank
-        part = -(-size // world)  # every range this long (the last one padded) so all_gather lines up
-        whole = torch.empty(part * world, dtype=torch.uint8)
         start, end = min(size, rank * part), min(size, (rank + 1) * part)
         error = self._read_part(path, whole.numpy(), size, start, end, where)
         outcomes = self.coord.all_gather(Outcome.failure(rank, error) if error else Outcome(rank),
@@ -140,7 +174,6 @@ class CooperativeRead:
             outputs = [whole[r * part + offset:r * part + offset + n] for r in range(world)]
             self.coord.all_gather_into(outputs, outputs[rank].clone(),  # type: ignore[attr-defined]
                                        f"load/cooperative exchange step {self.step}")
-        return whole.numpy().data[:size]
 
     def _check_size(self, path: str, size: int, where: str) -> None:
         """A stored file of another size than the manifest's is damage (a truncated or replaced

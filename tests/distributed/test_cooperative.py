@@ -44,11 +44,12 @@ def test_a_4_rank_load_from_s3_moves_each_replicated_byte_once(s3_server, s3_url
     assert moved >= 0.9 * state  # the proxy saw the load at all
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_cooperative_load_is_bitwise_the_file_for_every_dtype_and_layout(s3_server, s3_url, world):
+@pytest.mark.parametrize("world,spill", [(2, True), (3, False)])
+def test_a_cooperative_load_is_bitwise_the_file_for_every_dtype_and_layout(s3_server, s3_url, world, spill):
     """Every tensor (bf16, int8, bool, empty, non-contiguous saved views, any bit pattern) comes
-    back bit for bit on every rank, the file split in ranges that do not fall on tensor bounds."""
-    options = _options(s3_server)
+    back bit for bit on every rank, the file split in ranges that do not fall on tensor bounds;
+    exchanged into a mapped download file (the default spill_dir) or into memory (spill_dir=None)."""
+    options = {**_options(s3_server), **({} if spill else {"spill_dir": None})}
     _ok(run_world(f"{W}:save", world, url=s3_url, options=options, mib=1.3))
     expected = replicated_tensors(0, 1.3)
     for value in _ok(run_world(f"{W}:load", world, url=s3_url, options=options, mib=1.3)):
