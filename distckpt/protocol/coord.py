@@ -152,8 +152,7 @@ class GlooCoordinator:
         # loads) got raw TypeErrors from each other's objects; now a RankDisagreementError on each.
         # The answer goes back in a message of world_size inline parts (the gathered ones), the
         # rest (a rank's traceback) in one more broadcast of its exact size.
-        tagged = self._run(phase, lambda: self._broadcast_object(self._gather_objects([phase, obj]),
-                                                                 self.world_size * SLOT_BYTES))
+        tagged = self._run(phase, lambda: self._broadcast_object(self._gather_objects([phase, obj])))
         return _untagged(tagged, phase)
 
     def gather(self, obj: Any, phase: str) -> list[Any] | None:
@@ -161,7 +160,7 @@ class GlooCoordinator:
         return None if tagged is None else _untagged(tagged, phase)
 
     def broadcast(self, obj: Any, phase: str) -> Any:
-        tagged = self._run(phase, lambda: self._broadcast_object([phase, obj] if self.rank == 0 else None))
+        tagged = self._run(phase, lambda: self._broadcast_object([phase, obj] if self.rank == 0 else None, SLOT_BYTES))
         return _untagged([tagged], phase, root_only=True)[0]
 
     def all_gather_into(self, outputs: list[Any], tensor: Any, phase: str) -> None:
@@ -198,11 +197,11 @@ class GlooCoordinator:
         return out
 
     def _broadcast_object(self, obj: Any, inline: int = 0) -> Any:
-        """One broadcast of `inline` bytes (SLOT_BYTES if 0); a larger object follows in a second
-        one of its exact size."""
+        """One broadcast of `inline` bytes (0: world_size x SLOT_BYTES, an all_gather's answer);
+        a larger object follows in a second one of its exact size."""
         import torch
 
-        inline = inline or SLOT_BYTES
+        inline = inline or self.world_size * SLOT_BYTES
         data = encode_message(obj) if self.rank == 0 else b""
         slot = _packed_slot(data, inline) if self.rank == 0 else torch.empty(_HEADER + inline, dtype=torch.uint8)
         self._dist.broadcast(slot, src=0, group=self._group)
