@@ -364,6 +364,11 @@ def main() -> int:
 
             rows += rank_rows(root, args.mib, args.repeats)
             per_rank = per_rank_table(args.mib / 4, [2, 4], max(args.repeats, 5))
+            from protocol_scaling import measure as protocol_rows
+            from protocol_scaling import table as protocol_table
+
+            per_rank += ("\n\nThe protocol as the ranks grow (tiny state, fresh torchrun per row; "
+                         "bench/protocol_scaling.py):\n\n" + protocol_table(protocol_rows([2, 4, 8, 16], 10, None), False))
         if not args.no_s3:
             rows += s3_rows(state, root, args.repeats)
         if not args.no_training:

@@ -50,8 +50,11 @@ class Machine:
 # to the object store (~11 GiB/s; 10 usable), one process reaching 1.5 GiB/s to S3 with
 # concurrent parts, the object store itself not the bound. The protocol constants are this
 # machine's, extrapolated linearly in the number of ranks (pessimistic: here every rank shares 2 cores).
+# A cooperative load's ranges travel over distckpt's gloo group (TCP): a ring in rank order, each
+# rank receiving the state's other ranges over one connection at "gloo_edge" bytes/s (ASSUMED like
+# one process to the store; on this machine's loopback, 2 ranks on 2 shared cores: 152 MiB/s).
 CLUSTER = {"ranks_per_node": 8, "node_link": 10 * GIB, "process_to_store": 1.5 * GIB, "copy": 10 * GIB,
-           "checksum": 8 * GIB}
+           "checksum": 8 * GIB, "gloo_edge": 1.5 * GIB}
 
 
 def _write_fsync(path: str, nbytes: int, start: "Any | None" = None,
@@ -139,16 +142,19 @@ def _fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
 
 
 def predict(m: Machine, ranks: int, state_bytes: float, path: str, ranks_per_node: int,
-            tensors: int) -> dict[str, float]:
+            tensors: int, gloo_edge: float | None = None) -> dict[str, float]:
     """Save, load and the loop's stall per save (seconds) for one write path.
 
     save: the bytes one writer sends, at that writer's speed (its own, the checksum's, or its
     share of the node's link, whichever is lowest), plus the protocol's cost at this many ranks.
     rank0 (replicated, default): rank 0 writes the whole state alone.
     split / sharded: every rank writes 1/ranks of it; a node's ranks share the node's link.
-    load: replicated files are read whole by every rank (a node reads ranks_per_node copies
-    through its link); split and sharded read 1/ranks each (sharded: its own shard; split: the
-    replicated state is in every rank's files, so each rank reads all of it, like rank0).
+    load: a replicated file from an object store is read cooperatively (rank0, the default): each
+    rank reads 1/ranks of it from the store (a node's ranks share its link), then receives the
+    other ranges over gloo's ring (`gloo_edge`); the store sends the state once per job. Split
+    writes' replicated tensors live in the ranks' shard files, which every rank reads whole (a
+    node reads ranks_per_node copies through its link); sharded reads 1/ranks each.
+    from_store: the bytes the store sends per load, all ranks together.
     stall (async save): the capture (per tensor) and the copy into staging of what the slowest
     rank stages (rank 0: the whole replicated state; sharded: 1/ranks), plus one exchange;
     with overlap_snapshot the copy leaves the stall (it runs beside forward and backward).
@@ -166,12 +172,18 @@ def predict(m: Machine, ranks: int, state_bytes: float, path: str, ranks_per_nod
         written = state_bytes / ranks
         speed = min(m.write_one, m.checksum, m.write_shared / per_node)
     save = written / speed + protocol_save
-    read_each = state_bytes / ranks if path == "sharded" else state_bytes
-    load = read_each / min(m.write_shared / per_node, m.copy) + protocol_load
+    share = min(m.write_shared / per_node, m.copy, m.write_one)  # one rank's share of its node's link
+    if path == "rank0" and gloo_edge is not None and ranks > 1:  # cooperative: once per job
+        load = state_bytes / ranks / share + state_bytes * (ranks - 1) / ranks / gloo_edge + protocol_load
+        from_store = state_bytes
+    else:
+        read_each = state_bytes / ranks if path == "sharded" else state_bytes
+        load = read_each / min(m.write_shared / per_node, m.copy) + protocol_load
+        from_store = read_each * ranks
     staged = state_bytes / ranks if path == "sharded" else state_bytes
     capture = tensors * m.per_tensor_s / (ranks if path == "sharded" else 1)
     return {"save": save, "load": load, "stall": capture + staged / m.copy + exchange,
-            "stall_overlap": capture + exchange}
+            "stall_overlap": capture + exchange, "from_store": from_store}
 
 
 def check_against_rows(m: Machine, root: str, mib: int) -> list[str]:
@@ -195,15 +207,17 @@ def check_against_rows(m: Machine, root: str, mib: int) -> list[str]:
 def cluster_table(m: Machine) -> list[str]:
     c = Machine(CLUSTER["process_to_store"], CLUSTER["node_link"], CLUSTER["copy"], CLUSTER["checksum"],
                 m.save_protocol, m.load_protocol)
-    lines = ["| ranks | parameters (state) | path | save s | load s | async stall s | overlapped stall s |",
-             "|---:|---|---|---:|---:|---:|---:|"]
+    lines = ["| ranks | parameters (state) | path | save s | load s | load: from the store, GiB | async stall s "
+             "| overlapped stall s |", "|---:|---|---|---:|---:|---:|---:|---:|"]
     for ranks in (8, 64, 512):
         for billions in (1, 7, 70):
             state = billions * 1e9 * BYTES_PER_PARAM
             for path in ("rank0", "split", "sharded"):
-                p = predict(c, ranks, state, path, CLUSTER["ranks_per_node"], billions * TENSORS_PER_BILLION)
+                p = predict(c, ranks, state, path, CLUSTER["ranks_per_node"], billions * TENSORS_PER_BILLION,
+                            CLUSTER["gloo_edge"])
                 lines.append(f"| {ranks} | {billions}B ({state / GIB:,.0f} GiB) | {path} | {p['save']:,.1f} | "
-                             f"{p['load']:,.1f} | {p['stall']:,.2f} | {p['stall_overlap']:,.3f} |")
+                             f"{p['load']:,.1f} | {p['from_store'] / GIB:,.0f} | {p['stall']:,.2f} | "
+                             f"{p['stall_overlap']:,.3f} |")
     return lines
 
 

@@ -1,6 +1,6 @@
 """Coordination between ranks: bounded object collectives, and one outcome for all ranks.
 
-Object collectives (a fixed-size gather to rank 0, a broadcast back) run on a dedicated gloo
+Object collectives (a gather to rank 0, a broadcast back, each sized to its content) run on a dedicated gloo
 group (so jobs whose default group is NCCL work too), created with the manager's timeout, so a
 dead or stopped peer turns into an error, never a hang. Every phase ends in :func:`agree`: each
 rank contributes an :class:`Outcome`, all ranks see all outcomes, and if any rank failed every
@@ -150,6 +150,8 @@ class GlooCoordinator:
         # (bench/profile_coordination.py).
         # Each object travels with its phase: ranks in different calls (one saving while another
         # loads) got raw TypeErrors from each other's objects; now a RankDisagreementError on each.
+        # The answer goes back in a message of world_size inline parts (the gathered ones), the
+        # rest (a rank's traceback) in one more broadcast of its exact size.
         tagged = self._run(phase, lambda: self._broadcast_object(self._gather_objects([phase, obj])))
         return _untagged(tagged, phase)
 
@@ -158,11 +160,17 @@ class GlooCoordinator:
         return None if tagged is None else _untagged(tagged, phase)
 
     def broadcast(self, obj: Any, phase: str) -> Any:
-        tagged = self._run(phase, lambda: self._broadcast_object([phase, obj] if self.rank == 0 else None))
+        tagged = self._run(phase, lambda: self._broadcast_object([phase, obj] if self.rank == 0 else None, SLOT_BYTES))
         return _untagged([tagged], phase, root_only=True)[0]
 
+    def all_gather_into(self, outputs: list[Any], tensor: Any, phase: str) -> None:
+        """Bytes, not objects: every rank's `tensor` (the same size on every rank) into
+        `outputs[rank]` (cooperative loads' ranges of a file)."""
+        self._run(phase, lambda: self._dist.all_gather(outputs, tensor, group=self._group))
+
     def _gather_objects(self, obj: Any) -> list[Any] | None:
-        """One fixed-size gather; an object larger than a slot follows as one message to rank 0."""
+        """One gather of SLOT_BYTES per rank (an outcome, a request: ~100-500 bytes); the rest of
+        a larger object follows as one message of its exact size to rank 0."""
         import torch
 
         data = encode_message(obj)
@@ -188,15 +196,17 @@ class GlooCoordinator:
             out.append(decode_message(payload))
         return out
 
-    def _broadcast_object(self, obj: Any) -> Any:
-        """One fixed-size broadcast; a larger object follows in a second one of its exact size."""
+    def _broadcast_object(self, obj: Any, inline: int = 0) -> Any:
+        """One broadcast of `inline` bytes (0: world_size x SLOT_BYTES, an all_gather's answer);
+        a larger object follows in a second one of its exact size."""
         import torch
 
+        inline = inline or self.world_size * SLOT_BYTES
         data = encode_message(obj) if self.rank == 0 else b""
-        slot = _packed_slot(data) if self.rank == 0 else torch.empty(_HEADER + SLOT_BYTES, dtype=torch.uint8)
+        slot = _packed_slot(data, inline) if self.rank == 0 else torch.empty(_HEADER + inline, dtype=torch.uint8)
         self._dist.broadcast(slot, src=0, group=self._group)
         size = _slot_length(slot)
-        if size > SLOT_BYTES:
+        if size > inline:
             big = _byte_tensor(data) if self.rank == 0 else torch.empty(size, dtype=torch.uint8)
             self._dist.broadcast(big, src=0, group=self._group)
             payload = big.numpy().tobytes()
@@ -257,7 +267,11 @@ def _untagged(tagged: list[Any], phase: str, root_only: bool = False) -> list[An
     return [t[1] for t in tagged]
 
 
-SLOT_BYTES = 64 * 2**10  # messages up to this size travel in the collective itself (outcomes are ~1 KiB)
+# The part of each rank's message that travels in the collective itself: an outcome or a request
+# is 100-500 bytes, so nearly every exchange is one gather and one broadcast; a larger message (a
+# failure's traceback, rank 0's listing) follows in one more message of its exact size. It was
+# 64 KiB: 1 MiB gathered to rank 0 per exchange at 16 ranks, 32 MiB at 512 (docs/design/scaling.md).
+SLOT_BYTES = 1 << 10
 _HEADER = 8  # the message length, int64
 
 
@@ -300,13 +314,13 @@ def decode_message(data: bytes) -> Any:
     return json.loads(data[8:8 + size], object_hook=untag)
 
 
-def _packed_slot(data: bytes) -> Any:
-    """A fixed-size uint8 tensor: the length of `data`, then `data` if it fits."""
+def _packed_slot(data: bytes, inline: int = SLOT_BYTES) -> Any:
+    """A uint8 tensor of 8 + `inline` bytes: the length of `data`, then `data` if it fits."""
     import torch
 
-    slot = torch.zeros(_HEADER + SLOT_BYTES, dtype=torch.uint8)
+    slot = torch.zeros(_HEADER + inline, dtype=torch.uint8)
     slot[:_HEADER] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-    if len(data) <= SLOT_BYTES:
+    if len(data) <= inline:
         slot[_HEADER:_HEADER + len(data)] = _byte_tensor(data)
     return slot
 

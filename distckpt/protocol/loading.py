@@ -43,7 +43,7 @@ from distckpt.io import signing
 from distckpt.io.copying import CopyFailed, PageRelease, Prefault
 from distckpt.io.reading import read_verified
 from distckpt.io.serialize import ShardRef, load_tree_file
-from distckpt.protocol import elastic, fencing, incremental, tiers
+from distckpt.protocol import elastic, fencing, incremental, load_warnings, tiers
 from distckpt.protocol.choosing import check_nothing_was_committed, choose, committed_since, settled_uncommitted
 from distckpt.protocol.commit import (
     check_not_superseded,
@@ -52,6 +52,7 @@ from distckpt.protocol.commit import (
     read_verified_manifest,
     removed_meanwhile,
 )
+from distckpt.protocol.cooperative import CooperativeRead, reading_together
 from distckpt.protocol.coord import Coordinator, Outcome, agree, attempt_phase, raise_if_failed
 from distckpt.protocol.fencing import Lease
 from distckpt.runtime import faults
@@ -60,7 +61,6 @@ from distckpt.state import sharded
 from distckpt.state.capture import (
     PER_RANK,
     SHARDED,
-    CheckpointWarning,
     Entry,
     persistent_buffers,
     unwrap_module,
@@ -134,8 +134,10 @@ WORLD_SIZE_POLICIES = ("refuse", "reshard", "replicated_only", elastic.POLICY)  
 
 def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
                     world_size_policy: str = "refuse", leases: list[Lease] | None = None,
-                    owned_by_leases: bool = False, superseded_ok: bool = False) -> ReadCheckpoint:
+                    owned_by_leases: bool = False, superseded_ok: bool = False,
+                    together: CooperativeRead | None = None) -> ReadCheckpoint:
     """Read and verify what this rank needs of one committed step. Raises CorruptCheckpointError.
+    With `together`, the replicated file is read with the other ranks (cooperative.py).
 
     With another world size than the writer's: "refuse" raises IncompatibleCheckpointError;
     "reshard" (or its older name "replicated_only") reads the replicated state and the sharded
@@ -160,7 +162,7 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
     imported = manifest.imported is not None  # from torch.save / DCP: no per-rank state in the source
     buffers: list[Any] = []
     if imported or (manifest.world_size != world_size and world_size_policy in WORLD_SIZE_POLICIES[1:]):
-        replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers)
+        replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers, together=together)
         own: dict[str, Any] = {"epoch": manifest.epoch, "rank": rank, "entries": {}, "rng": None}
         sources = None if imported or world_size_policy != elastic.POLICY else elastic.read_sources(
             lambda name: _read_tree(storage, base, name, manifest, where, buffers, per_rank=True), manifest, where)
@@ -173,7 +175,7 @@ def read_checkpoint(storage: Storage, step: int, rank: int, world_size: int,
             f"another world size; relaunch with --nproc-per-node/--nnodes giving {manifest.world_size} ranks, "
             "or pass world_size_policy='reshard' to restore the replicated and sharded state and keep "
             "this run's per-rank state, or 'elastic' to also continue the interrupted epoch's sample order")
-    replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers)
+    replicated = _read_tree(storage, base, replicated_name, manifest, where, buffers, together=together)
     mf.check_tree_belongs(replicated, manifest.step, manifest.epoch, f"{where}/{replicated_name}")
     own = _read_tree(storage, base, rank_names[rank], manifest, where, buffers, per_rank=True)
     _check_rank_file_belongs(own, manifest, rank, f"{where}/{rank_names[rank]}")
@@ -196,16 +198,18 @@ def _check_rank_file_belongs(own: dict[str, Any], manifest: mf.Manifest, rank: i
 
 
 def _read_tree(storage: Storage, base: str, name: str, manifest: mf.Manifest, where: str,
-               buffers: list[Any] | None = None, per_rank: bool = False) -> Any:
+               buffers: list[Any] | None = None, per_rank: bool = False,
+               together: CooperativeRead | None = None) -> Any:
     """One verified tree file, its tensors viewing the file's buffer (appended to `buffers`). A
     mapped file is verified piece by piece, each piece's pages let go once hashed, so a load
     never holds the whole file resident (the restore lets go of them again as it copies)."""
     record = manifest.files.get(name)
     if record is None:
         raise CorruptCheckpointError(f"{where}: the manifest lists no {name}")
+    read = together.read if together is not None else functools.partial(read_verified, storage)
     try:
-        data = read_verified(storage, f"{base}/{name}", record, f"{where}/{name}",
-                             lambda buffer: lambda start, n: release_pages(buffer, start, n))
+        data = read(f"{base}/{name}", record, f"{where}/{name}",
+                    lambda buffer: lambda start, n: release_pages(buffer, start, n))
     except MissingFileError as e:
         raise CorruptCheckpointError(f"{where}/{name} is missing") from e
     except StorageError as e:
@@ -353,12 +357,12 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
             if all(o.error_type == SupersededCheckpointError.__name__ for o in damaged):
                 superseded.append((step, tier))
             continue
-        _warn_fallbacks(skipped, (step, tier), coord.rank, tiered)
+        load_warnings.warn_fallbacks(skipped, (step, tier), coord.rank, tiered)
         raise_if_failed(coord, outcomes, f"loading step {step}", exc)
         _check_agreement(outcomes, step)
         assert read is not None  # every rank succeeded
         return _Attempt((read, tier), raced=uncommitted, split=split)
-    _warn_fallbacks(skipped, None, coord.rank, tiered)
+    load_warnings.warn_fallbacks(skipped, None, coord.rank, tiered)
     damaged_leases = [lease for lease in leases or [] if lease.damaged]
     if superseded and not explicit and damaged_leases:
         return _Attempt(error=_unreadable_lease_error(storages[tiers.DURABLE], damaged_leases, superseded), split=split)
@@ -442,8 +446,9 @@ def _read_and_check(coord: Coordinator, storage: Storage, entries: list[Entry], 
     files vanished while they were read, and whose marker is gone too, was removed by a
     concurrent writer's retention: NotCommittedError, skipped like a save that never committed."""
     try:
-        read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy, leases,
-                               owned_by_leases, superseded_ok)
+        with reading_together(coord, storage, step) as together:  # the replicated file: cooperative.py
+            read = read_checkpoint(storage, step, coord.rank, coord.world_size, world_size_policy, leases,
+                                   owned_by_leases, superseded_ok, together)
         read.entries = replaced_under_key(_resolve_sharded(storage, entries, read),
                                           {**read.replicated["entries"], **read.own["entries"]})
         if read.sources is not None:
@@ -514,40 +519,8 @@ def _modules_with_buffers(entries: list[Entry]) -> list[str]:
             and persistent_buffers(unwrap_module(e.target))]
 
 
-def _warn_per_rank_kept(read: ReadCheckpoint, coord: Coordinator, kept: list[str], buffered: list[str]) -> None:
-    if read.manifest.imported is not None:
-        message = (f"rank {coord.rank}: step {read.step} was imported from {read.manifest.imported}, which holds no "
-                   f"per-rank state: the RNG streams and the per-rank entries {kept} keep what this process set. "
-                   "The run continues from the imported state, not bit for bit.")
-        warn(message, ReshardWarning)
-        return
-    message = (f"rank {coord.rank}: step {read.step} was written by {read.manifest.world_size} ranks and "
-               f"is loaded by {coord.world_size} (world_size_policy='reshard'): replicated and sharded state "
-               f"restored; kept as this process set them, not restored: the RNG streams (Python, NumPy, "
-               f"torch, devices) and the per-rank entries {kept}."
-               + (f" The persistent buffers of {buffered} (BatchNorm running statistics and the like, saved by "
-                  "each rank) are rank 0's on every rank: a rank's own cannot be mapped to another world size."
-                  if buffered else "")
-               + " The run continues, not bit for bit.")
-    warn(message, ReshardWarning)
 
 
-def _warn_fallbacks(skipped: list[tuple[int, str, list[Outcome]]], loading: tuple[int, str] | None, rank: int,
-                    tiered: bool) -> None:
-    """One warning per damaged committed step skipped (emptying `skipped`), each naming what is
-    loaded instead: `loading`, the next committed step every rank read (None: none verified)."""
-    for step, tier, damaged in skipped:
-        detail = "; ".join(f"rank {o.rank}: {o.message}" for o in damaged)
-        where = f"step {step} on the {tier} tier" if tiered else f"step {step}"
-        if loading is None:
-            then = "no other committed checkpoint verifies"
-        elif tiered:
-            then = f"loading step {loading[0]} from the {loading[1]} tier instead"
-        else:
-            then = f"loading step {loading[0]} instead"
-        message = f"rank {rank}: committed {where} cannot be loaded and was skipped — {detail}; {then}"
-        warn(message, CheckpointFallbackWarning)
-    skipped.clear()
 
 
 def _agree_on_the_request(coord: Coordinator, step: int | None, world_size_policy: str, keys: list[str]) -> None:
@@ -605,7 +578,7 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
     kept = [] if read.per_rank_restored else [e.key for e in entries if e.scope == PER_RANK]
     absent = [e.key for e in entries if e.key not in saved and e.key not in kept]
     if absent:
-        _warn_kept_missing(absent, read.step, coord.rank)
+        load_warnings.warn_kept_missing(absent, read.step, coord.rank)
     warn_extra_entries(set(saved), {e.key for e in entries}, f"step {read.step}")
     todo = [e for e in entries if e.key not in kept and e.key not in absent]
     notes: list[str] = []
@@ -670,7 +643,7 @@ def _restore_rng(coord: Coordinator, read: ReadCheckpoint, kept: list[str],
         else:
             # only here (a reshard or an import) are the modules' buffers looked at
             buffered = _modules_with_buffers(entries) if read.manifest.world_size > 1 else []
-            _warn_per_rank_kept(read, coord, kept, buffered)
+            load_warnings.warn_per_rank_kept(read, coord, kept, buffered)
         faults.point("load/applied", step=read.step, rank=coord.rank)
         return None
     except DistCkptError as e:
@@ -693,9 +666,3 @@ def _agree_or_undo(coord: Coordinator, outcome: Outcome, exc: BaseException | No
         if exc is not None and not isinstance(exc, Exception):
             raise exc from None  # this rank's own KeyboardInterrupt / SystemExit, after the undo
         raise
-
-
-def _warn_kept_missing(keys: list[str], step: int, rank: int) -> None:
-    message = (f"rank {rank}: step {step} holds no entries {keys}; they keep their live values "
-               "(missing_entries='keep')")
-    warn(message, CheckpointWarning)

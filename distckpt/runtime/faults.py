@@ -29,6 +29,8 @@ POINTS = (
     "memory/files-writing",  # a node's lowest rank, about to write one memory copy (its own or a partner's)
     "memory/committed",      # a node's lowest rank, one memory copy's marker written
     "memory/repairing",      # a lost node's lowest rank, its partner's copy received and verified, not written
+    "load/cooperative-part",  # every rank of a cooperative load, its range of the replicated file read
+    "load/cooperative-exchange",  # every rank, every range read, before the ranges are exchanged
     "load/read",             # every rank, files read and verified, nothing restored
     "load/applied",          # every rank, state restored, before the final agreement
 )

@@ -96,6 +96,18 @@ class ConditionalCreateStorage(FsspecStorage):
                                    f"{end - start} bytes at {start}")
             write_at(fd, piece, start)
 
+    def read_range(self, path: str, start: int, end: int, put: Any) -> None:
+        """Bytes [start, end) of `path`, handed to `put(offset, data)` as they arrive (a
+        cooperative load's part: protocol/cooperative.py). Short reads are errors."""
+        target = _join(self.root, path)
+        for first in range(start, end, RANGE_BYTES):
+            last = min(end, first + RANGE_BYTES)
+            piece = self._call("reading", target, "cat_file", target, start=first, end=last, size=last - first)
+            if len(piece) != last - first:
+                raise StorageError(errno.EIO, f"reading {self.public(target)}: short read, {len(piece)} of "
+                                   f"{last - first} bytes at {first}")
+            put(first, piece)
+
     container_word = "bucket"  # what the store calls the URL's first component, for messages
 
     def check_root(self) -> None:

@@ -171,12 +171,18 @@ class S3Storage(ConditionalCreateStorage):
         else:
             self._fetch_ranges(target, size, lambda start, data: write_at(fd, data, start))
 
-    def _fetch_ranges(self, target: str, size: int, put: Any) -> None:
+    def read_range(self, path: str, start: int, end: int, put: Any) -> None:
+        """Bytes [start, end) of `path` to `put(offset, data)`: the concurrent ranged GETs of a
+        whole file's read, over a part of it (a cooperative load's part)."""
+        target = _join(self.root, path)
+        self._reading(target, self._fetch_ranges, target, end, put, start)
+
+    def _fetch_ranges(self, target: str, size: int, put: Any, first: int = 0) -> None:
         from fsspec.asyn import sync
 
-        sync(self.fs.loop, self._get_ranges, target, size, put)
+        sync(self.fs.loop, self._get_ranges, target, size, put, first)
 
-    async def _get_ranges(self, target: str, size: int, put: Any) -> None:
+    async def _get_ranges(self, target: str, size: int, put: Any, first: int = 0) -> None:
         """Concurrent ranged GETs, `concurrency` at a time, each streamed to `put(offset, data)`
         in pieces of STREAM_PIECE_BYTES as they arrive: what is held is a piece per range in
         flight. (Each range read whole, as s3fs's cat does, held up to twice the range: 8 x 8 MiB
@@ -192,7 +198,7 @@ class S3Storage(ConditionalCreateStorage):
                 await asyncio.wait_for(self._stream_range(bucket, key, start, end, put),
                                        self._part_deadline(end - start))
 
-        tasks = [asyncio.ensure_future(fetch(start)) for start in range(0, size, self.range_bytes)]
+        tasks = [asyncio.ensure_future(fetch(start)) for start in range(first, size, self.range_bytes)]
         try:
             await asyncio.gather(*tasks)
         except BaseException:

@@ -12,8 +12,10 @@ first `skip` matches through, and act on up to `times` of the rest:
     late        hold the request `delay` seconds, then forward it (the client may have given up
                 by then; the server still applies it)
 
-Every request is logged as (method, path, status or action) for assertions, and the body bytes
-each response carried to the client as (method, path, bytes) in `served` (what a restore read).
+Every request is logged as (method, path, status or action) for assertions, the body bytes
+each response carried to the client as (method, path, bytes) in `served` (what a restore read), and
+the bytes of request and response bodies are counted (`sent` to the server, `received` from it: what
+a save uploads and a load downloads), headers not included.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class FaultProxy:
     log: list[tuple[str, str, str]] = field(default_factory=list)
     served: list[tuple[str, str, int]] = field(default_factory=list)  # response body bytes sent
     port: int = 0
+    sent: int = 0      # request body bytes forwarded to the server (uploads)
+    received: int = 0  # response body bytes returned to the client (downloads)
 
     def start(self) -> "FaultProxy":
         self._server = socket.socket()
@@ -80,11 +84,17 @@ class FaultProxy:
             self.rules.clear()
             self.log.clear()
             self.served.clear()
+            self.sent = self.received = 0
 
     def bytes_served(self, method: str = "GET", path: str = "") -> int:
         """Response body bytes sent for requests of `method` whose path matches the regex `path`."""
         with self._lock:
             return sum(n for m, p, n in self.served if m == method and re.search(path, p) is not None)
+
+    def _count(self, sent: int, received: int) -> None:
+        with self._lock:
+            self.sent += sent
+            self.received += received
 
     def stop(self) -> None:
         self._server.close()
@@ -138,6 +148,7 @@ class FaultProxy:
                     upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
                     up_reader = upstream.makefile("rb")
                 upstream.sendall(raw_head + body)
+                self._count(len(body), 0)
                 status_line, resp_headers, resp_raw = _read_head(up_reader)
                 resp_body = b"" if method == "HEAD" else _read_body(up_reader, resp_headers, response=True,
                                                                       status=int(status_line.split()[1]))
@@ -155,6 +166,7 @@ class FaultProxy:
                 with self._lock:
                     self.served.append((method, path, len(resp_body)))
                 client.sendall(resp_raw + resp_body)
+                self._count(0, len(resp_body))
         except (OSError, ValueError):
             return
         finally:

@@ -1,0 +1,114 @@
+"""What a tiny-state save and load cost as the ranks grow: the protocol's own cost.
+
+    python bench/protocol_scaling.py [--worlds 2 4 8 16] [--rounds 15] [--compare PYTHONPATH]
+
+Each row is a fresh `torchrun --standalone --nproc-per-node N` on this machine (gloo, CPU),
+saving and loading a state of a few bytes (one tensor, one per-rank generator) to local disk:
+whatever the time is, it is coordination and per-rank bookkeeping, not bytes. A round is timed
+from a barrier to the slowest rank's return (an all_reduce of the times, MAX); the row is the
+median of --rounds rounds after two warm-up rounds. The ratio is each row against the first
+world (2 ranks), save and load separately. With --compare, the same rows are measured with
+that PYTHONPATH too (another checkout of distckpt), interleaved row by row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def worker(root: str, rounds: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import distckpt
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    state = {"x": torch.zeros(4), "g": torch.Generator().manual_seed(rank)}
+    times: dict[str, list[float]] = {"save": [], "load": []}
+    with distckpt.CheckpointManager(root, keep_last=2, timeout=300) as mgr:
+        for step in range(rounds + 2):
+            for what in ("save", "load"):
+                dist.barrier()
+                started = time.perf_counter()
+                if what == "save":
+                    mgr.save(step, state)
+                else:
+                    mgr.load(state, step)
+                took = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                if step >= 2:  # warm-up rounds left out
+                    times[what].append(float(took.item()))
+    if rank == 0:
+        print("RESULT " + json.dumps({k: statistics.median(v) for k, v in times.items()}), flush=True)
+    dist.destroy_process_group()
+
+
+def row(world: int, rounds: int, pythonpath: str | None) -> dict[str, float]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    with tempfile.TemporaryDirectory() as root:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               os.path.abspath(__file__), "--worker", "--root", os.path.join(root, "run"), "--rounds", str(rounds)]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{world} ranks: no result (exit {out.returncode}):\n{out.stderr[-3000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--compare", default=None, help="PYTHONPATH of another checkout, measured alike")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--root", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.root, args.rounds)
+        return
+    print(table(measure(args.worlds, args.rounds, args.compare), args.compare is not None))
+
+
+def measure(worlds: list[int], rounds: int, compare: str | None) -> dict[str, dict[int, dict[str, float]]]:
+    here = os.path.dirname(HERE)
+    results: dict[str, dict[int, dict[str, float]]] = {"this": {}, "compared": {}}
+    for world in worlds:
+        results["this"][world] = row(world, rounds, here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if compare is not None:
+            results["compared"][world] = row(world, rounds, compare)
+    return results
+
+
+def table(results: dict[str, dict[int, dict[str, float]]], compared: bool) -> str:
+    lines = ["| ranks | save ms | save vs 2 ranks | load ms | load vs 2 ranks |"
+             + (" compared: save ms | vs 2 | load ms | vs 2 |" if compared else ""),
+             "|---|---|---|---|---|" + ("---|---|---|---|" if compared else "")]
+    for world, this in results["this"].items():
+        cells = _cells(this, results["this"])
+        if compared:
+            cells += _cells(results["compared"][world], results["compared"])
+        lines.append(f"| {world} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cells(got: dict[str, float], rows: dict[int, dict[str, float]]) -> list[str]:
+    first = rows[min(rows)]
+    return [f"{got['save'] * 1e3:.1f}", f"{got['save'] / first['save']:.2f}x",
+            f"{got['load'] * 1e3:.1f}", f"{got['load'] / first['load']:.2f}x"]
+
+
+if __name__ == "__main__":
+    main()
