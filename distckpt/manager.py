@@ -54,7 +54,7 @@ class CheckpointManager:
     Every keyword argument is a setting, checked at construction (a `ConfigError` names the field
     and the reason) and agreed across ranks; the settings page of the reference lists each with
     its default and what it is for: keep_last/keep_best/best_mode (retention), async_save and
-    overlap_snapshot (saves in the background), local_dir/durable_every/keep_local (two tiers),
+    overlap_snapshot, writer and staging_bytes (saves in the background), local_dir/durable_every/keep_local (two tiers),
     incremental, timeout, storage_options, world_size_policy, preemption_signals.
 
     A checkpoint is committed only when its COMMITTED marker is written, after every file is
@@ -75,14 +75,16 @@ class CheckpointManager:
                  allow_dtype_cast: bool = False, missing_entries: str = "refuse",
                  local_dir: str | os.PathLike[str] | None = None, durable_every: int | None = None,
                  keep_local: int | None = None, incremental: bool = False,
-                 overlap_snapshot: bool = False) -> None:
+                 overlap_snapshot: bool = False, writer: str = "thread",
+                 staging_bytes: int | None = None) -> None:
         refusal: Exception | None = None
         settings: Settings | None = None
         try:  # every argument before any exchange (settings.py)
             config = ManagerConfig(keep_last, keep_best, best_mode, async_save,
                                    timeout,  # type: ignore[arg-type]  # a timedelta or None: made seconds there
                                    leftover_grace_s, world_size_policy, split_writes, allow_dtype_cast,
-                                   missing_entries, preemption_signals, incremental, overlap_snapshot)
+                                   missing_entries, preemption_signals, incremental, overlap_snapshot,
+                                   writer, staging_bytes)
             settings = Settings.check(url, storage_options, local_dir, durable_every, keep_local, config)
         except Exception as e:  # a refused argument, an unreachable store: raised on every rank below
             refusal = e

@@ -24,6 +24,7 @@ from distckpt.protocol import doctor_hooks
 from distckpt.protocol.coord import Coordinator
 from distckpt.protocol.frameworks import negative_step_refusal
 from distckpt.protocol.tiers import TierSettings
+from distckpt.protocol.writer_process import check_storage
 from distckpt.state.validation import check_step
 from distckpt.storage import Storage, open_storage
 
@@ -63,6 +64,10 @@ class Settings:
             raise ConfigError("incremental=True with split_writes=True is not supported: incremental saves "
                               "leave out the unchanged tensors of rank 0's file, and split writes move them to "
                               "every rank's shard file, written whole at each save; use one of the two")
+        if config.async_save and config.writer == "process":  # it opens them in another process
+            for root in (storage, local):
+                if root is not None:
+                    check_storage(root)
         return cls(config, os.fspath(url) if isinstance(url, os.PathLike) else url, storage, tiers, local)
 
 
