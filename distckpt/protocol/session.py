@@ -28,11 +28,13 @@ from distckpt.errors import AsyncSaveError, ConfigError, StorageError
 from distckpt.io.copying import Prefault
 from distckpt.protocol import doctor_hooks
 from distckpt.protocol.async_writer import AsyncWriter, WriterStuckError
+from distckpt.protocol.bounded_staging import BoundedStagingPool, payload_trees
 from distckpt.protocol.coord import Coordinator, Outcome, agree, make_coordinator
 from distckpt.protocol.frameworks import classify_in_world
 from distckpt.protocol.incremental import ContentTable
 from distckpt.protocol.leases import LeaseKeeper, ResumedBranch
 from distckpt.protocol.loading import Progress, load, refuse_load_request
+from distckpt.protocol.payload import trees_written_by
 from distckpt.protocol.pruning import Pruner
 from distckpt.protocol.saving import (
     CapturedSave,
@@ -45,8 +47,6 @@ from distckpt.protocol.saving import (
     stage_save,
     write_and_commit,
 )
-from distckpt.protocol.bounded_staging import BoundedStagingPool, payload_trees
-from distckpt.protocol.payload import trees_written_by
 from distckpt.protocol.snapshot import OverlappedSnapshot
 from distckpt.protocol.tiers import TierSettings
 from distckpt.protocol.uploads import DurableUploads
