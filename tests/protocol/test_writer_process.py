@@ -170,3 +170,23 @@ def test_supported_combinations_round_trip(tmp_path, kwargs):
         assert mgr.load_latest(fresh).step == 2
     for key, value in expected.items():
         assert torch.equal(value, fresh["model"].state_dict()[key]), key
+
+
+def test_round_trip_on_s3_matches_the_writer_thread(s3_server, s3_url):
+    """The writer process opens the object store itself (the storage handed over as its settings)."""
+    state = _state()
+    options = s3_server.storage_options()
+    records = {}
+    for writer in ("thread", "process"):
+        url = f"{s3_url}-{writer}"
+        with distckpt.CheckpointManager(url, storage_options=options, async_save=True, writer=writer) as mgr:
+            mgr.save(1, state)
+        with distckpt.CheckpointManager(url, storage_options=options) as mgr:
+            fresh = {"model": torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 4)), "tensors": {}}
+            fresh["optimizer"] = torch.optim.AdamW(fresh["model"].parameters())
+            assert mgr.load_latest(fresh).step == 1
+            manifest = mgr.storage.read_bytes(f"step-{1:09d}/manifest.json")
+        records[writer] = {n: r for n, r in json.loads(manifest)["files"].items() if n.startswith("replicated")}
+        for key, value in state["model"].state_dict().items():
+            assert torch.equal(value, fresh["model"].state_dict()[key]), key
+    assert list(records["thread"].values()) == list(records["process"].values())
