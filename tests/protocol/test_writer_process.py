@@ -72,7 +72,7 @@ def test_round_trip_is_bitwise_and_the_payload_bytes_match_the_writer_thread(tmp
     assert list(records["thread"].values()) == list(records["process"].values())  # same sizes and checksums
 
 
-@pytest.mark.parametrize("kill_on,split_writes", [(0, False), (1, True)])
+@pytest.mark.parametrize("kill_on,split_writes", [(0, False), pytest.param(1, True, marks=pytest.mark.faults)])
 def test_a_killed_writer_process_is_an_async_save_error_on_every_rank(tmp_path, kill_on, split_writes):
     results = run_world(f"{W}:killed_writer", 2, timeout=240, url=str(tmp_path / "ckpt"), kill_on=kill_on,
                         split_writes=split_writes)
