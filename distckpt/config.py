@@ -83,9 +83,8 @@ class ManagerConfig:
 def check_writer_settings(config: ManagerConfig) -> None:
     """writer= and staging_bytes= (protocol/writer_process.py, protocol/bounded_staging.py), and
     the combinations refused by name: both act on the background write of async saves only, and
-    a bound on staging leaves tensors to be read in place, which neither a snapshot overlapped
-    with training (it copies later, not sooner) nor a writer in another process (it reads only
-    shared memory) can do."""
+    a bound on staging makes save() wait while tensors are read in place, which a snapshot
+    overlapped with training (it copies after save() returned) cannot do."""
     _choice("writer", config.writer, ("thread", "process"))
     value = config.staging_bytes
     if value is not None:
@@ -101,10 +100,6 @@ def check_writer_settings(config: ManagerConfig) -> None:
         raise ConfigError("staging_bytes with overlap_snapshot=True is not supported: a bounded staging makes "
                           "save() wait while the part over the bound is written, the overlapped snapshot defers "
                           "the copies until after save() returned; use one of the two")
-    if value is not None and config.writer == "process":
-        raise ConfigError("staging_bytes with writer='process' is not supported: the part of the state over the "
-                          "bound is written from the live tensors, which a writer process cannot read; use "
-                          "writer='thread' with staging_bytes, or writer='process' without a bound")
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -92,12 +92,16 @@ def check_limits(tree: EncodedTree, where: str) -> None:
 
 # -- writing -------------------------------------------------------------------------------------
 
-def safetensors_chunks(tree: EncodedTree) -> Iterator[memoryview]:
+def safetensors_chunks(tree: EncodedTree,
+                       pieces: Callable[[torch.Tensor], Iterator[memoryview]] | None = None) -> Iterator[memoryview]:
     """Yield the bytes of a safetensors file holding the tree, without building it in memory.
 
     Hand-written because safetensors' own `save`/`save_file` first assemble the whole file in
     one buffer (a second copy of the state) and give no way to checksum while writing.
+    `pieces` gives a tensor's bytes (default: tensor_pieces; the writer process's reads some
+    from its socket).
     """
+    pieces = pieces or tensor_pieces
     header: dict[str, Any] = {METADATA_KEY: {
         FORMAT_METADATA_KEY: FORMAT_NAME,
         TREE_METADATA_KEY: tree.node_json,
@@ -118,7 +122,7 @@ def safetensors_chunks(tree: EncodedTree) -> Iterator[memoryview]:
             continue
         # a view of t's memory (valid while the tree, the caller's, holds t); a tensor not in
         # host memory in order (a live one under bounded staging) comes in bounded pieces
-        for data in tensor_pieces(t):
+        for data in pieces(t):
             if data.nbytes >= SMALL_TENSOR_BYTES:
                 if small:
                     yield memoryview(small)

@@ -7,7 +7,7 @@ processes are gone, the kernel frees it, so a SIGKILLed trainer leaves nothing b
 
 Buffers are carved from the segments and kept by StagingPool under the tensor's name, reused by
 every later save while its shape and dtype stay the same (a tensor that changes shape gets a new
-buffer; the old one's bytes are reclaimed when the pool is compacted, see `compact`).
+buffer; the old one's bytes are reclaimed by `before_save` once they are half the segments).
 
 This module never touches storage or torch.distributed.
 """
@@ -97,12 +97,15 @@ class SharedArena:
         self.segments = []
 
 
-class SharedStagingPool(StagingPool):
-    """A StagingPool whose buffers live in a SharedArena (not pinned: a pinned buffer is this
-    process's; copies from a GPU into it are synchronous)."""
+class SharedAllocation:
+    """Buffers of a StagingPool in a SharedArena (not pinned: a pinned buffer is this process's;
+    copies from a GPU into it are synchronous). Mixed into a pool class before it."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    buffers: dict[str, torch.Tensor]
+    _spares: dict[Any, list[torch.Tensor]]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.arena = SharedArena()
 
     def allocate(self, shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -111,9 +114,9 @@ class SharedStagingPool(StagingPool):
             return torch.empty(shape, dtype=dtype)
         return self.arena.allocate(nbytes).view(dtype).view(shape)
 
-    def compact(self) -> None:
-        """Between saves: when buffers given up (shapes that changed) hold more than half the
-        segments, start over with fresh segments; the next save allocates what it needs."""
+    def before_save(self) -> None:
+        """When buffers given up (shapes that changed, tensors no longer staged) hold more than
+        half the segments, start over with fresh segments; this save allocates what it needs."""
         live = sum(b.numel() * b.element_size() for b in self.buffers.values())
         if self.arena.total_bytes > 2 * live + SEGMENT_BYTES:
             self.buffers = {}
@@ -122,14 +125,21 @@ class SharedStagingPool(StagingPool):
             self.arena = SharedArena()  # the old segments go with the last buffer viewing them
 
 
+class SharedStagingPool(SharedAllocation, StagingPool):
+    """A StagingPool whose buffers live in shared memory."""
+
+
 def tensor_spec(tensor: torch.Tensor) -> tuple[str, list[int]]:
     return str(tensor.dtype).removeprefix("torch."), list(tensor.shape)
 
 
 def tensor_in(memory: Any, offset: int, dtype_name: str, shape: list[int]) -> torch.Tensor:
-    """The writer process's view of a staged tensor: its bytes in a mapped segment."""
+    """The writer process's view of a staged tensor: its bytes in a mapped segment (`memory`
+    None: a meta tensor, whose bytes come over the socket)."""
     dtype = getattr(torch, dtype_name)
     numel = int(torch.Size(shape).numel())
+    if memory is None:
+        return torch.empty(shape, dtype=dtype, device="meta")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()

@@ -85,6 +85,9 @@ class StagingPool:
             return spares.pop()
         return self.allocate(tensor.shape, tensor.dtype, pin)
 
+    def before_save(self) -> None:
+        """Called before each save stages anything (a shared pool compacts its memory here)."""
+
     def allocate(self, shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         """A new buffer (a subclass puts it in shared memory: shared_staging.py)."""
         return torch.empty(shape, dtype=dtype, pin_memory=pin)

@@ -161,6 +161,7 @@ class Session:
             self.snapshot.prepare(entries)
         self.stop_warming()
         bounded = self.staging if isinstance(self.staging, BoundedStagingPool) else None
+        self.staging.before_save()
         try:
             captured = capture_save(*args)
             if bounded is not None:  # the tail of the payload that fits is copied, the rest read in place

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Iterator
 
 PARENT_CHECK_S = 0.5
 
@@ -38,6 +38,41 @@ def _watch_parent(parent: int) -> None:
         time.sleep(PARENT_CHECK_S)
 
 
+def _nbytes(dtype_name: str, shape: list[int]) -> int:
+    import torch
+
+    numel = 1
+    for n in shape:
+        numel *= n
+    return numel * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+
+
+class _Inline:
+    """The bytes of a request's live tensors (staging_bytes), read from the socket in order."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.expected = 0
+        self.received = 0
+
+    def pieces(self, tensor: Any) -> Iterator[memoryview]:
+        if not tensor.is_meta:
+            from distckpt.io.staging import tensor_pieces
+
+            yield from tensor_pieces(tensor)
+            return
+        left = tensor.numel() * tensor.element_size()
+        while left > 0:
+            piece = self.conn.recv_bytes()
+            self.received += len(piece)
+            left -= len(piece)
+            yield memoryview(piece)
+
+    def drain(self) -> None:
+        while self.received < self.expected:
+            self.received += len(self.conn.recv_bytes())
+
+
 def main(fd: int, parent: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent,), name="distckpt-writer-watchdog", daemon=True).start()
@@ -47,6 +82,7 @@ def main(fd: int, parent: int) -> int:
     from distckpt.io.safetensors_format import EncodedTree, safetensors_chunks
     from distckpt.io.shared_staging import tensor_in
     from distckpt.protocol.payload import write_chunks
+    from distckpt.protocol.writer_process import INLINE
 
     storages: dict[int, Any] = {}
     segments: dict[int, mmap.mmap] = {}
@@ -68,15 +104,23 @@ def main(fd: int, parent: int) -> int:
             _, key, path, node_json, items, live = request
             for index in set(segments) - set(live):  # given up by the trainer (its pool compacted)
                 segments.pop(index).close()
+            inline = _Inline(conn)
+            inline.expected = sum(_nbytes(dtype, shape) for _, dtype, shape, seg, _ in items if seg == INLINE)
             try:
-                tensors = {name: tensor_in(segments[seg] if seg >= 0 else b"", offset, dtype, shape)
+                tensors = {name: tensor_in(segments[seg] if seg >= 0 else None if seg == INLINE else b"", offset,
+                                           dtype, shape)
                            for name, dtype, shape, seg, offset in items}
                 tree = EncodedTree(None, tensors, _node_json=node_json)
-                record = write_chunks(storages[key], path, safetensors_chunks(tree))
+                record = write_chunks(storages[key], path, safetensors_chunks(tree, inline.pieces))
                 del tree, tensors
-                conn.send(("ok", record))
+                reply: tuple[Any, ...] = ("ok", record)
             except Exception as e:  # told to the trainer's writer thread, which fails the save
-                conn.send(("error", type(e).__name__, str(e), e.errno if isinstance(e, OSError) else None))
+                reply = ("error", type(e).__name__, str(e), e.errno if isinstance(e, OSError) else None)
+            try:
+                inline.drain()  # the trainer sends every live byte before it reads the reply
+            except (EOFError, OSError):
+                return 0
+            conn.send(reply)
     return 0
 
 

@@ -36,14 +36,15 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from distckpt.errors import AsyncSaveError, ConfigError
-from distckpt.io.safetensors_format import EncodedTree
-from distckpt.io.shared_staging import SharedStagingPool, tensor_spec
-from distckpt.io.staging import StagingPool
+from distckpt.io.safetensors_format import EncodedTree, _aligned_order
+from distckpt.io.shared_staging import SharedAllocation, SharedArena, SharedStagingPool, tensor_spec
+from distckpt.io.staging import PIECE_BYTES, StagingPool, tensor_pieces
+from distckpt.protocol.bounded_staging import BoundedStagingPool
 from distckpt.storage import Storage
 
 log = logging.getLogger("distckpt")
 
-START_TIMEOUT_S = 120.0  # importing torch on a loaded machine
+INLINE = -2  # a request's segment number for a tensor whose bytes follow on the socket
 
 
 def check_storage(storage: Storage) -> None:
@@ -60,10 +61,17 @@ def check_storage(storage: Storage) -> None:
                           f"process ({type(e).__name__}: {e}); use writer='thread'") from e
 
 
+class SharedBoundedStagingPool(SharedAllocation, BoundedStagingPool):
+    """staging_bytes with writer='process': the staged tail in shared memory, the live part's
+    bytes sent over the socket in pieces as the process writes them."""
+
+    arena: SharedArena
+
+
 class WriterProcess:
     """The rank's writer process and its socket; `write_tree` is a TreeWriter (payload.py)."""
 
-    def __init__(self, pool: SharedStagingPool) -> None:
+    def __init__(self, pool: SharedStagingPool | SharedBoundedStagingPool) -> None:
         self.pool = pool
         self._proc: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
@@ -104,11 +112,12 @@ class WriterProcess:
     def write_tree(self, storage: Storage, path: str, tree: EncodedTree) -> dict[str, Any]:
         """Hand the file to the process and wait for its record. Raises what the process raised
         (an OSError as OSError, with its errno), or AsyncSaveError if the process died."""
-        items = []
+        items, inline = [], set()
         for name, tensor in tree.tensors.items():
             where = self.pool.arena.locate(tensor) if tensor.numel() else (-1, 0)
-            if where is None:  # a bug, not an input: every payload tensor of an async save is staged
-                raise RuntimeError(f"{path}: tensor {name} is not in the shared staging buffers")
+            if where is None:  # a live tensor (staging_bytes): its bytes follow the request
+                where = (INLINE, 0)
+                inline.add(name)
             items.append((name, *tensor_spec(tensor), *where))
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
@@ -119,6 +128,11 @@ class WriterProcess:
                 assert self._conn is not None
                 self._conn.send(("write", self._storages[id(storage)], path, tree.node_json, items,
                                  sorted(self._sent_segments)))
+                for name, tensor in _aligned_order(tree.tensors):  # the order the process reads them in
+                    if name in inline:
+                        for piece in tensor_pieces(tensor):  # at most PIECE_BYTES reach the process at once
+                            for start in range(0, piece.nbytes, PIECE_BYTES):
+                                self._conn.send_bytes(piece[start:start + PIECE_BYTES])
                 reply = self._conn.recv()
             except (EOFError, OSError) as e:
                 raise self._died(path) from e
@@ -193,10 +207,9 @@ def staging_for(config: Any) -> tuple[StagingPool, WriterProcess | None]:
     """The session's staging pool and writer process for its settings (writer=, staging_bytes=):
     shared-memory buffers and a process started now (it imports torch while the job starts up)
     for writer='process'; a bounded pool for staging_bytes; else today's pool and thread."""
-    from distckpt.protocol.bounded_staging import BoundedStagingPool
-
     if config.async_save and config.writer == "process":
-        pool = SharedStagingPool()
+        pool: SharedStagingPool | SharedBoundedStagingPool = (
+            SharedStagingPool() if config.staging_bytes is None else SharedBoundedStagingPool(config.staging_bytes))
         writer = WriterProcess(pool)
         writer.start()
         return pool, writer
