@@ -32,6 +32,7 @@ CONFIGS = [
     ("async, staging_bytes=0.1x", {"staging_fraction": 0.1}),
     ("async, split_writes + staging_bytes=0.1x", {"split_writes": True, "staging_fraction": 0.1}),
     ("async, writer=process", {"writer": "process"}),
+    ("async, writer=process + staging_bytes=0.1x", {"writer": "process", "staging_fraction": 0.1}),
 ]
 
 

@@ -47,14 +47,17 @@ def killed_writer(rank: int, world: int, url: str, kill_on: int, split_writes: b
     return out
 
 
-def bounded_peak(rank: int, world: int, url: str, mib: int, staging_fraction: float | None) -> dict:
+def bounded_peak(rank: int, world: int, url: str, mib: int, staging_fraction: float | None,
+                 writer: str = "thread") -> dict:
     """Peak extra host memory of one async save on this rank (VmHWM after, minus RSS before)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(mib)])  # 1 MiB each
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bound = None if staging_fraction is None else int(state_bytes * staging_fraction)
-    mgr = distckpt.CheckpointManager(url, timeout=60, async_save=True, staging_bytes=bound)
+    mgr = distckpt.CheckpointManager(url, timeout=120, async_save=True, staging_bytes=bound, writer=writer)
+    mgr.save(0, {"warm": torch.zeros(1)})  # a writer process has started and imported torch
+    mgr.wait()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak RSS starts again from the current RSS
     before = _status("VmRSS")
