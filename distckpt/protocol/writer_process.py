@@ -35,7 +35,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from distckpt.errors import AsyncSaveError, ConfigError
+from distckpt.errors import AsyncSaveError, ConfigError, StorageError
 from distckpt.io.safetensors_format import EncodedTree, _aligned_order
 from distckpt.io.shared_staging import SharedAllocation, SharedArena, SharedStagingPool, tensor_spec
 from distckpt.io.staging import PIECE_BYTES, StagingPool, tensor_pieces
@@ -139,8 +139,8 @@ class WriterProcess:
         if reply[0] == "ok":
             return dict(reply[1])
         _, kind, message, errno = reply
-        if errno is not None:
-            raise OSError(errno, f"writer process: {message}")
+        if errno is not None:  # the storage's error, as the thread would have raised it (a full disk: ENOSPC)
+            raise StorageError(errno, f"{message} (writer process, {kind})")
         raise AsyncSaveError(f"the writer process failed writing {path}: {kind}: {message}")
 
     def _send_storage(self, storage: Storage) -> None:
@@ -188,8 +188,14 @@ class WriterProcess:
         self._proc = None
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """End the process (after the save in flight: the caller waited for it)."""
-        with self._lock:
+        """End the process (after the save in flight: the caller waited for it). A write still
+        running after `timeout_s` (one abandoned as stuck) ends with the process: killed."""
+        if not self._lock.acquire(timeout=timeout_s):
+            proc = self._proc
+            if proc is not None:
+                proc.kill()  # the stuck write sees the socket's end and releases the lock
+            self._lock.acquire()
+        try:
             proc, conn = self._proc, self._conn
             if proc is None:
                 return
@@ -201,6 +207,8 @@ class WriterProcess:
                 proc.kill()
                 proc.wait()
             self._drop()
+        finally:
+            self._lock.release()
 
 
 def staging_for(config: Any) -> tuple[StagingPool, WriterProcess | None]:
