@@ -49,7 +49,12 @@ INLINE = -2  # a request's segment number for a tensor whose bytes follow on the
 
 def check_storage(storage: Storage) -> None:
     """The storage a writer process can open from a pickle (it holds no live connection, only
-    how to open one): refused by name where the bytes would land in another process's memory."""
+    how to open one): refused by name where the bytes would land in another process's memory.
+    The shared staging needs Linux's memfd_create (an anonymous segment the kernel frees with the
+    last process holding it); elsewhere writer='process' is refused."""
+    if not hasattr(os, "memfd_create") or not hasattr(socket, "send_fds"):
+        raise ConfigError("writer='process' needs Linux (anonymous shared memory through memfd_create, passed to "
+                          "the writer process over a Unix socket); use writer='thread' on this system")
     if storage.url.startswith("memory://"):
         raise ConfigError(f"writer='process' with {storage.url}: memory:// is this process's own memory, which "
                           "the writer process cannot write into; use a local path or an object store, or "
