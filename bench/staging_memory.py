@@ -1,10 +1,10 @@
 """Peak extra host memory of an async save on each rank, and the time save() holds training.
 
 4 ranks (fresh processes, gloo), a replicated state (a module's parameters, DDP-style: the
-same on every rank) of --mib MiB. Each rank resets its peak RSS (/proc/self/clear_refs) and
-notes its RSS before building the manager, runs two async saves (the first allocates the
+same on every rank) of --mib MiB. Each rank builds its manager, resets its peak RSS
+(/proc/self/clear_refs) and notes its RSS, runs two async saves (the first allocates the
 staging buffers and starts the writer; the second, timed, reuses them), waits for them, and
-reports VmHWM minus that RSS: the host memory the manager and its saves added at their peak
+reports VmHWM minus that RSS: the host memory the saves added at their peak
 (staging buffers are kept between saves, so this is what a training job holds). The stall is
 the second save() on rank 0. Configurations: today's staging (rank 0 stages the
 whole replicated state), split writes (each rank stages what it writes), staging_bytes
@@ -63,11 +63,11 @@ def worker(rank: int, world: int, port: int, mib: int, options: dict, root: str,
     fraction = options.pop("staging_fraction", None)
     if fraction is not None:
         options["staging_bytes"] = int(state_bytes * fraction)
+    mgr = distckpt.CheckpointManager(root, async_save=True, keep_last=1, timeout=300, **options)
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     before = _status("VmRSS")
-    mgr = distckpt.CheckpointManager(root, async_save=True, keep_last=1, timeout=300, **options)
     mgr.save(0, {"model": model})  # the first save: buffers allocated, the writer's group (and process) started
     mgr.wait()
     t0 = time.perf_counter()
