@@ -181,7 +181,7 @@ class Session:
             self.staging.drop_spares()  # those this save did not take: not kept for later ones
         if bounded is not None:  # back-pressure: training resumes once no live tensor is left to read
             stall = bounded.wait_drained()
-            log.debug("rank %d: step %d staged %d bytes within staging_bytes=%d, %d read in place; save() "
+            (log.info if bounded.last_live_bytes else log.debug)("rank %d: step %d staged %d bytes within staging_bytes=%d, %d read in place; save() "
                       "stalled %.3fs for them", self.rank, step, bounded.last_staged_bytes, bounded.budget,
                       bounded.last_live_bytes, stall)
         if durable and self.uploads.preempting:
