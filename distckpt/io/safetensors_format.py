@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from distckpt.errors import CorruptCheckpointError, UnstorableValueError
-from distckpt.io.staging import memory_of, tensor_pieces  # noqa: F401  (memory_of: read by others)
+from distckpt.io.staging import tensor_pieces
 
 TREE_METADATA_KEY = "distckpt.tree"
 FORMAT_METADATA_KEY = "format"

@@ -38,7 +38,7 @@ from distckpt.errors import CheckpointExistsError, CorruptCheckpointError, Missi
 from distckpt.io import manifest as mf
 from distckpt.io.reading import read_verified
 from distckpt.io.safetensors_format import checked_header, tensors_of_file
-from distckpt.io.staging import memory_of, tensor_pieces  # noqa: F401  (memory_of: kept for importers)
+from distckpt.io.staging import tensor_pieces
 from distckpt.storage import Storage
 
 log = logging.getLogger("distckpt")
