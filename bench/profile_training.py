@@ -2,7 +2,10 @@
 (or more) ranks under torchrun, grouped by distance from the last save (the save step itself,
 the next steps, the rest), for checkpoints every N steps, sync and async, against no checkpoints.
 
-    python bench/profile_training.py [--every 10] [--steps 200] [--ranks 2 4]
+    python bench/profile_training.py [--every 10] [--steps 200] [--ranks 2 4] [--writers thread process]
+
+Every run's training sets torch.set_num_threads(1) (launch/train.py): at 1 rank on 2 cores, one
+core trains and one is free for a writer; `--writers` adds an async row per writer.
 """
 
 from __future__ import annotations
@@ -36,19 +39,25 @@ def main() -> int:
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--ranks", type=int, nargs="+", default=[2])
+    p.add_argument("--writers", nargs="+", default=["thread"], choices=("thread", "process"))
+    p.add_argument("--no-sync", action="store_true", help="leave out the sync row")
     args = p.parse_args()
     root = tempfile.mkdtemp(prefix="distckpt-train-prof-")
     print(f"{os.cpu_count()} CPUs; command: python bench/profile_training.py --every {args.every} "
-          f"--steps {args.steps} --ranks {' '.join(map(str, args.ranks))}")
+          f"--steps {args.steps} --ranks {' '.join(map(str, args.ranks))} --writers {' '.join(args.writers)}"
+          + (" --no-sync" if args.no_sync else ""))
     print("| ranks | configuration | step kind | steps | median ms | mean ms | total ms | mean vs none |")
     print("|---:|---|---|---:|---:|---:|---:|---:|")
     for ranks in args.ranks:
         base = None
-        for label, every, async_save in (("no checkpoints", 0, False), (f"every {args.every}, sync", args.every, False),
-                                         (f"every {args.every}, async", args.every, True)):
+        configs = [("no checkpoints", 0, False, [])]
+        if not args.no_sync:
+            configs.append((f"every {args.every}, sync", args.every, False, []))
+        configs += [(f"every {args.every}, async, writer={w}", args.every, True, ["--writer", w]) for w in args.writers]
+        for label, every, async_save, extra in configs:
             run_root = os.path.join(root, f"r{ranks}")
-            run_config(run_root, label, every, async_save, args.steps, ranks)
-            tag = label.replace(" ", "-").replace(",", "")
+            run_config(run_root, label, every, async_save, args.steps, ranks, extra)
+            tag = label.replace(" ", "-").replace(",", "")  # as run_config names the log
             groups = step_costs(os.path.join(run_root, f"log-{tag}", "rank-0.txt"), every or args.every)
             every_step = [ms for kind in groups for ms in groups[kind]]
             mean = statistics.mean(every_step)

@@ -39,13 +39,15 @@ def steps_per_second(log_file: str) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def run_config(root: str, label: str, every: int, async_save: bool, steps: int, ranks: int = 2) -> float:
+def run_config(root: str, label: str, every: int, async_save: bool, steps: int, ranks: int = 2,
+               extra: list[str] | None = None) -> float:
     tag = label.replace(" ", "-").replace(",", "")
     args = ["--ckpt", os.path.join(root, f"ckpt-{tag}"), "--loss-log", os.path.join(root, f"log-{tag}"),
             "--steps", str(steps), "--ckpt-every", str(every), "--keep-last", "2", "--workers", "0",
             "--val-every", str(10**9)]
     if async_save:
         args.append("--async-save")
+    args += extra or []
     result = torchrun(ranks, args)
     if result.returncode != 0:
         raise RuntimeError(f"{label}: torchrun failed\n{result.stderr[-3000:]}")

@@ -44,6 +44,8 @@ class ManagerConfig:
     # and compared across ranks by fingerprint, in protocol/settings.py (io/signing.py). Never shown.
     signing_key: Any = field(default=None, repr=False)
     verify_key: Any = field(default=None, repr=False)
+    writer: str = "thread"
+    staging_bytes: int | None = None
 
     def shared_settings(self) -> dict[str, Any]:
         """The settings every rank must share (compared when the manager is built): all but the
@@ -81,6 +83,29 @@ class ManagerConfig:
         if self.overlap_snapshot and not self.async_save:
             raise ConfigError("overlap_snapshot=True needs async_save=True: the snapshot it overlaps with "
                               "training is the async save's copy into host memory")
+        check_writer_settings(self)
+
+
+def check_writer_settings(config: ManagerConfig) -> None:
+    """writer= and staging_bytes= (protocol/writer_process.py, protocol/bounded_staging.py), and
+    the combinations refused by name: both act on the background write of async saves only, and
+    a bound on staging makes save() wait while tensors are read in place, which a snapshot
+    overlapped with training (it copies after save() returned) cannot do."""
+    _choice("writer", config.writer, ("thread", "process"))
+    value = config.staging_bytes
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ConfigError(f"staging_bytes={shown(value)}: must be a positive int (bytes of host staging per "
+                              "rank, e.g. 2 << 30) or None (no bound)")
+        object.__setattr__(config, "staging_bytes", int(value))
+    for name, on in (("writer='process'", config.writer == "process"), ("staging_bytes", value is not None)):
+        if on and not config.async_save:
+            raise ConfigError(f"{name} needs async_save=True: it shapes the background write of async saves, "
+                              "and a synchronous save writes from the training thread itself")
+    if value is not None and config.overlap_snapshot:
+        raise ConfigError("staging_bytes with overlap_snapshot=True is not supported: a bounded staging makes "
+                          "save() wait while the part over the bound is written, the overlapped snapshot defers "
+                          "the copies until after save() returned; use one of the two")
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -166,7 +191,7 @@ SETTINGS = {
     "keep_last": 0, "keep_best": "2", "best_mode": "lowest", "async_save": "no", "timeout": True,
     "leftover_grace_s": float("nan"), "world_size_policy": "auto", "split_writes": 1,
     "allow_dtype_cast": "yes", "missing_entries": "ignore", "preemption_signals": signal.SIGKILL,
-    "incremental": 1, "overlap_snapshot": "on", "signing_key": b"not a key", "verify_key": 12,
+    "incremental": 1, "overlap_snapshot": "on", "signing_key": b"not a key", "verify_key": 12, "writer": "processes", "staging_bytes": 0,
 }
 
 

@@ -55,8 +55,8 @@ class CheckpointManager:
     Every keyword argument is a setting, checked at construction (a `ConfigError` names the field
     and the reason) and agreed across ranks; the settings page of the reference lists each with
     its default and what it is for: keep_last/keep_best/best_mode (retention), async_save and
-    overlap_snapshot (saves in the background), local_dir/durable_every/keep_local (two tiers),
-    incremental, timeout, storage_options, world_size_policy, preemption_signals,
+    overlap_snapshot, writer and staging_bytes (saves in the background), local_dir/durable_every/keep_local
+    (two tiers), incremental, timeout, storage_options, world_size_policy, preemption_signals,
     memory_tier/memory_every/keep_memory (a tier in shared memory with a partner copy on another node),
     signing_key and verify_key (signed checkpoints: a load with a verify key refuses any step its key did not sign).
 
@@ -79,7 +79,8 @@ class CheckpointManager:
                  local_dir: str | os.PathLike[str] | None = None, durable_every: int | None = None,
                  keep_local: int | None = None, incremental: bool = False,
                  overlap_snapshot: bool = False, memory_tier: bool = False, memory_every: int | None = None,
-                 keep_memory: int | None = None, signing_key: Any = None, verify_key: Any = None) -> None:
+                 keep_memory: int | None = None, signing_key: Any = None, verify_key: Any = None,
+                 writer: str = "thread", staging_bytes: int | None = None) -> None:
         refusal: Exception | None = None
         settings: Settings | None = None
         try:  # every argument before any exchange (settings.py)
@@ -87,7 +88,7 @@ class CheckpointManager:
                                    timeout,  # type: ignore[arg-type]  # a timedelta or None: made seconds there
                                    leftover_grace_s, world_size_policy, split_writes, allow_dtype_cast,
                                    missing_entries, preemption_signals, incremental, overlap_snapshot,
-                                   signing_key, verify_key)
+                                   signing_key, verify_key, writer, staging_bytes)
             settings = Settings.check(url, storage_options, local_dir, durable_every, keep_local, config,
                                       (memory_tier, memory_every, keep_memory))
         except Exception as e:  # a refused argument, an unreachable store: raised on every rank below

@@ -122,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--writer", default="thread", choices=("thread", "process"), help="with --async-save: who "
+                   "writes the payload files (a process of its own: off the training process's GIL)")
+    p.add_argument("--staging-bytes", type=int, default=None, help="with --async-save: bound on host staging")
     p.add_argument("--overlap-snapshot", action="store_true", help="with --async-save: parameters and optimizer "
                    "state copied while the next step runs (on a GPU: on a side stream)")
     p.add_argument("--local-dir", default=None, help="two tiers: every save commits to this node-local "
@@ -205,7 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     mgr = distckpt.CheckpointManager(args.ckpt, keep_last=args.keep_last, async_save=args.async_save,
                                      timeout=120, world_size_policy=args.world_size_policy,
                                      local_dir=args.local_dir, durable_every=args.durable_every,
-                                     overlap_snapshot=args.overlap_snapshot)
+                                     overlap_snapshot=args.overlap_snapshot,
+                                     **({"writer": args.writer, "staging_bytes": args.staging_bytes}
+                                        if args.async_save else {}))
     progress = mgr.load_latest(state)
     step = progress.step + 1 if progress else 0
     epoch = progress.epoch if progress else 0

@@ -20,12 +20,12 @@ import math
 import struct
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from distckpt.errors import CorruptCheckpointError, UnstorableValueError
-from distckpt.io.staging import memory_of
+from distckpt.io.staging import tensor_pieces
 
 TREE_METADATA_KEY = "distckpt.tree"
 FORMAT_METADATA_KEY = "format"
@@ -58,6 +58,8 @@ class EncodedTree:
     node: Any
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     _node_json: str | None = field(default=None, repr=False, compare=False)
+    # called once the file holding the tree is written (or failed): bounded staging's release
+    written: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def node_json(self) -> str:
@@ -90,12 +92,16 @@ def check_limits(tree: EncodedTree, where: str) -> None:
 
 # -- writing -------------------------------------------------------------------------------------
 
-def safetensors_chunks(tree: EncodedTree) -> Iterator[memoryview]:
+def safetensors_chunks(tree: EncodedTree,
+                       pieces: Callable[[torch.Tensor], Iterator[memoryview]] | None = None) -> Iterator[memoryview]:
     """Yield the bytes of a safetensors file holding the tree, without building it in memory.
 
     Hand-written because safetensors' own `save`/`save_file` first assemble the whole file in
     one buffer (a second copy of the state) and give no way to checksum while writing.
+    `pieces` gives a tensor's bytes (default: tensor_pieces; the writer process's reads some
+    from its socket).
     """
+    pieces = pieces or tensor_pieces
     header: dict[str, Any] = {METADATA_KEY: {
         FORMAT_METADATA_KEY: FORMAT_NAME,
         TREE_METADATA_KEY: tree.node_json,
@@ -114,17 +120,19 @@ def safetensors_chunks(tree: EncodedTree) -> Iterator[memoryview]:
     for _, t in ordered:
         if not t.numel():
             continue
-        data = memory_of(t)  # a view of t's memory: valid while the tree (the caller's) holds t
-        if data.nbytes >= SMALL_TENSOR_BYTES:
-            if small:
-                yield memoryview(small)
-                small = bytearray()
-            yield data
-        else:
-            small += data
-            if len(small) >= COALESCE_BYTES:
-                yield memoryview(small)
-                small = bytearray()
+        # a view of t's memory (valid while the tree, the caller's, holds t); a tensor not in
+        # host memory in order (a live one under bounded staging) comes in bounded pieces
+        for data in pieces(t):
+            if data.nbytes >= SMALL_TENSOR_BYTES:
+                if small:
+                    yield memoryview(small)
+                    small = bytearray()
+                yield data
+            else:
+                small += data
+                if len(small) >= COALESCE_BYTES:
+                    yield memoryview(small)
+                    small = bytearray()
     if small:
         yield memoryview(small)
 

@@ -6,7 +6,7 @@ This module never touches storage or torch.distributed.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -69,7 +69,7 @@ class StagingPool:
             if tensor.device.type not in ("cpu", "cuda") or tensor.numel() * tensor.element_size() < WARM_MIN_BYTES:
                 continue
             pin = tensor.device.type == "cuda"
-            buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            buf = self.allocate(tensor.shape, tensor.dtype, pin)
             self._spares.setdefault((tensor.shape, tensor.dtype, pin), []).append(buf)
             made.append(buf)
         return made
@@ -83,7 +83,14 @@ class StagingPool:
         spares = self._spares.get((tensor.shape, tensor.dtype, pin))
         if spares:
             return spares.pop()
-        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+        return self.allocate(tensor.shape, tensor.dtype, pin)
+
+    def before_save(self) -> None:
+        """Called before each save stages anything (a shared pool compacts its memory here)."""
+
+    def allocate(self, shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        """A new buffer (a subclass puts it in shared memory: shared_staging.py)."""
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
     def stage(self, name: str, tensor: torch.Tensor, may_defer: bool = False) -> torch.Tensor:
         buf = self.buffers.get(name)
@@ -192,3 +199,25 @@ _MEMORY_VIEW = ctypes.pythonapi.PyMemoryView_FromMemory
 _MEMORY_VIEW.restype = ctypes.py_object
 _MEMORY_VIEW.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
 _PYBUF_READ = 0x100
+
+
+PIECE_BYTES = 16 << 20  # a tensor copied in pieces goes to the writer in pieces of about this size
+
+
+def tensor_pieces(t: torch.Tensor, piece_bytes: int = PIECE_BYTES) -> Iterator[memoryview]:
+    """`t`'s bytes in memory order, as memory_of gives them: one view when `t` is a contiguous CPU
+    tensor, else pieces of about `piece_bytes` (at least one row) copied to host memory, so that
+    a tensor read where it lives (bounded staging: on the GPU, or a non-contiguous view) never
+    needs a whole-size host copy. The bytes of `t` are the row-major bytes of its rows in order,
+    so the pieces concatenate to memory_of's bytes. Each piece's view owns its copy."""
+    if t.device.type == "cpu" and (t.is_contiguous() or t.dim() == 0) and not t.is_neg() and not t.is_conj():
+        yield memory_of(t)
+        return
+    if t.dim() == 0:
+        t = t.reshape(1)
+    rows = t.shape[0]
+    row_bytes = max(1, t.numel() * t.element_size() // max(1, rows))
+    step = max(1, piece_bytes // row_bytes)
+    for start in range(0, rows, step):
+        piece = t[start:start + step].detach().resolve_neg().resolve_conj().to("cpu").contiguous()
+        yield memoryview(flat_bytes(piece).numpy())  # type: ignore[arg-type]  # our own copy: marking it is harmless

@@ -38,7 +38,7 @@ from distckpt.errors import CheckpointExistsError, CorruptCheckpointError, Missi
 from distckpt.io import manifest as mf
 from distckpt.io.reading import read_verified
 from distckpt.io.safetensors_format import checked_header, tensors_of_file
-from distckpt.io.staging import memory_of
+from distckpt.io.staging import tensor_pieces
 from distckpt.storage import Storage
 
 log = logging.getLogger("distckpt")
@@ -57,8 +57,12 @@ class Stored:
 
 
 def content_key(tensor: torch.Tensor) -> Key:
-    data = memory_of(tensor.detach())
-    return xxhash.xxh3_128_hexdigest(data), str(tensor.dtype), tuple(tensor.shape)
+    """Streamed over the tensor's pieces (the same digest as over its bytes at once): under
+    staging_bytes a tensor may still be where it lives (a GPU, a non-contiguous view)."""
+    h = xxhash.xxh3_128()
+    for piece in tensor_pieces(tensor.detach()):
+        h.update(piece)
+    return h.hexdigest(), str(tensor.dtype), tuple(tensor.shape)
 
 
 @dataclass

@@ -51,6 +51,7 @@ from distckpt.protocol.commit import (
 from distckpt.protocol.coord import Coordinator, Outcome, Reports, error_of, hostname, raise_if_failed, run_on_root, run_phase
 from distckpt.protocol.fencing import Lease
 from distckpt.protocol.incremental import ContentTable
+from distckpt.protocol.payload import write_tree
 from distckpt.runtime import faults
 from distckpt.state import sharded
 from distckpt.state.capture import (
@@ -150,7 +151,7 @@ class RankWrite:
             faults.point("save/rank-files-written", step=self.step, rank=self.rank)
         if self.shard_tree is not None:
             name = sharded.shard_file(self.rank, self.generation)
-            report.files[name] = _write(storage, f"{base}/{name}", safetensors_chunks(self.shard_tree))
+            report.files[name] = write_tree(storage, f"{base}/{name}", self.shard_tree)
             report.shard_file, report.boxes = name, self.boxes
             faults.point("save/shards-written", step=self.step, rank=self.rank)
 
@@ -514,10 +515,9 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: Callable[[
     replicated = staged.replicated
     split = content.split_present(replicated.tensors, storage, staged.step) if content is not None else None
     if split is not None:  # incremental: what an earlier commit holds is referenced, not written
-        replicated = EncodedTree(replicated.node, split.own)
+        replicated = EncodedTree(replicated.node, split.own, written=replicated.written)
         incremental.check_not_overwriting_shared(storage, f"{base}/{mf.replicated_file(gen)}", staged.step)
-    files = {mf.replicated_file(gen): _write(storage, f"{base}/{mf.replicated_file(gen)}",
-                                             safetensors_chunks(replicated))}
+    files = {mf.replicated_file(gen): write_tree(storage, f"{base}/{mf.replicated_file(gen)}", replicated)}
     faults.point("save/replicated-written", step=staged.step, rank=0)
     for rank, data in staged.handed_over.items():
         files[mf.rank_file(rank, gen)] = _write(storage, f"{base}/{mf.rank_file(rank, gen)}", [data])

@@ -26,9 +26,9 @@ from typing import Any, NoReturn
 from distckpt.config import ManagerConfig
 from distckpt.errors import AsyncSaveError, ConfigError, StorageError
 from distckpt.io.copying import Prefault
-from distckpt.io.staging import StagingPool
 from distckpt.protocol import doctor_hooks
 from distckpt.protocol.async_writer import AsyncWriter, WriterStuckError
+from distckpt.protocol.bounded_staging import BoundedStagingPool, payload_trees
 from distckpt.protocol.coord import Coordinator, Outcome, agree, make_coordinator
 from distckpt.protocol.frameworks import classify_in_world
 from distckpt.protocol.incremental import ContentTable
@@ -36,6 +36,7 @@ from distckpt.protocol.leases import LeaseKeeper, ResumedBranch
 from distckpt.protocol.loading import Progress, load, refuse_load_request
 from distckpt.protocol.memory_copies import MemoryTier
 from distckpt.protocol.memory_load import load_memory_copy
+from distckpt.protocol.payload import trees_written_by
 from distckpt.protocol.pruning import Pruner
 from distckpt.protocol.saving import (
     CapturedSave,
@@ -50,6 +51,7 @@ from distckpt.protocol.saving import (
 from distckpt.protocol.snapshot import OverlappedSnapshot
 from distckpt.protocol.tiers import TierSettings
 from distckpt.protocol.uploads import DurableUploads
+from distckpt.protocol.writer_process import staging_for
 from distckpt.runtime import faults
 from distckpt.runtime.gcpause import collector_paused
 from distckpt.runtime.interrupts import sigint_deferred
@@ -75,7 +77,9 @@ class Session:
         self.rules = LoadRules(config.allow_dtype_cast, config.missing_entries)
         self.writer = AsyncWriter()
         self.writer_coord: Coordinator | None = None  # the writer thread's own group (async saves)
-        self.staging = StagingPool()  # reused by every async save; free while none is in flight
+        # reused by every async save; free while none is in flight. writer='process': in shared
+        # memory, written by the rank's writer process; staging_bytes: bounded (writer_process.py)
+        self.staging, self.process_writer = staging_for(config)
         self.warming: Prefault | None = None  # faults in the staging buffers allocated at the load
         self.snapshot = OverlappedSnapshot(self.staging, config.timeout)  # overlap_snapshot
         self.writer.before_exit = self.snapshot.check  # at exit the main thread checks, then waits
@@ -165,8 +169,12 @@ class Session:
         if self.config.overlap_snapshot:
             self.snapshot.prepare(entries)
         self.stop_warming()
+        bounded = self.staging if isinstance(self.staging, BoundedStagingPool) else None
+        self.staging.before_save()
         try:
             captured = capture_save(*args)
+            if bounded is not None:  # the tail of the payload that fits is copied, the rest read in place
+                bounded.bound(payload_trees(captured))
             background = self._background_coordinator()
             with sigint_deferred():  # a Ctrl-C between these would leave a job no wait() collects
                 self.snapshot.started()  # optimizer steps wait from here until the copy is done
@@ -176,9 +184,16 @@ class Session:
         except BaseException:
             if self.pending_step != step:
                 self.snapshot.abandon()
+                if bounded is not None:
+                    bounded.release()
             raise
         finally:
             self.staging.drop_spares()  # those this save did not take: not kept for later ones
+        if bounded is not None:  # back-pressure: training resumes once no live tensor is left to read
+            stall = bounded.wait_drained()
+            (log.info if bounded.last_live_bytes else log.debug)("rank %d: step %d staged %d bytes within staging_bytes=%d, %d read in place; save() "
+                      "stalled %.3fs for them", self.rank, step, bounded.last_staged_bytes, bounded.budget,
+                      bounded.last_live_bytes, stall)
         if durable and self.uploads.preempting:
             self.finish_pending()  # the VM's disk goes with the VM: this save must reach the URL
             self.uploads.report(block=True, final=True)
@@ -263,12 +278,20 @@ class Session:
             self.snapshot.copy_and_wait_for_check()
         except Exception as e:
             exc = e
-        staged = gather_save(coord, captured, exc)  # a failure of the collective itself is every rank's
+        try:
+            staged = gather_save(coord, captured, exc)  # a failure of the collective itself is every rank's
+        finally:
+            if exc is not None and isinstance(self.staging, BoundedStagingPool):
+                self.staging.release()  # nothing of this rank will be written: training may go on
         try:
             raise_gathered_failures(coord, staged)  # rank 0: another rank failed, write nothing
-            self._write(staged, captured.own_write, durable, exc)
+            with trees_written_by(self.process_writer):  # None: this thread writes them
+                self._write(staged, captured.own_write, durable, exc)
         except Exception as e:
             exc = e
+        finally:
+            if isinstance(self.staging, BoundedStagingPool):
+                self.staging.release()
         share_outcome(coord, exc, "save/async-outcome", f"background save of step {captured.step}", captured.step)
         if in_memory:  # on the writer's own group: the training thread does not wait for the copies
             self._copy_to_memory(coord, captured, staged)
@@ -395,6 +418,8 @@ class Session:
         self.snapshot.close()
         self.stop_warming()
         self.staging.drop_spares()
+        if self.process_writer is not None:
+            self.process_writer.close()
         if self.versions_probe is not None:
             self.versions_probe.close()
         if self.writer_coord is not None and self.writer_coord is not self.coord:

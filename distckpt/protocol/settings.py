@@ -27,6 +27,7 @@ from distckpt.protocol.coord import Coordinator
 from distckpt.protocol.frameworks import negative_step_refusal
 from distckpt.protocol.memory_tier import MemorySettings
 from distckpt.protocol.tiers import TierSettings
+from distckpt.protocol.writer_process import check_storage
 from distckpt.state.validation import check_step
 from distckpt.storage import Storage, open_storage
 
@@ -81,6 +82,16 @@ class Settings:
                               "replicated file and its own ranks' files whole, so it could not hold "
                               + ("the files each step references from older ones" if config.incremental else
                                  "the replicated tensors split across every rank's shard file") + "; use one of the two")
+        if in_memory.enabled and config.staging_bytes is not None:
+            # a memory copy is made from the staged bytes after the commit; under a bound part of
+            # them were read from the live tensors, which training may have changed since
+            raise ConfigError("memory_tier=True with staging_bytes= is not supported: the memory copy is made "
+                              "from the staged save after its commit, and a bound leaves part of it in the live "
+                              "tensors; use one of the two")
+        if config.async_save and config.writer == "process":  # it opens them in another process
+            for root in (storage, local):
+                if root is not None:
+                    check_storage(root)
         trust = signing.Trust.from_arguments(config.signing_key, config.verify_key)
         for opened in (storage, local):  # every read and write through them signs / verifies
             signing.attach(opened, trust)

@@ -338,3 +338,19 @@ def test_the_memory_tier_carries_the_signature_and_a_forged_memory_copy_falls_ba
     progress, state, fallbacks = _load(root, keys["a_pub"], memory_tier=True)
     assert progress.step == 2 and progress.tier != "memory" and torch.equal(state["w"], torch.full((64,), 2.0))
     assert fallbacks, "the forged memory copy was passed over without a word"
+
+
+@pytest.mark.parametrize("options", [{"async_save": True, "writer": "process"},
+                                     {"async_save": True, "staging_bytes": 100},
+                                     {"async_save": True, "writer": "process", "staging_bytes": 100}],
+                         ids=["writer-process", "bounded-staging", "both"])
+def test_payload_files_written_by_the_writer_process_or_under_a_bound_carry_their_digests(tmp_path, keys, options):
+    """Every payload file's record holds its digest whoever writes it (the writer thread, the
+    writer process, a bounded staging pool), so a signed step verifies."""
+    root = str(tmp_path)
+    _save_two(root, keys, **options)
+    for step in (1, 2):
+        raw = json.loads((tmp_path / mf.step_dir(step) / mf.MANIFEST).read_bytes())
+        assert all(len(r.get(signing.DIGEST, "")) == 64 for r in raw["files"].values()), raw["files"]
+    progress, state, fallbacks = _load(root, keys["a_pub"])
+    assert progress.step == 2 and torch.equal(state["w"], torch.full((64,), 2.0)) and fallbacks == []
