@@ -175,6 +175,8 @@ def test_a_real_small_tmpfs_refuses_instead_of_a_bus_error(tmp_path, ckpt_dir, m
     ({"memory_tier": "yes"}, "memory_tier='yes': must be True or False"),
     ({"memory_tier": True, "incremental": True}, "memory_tier=True with incremental=True is not supported"),
     ({"memory_tier": True, "split_writes": True}, "memory_tier=True with split_writes=True is not supported"),
+    ({"memory_tier": True, "async_save": True, "staging_bytes": 1 << 20},
+     "memory_tier=True with staging_bytes= is not supported"),
 ])
 def test_settings_are_refused_by_name(shm, ckpt_dir, kw, match):
     with pytest.raises(distckpt.ConfigError, match=match):
