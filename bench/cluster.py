@@ -1,6 +1,6 @@
 """Save and load on a simulated cluster: N nodes, each behind a shaped link to one S3 server.
 
-    sudo python bench/cluster.py [--nodes 1,2,4] [--mib 64] [--link-mbs 20] [--baseline PATH|none]
+    sudo python bench/cluster.py [--nodes 1,2,4] [--mib 32] [--link-mbs 10] [--repeats 2] [--baseline PATH|none]
     make bench-cluster
 
 Each node is a network namespace with a veth into a bridge; SeaweedFS runs in a namespace of its
@@ -66,15 +66,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="1,2,4", help="node counts, comma-separated (default 1,2,4)")
     p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--mib", type=float, default=64, help="state size in MiB (replicated; sharded: in all)")
-    p.add_argument("--link-mbs", type=float, default=20, help="each node's link to S3, MB/s each way")
-    p.add_argument("--repeats", type=int, default=1, help="saves and loads per path (median)")
+    p.add_argument("--mib", type=float, default=32, help="state size in MiB (replicated; sharded: in all)")
+    p.add_argument("--link-mbs", type=float, default=10, help="each node's link to S3, MB/s each way")
+    p.add_argument("--repeats", type=int, default=2, help="saves and loads per path (median)")
     p.add_argument("--paths", default=",".join(PATHS))
     p.add_argument("--baseline", default=None,
                    help=f"checkout of the code before (its distckpt first on PYTHONPATH); 'none' skips the "
                         f"before rows; default: a git worktree of {BASELINE_COMMIT} under build/")
     p.add_argument("--out", default=os.path.join(ROOT, "build", "bench-cluster.md"))
     p.add_argument("--job-timeout", type=float, default=600)
+    p.add_argument("--keep-logs", action="store_true", help="keep the work folder (each node's log, with "
+                   "distckpt's per-save phase lines)")
     args = p.parse_args(argv)
     args.node_counts = [int(n) for n in args.nodes.split(",")]
     args.path_list = [x for x in args.paths.split(",") if x]
@@ -321,14 +323,27 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="distckpt-cluster-", dir=os.path.join(ROOT, "build")
                             if os.path.isdir(os.path.join(ROOT, "build")) else None)
     cluster = net.Cluster(max(args.node_counts), args.link_mbs)
+    stale = net.our_namespaces()
+    if stale:
+        print(f"note: namespaces left by a run that was killed outright: {' '.join(stale)} (not ours to "
+              "remove: `ip netns pids NAME`, then `ip netns del NAME`)", flush=True)
+    print(f"cluster {cluster.tag}, work folder {work}", flush=True)
     run = Run(args, cluster, work)
     started = time.monotonic()
     try:
         cluster.build()
         measure(run, baseline)
+    except KeyboardInterrupt as e:
+        print(f"interrupted ({e or 'Ctrl-C'}): removing the cluster", file=sys.stderr, flush=True)
+        return 130
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not stop the clean-up halfway
         cluster.teardown()
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep_logs:
+            print(f"logs kept in {work}", flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     text = report(run, said, time.monotonic() - started, argv if argv is not None else sys.argv[1:])
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

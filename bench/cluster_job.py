@@ -19,7 +19,9 @@ branch's, or a baseline's through PYTHONPATH.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import sys
 import time
@@ -104,7 +106,7 @@ class Job:
         if path == "sharded":
             model = _sharded(mib, self.world)
             state: dict[str, Any] = {"model": model}
-            tensors = [p for p in model.parameters()]
+            tensors: list[torch.Tensor] = list(model.parameters())
             saved = [_local(p).detach().clone() for p in tensors]
         else:
             state = _replicated(mib)
@@ -112,7 +114,7 @@ class Job:
             saved = [t.clone() for t in tensors]
         mgr = self.manager(path)
         for r in range(repeats):
-            self.phase(f"{path}.save.{r}", lambda: mgr.save(r + 1, state))
+            self.phase(f"{path}.save.{r}", functools.partial(mgr.save, r + 1, state))
         mgr.close()
         for r in range(repeats):
             with torch.no_grad():
@@ -135,6 +137,7 @@ def main(config_path: str) -> int:
     with open(config_path) as f:
         config = json.load(f)
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # the node's log
     distckpt.init_distributed(timeout=300)
     job = Job(config)
     job.warm_up()

@@ -61,7 +61,7 @@ def ratios_table(run: Any) -> list[str]:
              "sharded save now / before | sharded load now / before |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for n in run.args.node_counts:
-        f = lambda path, code: _find(run, n, path, code)  # noqa: E731
+        f = lambda path, code, n=n: _find(run, n, path, code)  # noqa: E731
         lines.append(f"| {n} x {run.args.ranks_per_node} | {ratio(f('split', 'now'), f('rank0', 'now'), 'save_s', 'save_s')} | "
                      f"{ratio(f('split', 'before'), f('rank0', 'before'), 'save_s', 'save_s')} | "
                      f"{ratio(f('rank0', 'now'), f('rank0', 'before'), 'load_s', 'load_s')} | "
