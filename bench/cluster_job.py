@@ -13,7 +13,7 @@ Each save and each load is one phase, bracketed by a handshake with the harness 
 ``NAME.req`` in the handshake folder and waits for ``NAME.ack``) so that the harness reads the
 shaped links' byte counters exactly before and after it. A load is a fresh manager's
 construction plus ``load_latest`` into zeroed tensors, checked bit for bit against what was
-saved. Times are the slowest rank's. Whatever distckpt is first on ``sys.path`` runs: the
+saved. Times are the slowest rank's (each rank's is kept too). Whatever distckpt is first on ``sys.path`` runs: the
 branch's, or a baseline's through PYTHONPATH.
 """
 
@@ -81,10 +81,12 @@ class Job:
         self.mark(f"{name}.start")
         t0 = time.perf_counter()
         fn()
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        mine = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine)
         self.mark(f"{name}.end")
-        self.phases.append({"phase": name, "seconds": elapsed.item()})
+        per_rank = [t.item() for t in every]
+        self.phases.append({"phase": name, "seconds": max(per_rank), "per_rank": per_rank})
 
     def manager(self, path: str) -> distckpt.CheckpointManager:
         options: dict[str, Any] = {"split_writes": path == "split"}

@@ -81,7 +81,7 @@ def report(run: Any, baseline_said: str, seconds: float, argv: list[str]) -> str
             f"{platform.platform()}; whole run {seconds:.0f} s.",
             "",
             f"* State: {a.mib:g} MiB (8 float32 tensors, replicated on every rank; the sharded rows: an FSDP2 "
-            f"model of {a.mib:g} MiB in all), {a.ranks_per_node} ranks per node, median of {a.repeats}.",
+            f"model of {a.mib:g} MiB in all), {a.ranks_per_node} ranks per node, the fastest of {a.repeats} (the CPUs are shared with other work; every repeat is in the JSON beside the table).",
             f"* Each node's link to S3 shaped to {a.link_mbs:g} MB/s each way (tc htb); measured with a raw TCP "
             f"transfer before the rows (MB/s): {shaped}. Node to node (gloo): {inter}.",
             f"* {baseline_said}. \"now\": the code of this checkout.",
