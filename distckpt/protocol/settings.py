@@ -23,6 +23,7 @@ from distckpt.io import manifest as mf
 from distckpt.protocol import doctor_hooks
 from distckpt.protocol.coord import Coordinator
 from distckpt.protocol.frameworks import negative_step_refusal
+from distckpt.protocol.split_default import resolve_split_writes
 from distckpt.protocol.tiers import TierSettings
 from distckpt.state.validation import check_step
 from distckpt.storage import Storage, open_storage
@@ -54,6 +55,7 @@ class Settings:
         if tiers.local_dir is not None:
             mf.refuse_step_directory(tiers.local_dir, "local_dir")
         local = open_storage(tiers.local_dir) if tiers.local_dir is not None else None
+        config = resolve_split_writes(config, storage.url, tiers.local_dir)  # None: decided (split_default.py)
         if config.incremental and tiers.local_dir is not None:
             raise ConfigError("incremental=True with local_dir= is not supported yet: an upload would have to "
                               "carry the files each step references; use one of the two")
