@@ -53,9 +53,10 @@ bench: $(STAMP)
 	$(PY) bench/run.py
 
 # Save and load on a simulated cluster of 1, 2 and 4 nodes (network namespaces, each node's link to
-# SeaweedFS shaped with tc), now and before (docs/benchmarks/cluster.md). As root; about 8 minutes.
+# SeaweedFS shaped with tc), now and before; the table into docs/benchmarks/cluster.md. As root;
+# about 9 minutes.
 bench-cluster: $(STAMP)
-	$(PY) bench/cluster.py
+	$(PY) bench/cluster.py --docs
 
 # The documentation site (mkdocs.yml, docs/): every link, anchor and API reference checked.
 docs: $(STAMP)

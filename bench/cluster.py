@@ -1,7 +1,7 @@
 """Save and load on a simulated cluster: N nodes, each behind a shaped link to one S3 server.
 
     sudo python bench/cluster.py [--nodes 1,2,4] [--mib 32] [--link-mbs 10] [--repeats 2] [--baseline PATH|none]
-    make bench-cluster
+    make bench-cluster                      # the same, the table also put in docs/benchmarks/cluster.md
 
 Each node is a network namespace with a veth into a bridge; SeaweedFS runs in a namespace of its
 own on the same bridge (bench/cluster_net.py). Each node's traffic to and from the S3 server is
@@ -41,7 +41,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "launch"))
 
 import cluster_net as net  # noqa: E402
-from cluster_report import report  # noqa: E402
+from cluster_report import into_docs, report  # noqa: E402
 
 BASELINE_COMMIT = "df718c4"
 PATHS = ("rank0", "split", "sharded")
@@ -74,6 +74,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         f"before rows; default: a git worktree of {BASELINE_COMMIT} under build/")
     p.add_argument("--out", default=os.path.join(ROOT, "build", "bench-cluster.md"))
     p.add_argument("--job-timeout", type=float, default=600)
+    p.add_argument("--docs", action="store_true", help="also put the table in docs/benchmarks/cluster.md")
     p.add_argument("--keep-logs", action="store_true", help="keep the work folder (each node's log, with "
                    "distckpt's per-save phase lines)")
     args = p.parse_args(argv)
@@ -94,8 +95,9 @@ def baseline_checkout(arg: str | None) -> tuple[str | None, str]:
             raise SystemExit(f"--baseline {arg}: no distckpt/__init__.py there")
         return os.path.abspath(arg), f"before: {os.path.abspath(arg)}"
     path = os.path.join(ROOT, "build", f"cluster-baseline-{BASELINE_COMMIT}")
+    shown = os.path.relpath(path, ROOT)
     if os.path.isfile(os.path.join(path, "distckpt", "__init__.py")):
-        return path, f"before: {BASELINE_COMMIT} ({path})"
+        return path, f"before: {BASELINE_COMMIT} ({shown})"
     has = subprocess.run(["git", "-C", ROOT, "cat-file", "-e", f"{BASELINE_COMMIT}^{{commit}}"],
                          capture_output=True).returncode == 0
     if not has:
@@ -103,7 +105,7 @@ def baseline_checkout(arg: str | None) -> tuple[str | None, str]:
                       "(pass --baseline PATH to a checkout of the code before)")
     subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", path, BASELINE_COMMIT],
                    check=True, capture_output=True)
-    return path, f"before: {BASELINE_COMMIT} ({path}, made with git worktree add)"
+    return path, f"before: {BASELINE_COMMIT} ({shown}, made with git worktree add)"
 
 
 def start_server(run: Run) -> subprocess.Popen[bytes]:
@@ -351,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
+    if args.docs:
+        into_docs(text)
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
         json.dump({"rows": run.rows, "shaping": run.shaping, "interconnect_mbs": run.interconnect_mbs,
                    "link_mbs": args.link_mbs, "mib": args.mib, "namespaces": cluster.tag,

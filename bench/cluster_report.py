@@ -89,3 +89,18 @@ def report(run: Any, baseline_said: str, seconds: float, argv: list[str]) -> str
             "Bytes: counted by the shaped tc classes (IP packets to and from the S3 server, headers included).",
             ""]
     return "\n".join(head + rows_table(run) + [""] + ratios_table(run)) + "\n"
+
+
+DOCS_PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks", "cluster.md")
+
+
+def into_docs(text: str, page: str = DOCS_PAGE) -> None:
+    """The table in the docs page, between its cluster-table markers (`--docs`)."""
+    with open(page) as f:
+        doc = f.read()
+    start, end = "<!-- cluster-table -->\n", "<!-- /cluster-table -->"
+    if start not in doc or end not in doc:
+        raise SystemExit(f"{page}: no {start.strip()} ... {end} markers to put the table between")
+    head, rest = doc.split(start, 1)
+    with open(page, "w") as f:
+        f.write(head + start + text + rest[rest.index(end):])
