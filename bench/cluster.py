@@ -217,12 +217,15 @@ def run_job(run: Run, nodes: int, code: str, baseline: str | None) -> dict[str, 
         for i in range(nodes):
             local = os.path.join(folder, f"node{i}")  # node-local scratch (TMPDIR)
             os.makedirs(local)
+            # a node of its own by every test distckpt or torch may make: its host name (a UTS
+            # namespace), DISTCKPT_NODE, its network namespace and its scratch folder
             env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", TMPDIR=local,
-                       PYTHONUNBUFFERED="1")
+                       PYTHONUNBUFFERED="1", DISTCKPT_NODE=f"node{i}")
             env.pop("PYTHONPATH", None)
             if baseline is not None:
                 env["PYTHONPATH"] = baseline
             cmd = c.exec_prefix(c.node(i)) + [
+                "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', c.node(i),
                 sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={i}",
                 f"--nproc-per-node={args.ranks_per_node}", f"--master-addr={net.node_ip(0)}",
                 f"--master-port={MASTER_PORT}", os.path.join(HERE, "cluster_job.py"), os.path.join(folder, "config.json")]
@@ -265,7 +268,7 @@ def rows_of(run: Run, nodes: int, code: str, result: dict[str, Any]) -> Iterator
     by_phase = {p["phase"]: p for p in result["phases"]}
     for path in run.args.path_list:
         row: dict[str, Any] = {"nodes": nodes, "ranks": nodes * run.args.ranks_per_node, "path": path,
-                               "code": code, "distckpt": result["distckpt"]}
+                               "code": code, "distckpt": result["distckpt"], "hosts": result["hosts"]}
         for op in ("save", "load"):
             names = [f"{path}.{op}.{r}" for r in range(run.args.repeats)]
             best = min(names, key=lambda n: by_phase[n]["seconds"])

@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from typing import Any, Callable
@@ -93,6 +94,12 @@ class Job:
         return distckpt.CheckpointManager(f"{self.config['url']}/{path}", timeout=300,
                                           storage_options=self.config["storage_options"], **options)
 
+    def hosts(self) -> list[str]:
+        """Every rank's host name (one per node: the harness gives each node its own)."""
+        every: list[object] = [None] * self.world
+        dist.all_gather_object(every, socket.gethostname())
+        return [str(h) for h in every]
+
     def warm_up(self) -> None:
         """One tiny save and load, untimed: the first S3 request of a process pays for its
         connections and lazy imports, which no path's row should carry."""
@@ -145,9 +152,10 @@ def main(config_path: str) -> int:
     job.warm_up()
     for path in config["paths"]:
         job.run_path(path)
+    hosts = job.hosts()
     if job.rank == 0:
         with open(config["out"], "w") as f:
-            json.dump({"distckpt": os.path.dirname(distckpt.__file__), "world": job.world,
+            json.dump({"distckpt": os.path.dirname(distckpt.__file__), "world": job.world, "hosts": hosts,
                        "phases": job.phases}, f)
     dist.barrier()
     dist.destroy_process_group()

@@ -73,6 +73,7 @@ def test_two_nodes_give_every_row_with_measured_shaping_and_leave_nothing(tmp_pa
     for (_path, code), row in rows.items():
         assert row["nodes"] == 2 and row["ranks"] == 4
         assert row["save_s"] > 0 and row["load_s"] > 0
+        assert len(set(row["hosts"])) == 2 and row["hosts"][0] == row["hosts"][1]  # a host name per node
         # a save sends the state once (plus headers and small files); a load reads at least it
         assert state <= row["save_up"] < 1.5 * state, row
         assert row["load_down"] >= 0.9 * state, row
