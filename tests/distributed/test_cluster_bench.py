@@ -1,8 +1,8 @@
 """bench/cluster.py, the simulated cluster's benchmark, run for real at 2 nodes with a tiny state:
 its rows exist for every write path, now and before (a baseline checkout through PYTHONPATH), the
 shaped links were measured at their rate before the rows, the bytes to and from S3 were counted,
-and nothing is left behind (namespaces, processes), after a full run and after SIGINT / SIGTERM
-mid-run. It needs root (network namespaces, tc), as `make bench-cluster` does."""
+and nothing is left behind (namespaces, processes), after a full run, after SIGINT / SIGTERM
+mid-run and after a job that fails. It needs root (network namespaces, tc), as `make bench-cluster` does."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_two_nodes_give_every_row_with_measured_shaping_and_leave_nothing(tmp_pa
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_an_interrupted_run_removes_its_namespaces_and_processes(tmp_path, sig):
     proc = subprocess.Popen([sys.executable, BENCH, "--nodes", "2", "--mib", "2", "--repeats", "1",
                              "--baseline", "none", "--out", str(tmp_path / "c.md")],
@@ -107,6 +107,21 @@ def test_an_interrupted_run_removes_its_namespaces_and_processes(tmp_path, sig):
     rest = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0, "".join(lines) + rest
     assert _leftovers(*started) == [], "".join(lines) + rest
+
+
+@pytest.mark.faults
+def test_a_failing_job_is_reported_with_its_log_and_leaves_nothing(tmp_path):
+    broken = tmp_path / "broken" / "distckpt"  # a "before" checkout whose package cannot import
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('this checkout is broken on purpose')\n")
+    done = subprocess.run([sys.executable, BENCH, "--nodes", "2", "--mib", "1", "--repeats", "1", "--paths", "rank0",
+                           "--baseline", str(broken.parent), "--out", str(tmp_path / "c.md")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "broken on purpose" in done.stderr, done.stderr[-3000:]  # the failing node's log, shown
+    started = next(filter(None, map(_started, done.stdout.splitlines())))
+    assert _leftovers(*started) == []
+    assert not (tmp_path / "c.md").exists()
 
 
 def test_refuses_clearly_without_root():
