@@ -2,13 +2,16 @@
 
 The model column is bench/scaling.py's `predict` with this cluster's figures: the measured link
 to S3 as each node's bound, 2 ranks per node, the protocol's constants of docs/design/scaling.md
-(this 2-core machine's tiny-state rows), one process and the checksum far above the link. It
-models the code before cooperative loads: every rank reads a replicated file whole.
+(this 2-core machine's tiny-state rows), one process and the checksum far above the link. For
+the "before" rows it is the model of that code (every rank reads a replicated file whole); for
+the "now" rows, where `predict` takes `gloo_edge`, it models cooperative loads with the measured
+node-to-node speed as that edge.
 """
 
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import platform
 import statistics
@@ -26,7 +29,11 @@ def model(run: Any, row: dict[str, Any]) -> dict[str, float]:
     link = statistics.mean(s[w] for s in run.shaping for w in ("up_mbs", "down_mbs")) * 1e6
     m = Machine(write_one=1.5 * 2**30, write_shared=link, copy=10 * 2**30, checksum=8 * 2**30,
                 save_protocol=SAVE_PROTOCOL, load_protocol=LOAD_PROTOCOL)
-    return predict(m, row["ranks"], run.args.mib * MIB, row["path"], run.args.ranks_per_node, 8)
+    extra: dict[str, float] = {}
+    if row["code"] == "now" and "gloo_edge" in inspect.signature(predict).parameters and run.interconnect_mbs:
+        extra["gloo_edge"] = run.interconnect_mbs * 1e6  # where the model knows cooperative loads
+    return predict(m, row["ranks"], run.args.mib * MIB, row["path"], run.args.ranks_per_node, 8,
+                   **extra)
 
 
 def _moved(row: dict[str, Any], op: str, state: float) -> str:
