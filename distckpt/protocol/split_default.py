@@ -2,8 +2,8 @@
 
 Split writes win where one process cannot fill what the nodes can send: on a simulated cluster
 whose nodes each reach an object store through a link of their own (docs/benchmarks/cluster.md),
-a split-writes save of a replicated state took about a quarter to a third of rank 0 alone's time
-at 2 and 4 nodes. On one node every rank shares the node's one link, and on one local disk every
+a split-writes save of a replicated state took 0.54x rank 0 alone's time at 2 nodes and 0.30x
+at 4. On one node every rank shares the node's one link, and on one local disk every
 path costs the same (docs/design/scaling.md): there split writes buy nothing and spread a
 replicated state over as many files as ranks. So ``split_writes=None`` (the default) is on where
 the root is remote storage (a URL with a scheme other than ``file://``) and the job spans several
