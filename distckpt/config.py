@@ -34,7 +34,7 @@ class ManagerConfig:
     timeout: float = DEFAULT_TIMEOUT_S
     leftover_grace_s: float = 3600.0
     world_size_policy: str = "refuse"
-    split_writes: bool = False
+    split_writes: bool | None = None  # None: decided from the URL and the nodes (protocol/split_default.py)
     allow_dtype_cast: bool = False
     missing_entries: str = "refuse"
     preemption_signals: tuple[int, ...] = field(default=(signal.SIGTERM,))
@@ -63,8 +63,10 @@ class ManagerConfig:
                 object.__setattr__(self, name, int(value))  # a NumPy integer, as keep_local and step take
         _choice("best_mode", self.best_mode, ("min", "max"))
         for name in ("async_save", "split_writes", "allow_dtype_cast", "incremental", "overlap_snapshot"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={shown(getattr(self, name))}: must be True or False")
+            if not isinstance(getattr(self, name), bool) and not (name == "split_writes" and self.split_writes is None):
+                raise ConfigError(f"{name}={shown(getattr(self, name))}: must be True or False"
+                                  + (" (or None: on for remote storage across several nodes)"
+                                     if name == "split_writes" else ""))
         object.__setattr__(self, "timeout", seconds("timeout", self.timeout, default=DEFAULT_TIMEOUT_S))
         if self.world_size_policy not in ("refuse", "reshard", "replicated_only", "elastic"):
             raise ConfigError(f"world_size_policy={shown(self.world_size_policy)}: must be 'refuse' (default), "

@@ -65,7 +65,9 @@ class CheckpointManager:
 
     ``split_writes=True`` spreads the replicated tensors (a DDP model, its optimizer) across the
     ranks, each writing its share in parallel, under the same one commit. It assumes what DDP
-    guarantees: the replicated entries hold the same values on every rank. Off by default.
+    guarantees: the replicated entries hold the same values on every rank. The default (None) turns
+    it on for remote storage (a URL) across several nodes, where it was measured to win, and off on
+    local disk or one node (protocol/split_default.py).
     """
 
     @arguments_checked
@@ -74,7 +76,7 @@ class CheckpointManager:
                  storage_options: dict[str, Any] | None = None,
                  timeout: float | datetime.timedelta | None = 600.0,
                  leftover_grace_s: float = 3600.0, world_size_policy: str = "refuse",
-                 preemption_signals: Any = (signal.SIGTERM,), split_writes: bool = False,
+                 preemption_signals: Any = (signal.SIGTERM,), split_writes: bool | None = None,
                  allow_dtype_cast: bool = False, missing_entries: str = "refuse",
                  local_dir: str | os.PathLike[str] | None = None, durable_every: int | None = None,
                  keep_local: int | None = None, incremental: bool = False,
@@ -103,7 +105,7 @@ class CheckpointManager:
         assert settings is not None  # a refusal on any rank was raised on every rank just above
         self.config, self.url, self.storage, self.tiers, self.local = \
             settings.config, settings.url, settings.storage, settings.tiers, settings.local
-        self.split_writes = self.config.split_writes  # replicated tensors written by all ranks in parallel
+        self.split_writes = bool(self.config.split_writes)  # by all ranks in parallel (decided by now)
         self._leases = LeaseKeeper(self.storage, self.run_id, self.local)  # rank 0's write lease (leases.py)
         self._pruner = Pruner(self.storage, self.local, self.config, self.tiers.keep_local, self._leases)  # rank 0
         self._closed = False

@@ -26,6 +26,7 @@ from distckpt.protocol import doctor_hooks
 from distckpt.protocol.coord import Coordinator
 from distckpt.protocol.frameworks import negative_step_refusal
 from distckpt.protocol.memory_tier import MemorySettings
+from distckpt.protocol.split_default import resolve_split_writes
 from distckpt.protocol.tiers import TierSettings
 from distckpt.protocol.writer_process import check_storage
 from distckpt.state.validation import check_step
@@ -66,6 +67,10 @@ class Settings:
         if tiers.local_dir is not None:
             mf.refuse_step_directory(tiers.local_dir, "local_dir")
         local = open_storage(tiers.local_dir) if tiers.local_dir is not None else None
+        in_memory = MemorySettings.check(storage.url, *memory)
+        if in_memory.enabled and config.split_writes is None:  # a memory copy holds whole files (below)
+            config = dataclasses.replace(config, split_writes=False)
+        config = resolve_split_writes(config, storage.url, tiers.local_dir)  # None: decided (split_default.py)
         if config.incremental and tiers.local_dir is not None:
             raise ConfigError("incremental=True with local_dir= is not supported yet: an upload would have to "
                               "carry the files each step references; use one of the two")
@@ -75,7 +80,6 @@ class Settings:
             raise ConfigError("incremental=True with split_writes=True is not supported: incremental saves "
                               "leave out the unchanged tensors of rank 0's file, and split writes move them to "
                               "every rank's shard file, written whole at each save; use one of the two")
-        in_memory = MemorySettings.check(storage.url, *memory)
         if in_memory.enabled and (config.incremental or config.split_writes):
             name = "incremental=True" if config.incremental else "split_writes=True"
             raise ConfigError(f"memory_tier=True with {name} is not supported: a node's memory copy holds the "
