@@ -128,7 +128,7 @@ class Session:
         self.save_seq += 1
         args = (self.coord, self.target, entries, step, epoch, metric, self.run_id,
                 self.staging if self.config.async_save else None, self.leases.replace_policy, self.leases.take,
-                self.save_seq, self.config.split_writes, self.durable if self.local is not None else None,
+                self.save_seq, bool(self.config.split_writes), self.durable if self.local is not None else None,
                 self.leases.prepare_local if self.local is not None else None, self.uploads.hands_over_rank_files)
         if self.config.async_save:
             self._save_in_background(entries, step, durable, args, in_memory)
