@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 from typing import Any, Iterable
@@ -212,3 +213,14 @@ def _maybe_kill(step: int, rank: int, world_size: int) -> None:
     os.write(fd, f"rank {rank} killed after step {step}\n".encode())
     os.close(fd)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killed_after(mark: str) -> int | None:
+    """The step the kill followed, as _maybe_kill wrote it in `mark` ("rank R killed after step N");
+    None where the file is absent or says no such line."""
+    try:
+        with open(mark) as f:
+            found = re.search(r"killed after step (-?\d+)", f.read())
+    except OSError:
+        return None
+    return int(found.group(1)) if found else None

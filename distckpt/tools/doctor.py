@@ -45,6 +45,7 @@ from distckpt.protocol.doctor_hooks import (  # noqa: F401  (the doctor's names,
     STOP_AFTER_ENV,
     WORLD_MARK_ENV,
     fingerprint_root,
+    killed_after,
     local_root,
     notes_root,
 )
@@ -491,7 +492,7 @@ def _run_both(command: list[str], kill_at: int | None, kill_rank: int | None, wo
         raise DistCkptError(f"the killed run failed before step {kill_at} was committed:\n{first.stderr[-2000:]}")
     report = compare_roots(reference, killed)
     report.resumed = os.path.exists(mark)
-    report.killed_after = _killed_after(mark)
+    report.killed_after = killed_after(mark)
     if every is not None:
         report.fingerprint_every = every
         report.first_fingerprint_step = compare_fingerprints(reference, killed)
@@ -502,15 +503,6 @@ def _run_both(command: list[str], kill_at: int | None, kill_rank: int | None, wo
                                     "before do differently after a resume")
     return report
 
-
-def _killed_after(mark: str) -> int | None:
-    """The step the kill followed, as _maybe_kill wrote it ("rank R killed after step N")."""
-    try:
-        with open(mark) as f:
-            found = re.search(r"killed after step (-?\d+)", f.read())
-    except OSError:
-        return None
-    return int(found.group(1)) if found else None
 
 
 # A rank's line may carry torchrun's "[rank1]: " prefix (its log options); the exception is after it.

@@ -33,6 +33,7 @@ from distckpt.protocol.doctor_hooks import (
     KILLED_MARK_ENV,
     ROOT_ENV,
     SAMPLES_ENV,
+    killed_after,
 )
 
 _NPROC = re.compile(r"--nproc[-_]per[-_]node(=(\d+))?")
@@ -96,7 +97,7 @@ def run_resize(command: list[str], new_world: int, kill_at: int | None, kill_ran
     run(resized, {ROOT_ENV: killed, SAMPLES_ENV: killed + "-resumed-samples"}, timeout,
         f"the resumed run ({new_world} ranks)", announce=announce)
     report = account(_read(ref + "-samples"), _read(killed + "-samples"), _read(killed + "-resumed-samples"),
-                     _killed_after(mark), old_world, new_world)
+                     killed_after(mark), old_world, new_world)
     if workdir is None and report.exactly_once:
         shutil.rmtree(folder, ignore_errors=True)
     else:
@@ -165,14 +166,6 @@ def _read(folder: str) -> Records:
             out.extend({**json.loads(line), "rank": rank} for line in f if line.strip())
     return out
 
-
-def _killed_after(mark: str) -> int | None:
-    try:
-        with open(mark) as f:
-            found = re.search(r"killed after step (-?\d+)", f.read())
-    except OSError:
-        return None
-    return int(found.group(1)) if found else None
 
 
 def resize_text(report: ResizeReport) -> str:
