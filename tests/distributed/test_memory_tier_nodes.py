@@ -163,6 +163,7 @@ def test_with_two_tiers_a_replaced_node_that_lost_memory_and_disk_resumes_from_i
 
 
 @pytest.mark.slow
+@pytest.mark.faults  # make test-faults (make test: the replaced node, from its partner)
 def test_a_restarted_node_with_its_memory_resumes_from_its_own_copy(tmp_path, via_proxy):
     url, proxy = via_proxy
     tmp = str(tmp_path)

@@ -24,7 +24,7 @@ faults = pytest.mark.faults
 # (loop options, kill micro-batches): saves every 2 optimizer steps; accumulation over 2 batches
 CASES = [
     # The README's loader (kept out of prepare()), the prepared optimizer under an overlapped snapshot.
-    pytest.param(["--loader", "stateful", "--async", "--overlap"], "13", id="stateful-loader-overlap"),
+    pytest.param(["--loader", "stateful", "--async", "--overlap"], "13", id="stateful-loader-overlap", marks=faults),
     pytest.param(["--loader", "stateful", "--workers", "2"], "13", id="stateful-loader-workers", marks=faults),
     # The prepared loader in `state`, mid-epoch and at an epoch's last batch, sync and async.
     pytest.param(["--loader", "prepared"], "9", id="prepared-loader"),
@@ -88,7 +88,7 @@ def test_a_save_before_the_first_optimizer_step_says_where_saves_belong(tmp_path
     assert "save after an optimizer step" in said and "accelerator.sync_gradients" in said
 
 
-@pytest.mark.parametrize("loader", ["stateful", pytest.param("prepared", marks=faults)])
+@pytest.mark.parametrize("loader", [pytest.param("stateful", marks=faults), pytest.param("prepared", marks=faults)])
 def test_the_doctor_with_every_passes_an_accelerate_loop(tmp_path, capsys, monkeypatch, loader):
     """doctor --every fingerprints every optimizer step through a step hook: on the optimizer
     Accelerate prepared, its install raised AttributeError at load_latest."""

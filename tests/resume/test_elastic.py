@@ -92,6 +92,7 @@ def test_elastic_resume_matrix(tmp_path, old, new, items, batch, save_at, drop_l
            drop_last=drop_last)
 
 
+@pytest.mark.faults  # make test-faults (make test: 4->2 and the refusals)
 def test_elastic_resume_async_on_s3(tmp_path, s3_server, s3_url):
     result = run_elastic(str(tmp_path), 2, 3, save_at=4, extra=["--async", "--items", "48"], ckpt=s3_url,
                          env=s3_server.env())
@@ -113,6 +114,7 @@ def test_a_custom_sampler_is_refused_by_name(tmp_path):
     assert not result.resumed.steps
 
 
+@pytest.mark.faults  # make test-faults (tests/unit/test_elastic_api.py covers the rule in process)
 def test_per_rank_values_need_a_reshard_rule(tmp_path):
     refused = run_elastic(str(tmp_path / "plain"), 2, 3, save_at=3, extra=["--tally", "plain", "--items", "48"])
     assert refused.rc[1] != 0 and not refused.resumed.steps
@@ -191,6 +193,7 @@ def _reached(records: str, step: int) -> bool:
         for line in open(os.path.join(records, name)) if not line.startswith("#"))
 
 
+@pytest.mark.faults  # make test-faults: two torchrun agents, one killed whole
 def test_a_node_that_does_not_return_torchrun_elastic(tmp_path):
     """torchrun --nnodes 1:2 with two agents on loopback (2 ranks each): saved mid-epoch at 4
     ranks, one node is SIGKILLed whole and never returns; the other's agent restarts its workers

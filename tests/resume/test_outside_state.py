@@ -76,6 +76,7 @@ def test_an_evaluation_loader_with_persistent_workers_outside_state_is_named(tmp
 
 
 @slow
+@pytest.mark.faults  # make test-faults (make test: the evaluation loader left outside state)
 def test_a_wrapper_holding_a_batch_ahead_of_the_loader_in_state_is_named(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ROOT)
     code, report, _ = _doctor(tmp_path, capsys, "--prefetcher")

@@ -155,7 +155,7 @@ print(step)
 """
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.faults)])
 def test_a_reader_process_racing_a_keep_last_1_writer_always_loads_a_step(tmp_path, mode):
     """Before, 1-8% of these loads returned None or raised CorruptCheckpointError."""
     url = str(tmp_path / "ckpt")

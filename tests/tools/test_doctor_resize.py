@@ -29,6 +29,7 @@ def _doctor(tmp_path, capsys, monkeypatch, *options: str) -> tuple[int, dict]:
     return code, json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.faults  # make test-faults (the accounting is unit-tested in tests/unit/test_elastic_api.py)
 def test_an_elastic_job_feeds_the_interrupted_epoch_exactly_once(tmp_path, capsys, monkeypatch):
     code, report = _doctor(tmp_path, capsys, monkeypatch)
     assert report["old_world"] == 2 and report["new_world"] == 3 and report["resumed_from"] == 3
