@@ -44,7 +44,7 @@ FAULT_TESTS = tests/protocol/test_load_memory.py tests/resume/test_loop_zoo.py t
 	tests/protocol/test_no_half_restore.py tests/resume/test_loop_patterns.py tests/protocol/test_crash_matrix.py tests/storage/test_powercut.py tests/storage/test_s3_faults.py tests/storage/test_damage.py \
 	tests/protocol/test_memory_tier.py tests/distributed/test_memory_tier_nodes.py \
 	tests/protocol/test_fencing.py tests/protocol/test_writer_process.py tests/protocol/test_staging_bound.py tests/unit/test_hostile.py tests/distributed/test_distributed.py tests/distributed/test_preemption.py tests/distributed/test_sharded.py \
-	tests/resume/test_exact_resume.py tests/storage/test_s3.py tests/distributed/test_cluster.py tests/distributed/test_cluster_bench.py tests/storage/test_concurrent_readers.py tests/protocol/test_interrupts.py tests/distributed/test_preemption_unit.py \
+	tests/resume/test_exact_resume.py tests/storage/test_s3.py tests/distributed/test_cluster.py tests/distributed/test_cluster_bench.py tests/storage/test_concurrent_readers.py tests/tools/test_cli_people.py tests/protocol/test_interrupts.py tests/distributed/test_preemption_unit.py \
 	tests/protocol/test_manager_local.py::test_a_full_disk_at_every_write_never_damages_the_previous_checkpoint \
 	tests/protocol/test_manager_local.py::test_an_io_error_at_every_fsync_rename_and_link_keeps_the_previous_checkpoint \
 	tests/resume/test_elastic.py tests/tools/test_doctor_resize.py tests/unit/test_elastic_order.py

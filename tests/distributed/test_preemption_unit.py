@@ -108,6 +108,7 @@ def test_a_rank_that_exits_with_loader_workers_mid_epoch_ends(tmp_path, kind, en
     assert "is killed by signal" not in out.stderr, out.stderr[-2000:]  # ended quietly, as torch ends them
 
 
+@pytest.mark.faults  # make test-faults
 def test_a_loader_worker_signalled_alone_ends(tmp_path):
     """A SIGTERM the rank did not get (a kill of one worker) keeps its default effect, after a
     bounded wait for the rank's notice (the loader then reports the worker killed, as usual)."""

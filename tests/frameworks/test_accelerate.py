@@ -61,6 +61,7 @@ def _no_checkpoint(root) -> bool:
     return not root.exists() or not any(p.name.startswith("step-") for p in root.iterdir())
 
 
+@pytest.mark.faults  # make test-faults
 def test_accelerate_without_cpu_true_on_a_cpu_host_is_refused_on_every_rank(tmp_path):
     """Accelerator() under torchrun on a host without GPUs counts one process: each rank trained
     its own copy alone while the manager saved rank 0's as every rank's. Refused at load_latest."""

@@ -47,6 +47,7 @@ def _logged(tmp_path) -> list[int]:
     return [sum(1 for line in open(tmp_path / "log" / f"rank-{rank}.txt")) for rank in (0, 1)]
 
 
+@pytest.mark.faults  # make test-faults (make test: the wrapper in state refused)
 def test_iterating_fabrics_loader_wrapper_is_refused_at_the_first_save(tmp_path):
     """The loop iterates fabric.setup_dataloaders' wrapper, `state` holds the StatefulDataLoader
     under it: the wrapper set the sampler's epoch to 0 in the resumed process and the run went on

@@ -52,6 +52,7 @@ def test_timms_own_prefetcher_over_the_loader_in_state_is_refused_at_the_first_s
     assert not (tmp_path / "ckpt").exists() or not any(p.name.startswith("step-") for p in (tmp_path / "ckpt").iterdir())
 
 
+@pytest.mark.faults  # make test-faults (make test: the kill-and-resume loop and the prefetcher refusal)
 def test_a_timm_scheduler_saved_replicated_is_refused_naming_its_metric(tmp_path):
     code, said = _run(tmp_path, "--replicated-scheduler")
     assert code != 0

@@ -127,7 +127,8 @@ def test_ctrl_c_in_either_restore_phase_leaves_everything_restored(tmp_path, whe
 _STORM_S = 3.0 if int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "6")) < 50 else 30.0
 
 
-@pytest.mark.parametrize("mode", ["overlap", "async", "sync", "load", "own-handlers", "close", "gate"])
+@pytest.mark.parametrize("mode", ["async", "sync"] + [pytest.param(m, marks=pytest.mark.faults)  # make test: async and sync
+                                                     for m in ("overlap", "load", "own-handlers", "close", "gate")])
 def test_ctrl_c_at_random_instants_never_hangs_loses_or_half_restores(tmp_path, mode):
     """A real SIGINT a random instant into save(), wait(), the next optimizer step or
     load_latest(), hundreds of times (tests/helpers/interrupt_storm.py): no hang, every committed step

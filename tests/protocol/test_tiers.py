@@ -343,6 +343,7 @@ def test_a_new_run_refuses_a_durable_root_holding_another_runs_steps(roots, tmp_
             mgr.save(0, step_states.state_for(0))  # never loaded: it would interleave with that run
 
 
+@pytest.mark.faults  # make test: the retried-upload cases
 def test_s3_down_during_uploads_local_saves_continue_and_the_next_durable_save_catches_up(
         tmp_path, s3_server, s3_url, proxy):
     local = str(tmp_path / "local")
@@ -931,7 +932,8 @@ RETURNS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(RETURNS))
+@pytest.mark.parametrize("case", [c if c == "superseded" else pytest.param(c, marks=pytest.mark.faults)  # make test: superseded
+                                  for c in sorted(RETURNS)])
 def test_a_node_whose_branch_was_superseded_returns_while_the_url_is_unreachable(tmp_path, s3_server, s3_url, proxy,
                                                                                    case):
     """Node X comes back while the URL cannot be read and resumes from its own local tier (a

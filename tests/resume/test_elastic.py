@@ -105,6 +105,7 @@ def test_elastic_resume_of_an_fsdp2_job_2_to_4(tmp_path):
     _check(result, old=2, new=4, save_at=5)
 
 
+@pytest.mark.faults  # make test: tests/unit/test_elastic_api.py refuses it in process
 def test_a_custom_sampler_is_refused_by_name(tmp_path):
     result = run_elastic(str(tmp_path), 2, 1, save_at=2, extra=["--sampler", "custom"])
     assert result.rc[1] != 0

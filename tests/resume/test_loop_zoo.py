@@ -42,7 +42,7 @@ ZOO = [
     pytest.param(2, ["--aux-head", "--noise-forward", "--bn-eval-at", "7", "--workers", "2"], "23",
                  id="ddp-aux-head-noisy-forward", marks=faults),
     pytest.param(4, ["--wrap", "bare", "--wrap-after-load", "--accum", "2", "--noise-forward"], "23",
-                 id="bare-module-wrapped-after-load-4ranks"),
+                 id="bare-module-wrapped-after-load-4ranks", marks=faults),
     pytest.param(2, ["--wrap", "bare", "--wrap-after-load", "--compile", "--aux-head"], "23",
                  id="bare-module-wrapped-after-load-compiled", marks=faults),
     # torch.compile, GradScaler, EMA (AveragedModel), SGD with nesterov, SequentialLR.

@@ -399,6 +399,7 @@ def test_managers_with_the_same_options_share_one_client_and_others_do_not(s3_se
         assert os.read(read, 16) == b"own"
 
 
+@pytest.mark.faults  # make test-faults
 def test_a_process_building_a_manager_per_trial_does_not_grow(s3_server, s3_url):
     code = textwrap.dedent(f"""
         import gc, torch, distckpt
