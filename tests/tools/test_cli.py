@@ -18,16 +18,6 @@ import distckpt
 from distckpt.tools import cli
 
 
-@pytest.fixture(params=["local", "s3"])
-def url(request, tmp_path, monkeypatch):
-    if request.param == "local":
-        return str(tmp_path / "ckpt")
-    server = request.getfixturevalue("s3_server")
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
-    return request.getfixturevalue("s3_url")
-
-
 def make_run(url: str, steps=(1, 2, 3)) -> None:
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
