@@ -14,6 +14,7 @@ loop and connections are not its own) and only between identical options.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from typing import Any, Callable
@@ -34,6 +35,7 @@ def shared_client(kind: str, options: dict[str, Any], make: Callable[[], Any]) -
         client = _CLIENTS.pop(key, None)
         if client is None:
             client = make()
+            _stop_io_loop_at_exit()
         _CLIENTS[key] = client  # the newest last: what is let go first is the longest unused
         while len(_CLIENTS) > _MAX_CLIENTS:
             _CLIENTS.pop(next(iter(_CLIENTS)))
@@ -46,3 +48,38 @@ def _credential_environment() -> list[tuple[str, str]]:
     session token) gets a new client for its next manager."""
     prefixes = credential_environment_prefixes()
     return sorted((name, value) for name, value in os.environ.items() if name.startswith(prefixes))
+
+
+_EXIT_HOOKED: set[int] = set()  # the pids whose exit stops the IO loop (a forked child registers its own)
+
+
+def _stop_io_loop_at_exit() -> None:
+    if os.getpid() not in _EXIT_HOOKED:
+        _EXIT_HOOKED.add(os.getpid())
+        atexit.register(stop_io_loop)
+
+
+def stop_io_loop(timeout_s: float = 5.0) -> None:
+    """Stop and close fsspec's IO loop (the daemon thread every async client runs on) while the
+    interpreter can still run it to the end.
+
+    Why: left running, the loop's thread is still freeing the objects of finished requests when
+    the interpreter finalizes; a request's object can hold a view of a tensor whose bytes it
+    sent, and a torch tensor freed there re-takes the GIL inside a C++ destructor, which at
+    finalization ends the thread inside that destructor: "terminate called without an active
+    exception", SIGABRT, exit 134 after a job that did everything right (a process that saved to
+    SeaweedFS and exited: every run). Stopped here (atexit runs before finalization), what the
+    loop holds is freed by the main thread. Closed, not only stopped: a later call on it (another
+    exit hook) raises fsspec's "Loop is not running" instead of waiting for ever; s3fs's own
+    exit hook sees a loop that is not running and closes its connections without it."""
+    from fsspec import asyn
+
+    loop, thread = asyn.loop[0], asyn.iothread[0]
+    if loop is None or loop.is_closed() or thread is None or not thread.is_alive():
+        return
+    if thread is threading.current_thread():
+        return
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout_s)
+    if not thread.is_alive():
+        loop.close()

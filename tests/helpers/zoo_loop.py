@@ -25,7 +25,6 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler
 
@@ -296,8 +295,7 @@ def main() -> int:
                  for k, v in net.state_dict().items()}
         if rank == 0:
             torch.save(whole, args.dump_weights)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    distckpt.shutdown_distributed()  # as the docs tell a job to end (the gathers just above: see its docstring)
     return 0
 
 
