@@ -133,7 +133,7 @@ def main() -> int:
             epoch += 1
         log.write("# done\n")
     dist.barrier()
-    dist.destroy_process_group()
+    distckpt.shutdown_distributed()
     return 0
 
 

@@ -95,7 +95,7 @@ def main() -> None:
                 mgr.wait()
             os.kill(os.getpid(), signal.SIGKILL)
     mgr.close()
-    dist.destroy_process_group()
+    distckpt.shutdown_distributed()
 
 
 if __name__ == "__main__":
