@@ -408,6 +408,7 @@ def cmd_prune(storage: Storage, args: argparse.Namespace) -> int:
     committed = read_committed(storage, steps, index)
     damaged = _damaged_among_kept(storage, committed, args, leases)
     counted = [c for c in committed if c.step not in damaged]
+    damaged.update(_markers_not_files(storage, index.listing))
     doomed = sorted(plan_retention(counted, args.keep_last, args.keep_best, args.best_mode)
                     + superseded_to_retire(zombies, [c.step for c in counted]))
     keep = kept_references(committed, doomed)  # files the remaining checkpoints reference stay
@@ -422,6 +423,20 @@ def cmd_prune(storage: Storage, args: argparse.Namespace) -> int:
     emit(args, {"dry_run": args.dry_run, "removed": doomed, "damaged": {str(s): p for s, p in damaged.items()}},
          "\n".join(lines))
     return EXIT_OK
+
+
+def _markers_not_files(storage: Storage, listing: Any) -> dict[int, list[str]]:
+    """Steps whose COMMITTED stands as something other than a file (a directory, a fifo): the
+    listing holds files only, so such a step looks never committed, yet ls, verify and the
+    loader call it damaged; prune says so too and leaves it in place (it removes none of these:
+    only committed steps are pruned). One existence check per uncommitted step directory."""
+    committed = set(listing.committed())
+    out: dict[int, list[str]] = {}
+    for name in listing.step_names():
+        step = mf.parse_step_dir(name)
+        if step is not None and step not in committed and storage.exists(f"{name}/{mf.MARKER}"):
+            out[step] = [f"{name}/{mf.MARKER} is not a file (something else stands there): the step cannot load"]
+    return out
 
 
 def _damaged_among_kept(storage: Storage, committed: list[Any], args: argparse.Namespace,

@@ -516,10 +516,6 @@ def test_something_other_than_a_file_in_any_file_role_is_damage_and_nothing_wait
         layouts, tmp_path, capsys, kind, role, reader):
     import shutil
 
-    if (kind, role, reader) == ("directory", "marker", "prune"):
-        pytest.xfail("prune's commit index lists files, and an empty directory standing as COMMITTED holds "
-                     "none: it reads the step as never committed and says nothing of it (verify, ls and the "
-                     "loader call it damaged)")
     layout, where, damaged = ROLES[role]
     root = str(tmp_path / "ckpt")
     shutil.copytree(layouts[layout], root)
