@@ -379,6 +379,9 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
              if r["ok"] else f"{label(r)}: BAD\n" + "\n".join(f"  {x}" for x in r["problems"])
              for r in rows]
     bad = [r for r in rows if not r["ok"]]
+    # A damaged lease breaks no step, but it fences every older writer: say so, with what follows.
+    lines += [f"damaged lease: {lease.describe()}; it counts as an incarnation that resumed from nothing, "
+              "so no older generation's step is loaded but as the last resort" for lease in leases if lease.damaged]
     if bad and signing.verifies(storage):  # the first bad step and why, last, where a script's log ends
         lines.append(f"first bad step: {label(bad[0])}: {bad[0]['problems'][0]}")
     emit(args, rows, "\n".join(lines))

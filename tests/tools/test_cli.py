@@ -89,6 +89,20 @@ def test_verify_names_each_bad_file(url, capsys):
     assert code == 1 and "manifest.json" in out
 
 
+def test_verify_reports_a_damaged_lease_and_what_it_fences(url, capsys):
+    from distckpt.protocol.fencing import lease_generations, lease_path
+    from distckpt.storage import open_storage
+
+    make_run(url)
+    storage = open_storage(url)
+    code, out = run(capsys, "verify", url)
+    assert code == 0 and "damaged lease" not in out
+    generation = max(lease_generations(storage))
+    storage.write_file(lease_path(generation), [b"{not json"])
+    code, out = run(capsys, "verify", url)
+    assert f"damaged lease: generation {generation}" in out and "resumed from nothing" in out, out
+
+
 def test_prune_and_gc_with_dry_run(url, capsys):
     make_run(url, steps=(1, 2, 3, 4))
     from distckpt.storage import open_storage
