@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import os
 import re
+import stat
 import tempfile
 import uuid
 from typing import Any, Callable
@@ -54,6 +55,7 @@ def import_torch(file: str, url: str, *, trust_pickle: bool = False, world_size:
     `progress` is called as each of its three phases starts, with what it does."""
     if not trust_pickle:
         raise ConfigError(PICKLE_WARNING.format(source=file))
+    _require_regular_files([file])
     progress(f"reading {os.path.basename(file)}")
     return _write_import(_load_weights_only(file), url, f"torch.save file {os.path.basename(file)}", world_size,
                          step, storage_options, progress)
@@ -71,6 +73,8 @@ def import_dcp(directory: str, url: str, *, trust_pickle: bool = False, world_si
 
     if not os.path.isdir(directory) or not os.path.isfile(os.path.join(directory, ".metadata")):
         raise MissingFileError(2, f"{directory}: not a DCP checkpoint directory (no .metadata file in it)")
+    _require_regular_files([os.path.join(directory, n) for n in sorted(os.listdir(directory))
+                            if n == ".metadata" or n.endswith(".distcp")])
     with tempfile.TemporaryDirectory(prefix="distckpt-import-") as tmp:
         whole = os.path.join(tmp, "whole.pt")
         progress(f"converting {os.path.basename(os.path.normpath(directory))} with DCP")
@@ -83,6 +87,19 @@ def import_dcp(directory: str, url: str, *, trust_pickle: bool = False, world_si
         obj = _load_weights_only(whole)
     return _write_import(_optimizer_keys_as_ints(obj), url, f"DCP checkpoint {os.path.basename(os.path.normpath(directory))}",
                          world_size, step, storage_options, progress)
+
+
+def _require_regular_files(paths: list[str]) -> None:
+    """Each source a regular file (a link to one is fine): a FIFO would block the import for
+    ever on its first read, a device would be read without end."""
+    for path in paths:
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError as e:
+            raise MissingFileError(2, f"{path}: no such file; nothing was imported") from e
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"{path} is not a regular file (a FIFO, device, socket or directory stands there); "
+                              "import reads regular files only: nothing was imported")
 
 
 def _load_weights_only(file: str) -> Any:

@@ -160,3 +160,27 @@ def test_an_imported_checkpoint_is_inspected_exported_and_loaded_as_weights(tmp_
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
     with pytest.raises(distckpt.IncompatibleCheckpointError, match=r"no module entry 'step' \(module entries: \['model'\]\)"):
         distckpt.load_weights(url, nn.Linear(3, 2), entry="step")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["fifo", "directory", "link-to-fifo"])
+def test_a_source_that_is_not_a_regular_file_is_refused_and_nothing_waits(tmp_path, capsys, kind):
+    import os
+
+    fifo = str(tmp_path / "pipe")
+    os.mkfifo(fifo)  # a read of it would wait for a writer for ever
+    source = {"fifo": fifo, "directory": str(tmp_path), "link-to-fifo": str(tmp_path / "link.pt")}[kind]
+    if kind == "link-to-fifo":
+        os.symlink(fifo, source)
+    root = str(tmp_path / "root")
+    with pytest.raises(distckpt.ConfigError, match="not a regular file"):
+        import_torch(source, root, trust_pickle=True)
+    assert cli.main(["import-torch", source, root, "--trust-pickle"]) != 0
+    assert "not a regular file" in capsys.readouterr().err
+    assert not os.path.exists(root)
+    dcp = tmp_path / "dcp"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"x")
+    os.mkfifo(str(dcp / "__0_0.distcp"))
+    with pytest.raises(distckpt.ConfigError, match="__0_0.distcp is not a regular file"):
+        distckpt.tools.importing.import_dcp(str(dcp), root, trust_pickle=True)
