@@ -9,6 +9,8 @@ from typing import Any
 from distckpt.errors import CheckpointFallbackWarning, CheckpointWarning, ReshardWarning, warn
 from distckpt.protocol.coord import Coordinator, Outcome
 
+MEMORY = "memory"  # the memory tier's copies, read by memory_load.py through the same phases
+
 
 def warn_per_rank_kept(read: Any, coord: Coordinator, kept: list[str], buffered: list[str]) -> None:
     if read.manifest.imported is not None:
@@ -34,10 +36,15 @@ def warn_fallbacks(skipped: list[tuple[int, str, list[Outcome]]], loading: tuple
     loaded instead: `loading`, the next committed step every rank read (None: none verified)."""
     for step, tier, damaged in skipped:
         detail = "; ".join(f"rank {o.rank}: {o.message}" for o in damaged)
-        where = f"step {step} on the {tier} tier" if tiered else f"step {step}"
-        if loading is None:
+        # the tiers are named whenever one is not the URL (a memory copy skipped for the same
+        # step on disk read "step 5 ... loading step 5 instead")
+        named = tiered or tier != "durable" or (loading is not None and loading[1] != "durable")
+        where = f"step {step} on the {tier} tier" if named else f"step {step}"
+        if loading is None and tier == MEMORY:
+            then = "the disk tiers are read instead"
+        elif loading is None:
             then = "no other committed checkpoint verifies"
-        elif tiered:
+        elif named:
             then = f"loading step {loading[0]} from the {loading[1]} tier instead"
         else:
             then = f"loading step {loading[0]} instead"

@@ -408,7 +408,7 @@ _SKIPPABLE = (CorruptCheckpointError.__name__, NotCommittedError.__name__, Super
 def _attempt_read(coord: Coordinator, storage: Storage, entries: list[Entry], step: int, tier: str,
                   world_size_policy: str, leases: list[Lease] | None, rules: LoadRules,
                   superseded_ok: bool = False) -> tuple[ReadCheckpoint | None, BaseException | None, list[Outcome]]:
-    owned = tier == tiers.LOCAL and leases is not None
+    owned = tier != tiers.DURABLE and leases is not None  # a node's own copy (local tier, memory tier)
     return attempt_phase(
         coord, f"load/read step {step} ({tier})",
         functools.partial(_read_and_check, coord, storage, entries, step, world_size_policy,

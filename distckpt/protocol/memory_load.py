@@ -12,6 +12,7 @@ from typing import Any
 
 from distckpt.io.copying import Prefault
 from distckpt.protocol import tiers
+from distckpt.protocol.load_warnings import MEMORY
 from distckpt.protocol.coord import Coordinator
 from distckpt.protocol.fencing import Lease
 
@@ -28,10 +29,10 @@ def load_memory_copy(coord: Coordinator, durable: Storage, copy: Storage, entrie
                      leases: list[Lease]) -> Progress | None:
     """Read, verify and apply committed `step` from every rank's `copy` (collective). None, on
     every rank alike, when some rank's copy does not verify (warned), with `state` unchanged."""
-    storages = {tiers.DURABLE: durable, tiers.LOCAL: copy}
+    storages = {tiers.DURABLE: durable, tiers.LOCAL: copy, MEMORY: copy}  # named "memory" in what it warns
     prefault = Prefault(copy_destinations(entries))  # while the files are read and verified
     try:
-        read = _read_phase(coord, storages, entries, [(step, tiers.LOCAL)], False, world_size_policy, leases, rules)
+        read = _read_phase(coord, storages, entries, [(step, MEMORY)], False, world_size_policy, leases, rules)
     finally:
         prefault.stop()
     if read.found is None:
