@@ -12,9 +12,9 @@ from typing import Any
 
 from distckpt.io.copying import Prefault
 from distckpt.protocol import tiers
-from distckpt.protocol.load_warnings import MEMORY
 from distckpt.protocol.coord import Coordinator
 from distckpt.protocol.fencing import Lease
+from distckpt.protocol.load_warnings import MEMORY
 
 # The read and apply phases of the load protocol, shared with it (one rule for every tier).
 from distckpt.protocol.loading import Progress, _apply, _read_phase
