@@ -343,20 +343,19 @@ def decode_message(data: bytes) -> Any:
 
 
 def _packed_slot(data: bytes, inline: int = SLOT_BYTES) -> Any:
-    """A uint8 tensor of 8 + `inline` bytes: the length of `data`, then `data` if it fits."""
+    """A uint8 tensor of 8 + `inline` bytes: the length of `data`, then `data` if it fits. Made
+    in a bytearray (a few torch operations per exchange less, on every rank)."""
     import torch
 
-    slot = torch.zeros(_HEADER + inline, dtype=torch.uint8)
-    slot[:_HEADER] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    slot = bytearray(_HEADER + inline)
+    slot[:_HEADER] = len(data).to_bytes(_HEADER, "little")
     if len(data) <= inline:
-        slot[_HEADER:_HEADER + len(data)] = _byte_tensor(data)
-    return slot
+        slot[_HEADER:_HEADER + len(data)] = data
+    return torch.frombuffer(slot, dtype=torch.uint8)
 
 
 def _slot_length(slot: Any) -> int:
-    import torch
-
-    return int(slot[:_HEADER].view(torch.int64).item())
+    return int.from_bytes(slot[:_HEADER].numpy().tobytes(), "little")
 
 
 def _byte_tensor(data: bytes) -> Any:
