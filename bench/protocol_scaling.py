@@ -8,7 +8,10 @@ whatever the time is, it is coordination and per-rank bookkeeping, not bytes. A 
 from a barrier to the slowest rank's return (an all_reduce of the times, MAX); the row is the
 median of --rounds rounds after two warm-up rounds. The ratio is each row against the first
 world (2 ranks), save and load separately. With --compare, the same rows are measured with
-that PYTHONPATH too (another checkout of distckpt), interleaved row by row.
+that PYTHONPATH too (another checkout of distckpt), interleaved row by row. Below the table: the
+exchanges one save and one load made on the manager's group (where the version counts them), and
+the CPU time of one save and one load, every rank's process time summed (medians): on a machine
+of C cores, that sum over C is a floor under the round's time.
 """
 
 from __future__ import annotations
@@ -36,21 +39,31 @@ def worker(root: str, rounds: int) -> None:
     rank = dist.get_rank()
     state = {"x": torch.zeros(4), "g": torch.Generator().manual_seed(rank)}
     times: dict[str, list[float]] = {"save": [], "load": []}
+    cpu: dict[str, list[float]] = {"save_cpu": [], "load_cpu": []}  # every rank's CPU seconds, summed
+    exchanges: dict[str, int] = {}
     with distckpt.CheckpointManager(root, keep_last=2, timeout=300) as mgr:
+        counted = getattr(mgr._coord, "exchanges", None)  # None: a version that did not count them
         for step in range(rounds + 2):
             for what in ("save", "load"):
                 dist.barrier()
-                started = time.perf_counter()
+                before = sum(counted.values()) if counted is not None else 0
+                started, used = time.perf_counter(), time.process_time()
                 if what == "save":
                     mgr.save(step, state)
                 else:
                     mgr.load(state, step)
                 took = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+                spent = torch.tensor([time.process_time() - used], dtype=torch.float64)
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                dist.all_reduce(spent, op=dist.ReduceOp.SUM)
                 if step >= 2:  # warm-up rounds left out
                     times[what].append(float(took.item()))
+                    cpu[f"{what}_cpu"].append(float(spent.item()))
+                if counted is not None:  # the training thread's exchanges on the manager's group
+                    exchanges[f"{what}_exchanges"] = sum(counted.values()) - before
     if rank == 0:
-        print("RESULT " + json.dumps({k: statistics.median(v) for k, v in times.items()}), flush=True)
+        medians = {k: statistics.median(v) for k, v in {**times, **cpu}.items()}
+        print("RESULT " + json.dumps({**medians, **exchanges}), flush=True)
     dist.destroy_process_group()
 
 
@@ -101,6 +114,15 @@ def table(results: dict[str, dict[int, dict[str, float]]], compared: bool) -> st
         if compared:
             cells += _cells(results["compared"][world], results["compared"])
         lines.append(f"| {world} | " + " | ".join(cells) + " |")
+    for name, rows in (("this version", results["this"]), ("compared", results["compared"])):
+        counts = {w: (r["save_exchanges"], r["load_exchanges"]) for w, r in rows.items() if "load_exchanges" in r}
+        if counts:
+            lines.append(f"\nexchanges per save / load ({name}): "
+                         + ", ".join(f"{w} ranks {sv} / {ld}" for w, (sv, ld) in counts.items()))
+        if rows:
+            lines.append(f"\nCPU ms of every rank together per save / load ({name}): "
+                         + ", ".join(f"{w} ranks {r['save_cpu'] * 1e3:.1f} / {r['load_cpu'] * 1e3:.1f}"
+                                     for w, r in rows.items()))
     return "\n".join(lines)
 
 
