@@ -1,6 +1,7 @@
 """What a tiny-state save and load cost as the ranks grow: the protocol's own cost.
 
     python bench/protocol_scaling.py [--worlds 2 4 8 16] [--rounds 15] [--compare PYTHONPATH]
+    python bench/protocol_scaling.py --bare [--worlds 2 16] [--rounds 60]
 
 Each row is a fresh `torchrun --standalone --nproc-per-node N` on this machine (gloo, CPU),
 saving and loading a state of a few bytes (one tensor, one per-rank generator) to local disk:
@@ -11,7 +12,8 @@ world (2 ranks), save and load separately. With --compare, the same rows are mea
 that PYTHONPATH too (another checkout of distckpt), interleaved row by row. Below the table: the
 exchanges one save and one load made on the manager's group (where the version counts them), and
 the CPU time of one save and one load, every rank's process time summed (medians): on a machine
-of C cores, that sum over C is a floor under the round's time.
+of C cores, that sum over C is a floor under the round's time. With --bare, no distckpt: one
+exchange's gloo gather and broadcast alone, per world (its wall time and a rank's CPU time).
 """
 
 from __future__ import annotations
@@ -67,13 +69,46 @@ def worker(root: str, rounds: int) -> None:
     dist.destroy_process_group()
 
 
-def row(world: int, rounds: int, pythonpath: str | None) -> dict[str, float]:
+def bare_worker(rounds: int) -> None:
+    """A bare gloo gather of 1 KiB per rank to rank 0 and a broadcast of world_size KiB back (what
+    one distckpt exchange moves): its wall time (slowest rank) and one rank's CPU time (mean)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    walls, cpus = [], []
+    for i in range(rounds + 2):
+        dist.barrier()
+        started, used = time.perf_counter(), time.process_time()
+        for _ in range(5):
+            slot = torch.zeros(1032, dtype=torch.uint8)
+            dist.gather(slot, [torch.empty_like(slot) for _ in range(world)] if rank == 0 else None, dst=0, group=group)
+            dist.broadcast(torch.zeros(8 + world * 1024, dtype=torch.uint8), src=0, group=group)
+        took = torch.tensor([(time.perf_counter() - started) / 5], dtype=torch.float64)
+        spent = torch.tensor([(time.process_time() - used) / 5], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        dist.all_reduce(spent, op=dist.ReduceOp.SUM)
+        if i >= 2:
+            walls.append(float(took.item()))
+            cpus.append(float(spent.item()) / world)
+    if rank == 0:
+        print("RESULT " + json.dumps({"bare": statistics.median(walls), "bare_cpu": statistics.median(cpus)}), flush=True)
+    dist.destroy_process_group()
+
+
+def row(world: int, rounds: int, pythonpath: str | None, bare: bool = False) -> dict[str, float]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
     with tempfile.TemporaryDirectory() as root:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                os.path.abspath(__file__), "--worker", "--root", os.path.join(root, "run"), "--rounds", str(rounds)]
+        cmd += ["--bare"] if bare else []
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -86,11 +121,19 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--compare", default=None, help="PYTHONPATH of another checkout, measured alike")
+    parser.add_argument("--bare", action="store_true",
+                        help="instead: a bare gloo gather and broadcast of one exchange's size, per world")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--root", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.root, args.rounds)
+        bare_worker(args.rounds) if args.bare else worker(args.root, args.rounds)
+        return
+    if args.bare:
+        for world in args.worlds:
+            got = row(world, args.rounds, None, bare=True)
+            print(f"{world} ranks: a bare gather and broadcast {got['bare'] * 1e3:.2f} ms, "
+                  f"{got['bare_cpu'] * 1e3:.3f} ms of CPU per rank")
         return
     print(table(measure(args.worlds, args.rounds, args.compare), args.compare is not None))
 
