@@ -1,6 +1,7 @@
 """What a tiny-state save and load cost as the ranks grow: the protocol's own cost.
 
     python bench/protocol_scaling.py [--worlds 2 4 8 16] [--rounds 15] [--compare PYTHONPATH]
+    python bench/protocol_scaling.py --bare [--worlds 2 16] [--rounds 60]
 
 Each row is a fresh `torchrun --standalone --nproc-per-node N` on this machine (gloo, CPU),
 saving and loading a state of a few bytes (one tensor, one per-rank generator) to local disk:
@@ -8,7 +9,11 @@ whatever the time is, it is coordination and per-rank bookkeeping, not bytes. A 
 from a barrier to the slowest rank's return (an all_reduce of the times, MAX); the row is the
 median of --rounds rounds after two warm-up rounds. The ratio is each row against the first
 world (2 ranks), save and load separately. With --compare, the same rows are measured with
-that PYTHONPATH too (another checkout of distckpt), interleaved row by row.
+that PYTHONPATH too (another checkout of distckpt), interleaved row by row. Below the table: the
+exchanges one save and one load made on the manager's group (where the version counts them), and
+the CPU time of one save and one load, every rank's process time summed (medians): on a machine
+of C cores, that sum over C is a floor under the round's time. With --bare, no distckpt: one
+exchange's gloo gather and broadcast alone, per world (its wall time and a rank's CPU time).
 """
 
 from __future__ import annotations
@@ -36,31 +41,74 @@ def worker(root: str, rounds: int) -> None:
     rank = dist.get_rank()
     state = {"x": torch.zeros(4), "g": torch.Generator().manual_seed(rank)}
     times: dict[str, list[float]] = {"save": [], "load": []}
+    cpu: dict[str, list[float]] = {"save_cpu": [], "load_cpu": []}  # every rank's CPU seconds, summed
+    exchanges: dict[str, int] = {}
     with distckpt.CheckpointManager(root, keep_last=2, timeout=300) as mgr:
+        counted = getattr(mgr._coord, "exchanges", None)  # None: a version that did not count them
         for step in range(rounds + 2):
             for what in ("save", "load"):
                 dist.barrier()
-                started = time.perf_counter()
+                before = sum(counted.values()) if counted is not None else 0
+                started, used = time.perf_counter(), time.process_time()
                 if what == "save":
                     mgr.save(step, state)
                 else:
                     mgr.load(state, step)
                 took = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+                spent = torch.tensor([time.process_time() - used], dtype=torch.float64)
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                dist.all_reduce(spent, op=dist.ReduceOp.SUM)
                 if step >= 2:  # warm-up rounds left out
                     times[what].append(float(took.item()))
+                    cpu[f"{what}_cpu"].append(float(spent.item()))
+                if counted is not None:  # the training thread's exchanges on the manager's group
+                    exchanges[f"{what}_exchanges"] = sum(counted.values()) - before
     if rank == 0:
-        print("RESULT " + json.dumps({k: statistics.median(v) for k, v in times.items()}), flush=True)
+        medians = {k: statistics.median(v) for k, v in {**times, **cpu}.items()}
+        print("RESULT " + json.dumps({**medians, **exchanges}), flush=True)
     dist.destroy_process_group()
 
 
-def row(world: int, rounds: int, pythonpath: str | None) -> dict[str, float]:
+def bare_worker(rounds: int) -> None:
+    """A bare gloo gather of 1 KiB per rank to rank 0 and a broadcast of world_size KiB back (what
+    one distckpt exchange moves): its wall time (slowest rank) and one rank's CPU time (mean)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    walls, cpus = [], []
+    for i in range(rounds + 2):
+        dist.barrier()
+        started, used = time.perf_counter(), time.process_time()
+        for _ in range(5):
+            slot = torch.zeros(1032, dtype=torch.uint8)
+            dist.gather(slot, [torch.empty_like(slot) for _ in range(world)] if rank == 0 else None, dst=0, group=group)
+            dist.broadcast(torch.zeros(8 + world * 1024, dtype=torch.uint8), src=0, group=group)
+        took = torch.tensor([(time.perf_counter() - started) / 5], dtype=torch.float64)
+        spent = torch.tensor([(time.process_time() - used) / 5], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        dist.all_reduce(spent, op=dist.ReduceOp.SUM)
+        if i >= 2:
+            walls.append(float(took.item()))
+            cpus.append(float(spent.item()) / world)
+    if rank == 0:
+        print("RESULT " + json.dumps({"bare": statistics.median(walls), "bare_cpu": statistics.median(cpus)}), flush=True)
+    dist.destroy_process_group()
+
+
+def row(world: int, rounds: int, pythonpath: str | None, bare: bool = False) -> dict[str, float]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
     with tempfile.TemporaryDirectory() as root:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                os.path.abspath(__file__), "--worker", "--root", os.path.join(root, "run"), "--rounds", str(rounds)]
+        cmd += ["--bare"] if bare else []
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -73,11 +121,19 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--compare", default=None, help="PYTHONPATH of another checkout, measured alike")
+    parser.add_argument("--bare", action="store_true",
+                        help="instead: a bare gloo gather and broadcast of one exchange's size, per world")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--root", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.root, args.rounds)
+        bare_worker(args.rounds) if args.bare else worker(args.root, args.rounds)
+        return
+    if args.bare:
+        for world in args.worlds:
+            got = row(world, args.rounds, None, bare=True)
+            print(f"{world} ranks: a bare gather and broadcast {got['bare'] * 1e3:.2f} ms, "
+                  f"{got['bare_cpu'] * 1e3:.3f} ms of CPU per rank")
         return
     print(table(measure(args.worlds, args.rounds, args.compare), args.compare is not None))
 
@@ -101,6 +157,15 @@ def table(results: dict[str, dict[int, dict[str, float]]], compared: bool) -> st
         if compared:
             cells += _cells(results["compared"][world], results["compared"])
         lines.append(f"| {world} | " + " | ".join(cells) + " |")
+    for name, rows in (("this version", results["this"]), ("compared", results["compared"])):
+        counts = {w: (r["save_exchanges"], r["load_exchanges"]) for w, r in rows.items() if "load_exchanges" in r}
+        if counts:
+            lines.append(f"\nexchanges per save / load ({name}): "
+                         + ", ".join(f"{w} ranks {sv} / {ld}" for w, (sv, ld) in counts.items()))
+        if rows:
+            lines.append(f"\nCPU ms of every rank together per save / load ({name}): "
+                         + ", ".join(f"{w} ranks {r['save_cpu'] * 1e3:.1f} / {r['load_cpu'] * 1e3:.1f}"
+                                     for w, r in rows.items()))
     return "\n".join(lines)
 
 

@@ -2,10 +2,12 @@
 committed" means (loading.py runs the phases).
 
     choose    rank 0 lists the durable root's step directories and reads its leases, and
-              broadcasts them; with a local tier every rank keeps the local steps a lease of the
-              durable root wrote, and the ranks agree on those every node holds (tiers.py). An
-              unreadable durable root leaves the local steps, chosen without their leases (a
-              warning on every rank; the first save checks them: leases.py)
+              broadcasts them (the first listing in the exchange that checks the ranks'
+              requests: loading._agree_on_the_request); with a local tier every rank keeps
+              the local steps a lease of the durable root wrote, and the ranks agree on those
+              every node holds (tiers.py). An unreadable durable root leaves the local steps,
+              chosen without their leases (a warning on every rank; the first save checks
+              them: leases.py)
     again     after a read that met a candidate committed or removed meanwhile: whether a newer
               step is committed now, or whether no listed step is, settled
     nothing   no candidate committed: a fresh start, unless the leases or the record of an
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-from typing import Any
+from typing import Any, Callable
 
 from distckpt.errors import (
     CheckpointFallbackWarning,
@@ -98,11 +100,16 @@ def check_nothing_was_committed(coord: Coordinator, storage: Storage, leases: li
             f"(or its {fencing.FENCE_DIR}/ directory) first")
 
 
-def choose(coord: Coordinator, storage: Storage, step: int | None,
-                  local: Storage | None = None) -> tuple[list[tuple[int, str]], list[Lease] | None]:
+def choose(coord: Coordinator, storage: Storage, step: int | None, local: Storage | None = None,
+           agreed: Callable[[Callable[[], dict[str, Any]] | None], dict[str, Any]] | None = None,
+           ) -> tuple[list[tuple[int, str]], list[Lease] | None]:
     """The candidates (step, tier), newest first, and the durable root's leases (None: it could
-    not be read, so local steps are loaded without checking who wrote them)."""
+    not be read, so local steps are loaded without checking who wrote them). With `agreed` (the
+    load's first listing: the ranks' requests checked on rank 0, then what it is given run
+    there), rank 0 lists in the requests' exchange: one exchange where there were two."""
     if local is not None:
+        if agreed is not None:
+            agreed(None)  # the local tier's steps are every rank's: the request is agreed first
         return _choose_tiered(coord, storage, step, local)
 
     def choose() -> dict[str, Any]:
@@ -111,7 +118,8 @@ def choose(coord: Coordinator, storage: Storage, step: int | None,
         return {"candidates": tiers.merge_candidates([], steps, step),
                 "leases": [dataclasses.asdict(lease) for lease in leases]}
 
-    chosen = run_on_root(coord, "load/choose", "choosing a checkpoint to load", choose)
+    chosen = agreed(choose) if agreed is not None else \
+        run_on_root(coord, "load/choose", "choosing a checkpoint to load", choose)
     return ([(int(s), str(t)) for s, t in chosen["candidates"]], [Lease(**d) for d in chosen["leases"]])
 
 

@@ -12,6 +12,7 @@ This module never imports storage.
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import logging
 import os
@@ -43,6 +44,8 @@ class Coordinator(Protocol):
 
     def broadcast(self, obj: Any, phase: str) -> Any: ...
 
+    def decided(self, obj: Any, phase: str, decide: Callable[[list[Any]], Any]) -> Any: ...
+
     def check_usable(self) -> None: ...
 
     def distrust(self, reason: str) -> None: ...
@@ -67,6 +70,9 @@ class SingleProcess:
 
     def broadcast(self, obj: Any, phase: str) -> Any:
         return obj
+
+    def decided(self, obj: Any, phase: str, decide: Callable[[list[Any]], Any]) -> Any:
+        return decide([obj])
 
     def check_usable(self) -> None:
         pass
@@ -100,6 +106,9 @@ class GlooCoordinator:
         self.reports = StoreReports(dist.distributed_c10d._get_default_store(), timeout_s, self.rank)
         self.broken: str | None = None  # the first failed collective: gloo closes its pairs after one
         self.running = 0  # collectives in progress (an exit hook does not destroy the group under one)
+        # how many exchanges each phase made (its name up to " step"): what a save or a load costs
+        # in rounds is asserted by tests and shown by bench/protocol_scaling.py --exchanges
+        self.exchanges: collections.Counter[str] = collections.Counter()
         self._pid = os.getpid()
         _OPEN_GROUPS.add(self)
 
@@ -121,6 +130,7 @@ class GlooCoordinator:
 
     def _run(self, phase: str, fn: Any) -> Any:
         self.check_usable()
+        self.exchanges[phase.split(" step ")[0]] += 1
         started = time.monotonic()
         self.running += 1
         try:
@@ -162,6 +172,24 @@ class GlooCoordinator:
     def broadcast(self, obj: Any, phase: str) -> Any:
         tagged = self._run(phase, lambda: self._broadcast_object([phase, obj] if self.rank == 0 else None, SLOT_BYTES))
         return _untagged([tagged], phase, root_only=True)[0]
+
+    def decided(self, obj: Any, phase: str, decide: Callable[[list[Any]], Any]) -> Any:
+        """Every rank's `obj` to rank 0, which runs `decide` on them (it must not raise) and sends
+        its answer back: every rank returns it. One exchange, where an all_gather followed by rank
+        0's broadcast of what it made of them took two; and each rank decodes one answer, not
+        every rank's message. Shaped as an all_gather on the wire (the same gather, a broadcast of
+        the same size), so a rank in another call (all_gather) pairs with it and both raise a
+        RankDisagreementError: rank 0 then sends every rank's tagged message back, as all_gather does."""
+        def run() -> Any:
+            tagged = self._gather_objects([phase, obj])
+            if tagged is not None:  # rank 0
+                if any(not isinstance(t, list) or len(t) != 2 or t[0] != phase for t in tagged):
+                    answer = tagged  # the ranks are in different calls: each raises it below
+                else:
+                    answer = [[phase, decide([t[1] for t in tagged])]]
+                return self._broadcast_object(answer)
+            return self._broadcast_object(None)
+        return _untagged(self._run(phase, run), phase)[0]
 
     def all_gather_into(self, outputs: list[Any], tensor: Any, phase: str) -> None:
         """Bytes, not objects: every rank's `tensor` (the same size on every rank) into
@@ -315,20 +343,19 @@ def decode_message(data: bytes) -> Any:
 
 
 def _packed_slot(data: bytes, inline: int = SLOT_BYTES) -> Any:
-    """A uint8 tensor of 8 + `inline` bytes: the length of `data`, then `data` if it fits."""
+    """A uint8 tensor of 8 + `inline` bytes: the length of `data`, then `data` if it fits. Made
+    in a bytearray (a few torch operations per exchange less, on every rank)."""
     import torch
 
-    slot = torch.zeros(_HEADER + inline, dtype=torch.uint8)
-    slot[:_HEADER] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    slot = bytearray(_HEADER + inline)
+    slot[:_HEADER] = len(data).to_bytes(_HEADER, "little")
     if len(data) <= inline:
-        slot[_HEADER:_HEADER + len(data)] = _byte_tensor(data)
-    return slot
+        slot[_HEADER:_HEADER + len(data)] = data
+    return torch.frombuffer(slot, dtype=torch.uint8)
 
 
 def _slot_length(slot: Any) -> int:
-    import torch
-
-    return int(slot[:_HEADER].view(torch.int64).item())
+    return int.from_bytes(slot[:_HEADER].numpy().tobytes(), "little")
 
 
 def _byte_tensor(data: bytes) -> Any:
@@ -490,7 +517,7 @@ class Outcome:
     def failure(cls, rank: int, exc: BaseException, info: dict[str, Any] | None = None) -> "Outcome":
         frames = traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-6)
         info = dict(info or {})
-        if getattr(exc, "rank_tracebacks", None) is not None:
+        if getattr(exc, "rank_tracebacks", None) is not None or getattr(exc, "names_ranks", False):
             info["names_ranks"] = True  # already the error naming the ranks that failed: passed on as it is
         notes = getattr(exc, "__notes__", None)  # where a user's own error came from (capture_entry)
         message = str(exc) + ("".join(f" ({note})" for note in notes if isinstance(note, str)) if notes else "")
@@ -554,6 +581,27 @@ def run_on_root(coord: Coordinator, phase: str, what: str, fn: Callable[[], dict
     `local_exc` on a rank that has its own)."""
     outcome, exc = attempt_on_root(coord, phase, fn)
     raise_if_failed(coord, [outcome], what, exc or local_exc)
+    return outcome.info
+
+
+def run_decided(coord: Coordinator, phase: str, what: str, mine: Any,
+                fn: Callable[[list[Any]], dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's `mine` to rank 0, which runs `fn` on them (a JSON-able dict), and one answer
+    back (coord.decided): every rank returns rank 0's result, or every rank raises the same error
+    if `fn` raised there. An error that already names the ranks (a refusal, a disagreement: it
+    carries `rank_tracebacks`, or `names_ranks`) is raised as rank 0 made it."""
+    exc: BaseException | None = None
+
+    def decide(objs: list[Any]) -> Outcome:
+        nonlocal exc
+        try:
+            return Outcome(0, info=fn(objs))
+        except Exception as e:  # every rank hears it: none may be left waiting in the broadcast
+            exc = e
+            return Outcome.failure(0, e)
+
+    outcome = coord.decided(mine, phase, decide)
+    raise_if_failed(coord, [outcome], what, exc)
     return outcome.info
 
 

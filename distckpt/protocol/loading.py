@@ -1,5 +1,7 @@
 """The load protocol, as short functions of named phases (the overview: protocol.py).
 
+    request   every rank's request (the step, the policy, the state's keys) to rank 0, which
+              checks they agree and, in the same exchange, makes the choice below
     choose    rank 0 lists committed steps, newest first, and broadcasts the list (with a local
               tier: the steps every node holds, checked against the durable root's leases;
               choosing.py, with what "nothing committed" means)
@@ -9,8 +11,9 @@
     again     a candidate committed or removed while it was read (a concurrent writer): every rank
               lists again together, up to _LISTING_ATTEMPTS listings (see load)
     agree     all ranks hold the same (step, epoch, manifest digest), or all raise
-    apply     every rank restores its entries, RNG last; outcomes exchanged once more, and a
-              failure anywhere is undone everywhere (undo.py)
+    apply     every rank restores its entries, RNG last; outcomes exchanged once more (twice
+              where an early entry's restore may fail: _apply_phase), and a failure anywhere
+              is undone everywhere (undo.py)
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from distckpt.errors import (  # noqa: F401  (re-exported where it was defined)
     CheckpointFallbackWarning,
@@ -53,7 +56,7 @@ from distckpt.protocol.commit import (
     removed_meanwhile,
 )
 from distckpt.protocol.cooperative import CooperativeRead, reading_together
-from distckpt.protocol.coord import Coordinator, Outcome, agree, attempt_phase, raise_if_failed
+from distckpt.protocol.coord import Coordinator, Outcome, agree, attempt_phase, raise_if_failed, run_decided
 from distckpt.protocol.fencing import Lease
 from distckpt.runtime import faults
 from distckpt.runtime.interrupts import sigint_deferred
@@ -126,6 +129,9 @@ class ReadCheckpoint:
     buffers: list[Any] = field(default_factory=list)  # the files' buffers the tensors view
     sources: list[dict[str, Any]] | None = None  # "elastic" at another world size: every old rank's file
     rederived: list[str] = field(default_factory=list)  # what an elastic resume seeded afresh here
+    # an early entry whose restore may fail (kinds' restore_checked) on this rank; once the read
+    # phase's outcomes are exchanged, on any rank: the apply then agrees between early and late entries
+    barrier: bool = True
     elastic_note: str = ""  # its warning, said once the load is applied
 
 
@@ -256,8 +262,9 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
     `local` tier (tiers.py), a step committed on every node's local tier is tried before the
     durable copy of the same step, and a damaged copy falls back to the next candidate."""
     storages = {tiers.DURABLE: storage, tiers.LOCAL: local or storage}
-    _agree_on_the_request(coord, step, world_size_policy, sorted(e.key for e in entries))
-    candidates, leases = choose(coord, storage, step, local)  # the same on every rank
+    # the requests agreed and the candidates chosen, the same on every rank: one exchange
+    candidates, leases = choose(coord, storage, step, local,
+                                lambda then: _agree_on_the_request(coord, _request(step, world_size_policy, entries), then))
     split: set[int] | None = None  # the steps split between ranks at every read so far
     for attempt in range(1, _LISTING_ATTEMPTS + 1):
         if not candidates:
@@ -361,6 +368,7 @@ def _read_phase(coord: Coordinator, storages: dict[str, Storage], entries: list[
         raise_if_failed(coord, outcomes, f"loading step {step}", exc)
         _check_agreement(outcomes, step)
         assert read is not None  # every rank succeeded
+        read.barrier = _any_barrier(outcomes)
         return _Attempt((read, tier), raced=uncommitted, split=split)
     load_warnings.warn_fallbacks(skipped, None, coord.rank, tiered)
     damaged_leases = [lease for lease in leases or [] if lease.damaged]
@@ -413,7 +421,7 @@ def _attempt_read(coord: Coordinator, storage: Storage, entries: list[Entry], st
         coord, f"load/read step {step} ({tier})",
         functools.partial(_read_and_check, coord, storage, entries, step, world_size_policy,
                           leases or [], rules, owned, superseded_ok),
-        lambda r: {"step": r.step, "epoch": r.own["epoch"], "digest": r.digest})
+        lambda r: {"step": r.step, "epoch": r.own["epoch"], "digest": r.digest, "barrier": r.barrier})
 
 
 def _read_superseded(coord: Coordinator, storages: dict[str, Storage], entries: list[Entry],
@@ -430,6 +438,8 @@ def _read_superseded(coord: Coordinator, storages: dict[str, Storage], entries: 
     if not all(o.ok for o in outcomes):
         return None
     _check_agreement(outcomes, step)
+    assert read is not None
+    read.barrier = _any_barrier(outcomes)
     message = (f"rank {coord.rank}: no checkpoint of the newest incarnation verifies, only steps committed by a "
                f"superseded writer (see the warnings above); loading the newest of them, step {step}, as the last "
                "resort: the run continues from that writer's state, not from the newer incarnation's. "
@@ -459,6 +469,7 @@ def _read_and_check(coord: Coordinator, storage: Storage, entries: list[Entry], 
                                     "(retention of a concurrent writer)") from e
         raise
     _validate_against_state(read.entries, read, (coord.rank, coord.world_size), rules)
+    read.barrier = any(not is_late(e) and not e.kind_spec.restore_checked for e in read.entries)
     faults.point("load/read", step=step, rank=coord.rank)
     return read
 
@@ -523,36 +534,56 @@ def _modules_with_buffers(entries: list[Entry]) -> list[str]:
 
 
 
-def _agree_on_the_request(coord: Coordinator, step: int | None, world_size_policy: str, keys: list[str]) -> None:
-    """Every rank asked for the same load: rank 0 alone chooses the step, so a rank calling
-    load(state, 1) while rank 0 calls load(state, 2) or load_latest was silently given step 2.
-    And into states of the same entries, as a save requires: a rank whose `state` lacked an entry
-    the others restore (its scheduler) went on with its own, with a warning on that rank only."""
-    if coord.world_size == 1:
-        return
-    asked = coord.all_gather({"step": step, "policy": world_size_policy, "keys": keys}, "load/request")
-    _raise_refusals(asked)
-    if any((a["step"], a["policy"]) != (asked[0]["step"], asked[0]["policy"]) for a in asked):
+def _request(step: int | None, world_size_policy: str, entries: list[Entry]) -> dict[str, Any]:
+    """What this rank asks of a load, checked against every other rank's (_check_requests)."""
+    return {"step": step, "policy": world_size_policy, "keys": sorted(e.key for e in entries)}
+
+
+def _agree_on_the_request(coord: Coordinator, request: dict[str, Any],
+                          then: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Every rank asked for the same load (_check_requests), and rank 0's answer to it: `then`,
+    run on rank 0 once the requests agree (choosing the step), in the same exchange. One
+    exchange: the requests travel to rank 0 alone, and one answer comes back (coord.run_decided)."""
+    def decide(asked: list[dict[str, Any]]) -> dict[str, Any]:
+        _check_requests(asked)
+        return then() if then is not None else {}
+
+    return run_decided(coord, "load/request", "choosing a checkpoint to load", request, decide)
+
+
+def _check_requests(asked: list[dict[str, Any]]) -> None:
+    """Rank 0 alone chooses the step, so a rank calling load(state, 1) while rank 0 calls
+    load(state, 2) or load_latest was silently given step 2. And into states of the same entries,
+    as a save requires: a rank whose `state` lacked an entry the others restore (its scheduler)
+    went on with its own, with a warning on that rank only. The error names the ranks: every
+    rank raises it as it is."""
+    refused = [(rank, a["refused"]) for rank, a in enumerate(asked) if "refused" in a]
+    error: DistCkptError | None = None
+    if refused:
+        error = ConfigError("the load was refused on rank(s) " + "; ".join(f"rank {r}: {m}" for r, m in refused))
+    elif any((a["step"], a["policy"]) != (asked[0]["step"], asked[0]["policy"]) for a in asked):
         table = ", ".join(f"rank {r}: " + ("load_latest" if a["step"] is None else f"load(state, {a['step']})")
                           + f" with world_size_policy={a['policy']!r}" for r, a in enumerate(asked))
-        raise RankDisagreementError(f"the ranks asked for different loads — {table}; every rank must load the "
-                                    "same step (or every rank load_latest) with the same manager settings")
-    if any(a["keys"] != asked[0]["keys"] for a in asked):
+        error = RankDisagreementError(f"the ranks asked for different loads — {table}; every rank must load the "
+                                      "same step (or every rank load_latest) with the same manager settings")
+    elif any(a["keys"] != asked[0]["keys"] for a in asked):
         table = "; ".join(f"rank {r}: {a['keys']}" for r, a in enumerate(asked))
-        raise RankDisagreementError(f"the ranks load into states of different entries — {table}; every rank "
-                                    "must pass a `state` with the same keys (wrap what differs in per_rank(...))")
+        error = RankDisagreementError(f"the ranks load into states of different entries — {table}; every rank "
+                                      "must pass a `state` with the same keys (wrap what differs in per_rank(...))")
+    if error is not None:
+        error.names_ranks = True  # type: ignore[attr-defined]  # said as it is on every rank (coord.Outcome.failure)
+        raise error
 
 
 def refuse_load_request(coord: Coordinator, error: ConfigError) -> None:
-    """This rank's load arguments were refused: its peers, in _agree_on_the_request, raise the
-    same ConfigError naming it (and so does this rank)."""
-    _raise_refusals(coord.all_gather({"refused": str(error)}, "load/request"))
+    """This rank's load arguments were refused: every rank, in the request's exchange, raises the
+    same ConfigError naming it (this rank included)."""
+    _agree_on_the_request(coord, {"refused": str(error)})
 
 
-def _raise_refusals(asked: list[dict[str, Any]]) -> None:
-    refused = [(rank, a["refused"]) for rank, a in enumerate(asked) if "refused" in a]
-    if refused:
-        raise ConfigError("the load was refused on rank(s) " + "; ".join(f"rank {r}: {m}" for r, m in refused))
+def _any_barrier(outcomes: list[Outcome]) -> bool:
+    """Whether any rank restores an early entry that may fail (the same answer on every rank)."""
+    return any(o.info.get("barrier", True) for o in outcomes)
 
 
 def _check_agreement(outcomes: list[Outcome], step: int) -> None:
@@ -572,6 +603,10 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
     if any rank fails, every rank puts its entries back and raises. Phase 2 restores the
     modules and tensors (checked completely before: keys, shapes, dtypes) and the process RNG
     streams, last. So a failure an owner's load_state_dict detects changes nothing anywhere.
+    When no rank has an early entry whose restore may fail (`read.barrier`, agreed in the read
+    phase: random streams, plain values), the two phases are one, with one exchange of outcomes:
+    what could fail between them is checked before anything changed, and a failure of anything
+    else is undone as a failure in phase 2 is.
     """
     entries = read.entries or entries
     saved = {**read.replicated["entries"], **read.own["entries"]}
@@ -587,16 +622,20 @@ def _apply_phase(coord: Coordinator, entries: list[Entry], state: dict[str, Any]
     release = PageRelease(read.buffers)
     early = [e for e in todo if not is_late(e)]
     exc = _restore_all(early, saved, state, memo, notes, undos, coord.rank, read.step, release)
+    if read.barrier:
+        outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
+        _agree_or_undo(coord, outcome, exc, undos, f"restoring step {read.step}", "load/apply")
+    if exc is None:  # else (one phase) nothing more is restored: the exchange below undoes what was
+        late = [e for e in todo if is_late(e)]
+        rng_before = capture_process_rng()
+        undos.append(("rng", lambda: restore_process_rng(rng_before, f"rank {coord.rank}, undo")))
+        exc = _restore_all(late, saved, state, memo, notes, undos, coord.rank, read.step, release)
+        if exc is None:
+            exc = _restore_rng(coord, read, kept, entries)
     outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
-    _agree_or_undo(coord, outcome, exc, undos, f"restoring step {read.step}", "load/apply")
-    late = [e for e in todo if is_late(e)]
-    rng_before = capture_process_rng()
-    undos.append(("rng", lambda: restore_process_rng(rng_before, f"rank {coord.rank}, undo")))
-    exc = _restore_all(late, saved, state, memo, notes, undos, coord.rank, read.step, release)
-    if exc is None:
-        exc = _restore_rng(coord, read, kept, entries)
-    outcome = Outcome.failure(coord.rank, exc) if exc else Outcome(coord.rank)
-    _agree_or_undo(coord, outcome, exc, undos, f"restoring the modules of step {read.step}", "load/apply-modules")
+    what, phase = ((f"restoring the modules of step {read.step}", "load/apply-modules") if read.barrier
+                   else (f"restoring step {read.step}", "load/apply"))
+    _agree_or_undo(coord, outcome, exc, undos, what, phase)
     return notes, (read.rederived if read.per_rank_restored else ["rng", *kept])
 
 

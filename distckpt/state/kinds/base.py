@@ -135,6 +135,11 @@ class Kind:
     scope: ClassVar[str] = REPLICATED  # where its state is written unless per_rank() says otherwise
     generic: ClassVar[bool] = False    # claims objects by a duck type: tried after every specific kind
     late: ClassVar[bool] = False       # restored after every rank restored the rest: checked completely first
+    # An early entry whose restore cannot fail once `validate` passed (a random stream tried on a
+    # scratch copy, a plain value put in place): a load whose early entries are all such restores
+    # every entry before its one exchange of outcomes, without the exchange between the early and
+    # the late entries (loading._apply_phase); any other early entry keeps that exchange.
+    restore_checked: ClassVar[bool] = False
     # Restored values are copied out of the file's buffer first: an owner that keeps the tensors it
     # is given (an optimizer keeps its state tensors) would otherwise keep the whole buffer alive.
     copies_loaded_tensors: ClassVar[bool] = True

@@ -20,6 +20,7 @@ class RandomStreamKind(Kind):
 
     stream: ClassVar[PrivateStream]
     scope = PER_RANK
+    restore_checked = True  # validate tries the saved state on a scratch copy of the stream
 
     def matches(self, key: str, obj: Any) -> bool:
         return isinstance(obj, self.stream.type)

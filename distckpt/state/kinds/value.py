@@ -17,6 +17,7 @@ class Value(Kind):
     name = "value"
     description = "plain values and containers (None, bool, int, float, str, list, tuple, dict)"
     generic = handed_over = replaceable_by_value = True
+    restore_checked = True  # refilled (a dict or list of its own exact type) or replaced: nothing to refuse
 
     def matches(self, key: str, obj: Any) -> bool:
         return True
