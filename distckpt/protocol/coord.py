@@ -187,6 +187,8 @@ class GlooCoordinator:
         import torch
 
         data = encode_message(obj)
+        if self.rank != 0:
+            P2P_COUNTS.objects += len(data)
         slot = _packed_slot(data)
         slots = [torch.empty_like(slot) for _ in range(self.world_size)] if self.rank == 0 else None
         self._dist.gather(slot, slots, dst=0, group=self._group)
@@ -216,6 +218,7 @@ class GlooCoordinator:
 
         inline = inline or self.world_size * SLOT_BYTES
         data = encode_message(obj) if self.rank == 0 else b""
+        P2P_COUNTS.objects += len(data) * (self.world_size - 1)
         slot = _packed_slot(data, inline) if self.rank == 0 else torch.empty(_HEADER + inline, dtype=torch.uint8)
         self._dist.broadcast(slot, src=0, group=self._group)
         size = _slot_length(slot)
@@ -274,10 +277,15 @@ P2P_CHUNK_BYTES = 64 << 20  # one message of a point-to-point exchange: its extr
 
 @dataclass
 class ByteCounts:
-    """This process's bytes through exchange_bytes (the tests check who moved how much)."""
+    """This process's bytes sent and received through its groups (the tests check who moved how
+    much): point to point by peer rank, and the object collectives' messages it sent."""
 
-    sent: int = 0
-    received: int = 0
+    sent: dict[int, int] = field(default_factory=dict)
+    received: dict[int, int] = field(default_factory=dict)
+    objects: int = 0
+
+    def reset(self) -> None:
+        self.sent, self.received, self.objects = {}, {}, 0
 
 
 P2P_COUNTS = ByteCounts()
@@ -303,11 +311,11 @@ def p2p_rounds(dist: Any, group: Any, sends: dict[int, list[Any]], receives: dic
             for dst, messages in outgoing.items():
                 if k < len(messages):
                     works.append(dist.isend(torch.frombuffer(messages[k], dtype=torch.uint8), dst, group=group))
-                    P2P_COUNTS.sent += len(messages[k])
+                    P2P_COUNTS.sent[dst] = P2P_COUNTS.sent.get(dst, 0) + len(messages[k])
             for src, messages in incoming.items():
                 if k < len(messages):
                     works.append(dist.irecv(torch.frombuffer(messages[k], dtype=torch.uint8), src, group=group))
-                    P2P_COUNTS.received += len(messages[k])
+                    P2P_COUNTS.received[src] = P2P_COUNTS.received.get(src, 0) + len(messages[k])
             for work in works:
                 work.wait()
 
