@@ -234,20 +234,23 @@ class MemoryTier:
 
     # -- recover --------------------------------------------------------------------------
 
-    def recover(self, coord: Coordinator, durable: Storage, load_from: Any, local: Storage | None = None) -> Any:
-        """Load the newest step the memory tier covers for every rank (collective). Returns the
-        Progress (tier "memory", or "peer" when a node's files came from its partner), or None when
-        no memory copy covers every rank, after a warning saying why: the caller loads the disk
-        tiers then. `load_from(storage, step, leases)` reads and applies one step's copy, returning
-        the Progress or None when it does not verify."""
+    def recover(self, coord: Coordinator, durable: Storage, load_from: Any, local: Storage | None = None,
+                step: int | None = None) -> Any:
+        """Load the newest step the memory tier covers for every rank, or `step` where it covers
+        that one (collective). Returns the Progress (tier "memory", or "peer" when a node's files
+        came from its partner), or None when no memory copy covers every rank, after a warning
+        saying why (a `step` the memory tier does not hold: a log line, nothing to warn of): the
+        caller loads the disk tiers then. `load_from(storage, step, leases)` reads and applies one
+        step's copy, returning the Progress or None when it does not verify."""
         if not self.enabled or self.memory is None:
             return None
         mine = self._holdings()
         if coord.rank == 0:  # the durable root's leases and both disk tiers' step directories: listings only
             try:
                 mine["disk"] = {"leases": [dataclasses.asdict(x) for x in read_leases(durable)],
-                                "dirs": sorted({s for root in (durable, local) if root is not None
-                                                for s in step_candidates(root)})}
+                                "dirs": [] if step is not None else  # a named step: no newer one to look for
+                                sorted({s for root in (durable, local) if root is not None
+                                        for s in step_candidates(root)})}
             except (OSError, DistCkptError) as e:
                 mine["disk"] = {"error": f"{type(e).__name__}: {e}"}
         views = coord.all_gather(mine, "memory/holdings")
@@ -258,11 +261,19 @@ class MemoryTier:
         leases = [Lease(**d) for d in disk["leases"]]
         by_node = {self.node_of[r]: v for r, v in enumerate(views) if self.leader(self.node_of[r]) == r}
         candidates, why = _covered(self, by_node, leases)
-        newer = self._newer_on_disk(coord, durable, local, disk["dirs"], candidates, by_node, leases)
-        if newer is not None:
-            why = (f"the disk tiers hold a newer step ({newer}) than the newest step the memory tier covers "
-                   f"for every rank ({candidates[0][0]})")
-            candidates = []
+        if step is not None:
+            candidates = [c for c in candidates if c[0] == step]
+            if not candidates:
+                if coord.rank == 0:
+                    log.info("rank 0: step %d is not held in memory for every rank (own or partner copies); loading it "
+                             "from the disk tiers", step)
+                return None
+        else:
+            newer = self._newer_on_disk(coord, durable, local, disk["dirs"], candidates, by_node, leases)
+            if newer is not None:
+                why = (f"the disk tiers hold a newer step ({newer}) than the newest step the memory tier covers "
+                       f"for every rank ({candidates[0][0]})")
+                candidates = []
         candidates = candidates[:1]
         if not candidates:
             self._fall_back(why)
