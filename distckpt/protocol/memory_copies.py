@@ -1,23 +1,27 @@
 """The memory tier across nodes: each memory save's copies, and the recovery that reads them.
 
     save      after a step commits (on the URL or the local tier), every memory_every-th save
-              is also committed to each node's memory root (memory_tier.py): each rank hands its
-              own files (rank file, shard file) and rank 0 the replicated file, manifest and
-              marker to one exchange on the save's own group (the background writer's with
-              async_save, so the training thread never waits for it); the lowest rank of each
-              node commits the node's copy, and the lowest rank of the next node (a ring over the
-              nodes) a partner copy of the node's own files. Bounded: keep_memory steps per area,
-              and the free shared memory checked before anything is written.
+              is also committed to each node's memory root (memory_tier.py), on the save's own
+              group (the background writer's with async_save, so the training thread never waits
+              for it): the ranks exchange their files' names and sizes (rank 0 the manifest and
+              marker with them), the free shared memory is checked, then each rank sends its own
+              files (rank file, shard file) point to point to the two ranks that write them: the
+              lowest rank of its node, which commits the node's copy, and the lowest rank of the
+              next node (a ring over the nodes), which commits the partner copy; rank 0 sends the
+              replicated file to every other node's lowest rank. Bounded: keep_memory steps per
+              area, messages of at most 64 MiB received straight into shared memory.
     recover   at load_latest, before the disk tiers: the ranks agree on the newest step that every
               node holds in its own memory or its partner holds for it (markers compared), the
-              partner sends a lost node's files over the manager's group (checked against the
-              manifest before anything is written), and the load reads every rank's files from its
+              partner's lowest rank sends a lost node's files to that node's lowest rank alone
+              (checked against the manifest before any is moved into its copy), and the load reads
+              every rank's files from its
               own node's memory, with the durable root's leases (fencing as every tier). When no
               step is covered for every rank, or the copy is damaged, the load goes on to the disk
               tiers with a warning naming why.
 
-The exchanges go through the coordinator (object collectives on gloo groups the manager makes),
-never through a transport of our own.
+The exchanges go through the coordinator (object collectives and point-to-point sends on gloo
+groups the manager makes), never through a transport of our own. load(state, step=N) recovers
+that step the same way where every node holds it.
 """
 
 from __future__ import annotations
