@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import pytest
 import torch
 
 import distckpt
@@ -48,12 +49,14 @@ def _counts() -> dict:
     return {"sent": dict(c.sent), "received": dict(c.received), "objects": c.objects}
 
 
-def save_counted(rank: int, world: int, url: str, memory: str) -> dict:
+def save_counted(rank: int, world: int, url: str, memory: str, async_save: bool = False) -> dict:
     _as_node(rank, memory)
-    with distckpt.CheckpointManager(url, memory_tier=True, timeout=60) as mgr:
+    with distckpt.CheckpointManager(url, memory_tier=True, timeout=60, async_save=async_save) as mgr:
         mgr.save(1, _state(rank))  # the plan's shapes, groups made: the next save alone is counted
+        mgr.wait()
         coordination.P2P_COUNTS.reset()
         mgr.save(2, _state(rank))
+        mgr.wait()  # async_save: the copies run on the writer's thread and group
         counts = _counts()
     own, replicated = _sizes(url, 2, world)
     return {"counts": counts, "own": own, "replicated": replicated}
@@ -71,11 +74,13 @@ def restore_counted(rank: int, world: int, url: str, memory: str) -> dict:
     return {"counts": counts, "step": progress.step, "tier": progress.tier}
 
 
-def test_a_save_sends_each_ranks_files_once_to_its_partner_node_not_to_every_rank(ckpt_dir, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_sends_each_ranks_files_once_to_its_partner_node_not_to_every_rank(ckpt_dir, tmp_path, async_save):
     from distckpt.testing import run_world
 
     world, memory = 4, str(tmp_path / "shm")
-    results = run_world("test_memory_tier_traffic:save_counted", world, url=ckpt_dir, memory=memory)
+    results = run_world("test_memory_tier_traffic:save_counted", world, url=ckpt_dir, memory=memory,
+                        async_save=async_save)
     assert all(r.error is None for r in results), results
     own, replicated = results[0].value["own"], results[0].value["replicated"]
     assert min(own) >= 4 * WORDS  # the files are what the counts are made of
