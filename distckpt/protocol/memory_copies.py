@@ -475,5 +475,8 @@ def _release(receives: dict[int, list[Any]]) -> None:
     for sinks in receives.values():
         for sink in sinks:
             if hasattr(sink, "close"):
-                sink.close()
+                try:
+                    sink.close()
+                except BufferError:  # a view of it not yet freed (a gloo thread lets go of its
+                    pass             # request a moment after the wait): unmapped with the last view
 

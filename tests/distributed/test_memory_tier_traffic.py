@@ -14,6 +14,8 @@ import pytest
 import torch
 
 import distckpt
+from distckpt.io import manifest as mf
+from distckpt.io.checksums import verify_file
 from distckpt.protocol import coord as coordination
 from distckpt.protocol.commit import read_marker, read_verified_manifest
 from distckpt.storage import open_storage
@@ -22,7 +24,9 @@ NODE_RANKS = 2  # ranks per simulated node
 WORDS = 1 << 20  # each rank's own tensor: 4 MiB, so the rank files dwarf the coordination messages
 
 
-def _as_node(rank: int, memory: str) -> int:
+def _as_node(rank: int, memory: str, chunk: int | None = None) -> int:
+    if chunk is not None:  # smaller messages: each file in several rounds of isend/irecv
+        coordination.P2P_CHUNK_BYTES = chunk
     node = rank // NODE_RANKS
     os.environ["GROUP_RANK"] = str(node)
     os.environ["DISTCKPT_MEMORY_DIR"] = os.path.join(memory, f"node{node}")
@@ -49,8 +53,9 @@ def _counts() -> dict:
     return {"sent": dict(c.sent), "received": dict(c.received), "objects": c.objects}
 
 
-def save_counted(rank: int, world: int, url: str, memory: str, async_save: bool = False) -> dict:
-    _as_node(rank, memory)
+def save_counted(rank: int, world: int, url: str, memory: str, async_save: bool = False,
+                 chunk: int | None = None) -> dict:
+    _as_node(rank, memory, chunk)
     with distckpt.CheckpointManager(url, memory_tier=True, timeout=60, async_save=async_save) as mgr:
         mgr.save(1, _state(rank))  # the plan's shapes, groups made: the next save alone is counted
         mgr.wait()
@@ -62,8 +67,8 @@ def save_counted(rank: int, world: int, url: str, memory: str, async_save: bool 
     return {"counts": counts, "own": own, "replicated": replicated}
 
 
-def restore_counted(rank: int, world: int, url: str, memory: str) -> dict:
-    _as_node(rank, memory)
+def restore_counted(rank: int, world: int, url: str, memory: str, chunk: int | None = None) -> dict:
+    _as_node(rank, memory, chunk)
     state = _state(rank, fill=-1.0)
     with distckpt.CheckpointManager(url, memory_tier=True, timeout=60) as mgr:
         coordination.P2P_COUNTS.reset()
@@ -74,13 +79,14 @@ def restore_counted(rank: int, world: int, url: str, memory: str) -> dict:
     return {"counts": counts, "step": progress.step, "tier": progress.tier}
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_a_save_sends_each_ranks_files_once_to_its_partner_node_not_to_every_rank(ckpt_dir, tmp_path, async_save):
+@pytest.mark.parametrize("async_save, chunk", [(False, None), (True, None), (False, 1 << 20)])
+def test_a_save_sends_each_ranks_files_once_to_its_partner_node_not_to_every_rank(ckpt_dir, tmp_path, async_save,
+                                                                                  chunk):
     from distckpt.testing import run_world
 
     world, memory = 4, str(tmp_path / "shm")
     results = run_world("test_memory_tier_traffic:save_counted", world, url=ckpt_dir, memory=memory,
-                        async_save=async_save)
+                        async_save=async_save, chunk=chunk)
     assert all(r.error is None for r in results), results
     own, replicated = results[0].value["own"], results[0].value["replicated"]
     assert min(own) >= 4 * WORDS  # the files are what the counts are made of
@@ -102,6 +108,23 @@ def test_a_save_sends_each_ranks_files_once_to_its_partner_node_not_to_every_ran
             assert received == expected, (rank, received)
     for node in (0, 1):
         assert os.listdir(os.path.join(memory, f"node{node}", "peer")) == [f"node-{1 - node}"]
+        mates = [r for r in range(world) if r // NODE_RANKS == node]
+        partners = [r for r in range(world) if r // NODE_RANKS != node]
+        assert _verified(os.path.join(memory, f"node{node}", "own"), 2) == {"replicated", *mates}
+        assert _verified(os.path.join(memory, f"node{node}", "peer", f"node-{1 - node}"), 2) == set(partners)
+
+
+def _verified(area: str, step: int) -> set:
+    """Whose files a committed memory copy holds ("replicated", ranks), each checked against the manifest."""
+    storage = open_storage(area)
+    manifest = read_verified_manifest(storage, step, read_marker(storage, step))
+    held = set()
+    for name, record in manifest.files.items():
+        path = os.path.join(area, mf.step_dir(step), name)
+        if os.path.exists(path):
+            verify_file(open(path, "rb").read(), record, path)
+            held.add("replicated" if name.startswith("replicated/") else int(name.split("rank-")[1][:5]))
+    return held
 
 
 def test_a_lost_nodes_restore_moves_its_files_from_its_partner_only(ckpt_dir, tmp_path):
@@ -112,7 +135,8 @@ def test_a_lost_nodes_restore_moves_its_files_from_its_partner_only(ckpt_dir, tm
     assert all(r.error is None for r in saved), saved
     own, replicated = saved[0].value["own"], saved[0].value["replicated"]
     shutil.rmtree(os.path.join(memory, "node1"))  # node 1 replaced: its ranks 2 and 3 lost their copy
-    results = run_world("test_memory_tier_traffic:restore_counted", world, url=ckpt_dir, memory=memory)
+    results = run_world("test_memory_tier_traffic:restore_counted", world, url=ckpt_dir, memory=memory,
+                        chunk=1 << 20)  # node 1's 8 MiB in several messages
     assert all(r.error is None for r in results), results
     assert [(r.value["step"], r.value["tier"]) for r in results] == [(2, "peer")] * world
     node1 = own[2] + own[3] + replicated
