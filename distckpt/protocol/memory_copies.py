@@ -176,6 +176,7 @@ class MemoryTier:
                     keys.add(key)
                 sinks = self.memory.receive_into(key, step, files, fresh=False)
                 receives.setdefault(src, []).extend(sinks[name] for name, _ in files)
+        faults.point("memory/sending", step=step, rank=self.rank)
         try:
             coord.exchange_bytes(sends, receives, f"memory/copies step {step}")
         except BaseException:

@@ -145,3 +145,38 @@ def test_a_lost_nodes_restore_moves_its_files_from_its_partner_only(ckpt_dir, tm
     assert sent == [{2: node1}, {}, {}, {}]
     assert received == [{}, {}, {0: node1}, {}]
     assert all(r.value["counts"]["objects"] < min(own) // 8 for r in results)
+
+
+def partner_dies(rank: int, world: int, url: str, memory: str) -> str:
+    """Rank 3 dies as its copy of step 2 starts: the others are left waiting for its files."""
+    from distckpt.runtime import faults
+
+    _as_node(rank, memory, 1 << 20)
+
+    def die(name: str, context: dict) -> None:
+        if name == "memory/sending" and rank == 3 and context.get("step") == 2:
+            os._exit(9)
+
+    faults.on_point(die)
+    mgr = distckpt.CheckpointManager(url, memory_tier=True, timeout=10)
+    mgr.save(1, _state(rank))
+    try:
+        mgr.save(2, _state(rank))
+    except distckpt.DistCkptError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_rank_that_dies_during_the_copies_fails_the_save_on_every_other_rank(ckpt_dir, tmp_path):
+    from distckpt.testing import run_world
+
+    memory = str(tmp_path / "shm")
+    results = run_world("test_memory_tier_traffic:partner_dies", 4, url=ckpt_dir, memory=memory)
+    assert results[3].exitcode == 9
+    for r in results[:3]:  # the same error class on each, naming the memory copy's exchange
+        assert r.error is None and r.value.startswith("CoordinationError") and "'memory/" in r.value, \
+            (r.rank, r.value, r.error)
+    for node in (0, 1):  # what the leaders had received of step 2 is not left in shared memory
+        left = [f for _, _, files in os.walk(os.path.join(memory, f"node{node}", "incoming")) for f in files]
+        assert left == [], (node, left)
+    assert _verified(os.path.join(memory, "node0", "own"), 1) == {"replicated", 0, 1}  # step 1 stands
