@@ -35,7 +35,7 @@ from distckpt.io import manifest as mf
 from distckpt.io.safetensors_format import safetensors_chunks
 from distckpt.io.signing import SIGNATURE, Trust
 from distckpt.protocol.commit import is_committed, read_marker, step_candidates
-from distckpt.protocol.coord import Coordinator, attempt_on_root, attempt_phase, run_phase
+from distckpt.protocol.coord import Coordinator, attempt_on_root, attempt_phase, raise_if_failed, run_phase
 from distckpt.protocol.fencing import Lease, read_leases, superseded_by
 from distckpt.protocol.memory_tier import OWN, PEER, MemorySettings, NodeMemory, signed_copy, verify_files
 from distckpt.runtime import faults
@@ -112,8 +112,8 @@ class MemoryTier:
         plan = coord.all_gather(mine, "memory/plan")  # names and sizes only: the bytes go point to point
         root = plan[0]
         routes = self._routes(plan)
-        run_phase(coord, "memory/room", f"memory copy of step {step}", lambda: self._check_room(step, plan, routes))
-        received = self._exchange(coord, step, own, routes)
+        receives, keys = self._prepare(coord, step, plan, routes)
+        received = self._exchange(coord, step, own, routes, receives, keys)
         faults.point("memory/exchanged", step=step, rank=coord.rank)
 
         def commit() -> None:
@@ -158,31 +158,53 @@ class MemoryTier:
                 into[key] = into.get(key, small) + sum(size for _, size in files)
         self.memory.check_room(into.pop(OWN), sum(into.values()), step)
 
+    def _prepare(self, coord: Coordinator, step: int, plan: list[dict[str, Any]],
+                 routes: list[Any]) -> tuple[dict[int, list[Any]], set[str]]:
+        """Before any byte moves (collective): the room checked and the files this rank will receive
+        made in its node's memory. Raises the same error on every rank if any rank could not, and
+        leaves nothing received behind."""
+        assert self.memory is not None
+        receives: dict[int, list[Any]] = {}
+        keys: set[str] = set()
+
+        def prepare() -> None:
+            assert self.memory is not None
+            self._check_room(step, plan, routes)
+            for src, dst, key, files in routes:
+                if dst == self.rank:
+                    if key not in keys:
+                        self.memory.drop_incoming(key, step)
+                        keys.add(key)
+                    sinks = self.memory.receive_into(key, step, files, fresh=False)
+                    receives.setdefault(src, []).extend(sinks[name] for name, _ in files)
+
+        _, exc, outcomes = attempt_phase(coord, "memory/room", prepare)
+        if not all(o.ok for o in outcomes):
+            self._drop(receives, keys, step)
+            raise_if_failed(coord, outcomes, f"memory copy of step {step}", exc)
+        return receives, keys
+
+    def _drop(self, receives: dict[int, list[Any]], keys: set[str], step: int) -> None:
+        assert self.memory is not None
+        _release(receives)
+        for key in keys:
+            self.memory.drop_incoming(key, step)
+
     def _exchange(self, coord: Coordinator, step: int, own: dict[str, bytes],
-                  routes: list[tuple[int, int, str, list[tuple[str, int]]]]) -> set[str]:
+                  routes: list[tuple[int, int, str, list[tuple[str, int]]]], receives: dict[int, list[Any]],
+                  keys: set[str]) -> set[str]:
         """This rank's part of the routes (point to point): its files sent, and the files it is sent
         received straight into its node's memory (incoming, committed by _commit_node). Returns
         the area keys it received files for."""
-        assert self.memory is not None
         sends: dict[int, list[Any]] = {}
-        receives: dict[int, list[Any]] = {}
-        keys: set[str] = set()
-        for src, dst, key, files in routes:
+        for src, dst, _key, files in routes:
             if src == self.rank:
                 sends.setdefault(dst, []).extend(own[name] for name, _ in files)
-            elif dst == self.rank:
-                if key not in keys:
-                    self.memory.drop_incoming(key, step)
-                    keys.add(key)
-                sinks = self.memory.receive_into(key, step, files, fresh=False)
-                receives.setdefault(src, []).extend(sinks[name] for name, _ in files)
         faults.point("memory/sending", step=step, rank=self.rank)
         try:
             coord.exchange_bytes(sends, receives, f"memory/copies step {step}")
         except BaseException:
-            _release(receives)
-            for key in keys:
-                self.memory.drop_incoming(key, step)
+            self._drop(receives, keys, step)
             raise
         _release(receives)
         return keys
@@ -374,10 +396,21 @@ class MemoryTier:
         sends = {self.leader(lost): list(held[lost].values()) for lost in held}
         receives: dict[int, list[Any]] = {}
         sinks: dict[str, Any] = {}
-        if node in plans and self.leader(node) == self.rank:
-            src, plan = plans[node]
-            sinks = memory.receive_into(OWN, step, [(str(n), int(size)) for n, size in plan["sizes"]])
-            receives[src] = [sinks[str(n)] for n, _ in plan["sizes"]]
+        receiving = node in plans and self.leader(node) == self.rank
+
+        def ready() -> None:  # the files received into, made before any byte moves (agreed)
+            if receiving:
+                src, plan = plans[node]
+                sinks.update(memory.receive_into(OWN, step, [(str(n), int(size)) for n, size in plan["sizes"]]))
+                receives[src] = [sinks[str(n)] for n, _ in plan["sizes"]]
+
+        _, _, outcomes = attempt_phase(coord, f"memory/receiving step {step}", ready)
+        if not all(o.ok for o in outcomes):
+            _release(receives)
+            if receiving:
+                memory.drop_incoming(OWN, step)
+            self._warn_damaged(step, outcomes)
+            return False
         try:
             coord.exchange_bytes(sends, receives, f"memory/restore step {step}")
         except BaseException:
