@@ -46,6 +46,8 @@ class Coordinator(Protocol):
 
     def decided(self, obj: Any, phase: str, decide: Callable[[list[Any]], Any]) -> Any: ...
 
+    def exchange_bytes(self, sends: dict[int, list[Any]], receives: dict[int, list[Any]], phase: str) -> None: ...
+
     def check_usable(self) -> None: ...
 
     def distrust(self, reason: str) -> None: ...
@@ -73,6 +75,10 @@ class SingleProcess:
 
     def decided(self, obj: Any, phase: str, decide: Callable[[list[Any]], Any]) -> Any:
         return decide([obj])
+
+    def exchange_bytes(self, sends: dict[int, list[Any]], receives: dict[int, list[Any]], phase: str) -> None:
+        if sends or receives:
+            raise CoordinationError(f"{phase}: a world of one has no other rank to exchange bytes with")
 
     def check_usable(self) -> None:
         pass
@@ -196,12 +202,21 @@ class GlooCoordinator:
         `outputs[rank]` (cooperative loads' ranges of a file)."""
         self._run(phase, lambda: self._dist.all_gather(outputs, tensor, group=self._group))
 
+    def exchange_bytes(self, sends: dict[int, list[Any]], receives: dict[int, list[Any]], phase: str) -> None:
+        """Point to point: the buffers of `sends[dst]` to rank dst, and from rank src into the
+        writable buffers of `receives[src]` (the same sizes, in the same order, as src sends them).
+        Only the ranks named take part (the memory tier's copies: each rank's files to its node's
+        and its partner node's leaders, never to every rank). See p2p_rounds for the pairing."""
+        self._run(phase, lambda: p2p_rounds(self._dist, self._group, sends, receives))
+
     def _gather_objects(self, obj: Any) -> list[Any] | None:
         """One gather of SLOT_BYTES per rank (an outcome, a request: ~100-500 bytes); the rest of
         a larger object follows as one message of its exact size to rank 0."""
         import torch
 
         data = encode_message(obj)
+        if self.rank != 0:
+            P2P_COUNTS.objects += len(data)
         slot = _packed_slot(data)
         slots = [torch.empty_like(slot) for _ in range(self.world_size)] if self.rank == 0 else None
         self._dist.gather(slot, slots, dst=0, group=self._group)
@@ -231,6 +246,7 @@ class GlooCoordinator:
 
         inline = inline or self.world_size * SLOT_BYTES
         data = encode_message(obj) if self.rank == 0 else b""
+        P2P_COUNTS.objects += len(data) * (self.world_size - 1)
         slot = _packed_slot(data, inline) if self.rank == 0 else torch.empty(_HEADER + inline, dtype=torch.uint8)
         self._dist.broadcast(slot, src=0, group=self._group)
         size = _slot_length(slot)
@@ -282,6 +298,62 @@ def _close_open_groups() -> None:
     for coord in list(_OPEN_GROUPS):
         if coord.running == 0:
             coord.close()
+
+
+P2P_CHUNK_BYTES = 64 << 20  # one message of a point-to-point exchange: its extra memory per peer
+
+
+@dataclass
+class ByteCounts:
+    """This process's bytes sent and received through its groups (the tests check who moved how
+    much): point to point by peer rank, and the object collectives' messages it sent."""
+
+    sent: dict[int, int] = field(default_factory=dict)
+    received: dict[int, int] = field(default_factory=dict)
+    objects: int = 0
+
+    def reset(self) -> None:
+        self.sent, self.received, self.objects = {}, {}, 0
+
+
+P2P_COUNTS = ByteCounts()
+
+
+def p2p_rounds(dist: Any, group: Any, sends: dict[int, list[Any]], receives: dict[int, list[Any]]) -> None:
+    """Rounds of isend/irecv: in round k every rank posts the k-th message of each of its streams
+    (one stream per peer and direction, its buffers cut into messages of at most P2P_CHUNK_BYTES),
+    then waits for all of them. Both sides of a stream cut it alike, so each message posted has
+    its match posted in the same round: no order of peers can deadlock (a rank that both sends and
+    receives posts both before it waits), and no rank holds more than a message per peer extra."""
+    import warnings
+
+    import torch
+
+    outgoing = {dst: _messages(bufs) for dst, bufs in sends.items()}
+    incoming = {src: _messages(bufs) for src, bufs in receives.items()}
+    rounds = max([len(m) for m in (*outgoing.values(), *incoming.values())], default=0)
+    with warnings.catch_warnings():  # a send reads from bytes: torch warns that they are read-only
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        for k in range(rounds):
+            works = []
+            for dst, messages in outgoing.items():
+                if k < len(messages):
+                    works.append(dist.isend(torch.frombuffer(messages[k], dtype=torch.uint8), dst, group=group))
+                    P2P_COUNTS.sent[dst] = P2P_COUNTS.sent.get(dst, 0) + len(messages[k])
+            for src, messages in incoming.items():
+                if k < len(messages):
+                    works.append(dist.irecv(torch.frombuffer(messages[k], dtype=torch.uint8), src, group=group))
+                    P2P_COUNTS.received[src] = P2P_COUNTS.received.get(src, 0) + len(messages[k])
+            for work in works:
+                work.wait()
+
+
+def _messages(buffers: list[Any]) -> list[memoryview]:
+    out: list[memoryview] = []
+    for buf in buffers:
+        view = memoryview(buf).cast("B")
+        out.extend(view[i:i + P2P_CHUNK_BYTES] for i in range(0, len(view), P2P_CHUNK_BYTES))
+    return out
 
 
 def _untagged(tagged: list[Any], phase: str, root_only: bool = False) -> list[Any]:

@@ -1,23 +1,27 @@
 """The memory tier across nodes: each memory save's copies, and the recovery that reads them.
 
     save      after a step commits (on the URL or the local tier), every memory_every-th save
-              is also committed to each node's memory root (memory_tier.py): each rank hands its
-              own files (rank file, shard file) and rank 0 the replicated file, manifest and
-              marker to one exchange on the save's own group (the background writer's with
-              async_save, so the training thread never waits for it); the lowest rank of each
-              node commits the node's copy, and the lowest rank of the next node (a ring over the
-              nodes) a partner copy of the node's own files. Bounded: keep_memory steps per area,
-              and the free shared memory checked before anything is written.
+              is also committed to each node's memory root (memory_tier.py), on the save's own
+              group (the background writer's with async_save, so the training thread never waits
+              for it): the ranks exchange their files' names and sizes (rank 0 the manifest and
+              marker with them), the free shared memory is checked, then each rank sends its own
+              files (rank file, shard file) point to point to the two ranks that write them: the
+              lowest rank of its node, which commits the node's copy, and the lowest rank of the
+              next node (a ring over the nodes), which commits the partner copy; rank 0 sends the
+              replicated file to every other node's lowest rank. Bounded: keep_memory steps per
+              area, messages of at most 64 MiB received straight into shared memory.
     recover   at load_latest, before the disk tiers: the ranks agree on the newest step that every
               node holds in its own memory or its partner holds for it (markers compared), the
-              partner sends a lost node's files over the manager's group (checked against the
-              manifest before anything is written), and the load reads every rank's files from its
+              partner's lowest rank sends a lost node's files to that node's lowest rank alone
+              (checked against the manifest before any is moved into its copy), and the load reads
+              every rank's files from its
               own node's memory, with the durable root's leases (fencing as every tier). When no
               step is covered for every rank, or the copy is damaged, the load goes on to the disk
               tiers with a warning naming why.
 
-The exchanges go through the coordinator (object collectives on gloo groups the manager makes),
-never through a transport of our own.
+The exchanges go through the coordinator (object collectives and point-to-point sends on gloo
+groups the manager makes), never through a transport of our own. load(state, step=N) recovers
+that step the same way where every node holds it.
 """
 
 from __future__ import annotations
@@ -31,16 +35,17 @@ from distckpt.io import manifest as mf
 from distckpt.io.safetensors_format import safetensors_chunks
 from distckpt.io.signing import SIGNATURE, Trust
 from distckpt.protocol.commit import is_committed, read_marker, step_candidates
-from distckpt.protocol.coord import Coordinator, attempt_on_root, attempt_phase, run_phase
+from distckpt.protocol.coord import Coordinator, attempt_on_root, attempt_phase, raise_if_failed, run_phase
 from distckpt.protocol.fencing import Lease, read_leases, superseded_by
-from distckpt.protocol.memory_tier import MemorySettings, NodeMemory, signed_copy, verify_files
+from distckpt.protocol.memory_tier import OWN, PEER, MemorySettings, NodeMemory, signed_copy, verify_files
 from distckpt.runtime import faults
 from distckpt.state import sharded
 from distckpt.storage import Storage
 
 log = logging.getLogger("distckpt")
 
-MEMORY, PEER = "memory", "peer"
+MEMORY, PEER_TIER = "memory", "peer"  # Progress.tier
+_SMALL = (mf.MANIFEST, mf.MARKER, SIGNATURE)  # the files that travel with the plan, not point to point
 
 
 class MemoryTier:
@@ -96,25 +101,113 @@ class MemoryTier:
         save's group). Raises on every rank alike when a node could not (the step stays committed
         where it was saved)."""
         generation = int(captured.infos[0]["generation"] or 0)
-        mine: dict[str, Any] = {"files": self._own_parts(captured, generation)}
+        own = self._own_parts(captured, generation)
+        mine: dict[str, Any] = {"sizes": [[name, len(data)] for name, data in own.items()]}
         if coord.rank == 0:
-            mine["root"] = self._root_parts(step, staged, target)
+            replicated_name, replicated, small = self._root_parts(step, staged, target)
+            own[replicated_name] = replicated
+            mine["root"] = small  # manifest, marker (and signature): every leader commits them
+            mine["replicated"] = [replicated_name, len(replicated)]
             mine["lease"] = dataclasses.asdict(lease) if lease is not None else None
-        # One node: rank 0 writes its one copy, so the files go to it alone (a gather); several:
-        # every node's lowest rank needs rank 0's files and its own ranks' and partner's (all_gather).
-        every = coord.gather(mine, "memory/copies") if len(self.nodes) == 1 else \
-            coord.all_gather(mine, "memory/copies")
+        plan = coord.all_gather(mine, "memory/plan")  # names and sizes only: the bytes go point to point
+        root = plan[0]
+        routes = self._routes(plan)
+        receives, keys = self._prepare(coord, step, plan, routes)
+        received = self._exchange(coord, step, own, routes, receives, keys)
         faults.point("memory/exchanged", step=step, rank=coord.rank)
 
         def commit() -> None:
-            if every is None:  # one node, not rank 0: nothing to write
-                return
-            root = every[0]
             lease_used = Lease(**root["lease"]) if root.get("lease") else Lease(generation, None, captured.run_id)
-            self._commit_node(step, [v["files"] for v in every], root["root"], lease_used)
+            self._commit_node(step, own, root["root"], lease_used, received)
 
         run_phase(coord, "memory/committed", f"memory copy of step {step}", commit)
         self._tell_if_alone()
+
+    def _routes(self, plan: list[dict[str, Any]]) -> list[tuple[int, int, str, list[tuple[str, int]]]]:
+        """Who sends which files to whom, the same list on every rank: (source rank, destination
+        rank, area key there, [(name, size)]). Each rank's own files go to its node's leader (unless
+        it is the leader) and to its partner node's leader; rank 0's replicated file to every other
+        node's leader. Nothing else moves: no rank receives what it does not write."""
+        out = []
+        for r, view in enumerate(plan):
+            node, files = self.node_of[r], [(str(n), int(size)) for n, size in view["sizes"]]
+            if self.leader(node) != r:
+                out.append((r, self.leader(node), OWN, files))
+            partner = self.partner_of(node)
+            if partner is not None:
+                out.append((r, self.leader(partner), f"{PEER}/node-{node}", files))
+        name, size = plan[0]["replicated"]
+        for node in self.nodes:
+            if node != self.node_of[0]:
+                out.append((0, self.leader(node), OWN, [(str(name), int(size))]))
+        return out
+
+    def _check_room(self, step: int, plan: list[dict[str, Any]], routes: list[Any]) -> None:
+        """The node leader's part, before any byte moves: the node's copy and the partner copies it
+        will keep fit in shared memory."""
+        assert self.memory is not None
+        if self.leader(self.node_of[self.rank]) != self.rank:
+            return
+        small = sum(len(v) for v in plan[0]["root"].values())
+        mine = sum(size for _, size in plan[self.rank]["sizes"])
+        if self.rank == 0:
+            mine += int(plan[0]["replicated"][1])
+        into = {OWN: small + mine}
+        for _src, dst, key, files in routes:
+            if dst == self.rank:
+                into[key] = into.get(key, small) + sum(size for _, size in files)
+        self.memory.check_room(into.pop(OWN), sum(into.values()), step)
+
+    def _prepare(self, coord: Coordinator, step: int, plan: list[dict[str, Any]],
+                 routes: list[Any]) -> tuple[dict[int, list[Any]], set[str]]:
+        """Before any byte moves (collective): the room checked and the files this rank will receive
+        made in its node's memory. Raises the same error on every rank if any rank could not, and
+        leaves nothing received behind."""
+        assert self.memory is not None
+        receives: dict[int, list[Any]] = {}
+        keys: set[str] = set()
+
+        def prepare() -> None:
+            assert self.memory is not None
+            self._check_room(step, plan, routes)
+            for src, dst, key, files in routes:
+                if dst == self.rank:
+                    if key not in keys:
+                        self.memory.drop_incoming(key, step)
+                        keys.add(key)
+                    sinks = self.memory.receive_into(key, step, files, fresh=False)
+                    receives.setdefault(src, []).extend(sinks[name] for name, _ in files)
+
+        _, exc, outcomes = attempt_phase(coord, "memory/room", prepare)
+        if not all(o.ok for o in outcomes):
+            self._drop(receives, keys, step)
+            raise_if_failed(coord, outcomes, f"memory copy of step {step}", exc)
+        return receives, keys
+
+    def _drop(self, receives: dict[int, list[Any]], keys: set[str], step: int) -> None:
+        assert self.memory is not None
+        _release(receives)
+        for key in keys:
+            self.memory.drop_incoming(key, step)
+
+    def _exchange(self, coord: Coordinator, step: int, own: dict[str, bytes],
+                  routes: list[tuple[int, int, str, list[tuple[str, int]]]], receives: dict[int, list[Any]],
+                  keys: set[str]) -> set[str]:
+        """This rank's part of the routes (point to point): its files sent, and the files it is sent
+        received straight into its node's memory (incoming, committed by _commit_node). Returns
+        the area keys it received files for."""
+        sends: dict[int, list[Any]] = {}
+        for src, dst, _key, files in routes:
+            if src == self.rank:
+                sends.setdefault(dst, []).extend(own[name] for name, _ in files)
+        faults.point("memory/sending", step=step, rank=self.rank)
+        try:
+            coord.exchange_bytes(sends, receives, f"memory/copies step {step}")
+        except BaseException:
+            self._drop(receives, keys, step)
+            raise
+        _release(receives)
+        return keys
 
     def _own_parts(self, captured: Any, generation: int) -> dict[str, bytes]:
         """This rank's own files of the save, by their names in the manifest."""
@@ -125,41 +218,37 @@ class MemoryTier:
                                                                            safetensors_chunks(own.shard_tree))
         return out
 
-    def _root_parts(self, step: int, staged: Any, target: Storage) -> dict[str, bytes]:
-        """Rank 0: the replicated file as written, and the committed manifest and marker."""
+    def _root_parts(self, step: int, staged: Any, target: Storage) -> tuple[str, bytes, dict[str, bytes]]:
+        """Rank 0: the replicated file as written (its name and bytes), and the committed manifest
+        and marker (and signature)."""
         base = mf.step_dir(step)
         marker = read_marker(target, step)
         replicated = b"".join(bytes(c) for c in safetensors_chunks(staged.replicated))
-        out = {mf.replicated_file(marker.generation): replicated,
-               mf.MANIFEST: target.read_bytes(f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES),
-               mf.MARKER: marker.to_bytes()}
+        small = {mf.MANIFEST: target.read_bytes(f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES),
+                 mf.MARKER: marker.to_bytes()}
         signature = signed_copy(target, step)  # signing_key: the copies carry the step's signature
         if signature is not None:
-            out[SIGNATURE] = signature
-        return out
+            small[SIGNATURE] = signature
+        return mf.replicated_file(marker.generation), replicated, small
 
-    def _commit_node(self, step: int, files_of: list[dict[str, bytes]], root: dict[str, bytes],
-                     lease: Lease) -> None:
+    def _commit_node(self, step: int, own: dict[str, bytes], small: dict[str, bytes], lease: Lease,
+                     received: set[str]) -> None:
         """The node leader's part: its node's copy (the replicated file, manifest and marker, and its
-        ranks' own files) and the partner copy it keeps for the node before it in the ring (that
-        node's ranks' own files, manifest and marker), room checked first."""
+        ranks' own files) and the partner copies it keeps for the node(s) before it in the ring
+        (their ranks' own files, manifest and marker), each committed from what it holds and what
+        it was sent (room checked before the exchange)."""
         assert self.memory is not None
         node = self.node_of[self.rank]
         if self.leader(node) != self.rank:
             return
-        own = dict(root)
-        for r in self.ranks_of(node):
-            own.update(files_of[r])
-        peer: dict[int, dict[str, bytes]] = {}
-        for n in self.nodes:
-            if n != node and self.partner_of(n) == node:
-                peer[n] = {name: root[name] for name in (mf.MANIFEST, mf.MARKER, SIGNATURE) if name in root}
-                for r in self.ranks_of(n):
-                    peer[n].update(files_of[r])
-        self.memory.check_room(_size(own), sum(_size(f) for f in peer.values()), step)
-        self.memory.commit(self.memory.own, step, own, lease, self.rank)
-        for n, files in peer.items():
-            self.memory.commit(self.memory.peer(n), step, files, lease, self.rank)
+        try:
+            self.memory.commit(self.memory.own, step, {**small, **own}, lease, self.rank,
+                               OWN if OWN in received else None)
+            for key in sorted(received - {OWN}):
+                self.memory.commit(self.memory.area(key), step, dict(small), lease, self.rank, key)
+        finally:  # what a failed commit left received: not kept in shared memory
+            for key in received:
+                self.memory.drop_incoming(key, step)
         self.memory.prune(self.memory.own)
         for n in self.memory.peer_nodes():
             self.memory.prune(self.memory.peer(n))
@@ -172,20 +261,23 @@ class MemoryTier:
 
     # -- recover --------------------------------------------------------------------------
 
-    def recover(self, coord: Coordinator, durable: Storage, load_from: Any, local: Storage | None = None) -> Any:
-        """Load the newest step the memory tier covers for every rank (collective). Returns the
-        Progress (tier "memory", or "peer" when a node's files came from its partner), or None when
-        no memory copy covers every rank, after a warning saying why: the caller loads the disk
-        tiers then. `load_from(storage, step, leases)` reads and applies one step's copy, returning
-        the Progress or None when it does not verify."""
+    def recover(self, coord: Coordinator, durable: Storage, load_from: Any, local: Storage | None = None,
+                step: int | None = None) -> Any:
+        """Load the newest step the memory tier covers for every rank, or `step` where it covers
+        that one (collective). Returns the Progress (tier "memory", or "peer" when a node's files
+        came from its partner), or None when no memory copy covers every rank, after a warning
+        saying why (a `step` the memory tier does not hold: a log line, nothing to warn of): the
+        caller loads the disk tiers then. `load_from(storage, step, leases)` reads and applies one
+        step's copy, returning the Progress or None when it does not verify."""
         if not self.enabled or self.memory is None:
             return None
         mine = self._holdings()
         if coord.rank == 0:  # the durable root's leases and both disk tiers' step directories: listings only
             try:
                 mine["disk"] = {"leases": [dataclasses.asdict(x) for x in read_leases(durable)],
-                                "dirs": sorted({s for root in (durable, local) if root is not None
-                                                for s in step_candidates(root)})}
+                                "dirs": [] if step is not None else  # a named step: no newer one to look for
+                                sorted({s for root in (durable, local) if root is not None
+                                        for s in step_candidates(root)})}
             except (OSError, DistCkptError) as e:
                 mine["disk"] = {"error": f"{type(e).__name__}: {e}"}
         views = coord.all_gather(mine, "memory/holdings")
@@ -196,11 +288,19 @@ class MemoryTier:
         leases = [Lease(**d) for d in disk["leases"]]
         by_node = {self.node_of[r]: v for r, v in enumerate(views) if self.leader(self.node_of[r]) == r}
         candidates, why = _covered(self, by_node, leases)
-        newer = self._newer_on_disk(coord, durable, local, disk["dirs"], candidates, by_node, leases)
-        if newer is not None:
-            why = (f"the disk tiers hold a newer step ({newer}) than the newest step the memory tier covers "
-                   f"for every rank ({candidates[0][0]})")
-            candidates = []
+        if step is not None:
+            candidates = [c for c in candidates if c[0] == step]
+            if not candidates:
+                if coord.rank == 0:
+                    log.info("rank 0: step %d is not held in memory for every rank (own or partner copies); loading it "
+                             "from the disk tiers", step)
+                return None
+        else:
+            newer = self._newer_on_disk(coord, durable, local, disk["dirs"], candidates, by_node, leases)
+            if newer is not None:
+                why = (f"the disk tiers hold a newer step ({newer}) than the newest step the memory tier covers "
+                       f"for every rank ({candidates[0][0]})")
+                candidates = []
         candidates = candidates[:1]
         if not candidates:
             self._fall_back(why)
@@ -211,7 +311,7 @@ class MemoryTier:
                 continue
             progress = load_from(self.memory.own, step, leases)
             if progress is not None:
-                tier = PEER if sources else MEMORY
+                tier = PEER_TIER if sources else MEMORY
                 if coord.rank == 0:
                     log.info("rank 0: resumed step %d from the memory tier (%s)", step,
                              "own copies" if not sources else f"node(s) {sorted(sources)} from their partner")
@@ -262,14 +362,16 @@ class MemoryTier:
 
     def _repair(self, coord: Coordinator, step: int, sources: dict[int, int]) -> bool:
         """Nodes without their own copy of `step` get it from their partner (collective): the
-        partner's leader reads and verifies its copy, the lost node's leader checks every file
-        against the manifest, then commits it into its own memory. False (with a warning) if any failed."""
+        partner's leader reads and verifies its copy and sends it to the lost node's leader alone
+        (point to point), which checks every file against the manifest before any is moved into
+        its memory, then commits it. False (with a warning) if any failed."""
         if not sources:
             return True
         assert self.memory is not None
         memory = self.memory
         node = self.node_of[self.rank]
         sending = {lost: src for lost, src in sources.items() if src == node and self.leader(node) == self.rank}
+        held: dict[int, dict[str, Any]] = {}
 
         def read() -> dict[str, Any]:
             out: dict[str, Any] = {}
@@ -277,29 +379,60 @@ class MemoryTier:
                 generation = read_marker(memory.peer(lost), step).generation
                 names = [name for r in self.ranks_of(lost)
                          for name in (mf.rank_file(r, generation), sharded.shard_file(r, generation))]
-                listed = memory.read_step(memory.own, step, [mf.replicated_file(generation)])
+                listed = memory.read_step(memory.own, step, [mf.replicated_file(generation)], copy=False)
                 manifest = verify_files(listed, step, f"{memory.own.url}/{mf.step_dir(step)}")
-                files = memory.read_step(memory.peer(lost), step, [n for n in names if n in manifest.files])
+                files = memory.read_step(memory.peer(lost), step, [n for n in names if n in manifest.files], copy=False)
                 files[mf.replicated_file(generation)] = listed[mf.replicated_file(generation)]
-                out[str(lost)] = files
+                held[lost] = {n: v for n, v in files.items() if n not in _SMALL}
+                out[str(lost)] = {"small": {n: bytes(v) for n, v in files.items() if n in _SMALL},
+                                  "sizes": [[n, len(v)] for n, v in held[lost].items()]}
             return out
 
-        sent, _, outcomes = attempt_phase(coord, f"memory/read step {step}", read)
+        _, _, outcomes = attempt_phase(coord, f"memory/read step {step}", read, info=lambda out: out)
         if not all(o.ok for o in outcomes):
             self._warn_damaged(step, outcomes)
             return False
-        every = coord.all_gather(sent or {}, f"memory/send step {step}")
+        plans = {int(lost): (o.rank, plan) for o in outcomes for lost, plan in o.info.items()}
+        sends = {self.leader(lost): list(held[lost].values()) for lost in held}
+        receives: dict[int, list[Any]] = {}
+        sinks: dict[str, Any] = {}
+        receiving = node in plans and self.leader(node) == self.rank
+
+        def ready() -> None:  # the files received into, made before any byte moves (agreed)
+            if receiving:
+                src, plan = plans[node]
+                sinks.update(memory.receive_into(OWN, step, [(str(n), int(size)) for n, size in plan["sizes"]]))
+                receives[src] = [sinks[str(n)] for n, _ in plan["sizes"]]
+
+        _, _, outcomes = attempt_phase(coord, f"memory/receiving step {step}", ready)
+        if not all(o.ok for o in outcomes):
+            _release(receives)
+            if receiving:
+                memory.drop_incoming(OWN, step)
+            self._warn_damaged(step, outcomes)
+            return False
+        try:
+            coord.exchange_bytes(sends, receives, f"memory/restore step {step}")
+        except BaseException:
+            _release(receives)
+            memory.drop_incoming(OWN, step)
+            raise
 
         def receive() -> None:
-            if node in sources and self.leader(node) == self.rank:
-                files = every[self.leader(sources[node])][str(node)]
+            if not receives:
+                return
+            try:
+                files = {**plans[node][1]["small"], **sinks}
                 verify_files(files, step, f"the partner copy of step {step} for node {node}")
-                faults.point("memory/repairing", step=step, rank=self.rank)
-                lease = _lease_of(files)
-                memory.commit(memory.own, step, files, lease, self.rank)
+            finally:
+                _release(receives)
+            faults.point("memory/repairing", step=step, rank=self.rank)
+            small = plans[node][1]["small"]
+            memory.commit(memory.own, step, dict(small), _lease_of(small), self.rank, OWN)
 
         _, _, outcomes = attempt_phase(coord, f"memory/repaired step {step}", receive)
         if not all(o.ok for o in outcomes):
+            memory.drop_incoming(OWN, step)
             self._warn_damaged(step, outcomes)
             return False
         return True
@@ -371,6 +504,13 @@ def _lease_of(files: dict[str, bytes]) -> Lease:
     return Lease(marker.generation, None, marker.run_id)
 
 
-def _size(files: dict[str, bytes]) -> int:
-    return sum(len(v) for v in files.values())
+def _release(receives: dict[int, list[Any]]) -> None:
+    """Unmap the files received into (their bytes stay in the files)."""
+    for sinks in receives.values():
+        for sink in sinks:
+            if hasattr(sink, "close"):
+                try:
+                    sink.close()
+                except BufferError:  # a view of it not yet freed (a gloo thread lets go of its
+                    pass             # request a moment after the wait): unmapped with the last view
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import mmap
 import numbers
 import os
 import shutil
@@ -42,7 +43,7 @@ log = logging.getLogger("distckpt")
 MEMORY_DIR_ENV = "DISTCKPT_MEMORY_DIR"  # this node's memory root, instead of /dev/shm/distckpt/<key>
 FREE_BYTES_ENV = "DISTCKPT_MEMORY_FREE_BYTES"  # the free shared memory counted at most
 SHM_ROOT = "/dev/shm/distckpt"
-OWN, PEER = "own", "peer"
+OWN, PEER, INCOMING = "own", "peer", "incoming"
 # Headroom left free in shared memory besides the step being written: the rest of the node (the
 # job's own /dev/shm users, NCCL, DataLoader workers' shared tensors) must not be starved by it.
 HEADROOM_BYTES = 64 << 20
@@ -182,11 +183,53 @@ class NodeMemory:
                 "keep_memory, give the node more shared memory (docker --shm-size, a larger /dev/shm), or save "
                 "without memory_tier=True")
 
-    def commit(self, storage: Storage, step: int, files: dict[str, bytes], lease: Lease, rank: int) -> None:
-        """Commit `files` (manifest and marker among them) as `step` of one area, marker last."""
+    def area(self, key: str) -> Storage:
+        """An area by its key: OWN, or "peer/node-K"."""
+        return self.own if key == OWN else self.peer(int(key.rsplit("-", 1)[1]))
+
+    def incoming(self, key: str, step: int) -> str:
+        """Where files received for an area's `step` wait, outside the area, until they are
+        committed into it (a partner copy being restored: until they are verified)."""
+        return f"{self.root}/{INCOMING}/{key}/{mf.step_dir(step)}"
+
+    def receive_into(self, key: str, step: int, sizes: list[tuple[str, int]], fresh: bool = True) -> dict[str, Any]:
+        """Files of these sizes made in the area's incoming directory (fresh: stale ones removed
+        first), each mapped writable: the buffers a transfer receives into, straight into shared memory."""
+        where = self.incoming(key, step)
+        if fresh:
+            shutil.rmtree(where, ignore_errors=True)
+        out: dict[str, Any] = {}
+        for name, size in sizes:
+            mf.check_relative_path(name, where)
+            path = f"{where}/{name}"
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            with open(path, "w+b") as f:
+                f.truncate(size)
+                out[name] = mmap.mmap(f.fileno(), size) if size else bytearray()
+        return out
+
+    def drop_incoming(self, key: str, step: int) -> None:
+        shutil.rmtree(self.incoming(key, step), ignore_errors=True)
+
+    def commit(self, storage: Storage, step: int, files: dict[str, bytes], lease: Lease, rank: int,
+               placed: str | None = None) -> None:
+        """Commit `files` (manifest and marker among them) as `step` of one area, marker last;
+        with `placed` (an area key), the files received into its incoming directory are moved in first."""
         faults.point("memory/files-writing", step=step, rank=rank, area=storage.url)
+        if placed is not None:
+            self._move_in(placed, step)
         commit_files(storage, step, files, lease)
         faults.point("memory/committed", step=step, rank=rank, area=storage.url)
+
+    def _move_in(self, key: str, step: int) -> None:
+        """The received files into the area's step directory (renames within one tmpfs: no copy)."""
+        source, target = self.incoming(key, step), f"{self.root}/{key}/{mf.step_dir(step)}"
+        for folder, _dirs, names in os.walk(source):
+            relative = os.path.relpath(folder, source)
+            os.makedirs(os.path.normpath(f"{target}/{relative}"), mode=0o700, exist_ok=True)
+            for name in names:
+                os.replace(f"{folder}/{name}", os.path.normpath(f"{target}/{relative}/{name}"))
+        shutil.rmtree(source, ignore_errors=True)
 
     def prune(self, storage: Storage, spared: int | None = None) -> list[int]:
         """Keep the newest keep_memory committed steps of one area (marker first, then files), and
@@ -204,14 +247,16 @@ class NodeMemory:
                 storage.remove_tree(name)
         return doomed
 
-    def read_step(self, storage: Storage, step: int, names: list[str] | None = None) -> dict[str, bytes]:
+    def read_step(self, storage: Storage, step: int, names: list[str] | None = None,
+                  copy: bool = True) -> dict[str, Any]:
         """Manifest, marker and `names` (None: every file the manifest lists) of committed `step`,
-        each verified against the manifest. Raises CorruptCheckpointError / MissingFileError."""
+        each verified against the manifest (copy=False: the files as read, mapped, not copied).
+        Raises CorruptCheckpointError / MissingFileError."""
         marker = read_marker(storage, step)
         manifest = read_verified_manifest(storage, step, marker)
         base = mf.step_dir(step)
-        out = {mf.MANIFEST: storage.read_bytes(f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES),
-               mf.MARKER: marker.to_bytes()}
+        out: dict[str, Any] = {mf.MANIFEST: storage.read_bytes(f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES),
+                               mf.MARKER: marker.to_bytes()}
         for name in (list(manifest.files) if names is None else names):
             mf.check_relative_path(name, f"{storage.url}/{base}")
             record = manifest.files.get(name)
@@ -221,7 +266,7 @@ class NodeMemory:
                 raise CorruptCheckpointError(f"{storage.url}/{base}: the manifest lists no {name}")
             data = storage.read_buffer(f"{base}/{name}")
             mf.verify_file(data, record, f"{storage.url}/{base}/{name}")
-            out[name] = bytes(data)
+            out[name] = bytes(data) if copy else data
         signature = signed_copy(storage, step)
         if signature is not None:
             out[signing.SIGNATURE] = signature
@@ -238,7 +283,7 @@ def signed_copy(storage: Storage, step: int) -> bytes | None:
         return None
 
 
-def verify_files(files: dict[str, bytes], step: int, where: str) -> mf.Manifest:
+def verify_files(files: dict[str, Any], step: int, where: str) -> mf.Manifest:
     """Files received from a partner, checked before any is written: the manifest against the
     marker, every other file against the manifest. Raises CorruptCheckpointError."""
     from distckpt.errors import CorruptCheckpointError

@@ -358,7 +358,7 @@ class Session:
             if refusal is not None:
                 refuse_load_request(self.coord, refusal)
                 raise refusal  # not reached: refuse_load_request raised
-            progress = self._load_memory(entries, state) if step is None else None
+            progress = self._load_memory(entries, state, step)
             if progress is None:
                 progress = load(self.coord, self.durable, entries, state, step, self.config.world_size_policy,
                                 self.rules, self.local)
@@ -379,8 +379,9 @@ class Session:
                      progress.step, progress.epoch, f", {progress.tier} tier" if self.local is not None else "")
         return progress
 
-    def _load_memory(self, entries: list[Any], state: dict[str, Any]) -> Progress | None:
-        """The memory tier's newest step every rank is covered for (collective; None: load the disk tiers)."""
+    def _load_memory(self, entries: list[Any], state: dict[str, Any], step: int | None) -> Progress | None:
+        """The memory tier's newest step every rank is covered for, or `step` where it is
+        (collective; None: load the disk tiers)."""
         if self.memory is None or not self.memory.enabled:
             return None
 
@@ -388,7 +389,7 @@ class Session:
             return load_memory_copy(self.coord, self.durable, copy, entries, state, step,
                                     self.config.world_size_policy, self.rules, leases)
 
-        progress: Progress | None = self.memory.recover(self.coord, self.durable, load_from, self.local)
+        progress: Progress | None = self.memory.recover(self.coord, self.durable, load_from, self.local, step)
         return progress
 
     def list_ahead(self) -> None:

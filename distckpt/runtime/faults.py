@@ -25,10 +25,12 @@ POINTS = (
     "upload/started",        # rank 0's uploader, a committed local step about to be copied to the URL
     "upload/files-written",  # uploader: every file durable at the URL, no manifest or marker yet
     "upload/committed",      # uploader: the marker at the URL written, before durable retention
-    "memory/exchanged",      # every rank, a memory save's files exchanged, no node's memory copy written
+    "memory/sending",        # every rank, a memory save's room checked and incoming files made, nothing sent
+    "memory/exchanged",      # every rank, a memory save's files exchanged (received into the leaders' incoming
+                             # directories), no node's memory copy committed
     "memory/files-writing",  # a node's lowest rank, about to write one memory copy (its own or a partner's)
     "memory/committed",      # a node's lowest rank, one memory copy's marker written
-    "memory/repairing",      # a lost node's lowest rank, its partner's copy received and verified, not written
+    "memory/repairing",      # a lost node's lowest rank, its partner's copy received and verified, not moved in
     "load/cooperative-part",  # every rank of a cooperative load, its range of the replicated file read
     "load/cooperative-exchange",  # every rank, every range read, before the ranges are exchanged
     "load/read",             # every rank, files read and verified, nothing restored

@@ -110,6 +110,53 @@ def test_a_damaged_memory_copy_falls_back_to_the_disk_tier_with_a_warning(shm, c
     assert str(resumed["model"].state_dict()) == str(state["model"].state_dict())
 
 
+def load_step(url: str, step: int, **kw):
+    state = make_state(seed=1)
+    with distckpt.CheckpointManager(url, memory_tier=True, **kw) as mgr:
+        return mgr.load(state, step=step), state
+
+
+def states_by_step(url: str, steps) -> dict:
+    """The state after each save of a run (the reference a load of that step must restore)."""
+    state, out = make_state(), {}
+    with distckpt.CheckpointManager(url, memory_tier=True, keep_memory=2) as mgr:
+        for step in steps:
+            train(state, [step])
+            mgr.save(step, state)
+            out[step] = {k: str(state[k].state_dict()) for k in ("model", "optimizer")}
+    return out
+
+
+def test_load_of_a_step_held_in_memory_reads_the_memory_copy(shm, ckpt_dir):
+    saved = states_by_step(ckpt_dir, range(4))  # memory: steps 3 and 2; disk: 0..3
+    progress, state = load_step(ckpt_dir, 2)
+    assert (progress.step, progress.tier) == (2, "memory")
+    assert progress.url.startswith(os.path.join(shm, "own"))
+    assert {k: str(state[k].state_dict()) for k in ("model", "optimizer")} == saved[2]
+
+
+def test_load_of_a_step_only_on_disk_reads_the_disk_tier_without_a_warning(shm, ckpt_dir):
+    saved = states_by_step(ckpt_dir, range(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", distckpt.CheckpointFallbackWarning)  # nothing to warn of
+        progress, state = load_step(ckpt_dir, 1)
+    assert (progress.step, progress.tier) == (1, "durable")
+    assert {k: str(state[k].state_dict()) for k in ("model", "optimizer")} == saved[1]
+
+
+def test_load_of_a_step_whose_memory_copy_is_damaged_falls_back_with_a_warning(shm, ckpt_dir):
+    saved = states_by_step(ckpt_dir, range(4))
+    replicated = os.path.join(shm, "own", mf.step_dir(2), "replicated")
+    path = os.path.join(replicated, os.listdir(replicated)[0])
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 1
+    open(path, "wb").write(bytes(data))
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="memory copy of step 2"):
+        progress, state = load_step(ckpt_dir, 2)
+    assert (progress.step, progress.tier) == (2, "durable")
+    assert {k: str(state[k].state_dict()) for k in ("model", "optimizer")} == saved[2]
+
+
 def test_an_empty_memory_tier_loads_the_disk_tier_saying_why(shm, ckpt_dir, tmp_path):
     run(ckpt_dir, range(2))
     os.rename(shm, str(tmp_path / "gone"))  # the node's memory lost (a reboot)
