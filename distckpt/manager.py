@@ -13,6 +13,7 @@ delegates to objects of protocol/, built once in the constructor:
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import signal
@@ -335,7 +336,7 @@ class CheckpointManager:
         """This manager's public calls on every thread's stack, innermost first: (name, on this thread)."""
         me = threading.get_ident()
         found = []
-        for ident, top in sys._current_frames().items():
+        for ident, top in _current_frames().items():
             frame: Any = top
             while frame is not None:
                 code = frame.f_code
@@ -344,6 +345,21 @@ class CheckpointManager:
                     found.append((code.co_name, ident == me))
                 frame = frame.f_back
         return found
+
+
+def _current_frames() -> dict[int, Any]:
+    """sys._current_frames() with the garbage collector held off. CPython 3.11 makes the frame
+    objects while holding the interpreter's thread-list lock; an allocation there can start a
+    collection, and freeing a threading.local (hypothesis keeps some; so do many libraries) takes
+    that same lock: the process hung for ever inside close() (seen in a whole test run; CPython
+    gh-106883, fixed in 3.12 the same way)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # The manager's calls that run one at a time (_sole_call); committed_steps() only reads storage.
