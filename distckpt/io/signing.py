@@ -33,12 +33,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from distckpt.errors import ConfigError, MissingFileError, StorageError, UntrustedCheckpointError
+
+_log = logging.getLogger("distckpt")
 
 SIGNATURE = "SIGNATURE"
 DIGEST = "blake3"  # the key of a file record's cryptographic digest
@@ -65,7 +68,15 @@ def new_digest(threads: int = 1) -> Any:
         import blake3
     except ImportError as e:  # pragma: no cover - the extra is installed with the key's package
         raise ConfigError(f"signed checkpoints need the blake3 package: {_INSTALL}") from e
-    return blake3.blake3(max_threads=threads) if threads > 1 else blake3.blake3()
+    if threads > 1:
+        try:
+            return blake3.blake3(max_threads=threads)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001  (a thread the OS refused: a Rust panic, a BaseException)
+            _log.warning("BLAKE3 could not start %d hashing threads (%s: %s); hashing on one", threads,
+                         type(e).__name__, e)
+    return blake3.blake3()
 
 
 def digest_of(data: bytes | bytearray | memoryview) -> str:

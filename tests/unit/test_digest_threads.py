@@ -96,3 +96,25 @@ def test_a_forked_child_hashes_after_its_parent_used_threads(threads):
     hasher with its own pool, made in the child, does not (a DataLoader worker verifying)."""
     done = subprocess.run([sys.executable, "-c", _FORKS, str(threads)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"a child's wait status (14: killed by SIGALRM, hung): {done.stdout} {done.stderr}"
+
+
+def test_a_hasher_whose_threads_cannot_start_hashes_on_one(monkeypatch, caplog):
+    """rayon panics when the OS refuses it a thread (a PanicException, a BaseException): the
+    verify pass goes on on one thread rather than failing the load."""
+    import blake3
+
+    class Refused(BaseException):
+        pass
+
+    real = blake3.blake3
+
+    def refusing(*args, **kwargs):
+        if kwargs.get("max_threads", 1) != 1:
+            raise Refused("failed to spawn thread")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(blake3, "blake3", refusing)
+    h = signing.new_digest(4)
+    h.update(b"abc")
+    assert h.hexdigest() == real(b"abc").hexdigest()
+    assert "could not start 4 hashing threads" in caplog.text
