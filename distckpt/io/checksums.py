@@ -85,9 +85,12 @@ MAX_DIGEST_THREADS = 8
 
 
 def digest_threads(nbytes: int) -> int:
-    """How many threads BLAKE3 may use to verify `nbytes`: the cores this process may run on,
-    shared with the other ranks of its node (torchrun's LOCAL_WORLD_SIZE), for a large file;
-    one otherwise. (xxh3 stays on one: it is memory-bound already.)"""
+    """How many threads BLAKE3 may use to verify `nbytes`: for a large file, the cores this
+    process may run on, shared with the other ranks of its node (torchrun's LOCAL_WORLD_SIZE),
+    less one for the load's own helper thread that runs meanwhile (copying.Prefault faults in the
+    destination tensors): on 2 cores a second hash thread beside it made a 256 MiB verified load
+    slower, 0.144 against 0.132 s (bench/verify_profile.py). One for a small file. (xxh3 stays on
+    one: it is memory-bound already.)"""
     if nbytes < PARALLEL_DIGEST_BYTES:
         return 1
     try:
@@ -98,7 +101,7 @@ def digest_threads(nbytes: int) -> int:
         local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         local_ranks = 1
-    return max(1, min(MAX_DIGEST_THREADS, cores // local_ranks))
+    return max(1, min(MAX_DIGEST_THREADS, cores // local_ranks - 1))
 
 
 def verify_file(data: bytes | bytearray | memoryview, record: dict[str, Any], where: str,

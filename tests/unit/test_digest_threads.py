@@ -35,17 +35,19 @@ def test_a_threaded_digest_is_the_single_threaded_one(size, threads, seed):
     assert many.hexdigest() == one.hexdigest() == signing.digest_of(data)
 
 
-def test_a_large_verified_file_is_hashed_on_every_core_of_the_rank(monkeypatch):
+def test_a_large_verified_file_is_hashed_on_the_cores_of_the_rank_but_one(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert checksums.digest_threads(checksums.PARALLEL_DIGEST_BYTES - 1) == 1  # a pool costs more than it saves
-    assert checksums.digest_threads(checksums.PARALLEL_DIGEST_BYTES) == 6
+    assert checksums.digest_threads(checksums.PARALLEL_DIGEST_BYTES) == 5  # one left for the prefault thread
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # the node's cores are shared with its other ranks
     assert checksums.digest_threads(1 << 30) == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert checksums.digest_threads(1 << 30) == 3
+    assert checksums.digest_threads(1 << 30) == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")
-    assert checksums.digest_threads(1 << 30) == 6
+    assert checksums.digest_threads(1 << 30) == 5
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert checksums.digest_threads(1 << 30) == 1  # 2 cores: the hash and the prefault, one each
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     assert checksums.digest_threads(1 << 30) == checksums.MAX_DIGEST_THREADS
 
