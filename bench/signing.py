@@ -1,6 +1,6 @@
 """The cost of signed checkpoints: a 256 MiB save and load with and without keys, same run.
 
-    python bench/signing.py [--mib 256] [--rounds 7] [--root DIR]
+    python bench/signing.py [--mib 256] [--rounds 7] [--root DIR] [--compare CHECKOUT]
 
 Each measurement is a fresh process (python -c), so no page cache of the process, no warm
 hashers and no earlier manager help either row; the two modes alternate within every round
@@ -8,6 +8,11 @@ hashers and no earlier manager help either row; the two modes alternate within e
 `load_latest()` (the call alone, after the manager is built), and the ratio of signed to unsigned.
 Signed: `signing_key=` on save (BLAKE3 digests + Ed25519 signature), `verify_key=` on load
 (signature + every file's BLAKE3 checked in the checksum's pass).
+
+The ratio column is of the medians; "per-round ratio" gives the quartiles of each round's own
+ratio (signed over unsigned within one round), the noise a shared machine adds. `--compare DIR`
+(another checkout of distckpt, e.g. `git archive <commit> | tar -x -C DIR`) runs the same rows
+with that version too, interleaved in every round, each version's rows against its own baseline.
 """
 
 from __future__ import annotations
@@ -42,9 +47,15 @@ print(json.dumps({"s": dt, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).
 """
 
 
-def child(mode: str, root: str, mib: int, key: str) -> dict:
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout
+
+
+def child(mode: str, root: str, mib: int, key: str, checkout: str = HERE) -> dict:
+    """One measurement in a fresh process importing distckpt from `checkout` (run from its
+    temporary directory, so no working directory's copy shadows it)."""
+    env = {**os.environ, "PYTHONPATH": checkout}
     out = subprocess.run([sys.executable, "-c", _CHILD, mode, root, str(mib), key], capture_output=True,
-                         text=True, timeout=600, check=True)
+                         text=True, timeout=600, check=True, env=env, cwd=os.path.dirname(root))
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
@@ -63,37 +74,63 @@ def keys(folder: str) -> tuple[str, str]:
     return private, public
 
 
+ROWS = (("save", None), ("save signed", "save"), ("load", None), ("load verified", "load"))
+
+
+def one_round(base: str, versions: dict[str, str], mib: int, private: str, public: str) -> dict[str, dict]:
+    """Every row of every version once, the versions interleaved: {row (version): child's answer}."""
+    got: dict[str, dict] = {}
+    for tag, checkout in versions.items():
+        for name, key in (("save", ""), ("save signed", private)):
+            root = os.path.join(base, (name + tag).replace(" ", "-"))
+            shutil.rmtree(root, ignore_errors=True)
+            got[name + tag] = child("save", root, mib, key, checkout)
+    for tag, checkout in versions.items():
+        for name, saved, key in (("load", "save", ""), ("load verified", "save signed", public)):
+            got[name + tag] = child("load", os.path.join(base, (saved + tag).replace(" ", "-")), mib, key, checkout)
+    return got
+
+
+def quartiles(values: list[float]) -> str:
+    if len(values) < 2:
+        return f"{values[0]:.3f}" if values else "-"
+    q1, q2, q3 = statistics.quantiles(values, n=4)
+    return f"{q1:.3f} / {q2:.3f} / {q3:.3f}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--root", default=None)
+    p.add_argument("--compare", default=None, metavar="CHECKOUT",
+                   help="another checkout of distckpt whose rows are measured in the same rounds")
     args = p.parse_args()
+    versions = {"": HERE}
+    if args.compare:
+        if not os.path.isfile(os.path.join(args.compare, "distckpt", "__init__.py")):
+            p.error(f"--compare {args.compare}: no distckpt/__init__.py there (give a checkout's root)")
+        versions[" (compared)"] = os.path.abspath(args.compare)
     base = tempfile.mkdtemp(prefix="distckpt-sign-bench-", dir=args.root)
     try:
         private, public = keys(base)
-        times: dict[str, list[float]] = {k: [] for k in ("save", "save signed", "load", "load verified")}
-        peaks: dict[str, list[float]] = {k: [] for k in times}
+        rounds: list[dict[str, dict]] = []
         for r in range(args.rounds + 1):  # round 0 warms the disk and the interpreter's imports
-            for name, mode, key in (("save", "save", ""), ("save signed", "save", private)):
-                root = os.path.join(base, name.replace(" ", "-"))
-                shutil.rmtree(root, ignore_errors=True)
-                got = child(mode, root, args.mib, key)
-                if r:
-                    times[name].append(got["s"])
-                    peaks[name].append(got["peak_mib"])
-            for name, root, key in (("load", "save", ""), ("load verified", "save-signed", public)):
-                got = child("load", os.path.join(base, root), args.mib, key)
-                if r:
-                    times[name].append(got["s"])
-                    peaks[name].append(got["peak_mib"])
-        med = {k: statistics.median(v) for k, v in times.items()}
+            got = one_round(base, versions, args.mib, private, public)
+            if r:
+                rounds.append(got)
         print(f"| row ({args.mib} MiB, local disk, fresh processes, median of {args.rounds}) | seconds | "
-              "peak RSS MiB | ratio |")
-        print("|---|---|---|---|")
-        for name, baseline in (("save", None), ("save signed", "save"), ("load", None), ("load verified", "load")):
-            ratio = f"{med[name] / med[baseline]:.3f}" if baseline else "1 (baseline)"
-            print(f"| {name} | {med[name]:.3f} | {statistics.median(peaks[name]):.0f} | {ratio} |")
+              "peak RSS MiB | ratio | per-round ratio (quartiles) |")
+        print("|---|---|---|---|---|")
+        for tag in versions:
+            med = {n + tag: statistics.median(g[n + tag]["s"] for g in rounds) for n, _ in ROWS}
+            for name, baseline in ROWS:
+                row, peak = name + tag, statistics.median(g[name + tag]["peak_mib"] for g in rounds)
+                ratio, spread = "1 (baseline)", ""
+                if baseline:
+                    ratio = f"{med[row] / med[baseline + tag]:.3f}"
+                    spread = quartiles([g[row]["s"] / g[baseline + tag]["s"] for g in rounds])
+                print(f"| {row} | {med[row]:.3f} | {peak:.0f} | {ratio} | {spread} |")
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -45,7 +45,7 @@ def read_verified(storage: Any, path: str, record: dict[str, Any], where: str,
             first = e
             continue
         try:
-            verify_file(data, record, where, release(data) if release is not None else None, signing.verifies(storage))
+            verify_read(storage, data, record, where, release)
         except CorruptCheckpointError as e:
             if attempt == 2:
                 raise  # damage at rest: the caller says so (a fallback's warning), once
@@ -56,3 +56,10 @@ def read_verified(storage: Any, path: str, record: dict[str, Any], where: str,
                         where, first)
         return data
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def verify_read(storage: Any, data: Any, record: dict[str, Any], where: str, release: Release | None = None) -> None:
+    """The check every reader of a load runs on a file's bytes, however they were read (whole, or
+    in ranges by the ranks together): xxh3, or the signed BLAKE3 digest instead where `storage`
+    has a verify key (io/signing.py). CorruptCheckpointError / UntrustedCheckpointError."""
+    verify_file(data, record, where, release(data) if release is not None else None, signing.verifies(storage))

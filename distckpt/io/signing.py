@@ -33,12 +33,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from distckpt.errors import ConfigError, MissingFileError, StorageError, UntrustedCheckpointError
+
+_log = logging.getLogger("distckpt")
 
 SIGNATURE = "SIGNATURE"
 DIGEST = "blake3"  # the key of a file record's cryptographic digest
@@ -52,14 +55,27 @@ _INSTALL = "install the extra: pip install 'distckpt[sign]'"
 
 # -- digests ----------------------------------------------------------------------------------
 
-def new_digest() -> Any:
+def new_digest(threads: int = 1) -> Any:
     """A BLAKE3 hasher (3x SHA-256's speed here: 0.057 s against 0.148 s over 256 MiB on one
-    core). One thread: BLAKE3's multi-threaded mode runs a process-wide thread pool, which a
-    forked child (a loader worker) would inherit broken, and gained little on a busy host."""
+    core). `threads` > 1 (a verified load's large files: checksums.digest_threads) hashes each
+    update on that many threads of a pool the hasher starts for itself and stops with itself.
+    Never blake3.AUTO: that runs on rayon's process-wide pool, which a forked child (a loader
+    worker) inherits without its threads, and a hash there waits forever (tests/unit/
+    test_digest_threads.py forks after each kind of use). A hasher of its own is safe across a
+    fork as long as no child uses the parent's hasher, which none does: each is made, used and
+    dropped within one call. Saves keep one thread: their hash runs beside the write."""
     try:
         import blake3
     except ImportError as e:  # pragma: no cover - the extra is installed with the key's package
         raise ConfigError(f"signed checkpoints need the blake3 package: {_INSTALL}") from e
+    if threads > 1:
+        try:
+            return blake3.blake3(max_threads=threads)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001  (a thread the OS refused: a Rust panic, a BaseException)
+            _log.warning("BLAKE3 could not start %d hashing threads (%s: %s); hashing on one", threads,
+                         type(e).__name__, e)
     return blake3.blake3()
 
 

@@ -27,7 +27,7 @@ Protocol, per candidate step, on every rank (call exactly one of `read` or `skip
     parts     each rank reads its range; its success or its error is exchanged, and any error
               is the same error on every rank
     exchange  rounds of all_gather into each rank's copy of the file
-    verify    size and checksum, on every rank
+    verify    size and checksum (with a verify key: the signed BLAKE3 digest), on every rank
 A rank that dies during the exchange fails the collective on the others (CoordinationError
 within the manager's timeout); nothing live has been changed by then.
 """
@@ -41,8 +41,7 @@ import mmap
 from typing import Any, Iterator
 
 from distckpt.errors import CorruptCheckpointError, MissingFileError, StorageError
-from distckpt.io.checksums import verify_file
-from distckpt.io.reading import read_verified
+from distckpt.io.reading import read_verified, verify_read
 from distckpt.protocol.coord import Coordinator, Outcome, error_of
 from distckpt.runtime import faults
 from distckpt.storage.spill import SpillError, download_mapped
@@ -101,7 +100,7 @@ class CooperativeRead:
         for attempt in (1, 2):
             data = self._read_together(path, int(record["size"]), where)
             try:
-                verify_file(data, record, where, release(data) if release is not None else None)
+                verify_read(self.storage, data, record, where, release)  # with a verify key: its BLAKE3
             except CorruptCheckpointError as e:
                 if attempt == 2:
                     raise  # damage at rest, or in every read: the fallback says so on every rank
