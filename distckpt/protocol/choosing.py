@@ -3,7 +3,7 @@ committed" means (loading.py runs the phases).
 
     choose    rank 0 lists the durable root's step directories and reads its leases, and
               broadcasts them (the first listing in the exchange that checks the ranks'
-              requests: loading._agree_on_the_request); with a local tier every rank keeps
+              requests: load_request.agree_on_the_request); with a local tier every rank keeps
               the local steps a lease of the durable root wrote, and the ranks agree on those
               every node holds (tiers.py). An unreadable durable root leaves the local steps,
               chosen without their leases (a warning on every rank; the first save checks

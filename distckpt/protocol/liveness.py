@@ -1,7 +1,7 @@
 """Whether a peer rank's process still exists, where this process can tell: the same machine.
 
 Rank 0 waits for the other ranks' reports of their files through the key-value store
-(coord.StoreReports), which does not notice a peer's death: a rank SIGKILLed (or OOM-killed)
+(reports.StoreReports), which does not notice a peer's death: a rank SIGKILLed (or OOM-killed)
 while writing its files left rank 0 waiting for the whole timeout (600 s by default; under
 torchrun, until its SIGKILL 30 s after the teardown's SIGTERM, which a process blocked in that
 wait did not act on). Each rank publishes who it is; a waiting rank 0 looks at the peers it

@@ -24,7 +24,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from distckpt.errors import (  # noqa: F401  (re-exported where it was defined)
     CheckpointFallbackWarning,
@@ -56,8 +56,9 @@ from distckpt.protocol.commit import (
     removed_meanwhile,
 )
 from distckpt.protocol.cooperative import CooperativeRead, reading_together
-from distckpt.protocol.coord import Coordinator, Outcome, agree, attempt_phase, raise_if_failed, run_decided
+from distckpt.protocol.coord import Coordinator, Outcome, agree, attempt_phase, raise_if_failed
 from distckpt.protocol.fencing import Lease
+from distckpt.protocol.load_request import agree_on_the_request, load_request
 from distckpt.runtime import faults
 from distckpt.runtime.interrupts import sigint_deferred
 from distckpt.state import sharded
@@ -264,7 +265,7 @@ def load(coord: Coordinator, storage: Storage, entries: list[Entry], state: dict
     storages = {tiers.DURABLE: storage, tiers.LOCAL: local or storage}
     # the requests agreed and the candidates chosen, the same on every rank: one exchange
     candidates, leases = choose(coord, storage, step, local,
-                                lambda then: _agree_on_the_request(coord, _request(step, world_size_policy, entries), then))
+                                lambda then: agree_on_the_request(coord, load_request(step, world_size_policy, entries), then))
     split: set[int] | None = None  # the steps split between ranks at every read so far
     for attempt in range(1, _LISTING_ATTEMPTS + 1):
         if not candidates:
@@ -532,53 +533,6 @@ def _modules_with_buffers(entries: list[Entry]) -> list[str]:
 
 
 
-
-
-def _request(step: int | None, world_size_policy: str, entries: list[Entry]) -> dict[str, Any]:
-    """What this rank asks of a load, checked against every other rank's (_check_requests)."""
-    return {"step": step, "policy": world_size_policy, "keys": sorted(e.key for e in entries)}
-
-
-def _agree_on_the_request(coord: Coordinator, request: dict[str, Any],
-                          then: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Every rank asked for the same load (_check_requests), and rank 0's answer to it: `then`,
-    run on rank 0 once the requests agree (choosing the step), in the same exchange. One
-    exchange: the requests travel to rank 0 alone, and one answer comes back (coord.run_decided)."""
-    def decide(asked: list[dict[str, Any]]) -> dict[str, Any]:
-        _check_requests(asked)
-        return then() if then is not None else {}
-
-    return run_decided(coord, "load/request", "choosing a checkpoint to load", request, decide)
-
-
-def _check_requests(asked: list[dict[str, Any]]) -> None:
-    """Rank 0 alone chooses the step, so a rank calling load(state, 1) while rank 0 calls
-    load(state, 2) or load_latest was silently given step 2. And into states of the same entries,
-    as a save requires: a rank whose `state` lacked an entry the others restore (its scheduler)
-    went on with its own, with a warning on that rank only. The error names the ranks: every
-    rank raises it as it is."""
-    refused = [(rank, a["refused"]) for rank, a in enumerate(asked) if "refused" in a]
-    error: DistCkptError | None = None
-    if refused:
-        error = ConfigError("the load was refused on rank(s) " + "; ".join(f"rank {r}: {m}" for r, m in refused))
-    elif any((a["step"], a["policy"]) != (asked[0]["step"], asked[0]["policy"]) for a in asked):
-        table = ", ".join(f"rank {r}: " + ("load_latest" if a["step"] is None else f"load(state, {a['step']})")
-                          + f" with world_size_policy={a['policy']!r}" for r, a in enumerate(asked))
-        error = RankDisagreementError(f"the ranks asked for different loads — {table}; every rank must load the "
-                                      "same step (or every rank load_latest) with the same manager settings")
-    elif any(a["keys"] != asked[0]["keys"] for a in asked):
-        table = "; ".join(f"rank {r}: {a['keys']}" for r, a in enumerate(asked))
-        error = RankDisagreementError(f"the ranks load into states of different entries — {table}; every rank "
-                                      "must pass a `state` with the same keys (wrap what differs in per_rank(...))")
-    if error is not None:
-        error.names_ranks = True  # type: ignore[attr-defined]  # said as it is on every rank (coord.Outcome.failure)
-        raise error
-
-
-def refuse_load_request(coord: Coordinator, error: ConfigError) -> None:
-    """This rank's load arguments were refused: every rank, in the request's exchange, raises the
-    same ConfigError naming it (this rank included)."""
-    _agree_on_the_request(coord, {"refused": str(error)})
 
 
 def _any_barrier(outcomes: list[Outcome]) -> bool:

@@ -48,10 +48,11 @@ from distckpt.protocol.commit import (
     create_manifest,
     create_marker,
 )
-from distckpt.protocol.coord import Coordinator, Outcome, Reports, error_of, hostname, raise_if_failed, run_on_root, run_phase
+from distckpt.protocol.coord import Coordinator, Outcome, error_of, hostname, raise_if_failed, run_on_root, run_phase
 from distckpt.protocol.fencing import Lease
 from distckpt.protocol.incremental import ContentTable
 from distckpt.protocol.payload import write_tree
+from distckpt.protocol.reports import Reports
 from distckpt.runtime import faults
 from distckpt.state import sharded
 from distckpt.state.capture import (

@@ -33,7 +33,8 @@ from distckpt.protocol.coord import Coordinator, Outcome, agree, make_coordinato
 from distckpt.protocol.frameworks import classify_in_world
 from distckpt.protocol.incremental import ContentTable
 from distckpt.protocol.leases import LeaseKeeper, ResumedBranch
-from distckpt.protocol.loading import Progress, load, refuse_load_request
+from distckpt.protocol.load_request import refuse_load_request
+from distckpt.protocol.loading import Progress, load
 from distckpt.protocol.memory_copies import MemoryTier
 from distckpt.protocol.memory_load import load_memory_copy
 from distckpt.protocol.payload import trees_written_by

@@ -88,7 +88,7 @@ def test_rank_0s_wait_for_reports_fails_at_once_when_the_peer_is_gone():
     import pytest
 
     from distckpt.errors import CoordinationError
-    from distckpt.protocol.coord import StoreReports, _identity_key
+    from distckpt.protocol.reports import StoreReports, _identity_key
 
     store = _store()
     reports = StoreReports(store, timeout_s=30, rank=0)
