@@ -5,13 +5,13 @@ This module never touches storage or torch.distributed.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterable, Iterator
 
 import xxhash
 
 from distckpt.errors import CorruptCheckpointError
 from distckpt.io import signing
+from distckpt.runtime.cores import cores_per_rank
 from distckpt.runtime.interrupts import Helpers, Task
 
 
@@ -93,15 +93,7 @@ def digest_threads(nbytes: int) -> int:
     one: it is memory-bound already.)"""
     if nbytes < PARALLEL_DIGEST_BYTES:
         return 1
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    try:
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local_ranks = 1
-    return max(1, min(MAX_DIGEST_THREADS, cores // local_ranks - 1))
+    return max(1, min(MAX_DIGEST_THREADS, cores_per_rank() - 1))
 
 
 def verify_file(data: bytes | bytearray | memoryview, record: dict[str, Any], where: str,

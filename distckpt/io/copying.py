@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from distckpt.io.staging import flat_bytes
+from distckpt.runtime.cores import cores_per_rank
 from distckpt.runtime.interrupts import Helpers, start_thread
 from distckpt.storage import is_mapped, release_pages
 
@@ -38,15 +39,7 @@ def copy_threads() -> int:
     copies already run on several (they would only compete)."""
     if torch.get_num_threads() > 1:
         return 1
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    try:
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local_ranks = 1
-    return max(1, min(MAX_COPY_THREADS, cores // local_ranks))
+    return max(1, min(MAX_COPY_THREADS, cores_per_rank()))
 
 
 # Helper threads per thread count, kept for the process (interrupts.Helpers: a wait for them an
