@@ -58,7 +58,8 @@ class CheckpointManager:
     its default and what it is for: keep_last/keep_best/best_mode (retention), async_save and
     overlap_snapshot, writer and staging_bytes (saves in the background), local_dir/durable_every/keep_local
     (two tiers), incremental, timeout, storage_options, world_size_policy, preemption_signals,
-    memory_tier/memory_every/keep_memory (a tier in shared memory with a partner copy on another node),
+    memory_tier/memory_every/keep_memory/disk_every (a tier in shared memory with a partner copy on another
+    node; with disk_every=N only every Nth save is written to disk, the others to memory alone),
     signing_key and verify_key (signed checkpoints: a load with a verify key refuses any step its key did not sign).
 
     A checkpoint is committed only when its COMMITTED marker is written, after every file is
@@ -82,7 +83,7 @@ class CheckpointManager:
                  local_dir: str | os.PathLike[str] | None = None, durable_every: int | None = None,
                  keep_local: int | None = None, incremental: bool = False,
                  overlap_snapshot: bool = False, memory_tier: bool = False, memory_every: int | None = None,
-                 keep_memory: int | None = None, signing_key: Any = None, verify_key: Any = None,
+                 keep_memory: int | None = None, disk_every: int | None = None, signing_key: Any = None, verify_key: Any = None,
                  writer: str = "thread", staging_bytes: int | None = None) -> None:
         refusal: Exception | None = None
         settings: Settings | None = None
@@ -93,7 +94,7 @@ class CheckpointManager:
                                    missing_entries, preemption_signals, incremental, overlap_snapshot,
                                    signing_key, verify_key, writer, staging_bytes)
             settings = Settings.check(url, storage_options, local_dir, durable_every, keep_local, config,
-                                      (memory_tier, memory_every, keep_memory))
+                                      (memory_tier, memory_every, keep_memory, disk_every))
         except Exception as e:  # a refused argument, an unreachable store: raised on every rank below
             refusal = e
         loader_hazards.track_iterators()  # a loop's loader left out of `state` is told at the first saves

@@ -28,16 +28,27 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from distckpt.errors import CheckpointFallbackWarning, ConfigError, DistCkptError, warn
 from distckpt.io import manifest as mf
+from distckpt.io import signing
 from distckpt.io.safetensors_format import safetensors_chunks
 from distckpt.io.signing import SIGNATURE, Trust
 from distckpt.protocol.commit import is_committed, read_marker, step_candidates
-from distckpt.protocol.coord import Coordinator, attempt_on_root, attempt_phase, raise_if_failed, run_phase
+from distckpt.protocol.coord import (
+    Coordinator,
+    Outcome,
+    attempt_on_root,
+    attempt_phase,
+    error_of,
+    raise_if_failed,
+    run_decided,
+    run_phase,
+)
 from distckpt.protocol.fencing import Lease, read_leases, superseded_by
 from distckpt.protocol.memory_tier import OWN, PEER, MemorySettings, NodeMemory, signed_copy, verify_files
+from distckpt.protocol.saving import RankReport, check_rank_reports, manifest_bytes
 from distckpt.runtime import faults
 from distckpt.state import sharded
 from distckpt.storage import Storage
@@ -55,6 +66,7 @@ class MemoryTier:
         self.settings, self.coord, self.rank = settings, coord, coord.rank
         self.enabled = settings.enabled
         self.memory = NodeMemory(settings, trust) if settings.enabled else None
+        self.trust = trust
         nodes = [settings.node] if not settings.enabled or coord.world_size == 1 else \
             coord.all_gather(settings.node, "init/memory-nodes")
         self.node_of: list[int] = [int(n) for n in nodes]  # by rank
@@ -88,12 +100,15 @@ class MemoryTier:
             raise ConfigError("memory_tier=True with incremental=True is not supported: a memory copy would have "
                               "to carry the files each step references from older ones; use one of the two")
 
-    def next_save_is_memory(self) -> bool:
-        """Every memory_every-th save (counted alike on every rank)."""
+    def next_save(self, must_reach_disk: bool = False) -> tuple[bool, bool]:
+        """(to memory, to disk) for the next save, counted alike on every rank: every
+        memory_every-th save goes to memory, every disk_every-th to disk (the others to memory
+        only); `must_reach_disk` (the pre-emption save, agreed on every rank) goes to disk."""
         if not self.enabled:
-            return False
+            return False, True
         self._saves += 1
-        return self._saves % self.settings.every == 0
+        to_disk = must_reach_disk or self._saves % self.settings.disk_every == 0
+        return self._saves % self.settings.every == 0, to_disk
 
     def after_commit(self, coord: Coordinator, step: int, captured: Any, staged: Any, target: Storage,
                      lease: Lease | None) -> None:
@@ -110,6 +125,50 @@ class MemoryTier:
             mine["replicated"] = [replicated_name, len(replicated)]
             mine["lease"] = dataclasses.asdict(lease) if lease is not None else None
         plan = coord.all_gather(mine, "memory/plan")  # names and sizes only: the bytes go point to point
+        self._copy(coord, step, captured, own, plan, generation)
+
+    def commit_memory_only(self, coord: Coordinator, captured: Any, staged: Any, lease: Lease | None,
+                           failure: BaseException | None, versions: Callable[[], dict[str, Any]],
+                           check_fence: Callable[[Lease], None]) -> None:
+        """Commit the captured save to every node's memory and its partner copies, and nowhere
+        else (a save between two disk_every saves). Collective, on the save's group. Rank 0 makes
+        the manifest, marker (and signature) from every rank's file records as a disk commit
+        would, after checking the fence; a rank that failed since the capture (`failure`) fails
+        the save on every rank alike, and nothing is written."""
+        step, what = captured.step, f"memory save of step {captured.step}"
+        generation = int(captured.infos[0]["generation"] or 0)
+        digests = self.trust is not None and self.trust.digests
+        own = self._own_parts(captured, generation) if failure is None else {}
+        write = captured.own_write
+        mine: dict[str, Any] = {
+            "sizes": [[name, len(data)] for name, data in own.items()],
+            "records": {name: _record(data, digests) for name, data in own.items()},
+            "shard": [None, None] if write is None or write.shard_tree is None else
+                     [sharded.shard_file(captured.rank, generation), write.boxes],
+            "outcome": Outcome(self.rank) if failure is None else Outcome.failure(self.rank, failure)}
+        if coord.rank == 0 and failure is None:  # after `mine`: the replicated file is no rank's own file
+            own[mf.replicated_file(generation)] = b"".join(bytes(c) for c in safetensors_chunks(staged.replicated))
+
+        def decide(views: list[dict[str, Any]]) -> dict[str, Any]:
+            failed = [v["outcome"] for v in views if not v["outcome"].ok]
+            if failed:
+                raise error_of(failed, what)
+            assert lease is not None  # rank 0 took it in the capture
+            check_fence(lease)  # a superseded writer commits nothing, in memory either
+            replicated = mf.replicated_file(generation)
+            small = memory_only_root(staged, views, replicated, _record(own[replicated], digests), generation,
+                                     versions, self.trust)
+            return {"plan": [{"sizes": v["sizes"]} for v in views], "root": small,
+                    "replicated": [replicated, len(own[replicated])], "lease": dataclasses.asdict(lease)}
+
+        answer = run_decided(coord, "memory/plan", what, mine, decide)
+        plan = answer["plan"]
+        plan[0].update(root=answer["root"], replicated=answer["replicated"], lease=answer["lease"])
+        self._copy(coord, step, captured, own, plan, generation)
+
+    def _copy(self, coord: Coordinator, step: int, captured: Any, own: dict[str, bytes],
+              plan: list[dict[str, Any]], generation: int) -> None:
+        """Every rank's files to the ranks that commit them, then each node's copies committed."""
         root = plan[0]
         routes = self._routes(plan)
         receives, keys = self._prepare(coord, step, plan, routes)
@@ -502,6 +561,30 @@ def _lease_of(files: dict[str, bytes]) -> Lease:
     """The lease a repaired copy is committed under: its marker's generation, replacing nothing newer."""
     marker = mf.Marker.parse(files[mf.MARKER], "")
     return Lease(marker.generation, None, marker.run_id)
+
+
+def _record(data: bytes, digest: bool) -> dict[str, Any]:
+    """A file's manifest record (size and xxh3; with signing its BLAKE3 too), as a write makes it."""
+    check = mf.Checksum(digest=digest)
+    for _ in check.wrap([data]):
+        pass
+    return check.record()
+
+
+def memory_only_root(staged: Any, views: list[dict[str, Any]], replicated: str, replicated_record: dict[str, Any],
+                     generation: int, versions: Callable[[], dict[str, Any]], trust: Trust | None) -> dict[str, bytes]:
+    """Rank 0: the manifest, marker (and signature) of a step committed to memory only, listing
+    the replicated file and every rank's own files as their ranks recorded them."""
+    where = f"memory tier, step {staged.step}"
+    reports = [RankReport(r, dict(v["records"]), v["shard"][0], v["shard"][1]) for r, v in enumerate(views)]
+    table = check_rank_reports(staged, reports, generation, where)
+    files = {replicated: replicated_record, **{n: rec for r in reports for n, rec in r.files.items()}}
+    manifest = manifest_bytes(staged, staged.replicated, files, table, generation, versions)
+    small = {mf.MANIFEST: manifest,
+             mf.MARKER: mf.Marker(staged.step, mf.checksum_of(manifest), staged.run_id, generation).to_bytes()}
+    if trust is not None and trust.signer is not None:
+        small[SIGNATURE] = signing.signature_bytes(trust.signer, manifest)
+    return small
 
 
 def _release(receives: dict[int, list[Any]]) -> None:

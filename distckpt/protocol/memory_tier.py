@@ -59,13 +59,16 @@ class MemorySettings:
     root: str = ""  # this node's memory root (a directory in shared memory)
     node: int = 0   # this node's rank (torchrun's GROUP_RANK)
     free_limit: int | None = None  # DISTCKPT_MEMORY_FREE_BYTES: the free shared memory counted at most
+    disk_every: int = 1  # every Nth save is written to disk too; the others are committed to memory only
 
     @classmethod
-    def check(cls, url: str, memory_tier: Any, memory_every: Any, keep_memory: Any) -> "MemorySettings":
+    def check(cls, url: str, memory_tier: Any, memory_every: Any, keep_memory: Any,
+              disk_every: Any = None) -> "MemorySettings":
         if not isinstance(memory_tier, bool):
             raise ConfigError(f"memory_tier={shown(memory_tier)}: must be True or False")
         if not memory_tier:
-            for name, value in (("memory_every", memory_every), ("keep_memory", keep_memory)):
+            for name, value in (("memory_every", memory_every), ("keep_memory", keep_memory),
+                                ("disk_every", disk_every)):
                 if value is not None:
                     raise ConfigError(f"{name}={shown(value)} needs memory_tier=True (the tier in shared memory "
                                       "it sets); without it no save is kept in memory")
@@ -74,13 +77,19 @@ class MemorySettings:
                           "every Nth save is also committed to memory; 1: every save")
         keep = _positive("keep_memory", 2 if keep_memory is None else keep_memory,
                          "the newest steps kept in memory on each node")
+        disk = _positive("disk_every", 1 if disk_every is None else disk_every,
+                         "every Nth save is written to disk too, the others to memory only; 1: every save")
+        if disk > 1 and every > 1:
+            raise ConfigError(f"disk_every={disk} with memory_every={every}: a save that is neither a memory save nor "
+                              "a disk save would be lost; with disk_every every save goes to memory (memory_every=1)")
         node = node_rank()
-        return cls(True, every, keep, memory_root(url, node), node, _free_limit())
+        return cls(True, every, keep, memory_root(url, node), node, _free_limit(), disk)
 
 
     def shared(self) -> dict[str, Any]:
         """The settings every rank must share (compared when the managers are built)."""
-        return {"memory_tier": self.enabled, "memory_every": self.every, "keep_memory": self.keep}
+        return {"memory_tier": self.enabled, "memory_every": self.every, "keep_memory": self.keep,
+                "disk_every": self.disk_every}
 
 
 def _positive(name: str, value: Any, why: str) -> int:

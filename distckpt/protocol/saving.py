@@ -201,19 +201,21 @@ def capture_save(coord: Coordinator, storage: Storage, entries: list[Entry], ste
                  take_lease: Callable[[], Lease] | None = None,
                  save_seq: int = 0, split_writes: bool = False,
                  durable: Storage | None = None,
-                 prepare: Callable[[], None] | None = None, handover: bool = False) -> CapturedSave:
+                 prepare: Callable[[], None] | None = None, handover: bool = False,
+                 memory_only: bool = False) -> CapturedSave:
     """Phases capture and agree (call on every rank; one exchange): every rank has captured
     and all hold the same step and epoch, or every rank raises the same error. With two tiers
     `storage` is the local one, the `durable` root is the one checked to be this run's, and rank 0
     runs `prepare` first (it clears another job's steps out of the local tier). With `handover`
     (the same on every rank) the rank files go to rank 0 in the gather instead of being written
-    by their ranks."""
+    by their ranks. A `memory_only` save (memory_tier with disk_every) writes nothing to `storage`:
+    its step there is not checked."""
     t0 = time.perf_counter()
     split = split_writes and coord.world_size > 1
     def capture() -> _Captured:
         consolidate_zero_optimizers(entries)  # first: a collective of every rank, before any can fail
         local = _capture_phase(coord, storage, entries, step, epoch, staging, replaceable, take_lease, split,
-                               durable, prepare, handover)
+                               durable, prepare, handover, memory_only)
         if coord.world_size > 1:  # a module's GPU parameters at a manager's first save only (a device sync)
             local.digests = replicated_digests(entries, gpu_modules=save_seq <= 1, save_seq=save_seq)
         faults.point("save/captured", step=step, rank=coord.rank)
@@ -330,7 +332,7 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
                    epoch: int | None, staging: StagingPool | None, replaceable: "ReplacePolicy | None",
                    take_lease: Callable[[], Lease] | None, split: bool,
                    durable: Storage | None = None, prepare: Callable[[], None] | None = None,
-                   handover: bool = False) -> _Captured:
+                   handover: bool = False, memory_only: bool = False) -> _Captured:
     """This rank's capture: RNG first, then its per-rank entries; rank 0 the replicated ones."""
     out = _Captured()
     for entry in entries:  # a loader's first iterator draws: before the streams are recorded
@@ -340,7 +342,8 @@ def _capture_phase(coord: Coordinator, storage: Storage, entries: list[Entry], s
         if prepare is not None:
             prepare()
         check_root_is_ours(durable if durable is not None else storage, replaceable or ReplacePolicy())
-        check_step_is_free(storage, step, replaceable or ReplacePolicy())
+        if not memory_only:
+            check_step_is_free(storage, step, replaceable or ReplacePolicy())
         if take_lease is not None:
             out.generation = take_lease().generation  # every rank's own files are named with it
     own = {"step": step, "epoch": epoch, "rank": coord.rank, "world_size": coord.world_size,
@@ -530,14 +533,8 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: Callable[[
     # loader's last resort, should this writer die first.
     clear_step_dir(storage, staged.step, policy)
     t1 = time.perf_counter()
-    manifest = mf.Manifest(
-        step=staged.step, epoch=staged.epoch, metric=staged.metric, run_id=staged.run_id, generation=gen,
-        created_unix=time.time(), world_size=staged.world_size, ranks=staged.ranks,
-        entries=staged.entries, files=files, versions=versions(), sharded=table,
-        payload_bytes=replicated.payload_bytes + sum(
-            r["size"] for name, r in files.items() if name.startswith(sharded.SHARD_PREFIX)),
-        **(incremental.manifest_fields(split) if split is not None else {}), **staged.manifest_extra)
-    data = manifest.to_bytes()
+    data = manifest_bytes(staged, replicated, files, table, gen, versions,
+                          incremental.manifest_fields(split) if split is not None else {})
     create_manifest(storage, base, data, gen, policy, staged.step)
     digest = mf.checksum_of(data)
     faults.point("save/manifest-written", step=staged.step, rank=0)
@@ -550,6 +547,29 @@ def _write_and_commit(storage: Storage, staged: StagedSave, versions: Callable[[
     staged.timings.update(write_s=t1 - t0, commit_s=time.perf_counter() - t1)
     faults.point("save/committed", step=staged.step, rank=0)
     return digest
+
+
+def manifest_bytes(staged: StagedSave, replicated: EncodedTree, files: dict[str, Any], table: dict[str, Any] | None,
+                   generation: int, versions: Callable[[], dict[str, Any]],
+                   extra: dict[str, Any] | None = None) -> bytes:
+    """The manifest of `staged` listing `files` (name -> record), as every tier commits it."""
+    return mf.Manifest(
+        step=staged.step, epoch=staged.epoch, metric=staged.metric, run_id=staged.run_id, generation=generation,
+        created_unix=time.time(), world_size=staged.world_size, ranks=staged.ranks,
+        entries=staged.entries, files=files, versions=versions(), sharded=table,
+        payload_bytes=replicated.payload_bytes + sum(
+            r["size"] for name, r in files.items() if name.startswith(sharded.SHARD_PREFIX)),
+        **(extra or {}), **staged.manifest_extra).to_bytes()
+
+
+def check_rank_reports(staged: StagedSave, got: list[RankReport], generation: int, where: str) -> dict[str, Any] | None:
+    """Every rank's report of its own files checked (each names exactly its files); the chunk
+    table of the sharded tensors, or None."""
+    for rank, report in enumerate(got):
+        _check_report(report, rank, generation, where)
+    if not staged.shard_meta:
+        return None
+    return sharded.chunk_table(staged.shard_meta, [r.shard_report() for r in got], where)
 
 
 def _collect_reports(staged: StagedSave, reports: Reports | None, files: dict[str, Any], generation: int,
@@ -566,13 +586,11 @@ def _collect_reports(staged: StagedSave, reports: Reports | None, files: dict[st
     failed = [r.failure for r in got if r.failure is not None]
     if failed:
         raise error_of(failed, f"save of step {staged.step}: writing the ranks' own files")
-    for rank, report in enumerate(got):
-        _check_report(report, rank, generation, where)
+    table = check_rank_reports(staged, got, generation, where)
+    for report in got:
         files.update(report.files)
     _check_visible_to_the_committer(storage, base, got, where)
-    if not staged.shard_meta:
-        return None
-    return sharded.chunk_table(staged.shard_meta, [r.shard_report() for r in got], where)
+    return table
 
 
 def _check_visible_to_the_committer(storage: Storage, base: str, reports: list[RankReport], where: str) -> None:

@@ -26,10 +26,11 @@ from typing import Any, NoReturn
 from distckpt.config import ManagerConfig
 from distckpt.errors import AsyncSaveError, ConfigError, StorageError
 from distckpt.io.copying import Prefault
-from distckpt.protocol import doctor_hooks
+from distckpt.protocol import doctor_hooks, fencing
 from distckpt.protocol.async_writer import AsyncWriter, WriterStuckError
 from distckpt.protocol.bounded_staging import BoundedStagingPool, payload_trees
 from distckpt.protocol.coord import Coordinator, Outcome, agree, make_coordinator
+from distckpt.protocol.fencing import Lease
 from distckpt.protocol.frameworks import classify_in_world
 from distckpt.protocol.incremental import ContentTable
 from distckpt.protocol.leases import LeaseKeeper, ResumedBranch
@@ -85,6 +86,7 @@ class Session:
         self.snapshot = OverlappedSnapshot(self.staging, config.timeout)  # overlap_snapshot
         self.writer.before_exit = self.snapshot.check  # at exit the main thread checks, then waits
         self.pending_step: int | None = None
+        self.pending_on_disk = True  # False: the save in flight is committed to memory only (disk_every)
         self.save_seq = 0  # counts save() calls (the same on every rank): names shard reports
         # rank 0: what the last committed save holds, for incremental saves (incremental.py)
         self.content = ContentTable() if config.incremental else None
@@ -124,17 +126,24 @@ class Session:
         drawn = loader_hazards.warn_first_pass_draws_left_out([e.target for e in entries if e.kind_spec.holds_data_position])
         doctor_hooks.note_first_pass_draws(drawn, self.rank)
         doctor_hooks.rebase_fingerprints(step)
-        durable = self.uploads.next_save_is_durable(entries, metric)
-        in_memory = self.memory is not None and self.memory.next_save_is_memory()
+        in_memory, to_disk = self._next_save_tiers()
+        durable = self.uploads.next_save_is_durable(entries, metric) if to_disk else False
+        memory_only = in_memory and not to_disk
         self.save_seq += 1
         args = (self.coord, self.target, entries, step, epoch, metric, self.run_id,
                 self.staging if self.config.async_save else None, self.leases.replace_policy, self.leases.take,
                 self.save_seq, bool(self.config.split_writes), self.durable if self.local is not None else None,
-                self.leases.prepare_local if self.local is not None else None, self.uploads.hands_over_rank_files)
+                self.leases.prepare_local if self.local is not None else None,
+                self.uploads.hands_over_rank_files and not memory_only,  # a memory save's files go point to point
+                memory_only)
         if self.config.async_save:
-            self._save_in_background(entries, step, durable, args, in_memory)
+            self._save_in_background(entries, step, durable, args, in_memory, memory_only)
             return
         captured = capture_save(*args)
+        if memory_only:
+            self._commit_to_memory_only(self.coord, captured, gather_save(self.coord, captured))
+            doctor_hooks.after_commit(step, self.rank, self.world_size)
+            return
         staged, own_write = gather_save(self.coord, captured), captured.own_write
         exc = None
         try:
@@ -156,15 +165,21 @@ class Session:
         ConfigError on every rank, at once: this rank counts the save as the others do and
         fails their first agreement (the peers raised CoordinationError when this rank went on
         or died, or waited out the timeout when it stayed)."""
-        self.uploads.next_save_is_durable([])
-        if self.memory is not None:
-            self.memory.next_save_is_memory()
+        if self._next_save_tiers()[1]:
+            self.uploads.next_save_is_durable([])
         self.save_seq += 1
         agree(self.coord, Outcome.failure(self.rank, refusal), "save/capture", f"save of step {step!r}", refusal)
         raise refusal  # not reached: agree raised, the failure being in the outcomes
 
+    def _next_save_tiers(self) -> tuple[bool, bool]:
+        """(to memory, to disk) for the next save, alike on every rank (the pre-emption save, agreed,
+        goes to disk: the node's memory goes with the node)."""
+        if self.memory is None:
+            return False, True
+        return self.memory.next_save(must_reach_disk=self.uploads.preempting)
+
     def _save_in_background(self, entries: list[Any], step: int, durable: bool, args: tuple[Any, ...],
-                            in_memory: bool = False) -> None:
+                            in_memory: bool = False, memory_only: bool = False) -> None:
         """The training thread's only exchange: capture and agree. The gather, the write and the
         outcome run on the writer thread, over the writer's own process group."""
         if self.config.overlap_snapshot:
@@ -179,9 +194,9 @@ class Session:
             background = self._background_coordinator()
             with sigint_deferred():  # a Ctrl-C between these would leave a job no wait() collects
                 self.snapshot.started()  # optimizer steps wait from here until the copy is done
-                self.writer.submit(lambda: self._background_save(background, captured, durable, in_memory),
-                                   f"step {step}")
-                self.pending_step = step
+                self.writer.submit(lambda: self._background_save(background, captured, durable, in_memory,
+                                                                 memory_only), f"step {step}")
+                self.pending_step, self.pending_on_disk = step, not memory_only
         except BaseException:
             if self.pending_step != step:
                 self.snapshot.abandon()
@@ -266,7 +281,7 @@ class Session:
         return self.writer_coord
 
     def _background_save(self, coord: Coordinator, captured: CapturedSave, durable: bool,
-                         in_memory: bool = False) -> None:
+                         in_memory: bool = False, memory_only: bool = False) -> None:
         """The writer thread's part of an async save, on every rank: the overlapped snapshot's
         copies and their check, gather (with this rank's failure, if any), write, and rank 0's
         outcome to every rank (raised here, so each rank's wait() sees the same error)."""
@@ -284,6 +299,9 @@ class Session:
         finally:
             if exc is not None and isinstance(self.staging, BoundedStagingPool):
                 self.staging.release()  # nothing of this rank will be written: training may go on
+        if memory_only:  # nothing goes to disk: the memory commit shares every rank's outcome itself
+            self._commit_to_memory_only(coord, captured, staged, exc)
+            return
         try:
             raise_gathered_failures(coord, staged)  # rank 0: another rank failed, write nothing
             with trees_written_by(self.process_writer):  # None: this thread writes them
@@ -302,6 +320,21 @@ class Session:
         assert self.memory is not None
         self.memory.after_commit(coord, captured.step, captured, staged, self.target, self.leases.lease)
 
+    def _commit_to_memory_only(self, coord: Coordinator, captured: CapturedSave, staged: StagedSave | None,
+                               failure: BaseException | None = None) -> None:
+        """A save between two disk_every saves: committed to every node's memory and its partner
+        copies only (collective, memory_copies.py), under the same lease and fence as a disk commit."""
+        assert self.memory is not None
+        self.memory.commit_memory_only(coord, captured, staged, self.leases.lease, failure, self._versions,
+                                       self._check_fence)
+
+    def _check_fence(self, lease: Lease) -> None:
+        """Rank 0, before a memory-only commit: the fence at the URL, as before a disk commit."""
+        if self.local is not None:
+            self.leases.check_before_local_commit(lease)
+        else:
+            fencing.check_current(self.durable, lease)
+
     def finish_pending(self) -> None:
         """Check the overlapped snapshot, join the background save in flight and raise its
         outcome, which every rank's writer received from rank 0 (no exchange here). Interrupted
@@ -317,7 +350,8 @@ class Session:
         self.pending_step = None
         if err is not None:
             raise AsyncSaveError(f"background save of step {step} failed: {type(err).__name__}: {err}") from err
-        self.uploads.ship(step)
+        if self.pending_on_disk:  # a memory-only save has no local step to ship
+            self.uploads.ship(step)
         doctor_hooks.after_commit(step, self.rank, self.world_size)
 
     def _writer_bound_s(self) -> float | None:

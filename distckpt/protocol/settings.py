@@ -54,7 +54,7 @@ class Settings:
 
     @classmethod
     def check(cls, url: Any, storage_options: Any, local_dir: Any, durable_every: Any, keep_local: Any,
-              config: ManagerConfig, memory: tuple[Any, Any, Any] = (False, None, None)) -> "Settings":
+              config: ManagerConfig, memory: tuple[Any, ...] = (False, None, None, None)) -> "Settings":
         """Every argument (the config's own were checked as it was built); raises the first refusal."""
         if config.keep_best is not None and config.keep_last is None:
             warn(f"keep_best={config.keep_best} without keep_last keeps every step: retention keeps "

@@ -20,6 +20,9 @@ import sys
 
 import pytest
 
+from distckpt.protocol.commit import list_committed
+from distckpt.storage import open_storage
+
 HELPERS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers")
 LOOP = os.path.join(HELPERS, "memory_loop.py")
 
@@ -126,6 +129,25 @@ def test_a_replaced_node_resumes_from_its_partners_memory_bitwise_reading_no_pay
           f"{payload} of them from step directories")
     gets = [p for m, p, _ in proxy.served if m == "GET"]
     assert gets and all("list-type" in p or "/fence/" in p or "prefix=" in p for p in gets), gets[:10]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.faults)])
+def test_a_step_saved_to_memory_only_resumes_a_replaced_node_from_its_partner(tmp_path, via_proxy, async_save):
+    """Memory every step, S3 every 4th (disk_every=4): the killed step 5 is held in memory alone
+    (S3's newest is step 3); the replaced node resumes it from its partner, bit for bit."""
+    url, proxy = via_proxy
+    tmp, extra = str(tmp_path), ("--disk-every", "4") + (("--async",) if async_save else ())
+    finish(launch(tmp, "ref", url + "-ref", proxy.endpoint, 8, 1, extra))
+    kill_all(launch(tmp, "run", url, proxy.endpoint, 8, 1, ("--kill-at", "5:0", *extra)))
+    assert list_committed(open_storage(url, json.loads(proxy.endpoint))) == [3]  # the 4th save; steps 4 and 5 in memory only
+    shutil.rmtree(os.path.join(tmp, "mem-run", "node1"))
+    proxy.clear()
+    finish(launch(tmp, "run", url, proxy.endpoint, 8, 1, ("--no-save-after-resume", *extra)))
+    logs, reference = os.path.join(tmp, "logs-run"), os.path.join(tmp, "logs-ref")
+    assert [resumes(logs, r)[-1][:2] for r in (0, 1)] == [["5", "peer"]] * 2
+    assert all(losses(logs, r) == losses(reference, r) for r in (0, 1))
+    assert proxy.bytes_served("GET", r"step-\d+") == 0
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--local-dir")
     parser.add_argument("--durable-every", type=int)
     parser.add_argument("--memory-every", type=int)
+    parser.add_argument("--disk-every", type=int, help="every Nth save to disk, the others to memory only")
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard)")
     args = parser.parse_args()
@@ -69,7 +70,7 @@ def main() -> None:
 
         faults.on_point(hook)
     mgr = distckpt.CheckpointManager(args.url, storage_options=options, memory_tier=True, keep_memory=2,
-                                     memory_every=args.memory_every, timeout=30, async_save=args.async_save,
+                                     memory_every=args.memory_every, disk_every=args.disk_every, timeout=30, async_save=args.async_save,
                                      **tiers)
     started = time.perf_counter()
     progress = mgr.load_latest(state)

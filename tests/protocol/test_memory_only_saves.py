@@ -1,0 +1,210 @@
+"""disk_every: a memory tier that saves more often than the disks (memory every step, disk every
+Nth): the saves in between are committed to memory only, with a manifest, marker and fencing of
+their own, and resume bit for bit."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import distckpt
+from distckpt.io import manifest as mf
+from distckpt.protocol.commit import list_committed, read_marker, read_verified_manifest
+from distckpt.storage import open_storage
+from test_memory_tier import make_state, own_steps, train
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    root = str(tmp_path / "shm")
+    monkeypatch.setenv("DISTCKPT_MEMORY_DIR", root)
+    return root
+
+
+def run(url: str, saves, state: dict | None = None, **kw) -> tuple[dict, list[str]]:
+    """Train and save at every step of `saves`; the state and the losses."""
+    state = state or make_state()
+    losses = []
+    with distckpt.CheckpointManager(url, memory_tier=True, **kw) as mgr:
+        for step in saves:
+            losses += train(state, [step])
+            mgr.save(step, state)
+    return state, losses
+
+
+def resume(url: str, **kw):
+    state = make_state(seed=1)
+    with distckpt.CheckpointManager(url, memory_tier=True, **kw) as mgr:
+        return mgr.load_latest(state), state
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_saves_between_disk_saves_go_to_memory_only_and_resume_bitwise(shm, ckpt_dir, async_save):
+    state, _ = run(ckpt_dir, range(7), disk_every=3, keep_memory=2, async_save=async_save)
+    assert list_committed(open_storage(ckpt_dir)) == [5, 2]  # the 3rd and 6th saves
+    assert own_steps(shm) == [6, 5]  # every save in memory, keep_memory=2
+    progress, resumed = resume(ckpt_dir, disk_every=3)
+    assert (progress.step, progress.tier) == (6, "memory")
+    for key in ("model", "optimizer"):
+        assert str(resumed[key].state_dict()) == str(state[key].state_dict())
+    assert train(resumed, range(3)) == train(state, range(3))
+
+
+def test_a_memory_only_step_is_a_whole_committed_step_of_its_own(shm, ckpt_dir):
+    run(ckpt_dir, range(2), disk_every=2)  # step 0: memory only; step 1: disk and memory
+    memory = open_storage(os.path.join(shm, "own"))
+    marker = read_marker(memory, 0)
+    manifest = read_verified_manifest(memory, 0, marker)  # the marker names this manifest's checksum
+    assert (manifest.step, manifest.world_size, marker.generation) == (0, 1, manifest.generation)
+    base = os.path.join(shm, "own", mf.step_dir(0))
+    for name, record in manifest.files.items():
+        data = open(os.path.join(base, name), "rb").read()
+        mf.verify_file(data, record, name)  # every file its manifest lists, checksum and size
+    assert not os.path.exists(os.path.join(ckpt_dir, mf.step_dir(0)))  # nothing of it on disk
+
+
+def test_a_memory_only_step_lost_with_the_node_falls_back_to_the_last_disk_step(shm, ckpt_dir, tmp_path):
+    state, _ = run(ckpt_dir, range(4), disk_every=2)  # disk: 1, 3; memory only: 0, 2
+    os.rename(shm, str(tmp_path / "gone"))
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="no node holds a committed step in memory"):
+        progress, resumed = resume(ckpt_dir, disk_every=2)
+    assert (progress.step, progress.tier) == (3, "durable")
+    assert train(resumed, range(2)) == train(state, range(2))
+
+
+def test_composes_with_two_tiers_memory_every_step_local_every_2nd_url_every_4th(shm, ckpt_dir, tmp_path):
+    local = str(tmp_path / "local")
+    state, _ = run(ckpt_dir, range(8), disk_every=2, local_dir=local, durable_every=2, keep_memory=3,
+                   keep_local=10)
+    assert list_committed(open_storage(local)) == [7, 5, 3, 1]  # every 2nd save on the local tier
+    assert list_committed(open_storage(ckpt_dir)) == [7, 3]  # durable_every counts the disk saves
+    assert own_steps(shm) == [7, 6, 5]
+    progress, resumed = resume(ckpt_dir, disk_every=2, local_dir=local, durable_every=2)
+    assert (progress.step, progress.tier) == (7, "memory")
+    assert train(resumed, range(2)) == train(state, range(2))
+
+
+def test_the_pre_emption_save_goes_to_disk_whatever_disk_every_says(shm, ckpt_dir):
+    state = make_state()
+    with distckpt.CheckpointManager(ckpt_dir, memory_tier=True, disk_every=100,
+                                    preemption_signals=(signal.SIGUSR1,)) as mgr:
+        for step in range(10):
+            train(state, [step])
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            if mgr.preemption_requested():
+                mgr.save(step, state)
+                break
+            mgr.save(step, state)
+    assert list_committed(open_storage(ckpt_dir)) == [4]  # the node's memory goes with the node
+    assert own_steps(shm)[0] == 4
+
+
+def test_signed_memory_only_steps_verify_and_resume(shm, ckpt_dir, tmp_path):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    public = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                           serialization.PublicFormat.SubjectPublicKeyInfo)
+    state, _ = run(ckpt_dir, range(3), disk_every=2, signing_key=private)  # step 2: memory only
+    assert os.path.exists(os.path.join(shm, "own", mf.step_dir(2), "SIGNATURE"))
+    progress, resumed = resume(ckpt_dir, disk_every=2, verify_key=public)
+    assert (progress.step, progress.tier) == (2, "memory")
+    assert train(resumed, range(2)) == train(state, range(2))
+    other = ed25519.Ed25519PrivateKey.generate().public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="step 2 on the memory tier cannot be loaded"):
+        with pytest.raises(distckpt.CorruptCheckpointError, match="Only steps signed by the verify key"):
+            resume(ckpt_dir, disk_every=2, verify_key=other)  # another key's copy never loads, from memory either
+
+
+def test_a_superseded_writers_memory_only_save_is_fenced(shm, ckpt_dir):
+    zombie_state = make_state()
+    with distckpt.CheckpointManager(ckpt_dir, memory_tier=True, disk_every=2) as zombie:
+        for step in range(2):
+            train(zombie_state, [step])
+            zombie.save(step, zombie_state)  # step 1 on disk: the zombie holds the lease
+        state = make_state()
+        with distckpt.CheckpointManager(ckpt_dir, memory_tier=True, disk_every=2) as newer:
+            assert newer.load_latest(state).step == 1
+            newer.save(2, state)  # memory only: takes the newer lease all the same
+        with pytest.raises(distckpt.FencedError):
+            zombie.save(3, zombie_state)  # a memory-only save: fenced before anything is committed
+    assert own_steps(shm)[0] == 2
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"disk_every": 2}, "disk_every=2 needs memory_tier=True"),
+    ({"memory_tier": True, "disk_every": 0}, "disk_every=0: must be an int >= 1"),
+    ({"memory_tier": True, "disk_every": 2.0}, r"disk_every=2\.0: must be an int >= 1"),
+    ({"memory_tier": True, "disk_every": 2, "memory_every": 2}, "a save that is neither a memory save nor a disk save"),
+])
+def test_disk_every_is_refused_by_name(shm, ckpt_dir, kw, match):
+    with pytest.raises(distckpt.ConfigError, match=match):
+        distckpt.CheckpointManager(ckpt_dir, **kw)
+
+
+def test_two_ranks_memory_only_steps_resume_bitwise(shm, ckpt_dir):
+    from distckpt.testing import run_world
+
+    results = run_world("test_memory_only_saves:two_ranks", 2, url=ckpt_dir)
+    assert all(r.error is None for r in results), results
+    assert list_committed(open_storage(ckpt_dir)) == [3, 1]
+    assert own_steps(shm) == [4, 3]
+    assert len(os.listdir(os.path.join(shm, "own", mf.step_dir(4), "ranks"))) == 2
+
+
+def two_ranks(rank: int, world: int, url: str) -> None:
+    def fresh(seed: int) -> dict:
+        return {"w": torch.arange(4.0) * seed, "g": torch.Generator().manual_seed(rank + seed)}
+
+    state = fresh(1)
+    with distckpt.CheckpointManager(url, memory_tier=True, disk_every=2, async_save=True, timeout=60) as mgr:
+        for step in range(5):
+            torch.randn(2, generator=state["g"])
+            state["w"] += 1
+            mgr.save(step, state)
+    saved = {"w": state["w"].clone(), "g": state["g"].get_state()}
+    state = fresh(7)
+    with distckpt.CheckpointManager(url, memory_tier=True, disk_every=2, timeout=60) as mgr:
+        progress = mgr.load_latest(state)
+    assert (progress.step, progress.tier) == (4, "memory")
+    assert torch.equal(state["w"], saved["w"]) and torch.equal(state["g"].get_state(), saved["g"])
+
+
+def test_a_rank_failing_in_a_memory_only_save_fails_it_on_every_rank(shm, ckpt_dir):
+    from distckpt.testing import run_world
+
+    results = run_world("test_memory_only_saves:failing_rank", 2, url=ckpt_dir)
+    assert [r.error for r in results] == [None, None], results
+    assert all(r.value == "memory save of step 2" for r in results), results
+    assert own_steps(shm) == [1, 0]  # nothing of step 2 committed in memory
+
+
+def failing_rank(rank: int, world: int, url: str) -> str:
+    from distckpt.runtime import faults
+
+    state = {"w": torch.arange(4.0), "g": torch.Generator().manual_seed(rank)}
+
+    def fail(name: str, context: dict) -> None:
+        if name == "memory/files-writing" and rank == 0 and context.get("step") == 2:
+            raise OSError("injected: rank 0 cannot write its node's copy")
+
+    with distckpt.CheckpointManager(url, memory_tier=True, disk_every=2, timeout=60) as mgr:
+        mgr.save(0, state)
+        mgr.save(1, state)
+        remove = faults.on_point(fail)
+        try:
+            mgr.save(2, state)
+        except distckpt.DistCkptError as e:
+            assert "injected: rank 0 cannot write" in str(e), e
+            return "memory save of step 2" if "memory copy of step 2" in str(e) else str(e)
+        finally:
+            remove()
+    return "no error"
