@@ -44,7 +44,8 @@ def test_every_tier_setting_refuses_a_bad_value_naming_itself(tmp_path, name):
 
 # The memory tier's settings (memory_tier.MemorySettings), each refused by name.
 MEMORY_SETTINGS = {"memory_tier": {"memory_tier": "yes"}, "memory_every": {"memory_tier": True, "memory_every": 0},
-                   "keep_memory": {"memory_tier": True, "keep_memory": -1}}
+                   "keep_memory": {"memory_tier": True, "keep_memory": -1},
+                   "disk_every": {"memory_tier": True, "disk_every": "10"}}
 
 
 @pytest.mark.parametrize("name", sorted(MEMORY_SETTINGS))
