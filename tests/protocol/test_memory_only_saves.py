@@ -9,12 +9,12 @@ import signal
 
 import pytest
 import torch
+from test_memory_tier import make_state, own_steps, train
 
 import distckpt
 from distckpt.io import manifest as mf
 from distckpt.protocol.commit import list_committed, read_marker, read_verified_manifest
 from distckpt.storage import open_storage
-from test_memory_tier import make_state, own_steps, train
 
 
 @pytest.fixture
@@ -208,3 +208,39 @@ def failing_rank(rank: int, world: int, url: str) -> str:
         finally:
             remove()
     return "no error"
+
+
+def test_fsdp2_shards_saved_to_memory_only_resume_bitwise(shm, ckpt_dir):
+    from distckpt.testing import run_world
+
+    saved = run_world("test_memory_only_saves:fsdp_save", 2, url=ckpt_dir)
+    assert all(r.error is None for r in saved), saved
+    assert list_committed(open_storage(ckpt_dir)) == [2]  # step 3: memory only, its shards with it
+    assert any(n.startswith("shard") for n in os.listdir(os.path.join(shm, "own", mf.step_dir(3))))
+    loaded = run_world("test_memory_only_saves:fsdp_load", 2, url=ckpt_dir)
+    assert all(r.error is None for r in loaded), loaded
+    for s, r in zip(saved, loaded):
+        assert (r.value["step"], r.value["tier"]) == (3, "memory")
+        assert r.value["values"] == s.value["values"]
+        assert r.value["more"] == s.value["more"]
+
+
+def fsdp_save(rank: int, world: int, url: str) -> dict:
+    import sharded_workers as w
+
+    state = w.build(0)
+    with distckpt.CheckpointManager(url, memory_tier=True, disk_every=2, timeout=60) as mgr:
+        for step in (1, 2, 3):  # the 2nd save to disk, the 3rd to memory only
+            w.train(state, 1)
+            mgr.save(step, state)
+        values = w.full_values(state)
+    return {"values": values, "more": w.train(state, 2, 3)}
+
+
+def fsdp_load(rank: int, world: int, url: str) -> dict:
+    import sharded_workers as w
+
+    state = w.build(123)
+    with distckpt.CheckpointManager(url, memory_tier=True, disk_every=2, timeout=60) as mgr:
+        progress = mgr.load_latest(state)
+    return {"step": progress.step, "tier": progress.tier, "values": w.full_values(state), "more": w.train(state, 2, 3)}
