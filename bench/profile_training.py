@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -41,11 +42,16 @@ def main() -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=[2])
     p.add_argument("--writers", nargs="+", default=["thread"], choices=("thread", "process"))
     p.add_argument("--no-sync", action="store_true", help="leave out the sync row")
+    p.add_argument("--memory-disk-every", type=int, default=None, metavar="N",
+                   help="add async rows with the memory tier: every save to memory, every Nth to disk")
     args = p.parse_args()
     root = tempfile.mkdtemp(prefix="distckpt-train-prof-")
+    # the memory tier's rows: each run's own memory root in shared memory, removed at the end
+    memory_root = tempfile.mkdtemp(prefix="distckpt-bench-", dir="/dev/shm")
     print(f"{os.cpu_count()} CPUs; command: python bench/profile_training.py --every {args.every} "
           f"--steps {args.steps} --ranks {' '.join(map(str, args.ranks))} --writers {' '.join(args.writers)}"
-          + (" --no-sync" if args.no_sync else ""))
+          + (" --no-sync" if args.no_sync else "")
+          + (f" --memory-disk-every {args.memory_disk_every}" if args.memory_disk_every else ""))
     print("| ranks | configuration | step kind | steps | median ms | mean ms | total ms | mean vs none |")
     print("|---:|---|---|---:|---:|---:|---:|---:|")
     for ranks in args.ranks:
@@ -54,8 +60,13 @@ def main() -> int:
         if not args.no_sync:
             configs.append((f"every {args.every}, sync", args.every, False, []))
         configs += [(f"every {args.every}, async, writer={w}", args.every, True, ["--writer", w]) for w in args.writers]
+        if args.memory_disk_every:
+            n = args.memory_disk_every
+            configs.append((f"every {args.every}, async, memory tier, disk every {n}", args.every, True,
+                            ["--memory-tier", "--disk-every", str(n)]))
         for label, every, async_save, extra in configs:
             run_root = os.path.join(root, f"r{ranks}")
+            os.environ["DISTCKPT_MEMORY_DIR"] = os.path.join(memory_root, f"r{ranks}-{len(label)}-{every}")
             run_config(run_root, label, every, async_save, args.steps, ranks, extra)
             tag = label.replace(" ", "-").replace(",", "")  # as run_config names the log
             groups = step_costs(os.path.join(run_root, f"log-{tag}", "rank-0.txt"), every or args.every)
@@ -67,6 +78,7 @@ def main() -> int:
                 if ms:
                     print(f"| {ranks} | {label} | {kind} | {len(ms)} | {statistics.median(ms):.1f} | "
                           f"{statistics.mean(ms):.1f} | {sum(ms):.0f} | {mean / base:.2f}x |", flush=True)
+    shutil.rmtree(memory_root, ignore_errors=True)
     return 0
 
 

@@ -1,6 +1,6 @@
 """The cost of signed checkpoints: a 256 MiB save and load with and without keys, same run.
 
-    python bench/signing.py [--mib 256] [--rounds 7] [--root DIR] [--compare CHECKOUT]
+    python bench/signing.py [--mib 256] [--rounds 7] [--root DIR] [--compare CHECKOUT] [--s3]
 
 Each measurement is a fresh process (python -c), so no page cache of the process, no warm
 hashers and no earlier manager help either row; the two modes alternate within every round
@@ -34,7 +34,7 @@ n = 16
 g = torch.Generator().manual_seed(0)
 state = {f"layer{i}.weight": torch.randn(mib * 2**20 // 4 // n, generator=g) for i in range(n)}
 if mode == "save":
-    with distckpt.CheckpointManager(root, signing_key=key) as mgr:
+    with distckpt.CheckpointManager(root, signing_key=key) as mgr:  # S3 (--s3): the server's AWS_* variables
         mgr.load_latest({k: torch.empty_like(v) for k, v in state.items()})
         step = 1 + max(mgr.committed_steps(), default=0)
         t0 = time.perf_counter(); mgr.save(step, state); dt = time.perf_counter() - t0
@@ -50,12 +50,15 @@ print(json.dumps({"s": dt, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout
 
 
-def child(mode: str, root: str, mib: int, key: str, checkout: str = HERE) -> dict:
+S3_ENV: dict[str, str] = {}  # --s3: the SeaweedFS server's credentials and endpoint, for every child
+
+
+def child(mode: str, root: str, mib: int, key: str, checkout: str = HERE, cwd: str | None = None) -> dict:
     """One measurement in a fresh process importing distckpt from `checkout` (run from its
     temporary directory, so no working directory's copy shadows it)."""
-    env = {**os.environ, "PYTHONPATH": checkout}
+    env = {**os.environ, **S3_ENV, "PYTHONPATH": checkout}
     out = subprocess.run([sys.executable, "-c", _CHILD, mode, root, str(mib), key], capture_output=True,
-                         text=True, timeout=600, check=True, env=env, cwd=os.path.dirname(root))
+                         text=True, timeout=600, check=True, env=env, cwd=cwd or os.path.dirname(root))
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
@@ -77,17 +80,25 @@ def keys(folder: str) -> tuple[str, str]:
 ROWS = (("save", None), ("save signed", "save"), ("load", None), ("load verified", "load"))
 
 
-def one_round(base: str, versions: dict[str, str], mib: int, private: str, public: str) -> dict[str, dict]:
-    """Every row of every version once, the versions interleaved: {row (version): child's answer}."""
+def one_round(base: str, versions: dict[str, str], mib: int, private: str, public: str,
+              bucket: str | None = None, round_no: int = 0) -> dict[str, dict]:
+    """Every row of every version once, the versions interleaved: {row (version): child's answer}.
+    With `bucket` (--s3) the roots are in it, new ones every round (nothing is removed there)."""
     got: dict[str, dict] = {}
+
+    def root_of(name: str) -> str:
+        leaf = (name + tag).replace(" ", "-").replace("(", "").replace(")", "")
+        return f"s3://{bucket}/r{round_no}-{leaf}" if bucket else os.path.join(base, leaf)
+
     for tag, checkout in versions.items():
         for name, key in (("save", ""), ("save signed", private)):
-            root = os.path.join(base, (name + tag).replace(" ", "-"))
-            shutil.rmtree(root, ignore_errors=True)
-            got[name + tag] = child("save", root, mib, key, checkout)
+            root = root_of(name)
+            if not bucket:
+                shutil.rmtree(root, ignore_errors=True)
+            got[name + tag] = child("save", root, mib, key, checkout, cwd=base)
     for tag, checkout in versions.items():
         for name, saved, key in (("load", "save", ""), ("load verified", "save signed", public)):
-            got[name + tag] = child("load", os.path.join(base, (saved + tag).replace(" ", "-")), mib, key, checkout)
+            got[name + tag] = child("load", root_of(saved), mib, key, checkout, cwd=base)
     return got
 
 
@@ -105,6 +116,8 @@ def main() -> None:
     p.add_argument("--root", default=None)
     p.add_argument("--compare", default=None, metavar="CHECKOUT",
                    help="another checkout of distckpt whose rows are measured in the same rounds")
+    p.add_argument("--s3", action="store_true", help="save to and load from S3 (SeaweedFS on loopback, started "
+                   "here) instead of local disk: a verified load's hash beside the download")
     args = p.parse_args()
     versions = {"": HERE}
     if args.compare:
@@ -112,14 +125,23 @@ def main() -> None:
             p.error(f"--compare {args.compare}: no distckpt/__init__.py there (give a checkout's root)")
         versions[" (compared)"] = os.path.abspath(args.compare)
     base = tempfile.mkdtemp(prefix="distckpt-sign-bench-", dir=args.root)
+    server = None
     try:
+        if args.s3:
+            sys.path.insert(0, os.path.join(HERE, "launch"))
+            from seaweed import SeaweedS3
+
+            server = SeaweedS3(os.path.join(base, "seaweedfs")).start()
+            server.make_bucket("bench")
+            S3_ENV.update(server.env())
         private, public = keys(base)
         rounds: list[dict[str, dict]] = []
         for r in range(args.rounds + 1):  # round 0 warms the disk and the interpreter's imports
-            got = one_round(base, versions, args.mib, private, public)
+            got = one_round(base, versions, args.mib, private, public, "bench" if args.s3 else None, r)
             if r:
                 rounds.append(got)
-        print(f"| row ({args.mib} MiB, local disk, fresh processes, median of {args.rounds}) | seconds | "
+        where = "S3 (SeaweedFS on loopback)" if args.s3 else "local disk"
+        print(f"| row ({args.mib} MiB, {where}, fresh processes, median of {args.rounds}) | seconds | "
               "peak RSS MiB | ratio | per-round ratio (quartiles) |")
         print("|---|---|---|---|---|")
         for tag in versions:
@@ -132,6 +154,8 @@ def main() -> None:
                     spread = quartiles([g[row]["s"] / g[baseline + tag]["s"] for g in rounds])
                 print(f"| {row} | {med[row]:.3f} | {peak:.0f} | {ratio} | {spread} |")
     finally:
+        if server is not None:
+            server.stop()
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -130,6 +130,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local-dir", default=None, help="two tiers: every save commits to this node-local "
                    "directory, every --durable-every'th also to --ckpt (and the pre-emption and last saves)")
     p.add_argument("--durable-every", type=int, default=None)
+    p.add_argument("--memory-tier", action="store_true", help="a tier in each node's shared memory, with a "
+                   "partner copy on another node (DISTCKPT_MEMORY_DIR: this node's memory root)")
+    p.add_argument("--disk-every", type=int, default=None, help="with --memory-tier: every Nth save to disk, "
+                   "the others to memory only")
     p.add_argument("--backend", default=None, help="None: NCCL on GPUs, else gloo; gloo puts several ranks on one GPU")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--world-size-policy", default="refuse", help="see CheckpointManager (reshard: "
@@ -209,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
                                      timeout=120, world_size_policy=args.world_size_policy,
                                      local_dir=args.local_dir, durable_every=args.durable_every,
                                      overlap_snapshot=args.overlap_snapshot,
+                                     **({"memory_tier": True, "disk_every": args.disk_every} if args.memory_tier else {}),
                                      **({"writer": args.writer, "staging_bytes": args.staging_bytes}
                                         if args.async_save else {}))
     progress = mgr.load_latest(state)
