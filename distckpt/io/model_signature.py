@@ -60,7 +60,7 @@ class SignaturePlan:
     """Where a directory's signature goes, checked before anything is written."""
 
     model_dir: str
-    path: str
+    path: str  # as given (relative to the working directory, if it was)
     inside: str | None  # the signature's POSIX path relative to model_dir when it lies in it (ignored)
 
     @property
@@ -165,7 +165,7 @@ def plan_signature(model_dir: str, path: Any, reserved: Any = None, name: str = 
     if inside is not None and reserved is not None and reserved(inside):
         raise ConfigError(f"{name}={shown(path)}: that name inside {model_dir!r} is one the export writes; put the "
                           f"signature beside the directory (default {default_path(model_dir)!r}) or name it model.sig")
-    return SignaturePlan(model_dir, path_abs, inside)
+    return SignaturePlan(model_dir, path, inside)
 
 
 def _relative_inside(path_abs: str, model_abs: str) -> str | None:
