@@ -183,7 +183,7 @@ def directory_files(plan: SignaturePlan) -> list[str]:
     file anywhere (ignored paths too: model-signing checks before it ignores) is a ConfigError,
     since model-signing's verifier would refuse the directory."""
     found: list[str] = []
-    for folder, dirs, files in os.walk(plan.model_dir):
+    for folder, dirs, files in os.walk(plan.model_dir, onerror=_raise):
         for entry in dirs + files:
             full = os.path.join(folder, entry)
             mode = os.lstat(full).st_mode
@@ -195,6 +195,10 @@ def directory_files(plan: SignaturePlan) -> list[str]:
             if stat.S_ISREG(mode) and not _ignored(rel, plan.ignored):
                 found.append(rel)
     return sorted(found, key=lambda rel: rel.split("/"))
+
+
+def _raise(error: OSError) -> None:
+    raise error  # a folder that cannot be listed: a signature leaving its files out would not verify
 
 
 def _ignored(rel: str, ignored: list[str]) -> bool:
