@@ -12,8 +12,10 @@
                                                       does the job resume bit for bit? names what breaks it
     distckpt import-torch FILE URL --trust-pickle [--world-size N] [--step S]   a torch.save file in
     distckpt import-dcp DCP_DIR URL --trust-pickle [--world-size N] [--step S]  a DCP checkpoint in
-    distckpt export URL OUT_DIR [--step N] [--entry model] [--dtype bf16] [--max-shard-size 5GB] [--json]
+    distckpt export URL OUT_DIR [--step N] [--entry model] [--dtype bf16] [--max-shard-size 5GB]
+                    [--sign KEY [--signature PATH]] [--json]
                                                       the model as Hugging Face safetensors, verified
+                                                      (--sign: and signed for OpenSSF model-signing)
 
 Exit codes: 0 success; 1 a problem was found (verify, ls --verify, a damaged newest step that
 inspect passed over) or nothing to show; 2 bad usage (any value an option refuses), a root that
@@ -179,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", type=_size, default="5GB",
                         help=f"e.g. 5GB, 500MB, 2GiB or a count of bytes, at most {LARGEST_SIZE} (Hugging Face's "
                              "convention)")
+    export.add_argument("--sign", metavar="KEY", help="an elliptic-curve P-256/P-384/P-521 private key (PEM file): "
+                        "sign the exported directory in the OpenSSF model-signing format (`model_signing verify key`)")
+    export.add_argument("--signature", metavar="PATH", help="where --sign writes the signature (default: OUT_DIR.sig, "
+                        "beside OUT_DIR; one inside OUT_DIR is recorded as ignored)")
     for keyed in (ls, verify, export):
         keyed.add_argument("--key", help="an Ed25519 public key (PEM file; default: $DISTCKPT_VERIFY_KEY): also "
                            "check each step's signature and BLAKE3 digests; a step it did not sign is BAD")

@@ -560,15 +560,24 @@ def cmd_sign(storage: Storage, args: argparse.Namespace) -> int:
 
 
 def cmd_export(storage: Storage, args: argparse.Namespace) -> int:
+    from distckpt.io import model_signature
     from distckpt.tools.weights import export_weights, open_checkpoint_model
 
+    if args.signature is not None and args.sign is None:
+        raise ConfigError("--signature: names where the signature of --sign KEY goes; give --sign too")
+    if args.sign is not None:  # refused before the step is read, with the flag's name
+        model_signature.load_key(args.sign, "--sign")
     source = open_checkpoint_model(args.url, step=args.step, entry=args.entry, verify_key=args.key)
     total = sum(_nbytes(d, s) for d, s in source.spec.values())
     with progress_bar(args, total, "export") as bar:
         summary = export_weights(args.url, args.out_dir, step=source.step, entry=args.entry, dtype=args.dtype,
-                                 max_shard_size=args.max_shard_size, progress=bar.update, verify_key=args.key)
+                                 max_shard_size=args.max_shard_size, progress=bar.update, verify_key=args.key,
+                                 sign_key=args.sign, signature=args.signature)
     text = (f"exported step {summary.step}: {summary.tensors} tensors, {summary.total_size:,} bytes into "
             f"{summary.out_dir} ({', '.join(summary.files)}); every tensor read back and verified")
+    if summary.signature is not None:
+        text += (f"; signed for OpenSSF model-signing into {summary.signature} (check it with `model_signing verify "
+                 f"key {summary.out_dir} --signature {summary.signature} --public_key PUBKEY`)")
     emit(args, vars(summary), text)
     return EXIT_OK
 

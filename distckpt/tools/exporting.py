@@ -2,6 +2,10 @@
 checkpoint as Hugging Face safetensors (hf_layout.py), keys as the bare module names them. Written
 one tensor at a time under temporary names, each shard read back and checked against the source,
 then moved into place: a failure half-way leaves an earlier export in `out_dir` whole.
+
+With `sign_key` (an elliptic-curve private key), the finished directory is signed in the format
+of OpenSSF model-signing (io/model_signature.py), by default into `OUT.sig` beside it: the key and
+the signature's place are checked before anything is read or written.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from distckpt.config import arguments_checked
 from distckpt.errors import ConfigError, shown
 from distckpt.io import manifest as mf
+from distckpt.io import model_signature
 from distckpt.protocol.fencing import FENCE_DIR
 from distckpt.runtime.gcpause import paused_while_running
 from distckpt.storage import local_path_of
@@ -48,6 +53,7 @@ class ExportSummary:
     tensors: int
     total_size: int
     dtype: str | None
+    signature: str | None = None  # the OpenSSF model-signing signature written, with sign_key
 
 
 def parse_size(text: str | int) -> int:
@@ -61,9 +67,16 @@ def parse_size(text: str | int) -> int:
 def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: str = "model",
                    dtype: str | None = None, max_shard_size: str | int = "5GB",
                    storage_options: dict[str, Any] | None = None,
-                   progress: Callable[[int], None] = lambda n: None, verify_key: Any = None) -> ExportSummary:
+                   progress: Callable[[int], None] = lambda n: None, verify_key: Any = None,
+                   sign_key: Any = None, signature: str | os.PathLike[str] | None = None) -> ExportSummary:
     """Write the model entry as Hugging Face safetensors under `out_dir` (see the module doc).
-    `verify_key` (else DISTCKPT_VERIFY_KEY): only a step it signed is exported."""
+    `verify_key` (else DISTCKPT_VERIFY_KEY): only a step it signed is exported.
+
+    `sign_key` (an elliptic-curve P-256, P-384 or P-521 private key: PEM bytes, text or a path):
+    afterwards, every file of `out_dir` is signed for OpenSSF model-signing (`model_signing verify
+    key`) into `signature` (default `out_dir` + ".sig", beside it; one inside `out_dir` is recorded
+    as ignored). Any other key, or a signature path that cannot be written, is a ConfigError before
+    anything is read or written."""
     if isinstance(out_dir, os.PathLike):
         out_dir = os.fspath(out_dir)
     if not isinstance(out_dir, str) or not out_dir.strip() or "\0" in out_dir:
@@ -89,6 +102,7 @@ def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: st
     if inside is not None:
         raise ConfigError(f"out_dir={shown(out_dir)} lies in {inside}, a step directory (or the leases) of a distckpt "
                           "checkpoint root, which ls, gc and the loader own: export into a directory of its own")
+    signer, plan = _signing_plan(out_dir, sign_key, signature)
     src = open_checkpoint_model(url, step=step, entry=entry, storage_options=storage_options, bounded=True,
                                 verify_key=verify_key)
     check_tensor_names(src.names, src.where)
@@ -120,7 +134,36 @@ def export_weights(url: str, out_dir: str, *, step: int | None = None, entry: st
                 os.remove(tmp)
         raise
     _remove_stale_exports(out_dir, set(files))
-    return ExportSummary(out_dir, src.step, files, len(src.names), total, dtype)
+    signed = None
+    if signer is not None and plan is not None:
+        signed = model_signature.sign_directory(signer, plan)
+        log.info("export: %d files of %s signed for OpenSSF model-signing into %s (public key hint %s)",
+                 signed.files, out_dir, signed.path, signed.key_hint)
+    return ExportSummary(out_dir, src.step, files, len(src.names), total, dtype,
+                         signed.path if signed is not None else None)
+
+
+def _signing_plan(out_dir: str, sign_key: Any,
+                  signature: Any) -> tuple[Any, model_signature.SignaturePlan | None]:
+    """The export's signer and where its signature goes, or (None, None) without `sign_key`;
+    every check runs now, before the source is opened: the key's type, the signature's place,
+    and (for an earlier export there) no link or special file in `out_dir`, which model-signing
+    refuses."""
+    if sign_key is None:
+        if signature is not None:
+            raise ConfigError(f"signature={shown(signature)}: names where the sign_key's signature goes; "
+                              "give sign_key too (an elliptic-curve private key in PEM)")
+        return None, None
+    signer = model_signature.load_key(sign_key, "sign_key")
+    plan = model_signature.plan_signature(out_dir, signature, reserved=_export_writes)
+    if os.path.isdir(out_dir):
+        model_signature.directory_files(plan)
+    return signer, plan
+
+
+def _export_writes(name: str) -> bool:
+    """Whether a path relative to out_dir is one an export writes (or stages as .tmp)."""
+    return EXPORT_FILE.fullmatch(name.removesuffix(".tmp")) is not None
 
 
 def _remove_stale_exports(out_dir: str, written: set[str]) -> None:
