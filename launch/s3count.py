@@ -6,11 +6,12 @@ Every request a client sends to --listen is forwarded unchanged (headers include
 signatures, which cover the Host header, still verify) to --upstream, and its response returned
 unchanged; then one line is appended to --log:
 
-    {"t": 1765123456.123456, "method": "GET", "path": "/ckpt/run/step-0000010/rank-00000.pt",
+    {"t": 1765123456.123456, "method": "GET", "path": "/ckpt/run/step-000000010/manifest.json",
      "status": 200, "bytes": 52311, "sent": 0}
 
-`t` is the wall clock when the response was complete, `bytes` the response body's length (what
-the client read), `sent` the request body's (what it uploaded). `make compose-demo-memory` puts it
+`t` is the wall clock when the request's head arrived (a request a client made before a moment of
+its own clock is logged before it: containers share the host's clock), `bytes` the response
+body's length (what the client read), `sent` the request body's (what it uploaded). `make compose-demo-memory` puts it
 between the trainer nodes and SeaweedFS and reads the log to count what a restore read from S3
 (launch/compose_demo.py). Standard library only: it runs in the same image as the cluster.
 """
@@ -79,8 +80,8 @@ class CountingProxy:
         self.log = open(log_path, "a", buffering=1)  # line-buffered: the log is read while we run
         self.lock = threading.Lock()
 
-    def record(self, method: str, path: str, status: int, received: int, sent: int) -> None:
-        line = json.dumps({"t": round(time.time(), 6), "method": method, "path": path, "status": status,
+    def record(self, arrived: float, method: str, path: str, status: int, received: int, sent: int) -> None:
+        line = json.dumps({"t": round(arrived, 6), "method": method, "path": path, "status": status,
                            "bytes": received, "sent": sent})
         with self.lock:
             self.log.write(line + "\n")
@@ -97,6 +98,7 @@ class CountingProxy:
         reader = client.makefile("rb")
         try:
             while (head := read_head(reader)) is not None:
+                arrived = time.time()
                 request_line, headers, raw_head = head
                 method, path, _ = request_line.split(" ", 2)
                 if headers.get("expect", "").lower() == "100-continue":
@@ -115,7 +117,7 @@ class CountingProxy:
                 status = int(status_line.split()[1])
                 response_body = b"" if method == "HEAD" else read_body(up_reader, response_headers, status)
                 client.sendall(response_raw + response_body)
-                self.record(method, path, status, len(response_body), len(body))
+                self.record(arrived, method, path, status, len(response_body), len(body))
         except (OSError, ValueError):
             return  # a client or server that went away: nothing to count
         finally:

@@ -6,6 +6,7 @@ itself runs under a container engine in .ci/run (make compose-demo-memory), not 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -166,3 +167,63 @@ def test_the_resume_and_load_lines_of_train_py_are_parsed(tmp_path):
     assert '# resumed from step {progress.step} epoch {progress.epoch}{tier}' in train
     assert 'tier = f" ({progress.tier} tier)"' in train
     assert '# load_latest {load_seconds:.3f} s, returned at {time.time():.6f}' in train
+
+
+def _write_run(tmp_path, tier: str, restore_gets: list[tuple[str, int]]):
+    """A killed run's loss logs (4 ranks, resumed step 10 from `tier`) and S3's request log with
+    `restore_gets` (path, bytes) answered during the restore; returns (MemoryRun, logs, requests log)."""
+    import compose_demo
+
+    logs = tmp_path / "killed"
+    logs.mkdir()
+    restart = 1000.0
+    for rank in range(4):
+        (logs / f"rank-{rank}.txt").write_text(
+            f"# resumed from step 10 epoch 0 ({tier} tier)\n# load_latest 0.200 s, returned at {restart + 20:.6f}\n"
+            "11 0x1.0p+0 epoch=0 t=1.0\n")
+    requests = [{"t": 10.0, "method": "PUT", "path": "/ckpt/killed/step-000000010/replicated/state.safetensors",
+                 "status": 200, "bytes": 0, "sent": 5000},
+                {"t": restart + 5, "method": "GET", "path": "/ckpt?list-type=2&prefix=killed%2F", "status": 200,
+                 "bytes": 400, "sent": 0}]
+    requests += [{"t": restart + 6, "method": "GET", "path": path, "status": 200, "bytes": n, "sent": 0}
+                 for path, n in restore_gets]
+    requests.append({"t": restart + 60, "method": "GET", "path": "/ckpt/killed/step-000000020/manifest.json",
+                     "status": 200, "bytes": 900, "sent": 0})  # after the load: not the restore's
+    log = tmp_path / "s3-requests.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    run = compose_demo.MemoryRun([10], restart, 25.0, 1.0, ["distckpt/x-node0/own/step-000000010"])
+    return run, str(logs), str(log)
+
+
+def test_the_memory_demo_passes_a_peer_restore_that_read_no_step_directory(tmp_path, capsys):
+    import compose_demo
+
+    run, logs, log = _write_run(tmp_path, "peer", [("/ckpt/killed/fence/gen-000000001.json", 155)])
+    assert compose_demo.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2) == []
+    out = capsys.readouterr().out
+    assert "GETs of step directories: 0 bytes (step 10 is 5000 bytes in S3)" in out
+    assert "2 requests, 555 bytes in all" in out  # the step-20 GET after the load is not counted
+
+
+@pytest.mark.parametrize("tier, gets, why", [
+    ("durable", [], "from the peer tier"),
+    ("memory", [], "from the peer tier"),
+    ("peer", [("/ckpt/killed/step-000000010/ranks/rank-00002.safetensors", 3000)], "read step directories"),
+    ("peer", [("/ckpt/killed/step-000000010/COMMITTED", 211)], "read step directories"),
+])
+def test_the_memory_demo_fails_a_restore_from_another_tier_or_one_that_read_the_step_from_s3(tmp_path, tier, gets,
+                                                                                               why):
+    import compose_demo
+
+    run, logs, log = _write_run(tmp_path, tier, gets)
+    failures = compose_demo.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2)
+    assert len(failures) == 1 and why in failures[0], failures
+
+
+def test_the_memory_demo_fails_when_s3_was_not_counted(tmp_path):
+    import compose_demo
+
+    run, logs, log = _write_run(tmp_path, "peer", [])
+    os.remove(log)  # the nodes bypassed the proxy, or it logged nowhere
+    failures = compose_demo.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2)
+    assert any("no S3 request counted" in f for f in failures) and any("no upload" in f for f in failures)
