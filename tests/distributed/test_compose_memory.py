@@ -51,6 +51,8 @@ def test_the_memory_variant_gives_each_node_its_own_shm_the_memory_tier_and_the_
     services = load(MEMORY)["services"]
     proxy = services["s3count"]["command"]
     assert proxy[:2] == ["python", "launch/s3count.py"]
+    usage = subprocess.run([sys.executable, S3COUNT, "--help"], capture_output=True, text=True, check=True).stdout
+    assert all(option in usage for option in proxy[2:] if option.startswith("--"))
     listen_port = flag_value(proxy, "--listen").rsplit(":", 1)[1]
     serve = load(BASE)["services"]["s3"]["command"]
     # the proxy forwards to the S3 service's port, and logs where the demo reads (/logs, the host's directory)
