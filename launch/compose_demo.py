@@ -1,6 +1,7 @@
 """`make compose-demo`: the docker-compose cluster for real, a node's container killed mid-run.
 
     python3 launch/compose_demo.py [--workdir DIR] [--kill-node 1] [--kill-after-step 15] [--offline] [--keep]
+                                   [--memory-tier]
 
 launch/cluster.py runs this topology as plain processes; here it runs in docker/compose.yaml's
 containers: an S3 server (SeaweedFS) and two nodes, each a torchrun agent with 2 workers. The
@@ -10,6 +11,13 @@ checkpoint committed to S3. The surviving node's workers fail their next collect
 agent exits; the job is started again on both nodes, as a scheduler restarts a job that lost a
 node, and resumes from S3. Every (rank, step) loss is compared bit for bit with the
 uninterrupted run. Exit status 0 only when identical and the restarted job resumed.
+
+With --memory-tier (`make compose-demo-memory`) docker/compose.memory.yaml is layered on the
+compose file: the nodes are machines that stay up (the job started on them by `docker exec`), each
+with its own /dev/shm, and reach S3 through a counting proxy (launch/s3count.py). Node 1's machine
+is killed and replaced by a fresh container with an empty /dev/shm; the restarted job must resume
+from node 0's partner copy (Progress.tier "peer") at the newest committed step, bitwise, with no
+GET of a step directory counted at S3 during the restore (launch/compose_memory.py reads the logs).
 
 Needs docker and docker compose (v2 plugin) or docker-compose (v1); as root it starts dockerd
 itself if the engine is not running. Without an image registry (no python:3.11-slim) the base
@@ -27,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -238,169 +245,6 @@ def committed_steps(cluster: Cluster, url: str) -> list[int]:
     return sorted(row["step"] for row in json.loads(listed.stdout) if row["status"] == "committed")
 
 
-# --- --memory-tier: jobs on machines that stay up --------------------------------------------
-
-@dataclass
-class MemoryRun:
-    """What the memory tier's run measured, for the checks after it."""
-    committed: list[int]           # steps committed in S3 when the node died
-    restart_wall: float            # wall clock when the job was started again (S3's log is counted from it)
-    replaced_to_first_step: float  # seconds from `up` of the fresh container to its ranks' first resumed step
-    replace_up: float              # of which `up` itself (container created and started)
-    survivor_shm: list[str]        # the memory tier's steps in the surviving node's /dev/shm at the restart
-
-
-def start_jobs(cids: list[str], label: str, workdir: str) -> list[subprocess.Popen]:
-    return [compose_memory.exec_job(cid, os.path.join(workdir, f"{label}-node{i}.out")) for i, cid in enumerate(cids)]
-
-
-def wait_jobs(jobs: list[subprocess.Popen], cids: list[str], label: str, timeout: float, workdir: str) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while any(job.poll() is None for job in jobs):
-        if time.monotonic() > deadline:
-            for cid in cids:
-                compose_memory.stop_job(cid)
-            raise DemoError(f"{label}: the job did not finish within {timeout:g}s; see {workdir}/{label}-node*.out")
-        time.sleep(0.2)
-    return [job.returncode for job in jobs]
-
-
-def machines_up(cluster: Cluster, label: str, services: list[str], *flags: str) -> list[str]:
-    """`up` the node containers (idle machines: the job is started on them by exec); their ids."""
-    cluster("up", "-d", "--no-build", *flags, *services, run=label)
-    return [cluster.container(s) for s in services]
-
-
-def run_on_machines(cluster: Cluster, label: str, nodes: int, logs: str, timeout: float, first: bool = False) -> None:
-    """An uninterrupted run: fresh machines (a new DISTCKPT_RUN recreates them), the job on each."""
-    names = [f"node{i}" for i in range(nodes)]
-    cids = machines_up(cluster, label, names, *([] if first else ["--no-deps"]))
-    started = time.monotonic()
-    codes = wait_jobs(start_jobs(cids, label, cluster.workdir), cids, label, timeout, cluster.workdir)
-    if any(codes):
-        raise DemoError(f"{label}: the job failed with exit codes {codes}; see {cluster.workdir}/{label}-node*.out")
-    say(f"{label}: finished in {time.monotonic() - started:.0f}s (exit codes {codes})")
-
-
-def kill_machine(cluster: Cluster, label: str, nodes: int, per_node: int, logs: str, timeout: float,
-                 node: int, after_step: int) -> list[str]:
-    """Fresh machines, the job on each, machine `node` SIGKILLed once its ranks logged `after_step`;
-    the other machines stay up, their jobs ended. Returns the container ids."""
-    cids = machines_up(cluster, label, [f"node{i}" for i in range(nodes)], "--no-deps")
-    jobs = start_jobs(cids, label, cluster.workdir)
-    started = time.monotonic()
-    ranks = list(range(node * per_node, (node + 1) * per_node))
-    while last_logged_step(logs, ranks) < after_step:  # past a commit: see run_job
-        if any(job.poll() is not None for job in jobs):
-            raise DemoError(f"{label}: a node's job exited before step {after_step}: {[j.poll() for j in jobs]}")
-        if time.monotonic() > started + timeout:
-            raise DemoError(f"{label}: step {after_step} not logged within {timeout:g}s")
-        time.sleep(0.05)
-    sh(["docker", "kill", cids[node]], timeout=60)
-    lost_at = time.monotonic()
-    say(f"{label}: node {node} logged step {after_step}, {lost_at - started:.0f}s after the start: SIGKILL to its "
-        "container (the machine: agent, workers and its /dev/shm)")
-    survivors = [(job, cid) for i, (job, cid) in enumerate(zip(jobs, cids)) if i != node]
-    deadline = lost_at + 120
-    while any(job.poll() is None for job, _ in survivors) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if any(job.poll() is None for job, _ in survivors):
-        for job, cid in survivors:  # a job that lost a node is torn down whole: its processes, not the machines
-            compose_memory.stop_job(cid)
-            job.wait(timeout=60)
-        say(f"{label}: the surviving node's job did not exit within 120s; ended its processes as a scheduler would")
-    else:
-        say(f"{label}: the surviving node's job exited ({[job.returncode for job, _ in survivors]}) "
-            f"{time.monotonic() - lost_at:.1f}s after the node was lost; its machine stays up")
-    for _, cid in survivors:
-        if not cluster.state(cid)[0]:
-            raise DemoError(f"{label}: a surviving machine's container stopped with its job: its /dev/shm is gone")
-    return cids
-
-
-def replace_and_restart(cluster: Cluster, label: str, nodes: int, per_node: int, logs: str, timeout: float,
-                        node: int, old: list[str]) -> tuple[float, float, float]:
-    """Machine `node` replaced by a fresh container (empty /dev/shm), the job started on every
-    machine again. Returns (the restart's wall clock, seconds from the replacement's `up` to its
-    ranks' first resumed step, seconds of that `up`)."""
-    replaced_at = time.monotonic()
-    new = machines_up(cluster, label, [f"node{node}"], "--no-deps", "--force-recreate")[0]
-    replace_up = time.monotonic() - replaced_at
-    if new == old[node]:
-        raise DemoError(f"{label}: node {node}'s container was not replaced")
-    leftover = compose_memory.shm_entries(new)
-    if leftover:
-        raise DemoError(f"{label}: the replacement for node {node} has a /dev/shm that is not empty: {leftover}")
-    cids = [new if i == node else cid for i, cid in enumerate(old)]
-    say(f"{label}: node {node} replaced by a fresh container in {replace_up:.1f}s (/dev/shm of "
-        f"{compose_memory.shm_size(new) >> 20} MiB, empty); starting the job on both nodes")
-    restart_wall = time.time()
-    jobs = start_jobs(cids, f"{label}-restart", cluster.workdir)
-    ranks = range(node * per_node, (node + 1) * per_node)
-    first_step = None
-    while first_step is None and any(job.poll() is None for job in jobs):
-        if all(compose_memory.steps_after_resume(logs, r) for r in ranks):
-            first_step = time.monotonic() - replaced_at
-        elif time.monotonic() > replaced_at + timeout:
-            break
-        time.sleep(0.05)
-    codes = wait_jobs(jobs, cids, label, timeout, cluster.workdir)
-    if any(codes) or first_step is None:
-        raise DemoError(f"{label}: the restarted job failed (exit codes {codes}); see {cluster.workdir}/{label}-restart-node*.out")
-    say(f"{label}: the restarted job finished (exit codes {codes})")
-    return restart_wall, first_step, replace_up
-
-
-def memory_runs(cluster: Cluster, nodes: int, per_node: int, logs: str, args: argparse.Namespace,
-                bucket: str) -> MemoryRun:
-    """The reference run, the run whose machine dies, its replacement and the restart."""
-    killed = os.path.join(logs, "killed")
-    run_on_machines(cluster, "reference", nodes, os.path.join(logs, "reference"), args.timeout, first=True)
-    cids = kill_machine(cluster, "killed", nodes, per_node, killed, args.timeout, args.kill_node, args.kill_after_step)
-    committed = committed_steps(cluster, f"s3://{bucket}/killed")
-    say(f"killed: committed in S3 when the node died: steps {committed} (s3://{bucket}/killed)")
-    if not committed:
-        raise DemoError("no checkpoint was committed before the kill")
-    survivor_shm = [step for i, cid in enumerate(cids) if i != args.kill_node for step in compose_memory.shm_steps(cid)]
-    say(f"killed: the surviving machine's /dev/shm holds {survivor_shm}")
-    restart_wall, first_step, replace_up = replace_and_restart(cluster, "killed", nodes, per_node, killed, args.timeout,
-                                                               args.kill_node, cids)
-    return MemoryRun(committed, restart_wall, first_step, replace_up, survivor_shm)
-
-
-def memory_verdict(run: MemoryRun, killed_logs: str, requests_log: str, bucket: str, node: int,
-                   per_node: int) -> list[str]:
-    """Prints what the restore did and read from S3; returns the failed checks (none: it passed)."""
-    failures = []
-    loads = compose_memory.read_loads(killed_logs)
-    newest = max(run.committed)
-    print("loads:", {rank: f"step {ld.step} from the {ld.tier} tier in {ld.seconds:.2f}s" for rank, ld in loads.items()})
-    if not loads or any((ld.step, ld.tier) != (newest, "peer") for ld in loads.values()):
-        failures.append(f"every rank should have resumed step {newest} (the newest committed before the kill) "
-                        f"from the peer tier: {loads}")
-    requests = compose_memory.read_requests(requests_log)
-    load_end = max((ld.returned_at for ld in loads.values()), default=run.restart_wall)
-    restore = compose_memory.window(requests, run.restart_wall, load_end)
-    step_size = compose_memory.uploaded_step_bytes(requests, bucket, "killed", newest)
-    print(f"S3 during the restore ({load_end - run.restart_wall:.1f}s from the restart to the last rank's "
-          f"load_latest, counted at the S3 service by launch/s3count.py): {len(restore.requests)} requests, "
-          f"{restore.response_bytes} bytes in all: {restore.describe()}; GETs of step directories: "
-          f"{restore.payload_get_bytes} bytes (step {newest} is {step_size} bytes in S3)")
-    if not restore.requests:
-        failures.append(f"no S3 request counted during the restore: is {requests_log} written by launch/s3count.py?")
-    if restore.payload_get_bytes or restore.payload_gets:
-        failures.append(f"the restore read step directories from S3: {[r.path for r in restore.payload_gets][:5]}")
-    if not step_size:
-        failures.append(f"no upload of step {newest} counted: the nodes do not reach S3 through launch/s3count.py")
-    node_loads = [loads[r] for r in range(node * per_node, (node + 1) * per_node) if r in loads]
-    began = max((ld.returned_at - ld.seconds for ld in node_loads), default=float("nan")) - run.restart_wall
-    print(f"replacement node {node}: {run.replaced_to_first_step:.1f}s from `up` of its fresh container to its ranks' "
-          f"first resumed step (container up {run.replace_up:.1f}s; from the job's start to load_latest {began:.1f}s: "
-          f"torchrun, imports, rendezvous, process group; load_latest "
-          f"{max((ld.seconds for ld in node_loads), default=float('nan')):.2f}s on its ranks)")
-    return failures
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default=None, help="loss logs and compose/container logs (default: a temporary directory)")
@@ -459,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"image: built in {times['build']:.0f}s")
 
         if args.memory_tier:
-            memory_run = memory_runs(cluster, nodes, per_node, logs, args, bucket)
+            memory_run = compose_memory.memory_runs(cluster, nodes, per_node, logs, args, bucket, committed_steps)
         else:
             run_job(cluster, "reference", nodes, per_node, os.path.join(logs, "reference"), args.timeout, first=True)
             run_job(cluster, "killed", nodes, per_node, killed_logs, args.timeout,
@@ -495,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     if not resumes:
         print("VERDICT: the restarted job did not resume from a checkpoint")
         return 1
-    failures = [] if memory_run is None else memory_verdict(memory_run, killed_logs, os.path.join(logs, "s3-requests.jsonl"),
-                                                             bucket, args.kill_node, per_node)
+    failures = [] if memory_run is None else compose_memory.memory_verdict(
+        memory_run, killed_logs, os.path.join(logs, "s3-requests.jsonl"), bucket, args.kill_node, per_node)
     for failure in failures:
         print(f"FAILED: {failure}")
     verdict = "bitwise identical" if result.identical else f"DIFFERENT from (rank, step) {result.first_difference}"

@@ -3,18 +3,29 @@
 With docker/compose.memory.yaml the node containers are machines that stay up (the job is started
 on them with `docker exec`), so a restarted job finds each surviving node's /dev/shm; a node that
 died is replaced by a fresh container. The nodes reach S3 through launch/s3count.py, which logs
-every request with its response bytes; this module reads that log and the jobs' loss logs to check
-what the restore read from S3 and which tier it came from. Host python3 only, like compose_demo.
+every request with its response bytes. This module runs the three starts of the job on those
+machines (memory_runs: the reference, the run whose node 1 dies, the restart on a fresh node 1)
+and checks the outcome (memory_verdict: the tier each rank resumed from, what S3 served during the
+restore, the time to the replacement's first step); compose_demo builds the image, compares the
+losses and cleans up. Host python3 only, like compose_demo.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import subprocess
+import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import unquote, urlsplit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import last_logged_step  # noqa: E402
 
 # An object inside a step directory (distckpt/io/manifest.py's step_dir: step-<9+ digits>):
 # its payload, manifest or marker. Listings (GET /bucket?list-type=2&prefix=...) are not.
@@ -22,6 +33,26 @@ PAYLOAD_RE = re.compile(r"/step-\d{9,}/")
 RESUMED_RE = re.compile(r"# resumed from step (\d+) epoch (\d+)(?: \((\w+) tier\))?$")
 LOAD_RE = re.compile(r"# load_latest ([\d.]+) s, returned at ([\d.]+)$")
 SHM_ROOT = "/dev/shm"
+
+
+class JobError(RuntimeError):
+    """The memory tier's run failed before its checks could run (the message says where)."""
+
+
+class ComposeCluster(Protocol):
+    """What is used of launch/compose_demo.py's Cluster."""
+    workdir: str
+
+    def __call__(self, *args: str, run: str | None = None, check: bool = True,
+                 timeout: float | None = 900) -> subprocess.CompletedProcess: ...
+
+    def container(self, service: str) -> str: ...
+
+    def state(self, cid: str) -> tuple[bool, int]: ...
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
 
 
 @dataclass(frozen=True)
@@ -174,3 +205,166 @@ def shm_size(cid: str) -> int:
     df = subprocess.run(["docker", "exec", cid, "df", "-B1", "--output=size", SHM_ROOT], check=False,
                         capture_output=True, text=True, timeout=60)
     return int(df.stdout.split()[-1]) if df.returncode == 0 else -1
+
+
+# --- the runs -------------------------------------------------------------------------------
+
+@dataclass
+class MemoryRun:
+    """What the memory tier's run measured, for the checks after it."""
+    committed: list[int]           # steps committed in S3 when the node died
+    restart_wall: float            # wall clock when the job was started again (S3's log is counted from it)
+    replaced_to_first_step: float  # seconds from `up` of the fresh container to its ranks' first resumed step
+    replace_up: float              # of which `up` itself (container created and started)
+    survivor_shm: list[str]        # the memory tier's steps in the surviving node's /dev/shm at the restart
+
+
+def start_jobs(cids: list[str], label: str, workdir: str) -> list[subprocess.Popen]:
+    return [exec_job(cid, os.path.join(workdir, f"{label}-node{i}.out")) for i, cid in enumerate(cids)]
+
+
+def wait_jobs(jobs: list[subprocess.Popen], cids: list[str], label: str, timeout: float, workdir: str) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(job.poll() is None for job in jobs):
+        if time.monotonic() > deadline:
+            for cid in cids:
+                stop_job(cid)
+            raise JobError(f"{label}: the job did not finish within {timeout:g}s; see {workdir}/{label}-node*.out")
+        time.sleep(0.2)
+    return [job.returncode for job in jobs]
+
+
+def machines_up(cluster: ComposeCluster, label: str, services: list[str], *flags: str) -> list[str]:
+    """`up` the node containers (idle machines: the job is started on them by exec); their ids."""
+    cluster("up", "-d", "--no-build", *flags, *services, run=label)
+    return [cluster.container(s) for s in services]
+
+
+def run_on_machines(cluster: ComposeCluster, label: str, nodes: int, logs: str, timeout: float, first: bool = False) -> None:
+    """An uninterrupted run: fresh machines (a new DISTCKPT_RUN recreates them), the job on each."""
+    names = [f"node{i}" for i in range(nodes)]
+    cids = machines_up(cluster, label, names, *([] if first else ["--no-deps"]))
+    started = time.monotonic()
+    codes = wait_jobs(start_jobs(cids, label, cluster.workdir), cids, label, timeout, cluster.workdir)
+    if any(codes):
+        raise JobError(f"{label}: the job failed with exit codes {codes}; see {cluster.workdir}/{label}-node*.out")
+    say(f"{label}: finished in {time.monotonic() - started:.0f}s (exit codes {codes})")
+
+
+def kill_machine(cluster: ComposeCluster, label: str, nodes: int, per_node: int, logs: str, timeout: float,
+                 node: int, after_step: int) -> list[str]:
+    """Fresh machines, the job on each, machine `node` SIGKILLed once its ranks logged `after_step`;
+    the other machines stay up, their jobs ended. Returns the container ids."""
+    cids = machines_up(cluster, label, [f"node{i}" for i in range(nodes)], "--no-deps")
+    jobs = start_jobs(cids, label, cluster.workdir)
+    started = time.monotonic()
+    ranks = list(range(node * per_node, (node + 1) * per_node))
+    while last_logged_step(logs, ranks) < after_step:  # past a commit: see compose_demo.run_job
+        if any(job.poll() is not None for job in jobs):
+            raise JobError(f"{label}: a node's job exited before step {after_step}: {[j.poll() for j in jobs]}")
+        if time.monotonic() > started + timeout:
+            raise JobError(f"{label}: step {after_step} not logged within {timeout:g}s")
+        time.sleep(0.05)
+    subprocess.run(["docker", "kill", cids[node]], check=False, capture_output=True, timeout=60)
+    lost_at = time.monotonic()
+    say(f"{label}: node {node} logged step {after_step}, {lost_at - started:.0f}s after the start: SIGKILL to its "
+        "container (the machine: agent, workers and its /dev/shm)")
+    survivors = [(job, cid) for i, (job, cid) in enumerate(zip(jobs, cids)) if i != node]
+    deadline = lost_at + 120
+    while any(job.poll() is None for job, _ in survivors) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if any(job.poll() is None for job, _ in survivors):
+        for job, cid in survivors:  # a job that lost a node is torn down whole: its processes, not the machines
+            stop_job(cid)
+            job.wait(timeout=60)
+        say(f"{label}: the surviving node's job did not exit within 120s; ended its processes as a scheduler would")
+    else:
+        say(f"{label}: the surviving node's job exited ({[job.returncode for job, _ in survivors]}) "
+            f"{time.monotonic() - lost_at:.1f}s after the node was lost; its machine stays up")
+    for _, cid in survivors:
+        if not cluster.state(cid)[0]:
+            raise JobError(f"{label}: a surviving machine's container stopped with its job: its /dev/shm is gone")
+    return cids
+
+
+def replace_and_restart(cluster: ComposeCluster, label: str, nodes: int, per_node: int, logs: str, timeout: float,
+                        node: int, old: list[str]) -> tuple[float, float, float]:
+    """Machine `node` replaced by a fresh container (empty /dev/shm), the job started on every
+    machine again. Returns (the restart's wall clock, seconds from the replacement's `up` to its
+    ranks' first resumed step, seconds of that `up`)."""
+    replaced_at = time.monotonic()
+    new = machines_up(cluster, label, [f"node{node}"], "--no-deps", "--force-recreate")[0]
+    replace_up = time.monotonic() - replaced_at
+    if new == old[node]:
+        raise JobError(f"{label}: node {node}'s container was not replaced")
+    leftover = shm_entries(new)
+    if leftover:
+        raise JobError(f"{label}: the replacement for node {node} has a /dev/shm that is not empty: {leftover}")
+    cids = [new if i == node else cid for i, cid in enumerate(old)]
+    say(f"{label}: node {node} replaced by a fresh container in {replace_up:.1f}s (/dev/shm of "
+        f"{shm_size(new) >> 20} MiB, empty); starting the job on both nodes")
+    restart_wall = time.time()
+    jobs = start_jobs(cids, f"{label}-restart", cluster.workdir)
+    ranks = range(node * per_node, (node + 1) * per_node)
+    first_step = None
+    while first_step is None and any(job.poll() is None for job in jobs):
+        if all(steps_after_resume(logs, r) for r in ranks):
+            first_step = time.monotonic() - replaced_at
+        elif time.monotonic() > replaced_at + timeout:
+            break
+        time.sleep(0.05)
+    codes = wait_jobs(jobs, cids, label, timeout, cluster.workdir)
+    if any(codes) or first_step is None:
+        raise JobError(f"{label}: the restarted job failed (exit codes {codes}); see {cluster.workdir}/{label}-restart-node*.out")
+    say(f"{label}: the restarted job finished (exit codes {codes})")
+    return restart_wall, first_step, replace_up
+
+
+def memory_runs(cluster: ComposeCluster, nodes: int, per_node: int, logs: str, args: argparse.Namespace,
+                bucket: str, list_committed: Callable[[ComposeCluster, str], list[int]]) -> MemoryRun:
+    """The reference run, the run whose machine dies, its replacement and the restart."""
+    killed = os.path.join(logs, "killed")
+    run_on_machines(cluster, "reference", nodes, os.path.join(logs, "reference"), args.timeout, first=True)
+    cids = kill_machine(cluster, "killed", nodes, per_node, killed, args.timeout, args.kill_node, args.kill_after_step)
+    committed = list_committed(cluster, f"s3://{bucket}/killed")
+    say(f"killed: committed in S3 when the node died: steps {committed} (s3://{bucket}/killed)")
+    if not committed:
+        raise JobError("no checkpoint was committed before the kill")
+    survivor_shm = [step for i, cid in enumerate(cids) if i != args.kill_node for step in shm_steps(cid)]
+    say(f"killed: the surviving machine's /dev/shm holds {survivor_shm}")
+    restart_wall, first_step, replace_up = replace_and_restart(cluster, "killed", nodes, per_node, killed, args.timeout,
+                                                               args.kill_node, cids)
+    return MemoryRun(committed, restart_wall, first_step, replace_up, survivor_shm)
+
+
+def memory_verdict(run: MemoryRun, killed_logs: str, requests_log: str, bucket: str, node: int,
+                   per_node: int) -> list[str]:
+    """Prints what the restore did and read from S3; returns the failed checks (none: it passed)."""
+    failures = []
+    loads = read_loads(killed_logs)
+    newest = max(run.committed)
+    print("loads:", {rank: f"step {ld.step} from the {ld.tier} tier in {ld.seconds:.2f}s" for rank, ld in loads.items()})
+    if not loads or any((ld.step, ld.tier) != (newest, "peer") for ld in loads.values()):
+        failures.append(f"every rank should have resumed step {newest} (the newest committed before the kill) "
+                        f"from the peer tier: {loads}")
+    requests = read_requests(requests_log)
+    load_end = max((ld.returned_at for ld in loads.values()), default=run.restart_wall)
+    restore = window(requests, run.restart_wall, load_end)
+    step_size = uploaded_step_bytes(requests, bucket, "killed", newest)
+    print(f"S3 during the restore ({load_end - run.restart_wall:.1f}s from the restart to the last rank's "
+          f"load_latest, counted at the S3 service by launch/s3count.py): {len(restore.requests)} requests, "
+          f"{restore.response_bytes} bytes in all: {restore.describe()}; GETs of step directories: "
+          f"{restore.payload_get_bytes} bytes (step {newest} is {step_size} bytes in S3)")
+    if not restore.requests:
+        failures.append(f"no S3 request counted during the restore: is {requests_log} written by launch/s3count.py?")
+    if restore.payload_get_bytes or restore.payload_gets:
+        failures.append(f"the restore read step directories from S3: {[r.path for r in restore.payload_gets][:5]}")
+    if not step_size:
+        failures.append(f"no upload of step {newest} counted: the nodes do not reach S3 through launch/s3count.py")
+    node_loads = [loads[r] for r in range(node * per_node, (node + 1) * per_node) if r in loads]
+    began = max((ld.returned_at - ld.seconds for ld in node_loads), default=float("nan")) - run.restart_wall
+    print(f"replacement node {node}: {run.replaced_to_first_step:.1f}s from `up` of its fresh container to its ranks' "
+          f"first resumed step (container up {run.replace_up:.1f}s; from the job's start to load_latest {began:.1f}s: "
+          f"torchrun, imports, rendezvous, process group; load_latest "
+          f"{max((ld.seconds for ld in node_loads), default=float('nan')):.2f}s on its ranks)")
+    return failures

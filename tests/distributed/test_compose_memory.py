@@ -174,7 +174,7 @@ def test_the_resume_and_load_lines_of_train_py_are_parsed(tmp_path):
 def _write_run(tmp_path, tier: str, restore_gets: list[tuple[str, int]]):
     """A killed run's loss logs (4 ranks, resumed step 10 from `tier`) and S3's request log with
     `restore_gets` (path, bytes) answered during the restore; returns (MemoryRun, logs, requests log)."""
-    import compose_demo
+    import compose_memory
 
     logs = tmp_path / "killed"
     logs.mkdir()
@@ -193,15 +193,15 @@ def _write_run(tmp_path, tier: str, restore_gets: list[tuple[str, int]]):
                      "status": 200, "bytes": 900, "sent": 0})  # after the load: not the restore's
     log = tmp_path / "s3-requests.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in requests))
-    run = compose_demo.MemoryRun([10], restart, 25.0, 1.0, ["distckpt/x-node0/own/step-000000010"])
+    run = compose_memory.MemoryRun([10], restart, 25.0, 1.0, ["distckpt/x-node0/own/step-000000010"])
     return run, str(logs), str(log)
 
 
 def test_the_memory_demo_passes_a_peer_restore_that_read_no_step_directory(tmp_path, capsys):
-    import compose_demo
+    import compose_memory
 
     run, logs, log = _write_run(tmp_path, "peer", [("/ckpt/killed/fence/gen-000000001.json", 155)])
-    assert compose_demo.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2) == []
+    assert compose_memory.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2) == []
     out = capsys.readouterr().out
     assert "GETs of step directories: 0 bytes (step 10 is 5000 bytes in S3)" in out
     assert "2 requests, 555 bytes in all" in out  # the step-20 GET after the load is not counted
@@ -215,17 +215,17 @@ def test_the_memory_demo_passes_a_peer_restore_that_read_no_step_directory(tmp_p
 ])
 def test_the_memory_demo_fails_a_restore_from_another_tier_or_one_that_read_the_step_from_s3(tmp_path, tier, gets,
                                                                                                why):
-    import compose_demo
+    import compose_memory
 
     run, logs, log = _write_run(tmp_path, tier, gets)
-    failures = compose_demo.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2)
+    failures = compose_memory.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2)
     assert len(failures) == 1 and why in failures[0], failures
 
 
 def test_the_memory_demo_fails_when_s3_was_not_counted(tmp_path):
-    import compose_demo
+    import compose_memory
 
     run, logs, log = _write_run(tmp_path, "peer", [])
     os.remove(log)  # the nodes bypassed the proxy, or it logged nowhere
-    failures = compose_demo.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2)
+    failures = compose_memory.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2)
     assert any("no S3 request counted" in f for f in failures) and any("no upload" in f for f in failures)
