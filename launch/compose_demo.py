@@ -340,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         print("VERDICT: the restarted job did not resume from a checkpoint")
         return 1
     failures = [] if memory_run is None else compose_memory.memory_verdict(
-        memory_run, killed_logs, os.path.join(logs, "s3-requests.jsonl"), bucket, args.kill_node, per_node)
+        memory_run, killed_logs, os.path.join(logs, "s3-requests.jsonl"), bucket, args.kill_node, per_node,
+        nodes * per_node)
     for failure in failures:
         print(f"FAILED: {failure}")
     verdict = "bitwise identical" if result.identical else f"DIFFERENT from (rank, step) {result.first_difference}"

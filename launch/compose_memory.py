@@ -338,15 +338,15 @@ def memory_runs(cluster: ComposeCluster, nodes: int, per_node: int, logs: str, a
 
 
 def memory_verdict(run: MemoryRun, killed_logs: str, requests_log: str, bucket: str, node: int,
-                   per_node: int) -> list[str]:
+                   per_node: int, world: int) -> list[str]:
     """Prints what the restore did and read from S3; returns the failed checks (none: it passed)."""
     failures = []
     loads = read_loads(killed_logs)
     newest = max(run.committed)
     print("loads:", {rank: f"step {ld.step} from the {ld.tier} tier in {ld.seconds:.2f}s" for rank, ld in loads.items()})
-    if not loads or any((ld.step, ld.tier) != (newest, "peer") for ld in loads.values()):
-        failures.append(f"every rank should have resumed step {newest} (the newest committed before the kill) "
-                        f"from the peer tier: {loads}")
+    if set(loads) != set(range(world)) or any((ld.step, ld.tier) != (newest, "peer") for ld in loads.values()):
+        failures.append(f"every rank of {world} should have resumed step {newest} (the newest committed before "
+                        f"the kill) from the peer tier: {loads}")
     requests = read_requests(requests_log)
     load_end = max((ld.returned_at for ld in loads.values()), default=run.restart_wall)
     restore = window(requests, run.restart_wall, load_end)

@@ -201,7 +201,7 @@ def test_the_memory_demo_passes_a_peer_restore_that_read_no_step_directory(tmp_p
     import compose_memory
 
     run, logs, log = _write_run(tmp_path, "peer", [("/ckpt/killed/fence/gen-000000001.json", 155)])
-    assert compose_memory.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2) == []
+    assert compose_memory.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2, world=4) == []
     out = capsys.readouterr().out
     assert "GETs of step directories: 0 bytes (step 10 is 5000 bytes in S3)" in out
     assert "2 requests, 555 bytes in all" in out  # the step-20 GET after the load is not counted
@@ -218,8 +218,17 @@ def test_the_memory_demo_fails_a_restore_from_another_tier_or_one_that_read_the_
     import compose_memory
 
     run, logs, log = _write_run(tmp_path, tier, gets)
-    failures = compose_memory.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2)
+    failures = compose_memory.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2, world=4)
     assert len(failures) == 1 and why in failures[0], failures
+
+
+def test_the_memory_demo_fails_when_a_rank_did_not_log_its_resume(tmp_path):
+    import compose_memory
+
+    run, logs, log = _write_run(tmp_path, "peer", [])
+    os.remove(os.path.join(logs, "rank-3.txt"))
+    failures = compose_memory.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2, world=4)
+    assert len(failures) == 1 and "every rank of 4" in failures[0], failures
 
 
 def test_the_memory_demo_fails_when_s3_was_not_counted(tmp_path):
@@ -227,5 +236,5 @@ def test_the_memory_demo_fails_when_s3_was_not_counted(tmp_path):
 
     run, logs, log = _write_run(tmp_path, "peer", [])
     os.remove(log)  # the nodes bypassed the proxy, or it logged nowhere
-    failures = compose_memory.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2)
+    failures = compose_memory.memory_verdict(run, logs, log, "ckpt", node=1, per_node=2, world=4)
     assert any("no S3 request counted" in f for f in failures) and any("no upload" in f for f in failures)
