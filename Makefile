@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.distckpt-installed
 # Azure Blob's emulator, from the npm registry, for the storage tests
 AZURITE_VERSION := 3.37.0
 
-.PHONY: install demo demo-s3 compose-demo test test-faults test-gpu bench bench-cluster docs clean
+.PHONY: install demo demo-s3 compose-demo compose-demo-memory test test-faults test-gpu bench bench-cluster docs clean
 
 install: $(STAMP)
 
@@ -33,6 +33,13 @@ demo-s3: $(STAMP)
 # drives it. As root it starts dockerd, and without a registry debootstraps the base image.
 compose-demo:
 	$(PYTHON) launch/compose_demo.py
+
+# The same cluster with the memory tier (docker/compose.memory.yaml): node 1's machine killed and
+# replaced by a fresh container with an empty /dev/shm, the job restarted on both nodes; it must
+# resume from node 0's partner copy (the peer tier) with every loss bitwise equal, reading no byte
+# of the step from S3 (counted at the S3 service by launch/s3count.py) (docs/guides/compose-cluster.md).
+compose-demo-memory:
+	$(PYTHON) launch/compose_demo.py --memory-tier
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=40

@@ -1,6 +1,7 @@
 """`make compose-demo`: the docker-compose cluster for real, a node's container killed mid-run.
 
     python3 launch/compose_demo.py [--workdir DIR] [--kill-node 1] [--kill-after-step 15] [--offline] [--keep]
+                                   [--memory-tier]
 
 launch/cluster.py runs this topology as plain processes; here it runs in docker/compose.yaml's
 containers: an S3 server (SeaweedFS) and two nodes, each a torchrun agent with 2 workers. The
@@ -10,6 +11,13 @@ checkpoint committed to S3. The surviving node's workers fail their next collect
 agent exits; the job is started again on both nodes, as a scheduler restarts a job that lost a
 node, and resumes from S3. Every (rank, step) loss is compared bit for bit with the
 uninterrupted run. Exit status 0 only when identical and the restarted job resumed.
+
+With --memory-tier (`make compose-demo-memory`) docker/compose.memory.yaml is layered on the
+compose file: the nodes are machines that stay up (the job started on them by `docker exec`), each
+with its own /dev/shm, and reach S3 through a counting proxy (launch/s3count.py). Node 1's machine
+is killed and replaced by a fresh container with an empty /dev/shm; the restarted job must resume
+from node 0's partner copy (Progress.tier "peer") at the newest committed step, bitwise, with no
+GET of a step directory counted at S3 during the restore (launch/compose_memory.py reads the logs).
 
 Needs docker and docker compose (v2 plugin) or docker-compose (v1); as root it starts dockerd
 itself if the engine is not running. Without an image registry (no python:3.11-slim) the base
@@ -32,11 +40,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+import compose_memory  # noqa: E402
 from cluster import last_logged_step, read_env_file  # noqa: E402
 from demo import compare, read_losses, resumed_from  # noqa: E402
 
 PROJECT = "distckpt-demo"  # its own compose project: `down -v` never touches a cluster of yours
 COMPOSE_FILE = os.path.join(ROOT, "docker", "compose.yaml")
+# --memory-tier: the memory tier's variant layered on it, under a project of its own (the two
+# demos can run side by side)
+MEMORY_COMPOSE_FILE = os.path.join(ROOT, "docker", "compose.memory.yaml")
+MEMORY_PROJECT = "distckpt-demo-memory"
 REGISTRY_BASE = "python:3.11-slim"  # docker/Dockerfile's defaults (tests/distributed/test_cluster.py keeps them equal)
 REGISTRY_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 OFFLINE_BASE = "distckpt-base:bookworm"
@@ -124,10 +137,13 @@ def choose_base(offline: bool) -> tuple[str, str, str]:
 # --- the cluster ----------------------------------------------------------------------------
 
 class Cluster:
-    """docker/compose.yaml under project PROJECT, with the losses in a host directory."""
+    """docker/compose.yaml (and the files layered on it) under its own project, with the losses in
+    a host directory."""
 
-    def __init__(self, compose: list[str], env: dict[str, str], workdir: str) -> None:
-        self.base = [*compose, "-f", COMPOSE_FILE, "-p", PROJECT]
+    def __init__(self, compose: list[str], env: dict[str, str], workdir: str, files: tuple[str, ...] = (COMPOSE_FILE,),
+                 project: str = PROJECT) -> None:
+        self.base = [*compose, *(a for f in files for a in ("-f", f)), "-p", project]
+        self.project = project
         self.env = env
         self.workdir = workdir
         self.log = os.path.join(workdir, "compose.log")
@@ -146,7 +162,7 @@ class Cluster:
     def container(self, service: str) -> str:
         """The id of the service's container (by compose's labels: the same for v1 and v2, and
         listed after it exited, which `compose ps` of v2 does not do)."""
-        out = sh(["docker", "ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}",
+        out = sh(["docker", "ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={self.project}",
                   "--filter", f"label=com.docker.compose.service={service}",
                   "--filter", "label=com.docker.compose.oneoff=False"]).stdout.split()
         if len(out) != 1:
@@ -237,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offline", action="store_true", help="do not try the registry: build on docker/offline-base.sh's base")
     p.add_argument("--keep", action="store_true", help="leave the containers and volumes (no `down -v`) to inspect them")
     p.add_argument("--timeout", type=float, default=600, help="per start of the job, seconds")
+    p.add_argument("--memory-tier", action="store_true", help="the memory tier's variant (docker/compose.memory.yaml): "
+                   "node 1's machine replaced by a fresh one, which must resume from its partner's memory (the peer "
+                   "tier) reading nothing of the step from S3")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     times: dict[str, float] = {}  # phase: seconds, for the closing line
@@ -252,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.kill_node < nodes:
         raise SystemExit(f"--kill-node must be one of 0..{nodes - 1}")
     say(f"compose demo: {nodes} nodes x {per_node} workers + S3 (SeaweedFS) in containers, {steps} steps, "
-        f"checkpoints every {settings['CKPT_EVERY']}; logs in {workdir}")
+        f"checkpoints every {settings['CKPT_EVERY']}{', memory tier' if args.memory_tier else ''}; logs in {workdir}")
     try:
         compose = compose_command()
         start = time.monotonic()
@@ -265,9 +284,13 @@ def main(argv: list[str] | None = None) -> int:
         say(f"compose demo: {e}")
         return 2
     env = {**os.environ, "DISTCKPT_BASE": base, "DISTCKPT_TORCH_INDEX": torch_index, "DISTCKPT_LOGS": logs}
-    cluster = Cluster(compose, env, workdir)
+    if args.memory_tier:
+        cluster = Cluster(compose, env, workdir, (COMPOSE_FILE, MEMORY_COMPOSE_FILE), MEMORY_PROJECT)
+    else:
+        cluster = Cluster(compose, env, workdir)
     bucket = settings["S3_BUCKET"]
     killed_logs = os.path.join(logs, "killed")
+    memory_run = None
     try:
         cluster("down", "-v", "--remove-orphans", "--timeout", "1")  # what an interrupted earlier run left
         start = time.monotonic()
@@ -279,16 +302,20 @@ def main(argv: list[str] | None = None) -> int:
         times["build"], start = time.monotonic() - start, time.monotonic()
         say(f"image: built in {times['build']:.0f}s")
 
-        run_job(cluster, "reference", nodes, per_node, os.path.join(logs, "reference"), args.timeout, first=True)
-        run_job(cluster, "killed", nodes, per_node, killed_logs, args.timeout, kill=(args.kill_node, args.kill_after_step))
-        committed = committed_steps(cluster, f"s3://{bucket}/killed")
-        say(f"killed: committed in S3 when the node died: steps {committed} (s3://{bucket}/killed)")
-        if not committed:
-            raise DemoError("no checkpoint was committed before the kill")
-        say("killed: starting the job again on both nodes")
-        run_job(cluster, "killed", nodes, per_node, killed_logs, args.timeout)
+        if args.memory_tier:
+            memory_run = compose_memory.memory_runs(cluster, nodes, per_node, logs, args, bucket, committed_steps)
+        else:
+            run_job(cluster, "reference", nodes, per_node, os.path.join(logs, "reference"), args.timeout, first=True)
+            run_job(cluster, "killed", nodes, per_node, killed_logs, args.timeout,
+                    kill=(args.kill_node, args.kill_after_step))
+            committed = committed_steps(cluster, f"s3://{bucket}/killed")
+            say(f"killed: committed in S3 when the node died: steps {committed} (s3://{bucket}/killed)")
+            if not committed:
+                raise DemoError("no checkpoint was committed before the kill")
+            say("killed: starting the job again on both nodes")
+            run_job(cluster, "killed", nodes, per_node, killed_logs, args.timeout)
         times["runs"] = time.monotonic() - start
-    except (DemoError, subprocess.TimeoutExpired) as e:
+    except (DemoError, RuntimeError, subprocess.TimeoutExpired) as e:
         say(f"compose demo: {e}")
         return 1
     finally:
@@ -312,10 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     if not resumes:
         print("VERDICT: the restarted job did not resume from a checkpoint")
         return 1
+    failures = [] if memory_run is None else compose_memory.memory_verdict(
+        memory_run, killed_logs, os.path.join(logs, "s3-requests.jsonl"), bucket, args.kill_node, per_node,
+        nodes * per_node)
+    for failure in failures:
+        print(f"FAILED: {failure}")
     verdict = "bitwise identical" if result.identical else f"DIFFERENT from (rank, step) {result.first_difference}"
+    what = (f"node {args.kill_node}'s machine killed and replaced by a fresh container" if args.memory_tier
+            else f"node {args.kill_node}'s container killed")
     print(f"VERDICT: {verdict} — {result.steps} (rank, step) losses over {nodes} nodes in containers, "
-          f"node {args.kill_node}'s container killed, {resumes[-1]}")
-    return 0 if result.identical else 1
+          f"{what}, {resumes[-1]}" + (f"; {len(failures)} memory tier check(s) FAILED" if failures else ""))
+    return 0 if result.identical and not failures else 1
 
 
 if __name__ == "__main__":
