@@ -281,6 +281,7 @@ class CheckpointManager:
         failed upload, the next close() returned at once and the newest steps stayed on the node
         (a pre-empted node that retried close() as told, then exited, lost them)."""
         self._uploads.make_last_save_durable()
+        self._session.flush_memory_only()  # disk_every: the newest save, if in memory only, to the URL too
         self._shut_down()
 
     def _shut_down(self) -> None:

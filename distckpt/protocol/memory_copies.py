@@ -102,12 +102,14 @@ class MemoryTier:
 
     def next_save(self, must_reach_disk: bool = False) -> tuple[bool, bool]:
         """(to memory, to disk) for the next save, counted alike on every rank: every
-        memory_every-th save goes to memory, every disk_every-th to disk (the others to memory
-        only); `must_reach_disk` (the pre-emption save, agreed on every rank) goes to disk."""
+        memory_every-th save goes to memory; with disk_every=N a manager's first save and every
+        Nth after it go to disk, the others to memory only (a job restarted more often than every
+        N saves still reaches disk); `must_reach_disk` (the pre-emption save, agreed on every
+        rank) goes to disk."""
         if not self.enabled:
             return False, True
         self._saves += 1
-        to_disk = must_reach_disk or self._saves % self.settings.disk_every == 0
+        to_disk = must_reach_disk or (self._saves - 1) % self.settings.disk_every == 0
         return self._saves % self.settings.every == 0, to_disk
 
     def after_commit(self, coord: Coordinator, step: int, captured: Any, staged: Any, target: Storage,

@@ -21,14 +21,15 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 from distckpt.config import ManagerConfig
-from distckpt.errors import AsyncSaveError, ConfigError, StorageError
+from distckpt.errors import AsyncSaveError, ConfigError, FencedError, StorageError
 from distckpt.io.copying import Prefault
 from distckpt.protocol import doctor_hooks, fencing
 from distckpt.protocol.async_writer import AsyncWriter, WriterStuckError
 from distckpt.protocol.bounded_staging import BoundedStagingPool, payload_trees
+from distckpt.protocol.commit import check_step_is_free
 from distckpt.protocol.coord import Coordinator, Outcome, agree, make_coordinator
 from distckpt.protocol.fencing import Lease
 from distckpt.protocol.frameworks import classify_in_world
@@ -37,6 +38,7 @@ from distckpt.protocol.leases import LeaseKeeper, ResumedBranch
 from distckpt.protocol.load_request import refuse_load_request
 from distckpt.protocol.loading import Progress, load
 from distckpt.protocol.memory_copies import MemoryTier
+from distckpt.protocol.memory_flush import flush_to_disk
 from distckpt.protocol.memory_load import load_memory_copy
 from distckpt.protocol.payload import trees_written_by
 from distckpt.protocol.pruning import Pruner
@@ -87,6 +89,7 @@ class Session:
         self.writer.before_exit = self.snapshot.check  # at exit the main thread checks, then waits
         self.pending_step: int | None = None
         self.pending_on_disk = True  # False: the save in flight is committed to memory only (disk_every)
+        self.newest_memory_only: int | None = None  # the newest save, if it went to memory only: close() writes it to disk
         self.save_seq = 0  # counts save() calls (the same on every rank): names shard reports
         # rank 0: what the last committed save holds, for incremental saves (incremental.py)
         self.content = ContentTable() if config.incremental else None
@@ -133,7 +136,7 @@ class Session:
         args = (self.coord, self.target, entries, step, epoch, metric, self.run_id,
                 self.staging if self.config.async_save else None, self.leases.replace_policy, self.leases.take,
                 self.save_seq, bool(self.config.split_writes), self.durable if self.local is not None else None,
-                self.leases.prepare_local if self.local is not None else None,
+                self._before_capture(step),
                 self.uploads.hands_over_rank_files and not memory_only,  # a memory save's files go point to point
                 memory_only)
         if self.config.async_save:
@@ -142,6 +145,7 @@ class Session:
         captured = capture_save(*args)
         if memory_only:
             self._commit_to_memory_only(self.coord, captured, gather_save(self.coord, captured))
+            self.newest_memory_only = step
             doctor_hooks.after_commit(step, self.rank, self.world_size)
             return
         staged, own_write = gather_save(self.coord, captured), captured.own_write
@@ -153,6 +157,7 @@ class Session:
         if staged is None:
             faults.point("save/awaiting-commit", step=step, rank=self.rank)
         share_outcome(self.coord, exc, "save/commit", f"save of step {step}", step)
+        self.newest_memory_only = None
         if in_memory:
             self._copy_to_memory(self.coord, captured, staged)
         self.uploads.ship(step)
@@ -170,6 +175,22 @@ class Session:
         self.save_seq += 1
         agree(self.coord, Outcome.failure(self.rank, refusal), "save/capture", f"save of step {step!r}", refusal)
         raise refusal  # not reached: agree raised, the failure being in the outcomes
+
+    def _before_capture(self, step: int) -> Callable[[], None] | None:
+        """Rank 0's checks inside the capture (a refusal there is every rank's, before anything is
+        written): the local tier's preparation, and with a memory tier the step not saved before
+        by this incarnation in memory (a memory-only step has no disk copy to say so)."""
+        memory = self.memory.memory if self.memory is not None else None
+        if self.local is None and memory is None:
+            return None
+
+        def check() -> None:
+            if self.local is not None:
+                self.leases.prepare_local()
+            if memory is not None:
+                check_step_is_free(memory.own, step, self.leases.replace_policy)
+
+        return check
 
     def _next_save_tiers(self) -> tuple[bool, bool]:
         """(to memory, to disk) for the next save, alike on every rank (the pre-emption save, agreed,
@@ -328,6 +349,25 @@ class Session:
         self.memory.commit_memory_only(coord, captured, staged, self.leases.lease, failure, self._versions,
                                        self._check_fence)
 
+    def flush_memory_only(self) -> None:
+        """close() (collective): the newest save, when it went to memory only (disk_every), written
+        to the URL from the nodes' memory copies, so a job that ends cleanly keeps it on disk."""
+        step = self.newest_memory_only
+        if step is None or self.memory is None:
+            return
+        try:
+            flush_to_disk(self.memory, self.coord, step, self.durable, self.leases.lease, self.leases.replace_policy)
+        except FencedError as e:  # every rank alike: a superseded writer has nothing more to write
+            log.warning("rank %d: step %d stays in memory only: %s", self.rank, step, e)
+            return
+        finally:
+            self.newest_memory_only = None
+        if self.rank == 0:
+            log.info("rank 0: step %d, saved to memory only, written to %s at close()", step, self.durable.url)
+            self.leases.record_first_commit(step)
+            if self.local is None:
+                self.pruner.after_commit(self.durable, step)
+
     def _check_fence(self, lease: Lease) -> None:
         """Rank 0, before a memory-only commit: the fence at the URL, as before a disk commit."""
         if self.local is not None:
@@ -350,6 +390,7 @@ class Session:
         self.pending_step = None
         if err is not None:
             raise AsyncSaveError(f"background save of step {step} failed: {type(err).__name__}: {err}") from err
+        self.newest_memory_only = None if self.pending_on_disk else step
         if self.pending_on_disk:  # a memory-only save has no local step to ship
             self.uploads.ship(step)
         doctor_hooks.after_commit(step, self.rank, self.world_size)

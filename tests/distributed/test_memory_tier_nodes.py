@@ -134,13 +134,14 @@ def test_a_replaced_node_resumes_from_its_partners_memory_bitwise_reading_no_pay
 @pytest.mark.slow
 @pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.faults)])
 def test_a_step_saved_to_memory_only_resumes_a_replaced_node_from_its_partner(tmp_path, via_proxy, async_save):
-    """Memory every step, S3 every 4th (disk_every=4): the killed step 5 is held in memory alone
-    (S3's newest is step 3); the replaced node resumes it from its partner, bit for bit."""
+    """Memory every step, S3 at the first save and every 4th after it (disk_every=4): the killed
+    step 5 is held in memory alone (S3's newest is step 4); the replaced node resumes it from its
+    partner, bit for bit."""
     url, proxy = via_proxy
     tmp, extra = str(tmp_path), ("--disk-every", "4") + (("--async",) if async_save else ())
     finish(launch(tmp, "ref", url + "-ref", proxy.endpoint, 8, 1, extra))
     kill_all(launch(tmp, "run", url, proxy.endpoint, 8, 1, ("--kill-at", "5:0", *extra)))
-    assert list_committed(open_storage(url, json.loads(proxy.endpoint))) == [3]  # the 4th save; steps 4 and 5 in memory only
+    assert list_committed(open_storage(url, json.loads(proxy.endpoint))) == [4, 0]  # step 5 in memory only
     shutil.rmtree(os.path.join(tmp, "mem-run", "node1"))
     proxy.clear()
     finish(launch(tmp, "run", url, proxy.endpoint, 8, 1, ("--no-save-after-resume", *extra)))

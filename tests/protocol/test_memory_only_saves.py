@@ -5,7 +5,10 @@ their own, and resume bit for bit."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -43,44 +46,106 @@ def resume(url: str, **kw):
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_saves_between_disk_saves_go_to_memory_only_and_resume_bitwise(shm, ckpt_dir, async_save):
-    state, _ = run(ckpt_dir, range(7), disk_every=3, keep_memory=2, async_save=async_save)
-    assert list_committed(open_storage(ckpt_dir)) == [5, 2]  # the 3rd and 6th saves
-    assert own_steps(shm) == [6, 5]  # every save in memory, keep_memory=2
+    state = make_state()
+    with distckpt.CheckpointManager(ckpt_dir, memory_tier=True, disk_every=3, keep_memory=2,
+                                    async_save=async_save) as mgr:
+        for step in range(6):
+            train(state, [step])
+            mgr.save(step, state)
+        mgr.wait()
+        assert list_committed(open_storage(ckpt_dir)) == [3, 0]  # a manager's first save, then every 3rd
+    assert list_committed(open_storage(ckpt_dir)) == [5, 3, 0]  # close(): the newest, memory only, to disk
+    assert own_steps(shm) == [5, 4]  # every save in memory, keep_memory=2
     progress, resumed = resume(ckpt_dir, disk_every=3)
-    assert (progress.step, progress.tier) == (6, "memory")
+    assert (progress.step, progress.tier) == (5, "memory")
     for key in ("model", "optimizer"):
         assert str(resumed[key].state_dict()) == str(state[key].state_dict())
-    assert train(resumed, range(3)) == train(state, range(3))
+    expected = train(state, range(3))
+    assert train(resumed, range(3)) == expected
+    shutil.rmtree(shm)  # the node's memory gone: the copy close() wrote is the same step
+    progress, resumed = resume(ckpt_dir, disk_every=3)
+    assert (progress.step, progress.tier) == (5, "durable")
+    assert train(resumed, range(3)) == expected
 
 
 def test_a_memory_only_step_is_a_whole_committed_step_of_its_own(shm, ckpt_dir):
-    run(ckpt_dir, range(2), disk_every=2)  # step 0: memory only; step 1: disk and memory
-    memory = open_storage(os.path.join(shm, "own"))
-    marker = read_marker(memory, 0)
-    manifest = read_verified_manifest(memory, 0, marker)  # the marker names this manifest's checksum
-    assert (manifest.step, manifest.world_size, marker.generation) == (0, 1, manifest.generation)
-    base = os.path.join(shm, "own", mf.step_dir(0))
-    for name, record in manifest.files.items():
-        data = open(os.path.join(base, name), "rb").read()
-        mf.verify_file(data, record, name)  # every file its manifest lists, checksum and size
-    assert not os.path.exists(os.path.join(ckpt_dir, mf.step_dir(0)))  # nothing of it on disk
+    state = make_state()
+    with distckpt.CheckpointManager(ckpt_dir, memory_tier=True, disk_every=2) as mgr:
+        mgr.save(0, state)  # the first save: disk and memory
+        mgr.save(1, state)  # memory only
+        assert not os.path.exists(os.path.join(ckpt_dir, mf.step_dir(1)))  # nothing of it on disk
+        memory = open_storage(os.path.join(shm, "own"))
+        marker = read_marker(memory, 1)
+        manifest = read_verified_manifest(memory, 1, marker)  # the marker names this manifest's checksum
+        assert (manifest.step, manifest.world_size, marker.generation) == (1, 1, manifest.generation)
+        base = os.path.join(shm, "own", mf.step_dir(1))
+        for name, record in manifest.files.items():
+            mf.verify_file(open(os.path.join(base, name), "rb").read(), record, name)
+    for name in [*manifest.files, mf.MANIFEST, mf.MARKER]:  # close() wrote it to disk byte for byte
+        on_disk = open(os.path.join(ckpt_dir, mf.step_dir(1), name), "rb").read()
+        assert on_disk == open(os.path.join(base, name), "rb").read(), name
+
+
+KILLED_RUN = """
+import os, signal, sys, torch, distckpt
+sys.path.insert(0, sys.argv[2])
+from test_memory_tier import make_state, train
+state = make_state()
+mgr = distckpt.CheckpointManager(sys.argv[1], memory_tier=True, disk_every=2)
+for step in range(4):
+    train(state, [step])
+    mgr.save(step, state)
+print(" ".join(train(state, range(2))), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no close(): the job dies with step 3 in memory only
+"""
 
 
 def test_a_memory_only_step_lost_with_the_node_falls_back_to_the_last_disk_step(shm, ckpt_dir, tmp_path):
-    state, _ = run(ckpt_dir, range(4), disk_every=2)  # disk: 1, 3; memory only: 0, 2
+    out = subprocess.run([sys.executable, "-c", KILLED_RUN, ckpt_dir, os.path.dirname(__file__)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "DISTCKPT_MEMORY_DIR": shm})
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    assert list_committed(open_storage(ckpt_dir)) == [2, 0] and own_steps(shm) == [3, 2]
+    progress, _ = resume(ckpt_dir, disk_every=2)
+    assert (progress.step, progress.tier) == (3, "memory")
     os.rename(shm, str(tmp_path / "gone"))
     with pytest.warns(distckpt.CheckpointFallbackWarning, match="no node holds a committed step in memory"):
-        progress, resumed = resume(ckpt_dir, disk_every=2)
-    assert (progress.step, progress.tier) == (3, "durable")
-    assert train(resumed, range(2)) == train(state, range(2))
+        progress, _ = resume(ckpt_dir, disk_every=2)
+    assert (progress.step, progress.tier) == (2, "durable")
+
+
+def test_saving_a_step_again_is_refused_before_anything_is_written(shm, ckpt_dir):
+    first, second = {"w": torch.ones(4)}, {"w": torch.full((4,), 11.0)}
+    with distckpt.CheckpointManager(ckpt_dir, memory_tier=True, disk_every=2) as mgr:
+        mgr.save(0, first)
+        mgr.save(1, first)  # memory only
+        with pytest.raises(distckpt.CheckpointExistsError, match="step 1 is already committed"):
+            mgr.save(1, second)  # the disk's turn: refused all the same, nothing written
+        assert list_committed(open_storage(ckpt_dir)) == [0]
+    target = {"w": torch.zeros(4)}
+    with distckpt.CheckpointManager(ckpt_dir, memory_tier=True, disk_every=2) as mgr:
+        mgr.load(target, 1)
+    assert torch.equal(target["w"], first["w"])  # the step holds what was saved, in memory and on disk
+
+
+def test_a_job_restarted_more_often_than_disk_every_still_reaches_disk(shm, ckpt_dir):
+    state = make_state()
+    for _incarnation in range(3):  # each saves 2 steps with disk_every=5, then ends without close()
+        with distckpt.CheckpointManager(ckpt_dir, memory_tier=True, disk_every=5) as mgr:
+            progress = mgr.load_latest(state)
+            start = progress.step + 1 if progress else 0
+            for step in range(start, start + 2):
+                mgr.save(step, state)
+            mgr._session.newest_memory_only = None  # as a killed job: close() writes nothing more
+    assert list_committed(open_storage(ckpt_dir)) == [4, 2, 0]  # every incarnation's first save
 
 
 def test_composes_with_two_tiers_memory_every_step_local_every_2nd_url_every_4th(shm, ckpt_dir, tmp_path):
     local = str(tmp_path / "local")
     state, _ = run(ckpt_dir, range(8), disk_every=2, local_dir=local, durable_every=2, keep_memory=3,
                    keep_local=10)
-    assert list_committed(open_storage(local)) == [7, 5, 3, 1]  # every 2nd save on the local tier
-    assert list_committed(open_storage(ckpt_dir)) == [7, 3]  # durable_every counts the disk saves
+    assert list_committed(open_storage(local)) == [6, 4, 2, 0]  # every 2nd save on the local tier
+    # durable_every counts the disk saves (the 2nd and 4th: steps 2, 6); close() wrote step 7, memory only
+    assert list_committed(open_storage(ckpt_dir)) == [7, 6, 2]
     assert own_steps(shm) == [7, 6, 5]
     progress, resumed = resume(ckpt_dir, disk_every=2, local_dir=local, durable_every=2)
     assert (progress.step, progress.tier) == (7, "memory")
@@ -99,7 +164,7 @@ def test_the_pre_emption_save_goes_to_disk_whatever_disk_every_says(shm, ckpt_di
                 mgr.save(step, state)
                 break
             mgr.save(step, state)
-    assert list_committed(open_storage(ckpt_dir)) == [4]  # the node's memory goes with the node
+    assert list_committed(open_storage(ckpt_dir)) == [4, 0]  # the first save, and the node's memory goes with the node
     assert own_steps(shm)[0] == 4
 
 
@@ -112,31 +177,33 @@ def test_signed_memory_only_steps_verify_and_resume(shm, ckpt_dir, tmp_path):
                                 serialization.NoEncryption())
     public = key.public_key().public_bytes(serialization.Encoding.PEM,
                                            serialization.PublicFormat.SubjectPublicKeyInfo)
-    state, _ = run(ckpt_dir, range(3), disk_every=2, signing_key=private)  # step 2: memory only
-    assert os.path.exists(os.path.join(shm, "own", mf.step_dir(2), "SIGNATURE"))
+    state, _ = run(ckpt_dir, range(4), disk_every=2, signing_key=private)  # step 3: memory only
+    assert os.path.exists(os.path.join(shm, "own", mf.step_dir(3), "SIGNATURE"))
+    assert os.path.exists(os.path.join(ckpt_dir, mf.step_dir(3), "SIGNATURE"))  # written at close() with it
     progress, resumed = resume(ckpt_dir, disk_every=2, verify_key=public)
-    assert (progress.step, progress.tier) == (2, "memory")
+    assert (progress.step, progress.tier) == (3, "memory")
     assert train(resumed, range(2)) == train(state, range(2))
     other = ed25519.Ed25519PrivateKey.generate().public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    with pytest.warns(distckpt.CheckpointFallbackWarning, match="step 2 on the memory tier cannot be loaded"):
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="step 3 on the memory tier cannot be loaded"):
         with pytest.raises(distckpt.CorruptCheckpointError, match="Only steps signed by the verify key"):
             resume(ckpt_dir, disk_every=2, verify_key=other)  # another key's copy never loads, from memory either
 
 
 def test_a_superseded_writers_memory_only_save_is_fenced(shm, ckpt_dir):
     zombie_state = make_state()
-    with distckpt.CheckpointManager(ckpt_dir, memory_tier=True, disk_every=2) as zombie:
+    with distckpt.CheckpointManager(ckpt_dir, memory_tier=True, disk_every=3) as zombie:
         for step in range(2):
             train(zombie_state, [step])
-            zombie.save(step, zombie_state)  # step 1 on disk: the zombie holds the lease
+            zombie.save(step, zombie_state)  # step 0 on disk (the zombie holds the lease), step 1 in memory
         state = make_state()
-        with distckpt.CheckpointManager(ckpt_dir, memory_tier=True, disk_every=2) as newer:
+        with distckpt.CheckpointManager(ckpt_dir, memory_tier=True, disk_every=3) as newer:
             assert newer.load_latest(state).step == 1
-            newer.save(2, state)  # memory only: takes the newer lease all the same
+            newer.save(2, state)  # takes the newer lease
         with pytest.raises(distckpt.FencedError):
             zombie.save(3, zombie_state)  # a memory-only save: fenced before anything is committed
     assert own_steps(shm)[0] == 2
+    assert list_committed(open_storage(ckpt_dir)) == [2, 0]  # the zombie's close() wrote nothing
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -155,9 +222,9 @@ def test_two_ranks_memory_only_steps_resume_bitwise(shm, ckpt_dir):
 
     results = run_world("test_memory_only_saves:two_ranks", 2, url=ckpt_dir)
     assert all(r.error is None for r in results), results
-    assert list_committed(open_storage(ckpt_dir)) == [3, 1]
-    assert own_steps(shm) == [4, 3]
-    assert len(os.listdir(os.path.join(shm, "own", mf.step_dir(4), "ranks"))) == 2
+    assert list_committed(open_storage(ckpt_dir)) == [3, 2, 0]  # step 3 written by close()
+    assert own_steps(shm) == [3, 2]
+    assert len(os.listdir(os.path.join(shm, "own", mf.step_dir(3), "ranks"))) == 2
 
 
 def two_ranks(rank: int, world: int, url: str) -> None:
@@ -166,7 +233,7 @@ def two_ranks(rank: int, world: int, url: str) -> None:
 
     state = fresh(1)
     with distckpt.CheckpointManager(url, memory_tier=True, disk_every=2, async_save=True, timeout=60) as mgr:
-        for step in range(5):
+        for step in range(4):
             torch.randn(2, generator=state["g"])
             state["w"] += 1
             mgr.save(step, state)
@@ -174,7 +241,7 @@ def two_ranks(rank: int, world: int, url: str) -> None:
     state = fresh(7)
     with distckpt.CheckpointManager(url, memory_tier=True, disk_every=2, timeout=60) as mgr:
         progress = mgr.load_latest(state)
-    assert (progress.step, progress.tier) == (4, "memory")
+    assert (progress.step, progress.tier) == (3, "memory")
     assert torch.equal(state["w"], saved["w"]) and torch.equal(state["g"].get_state(), saved["g"])
 
 
@@ -185,6 +252,7 @@ def test_a_rank_failing_in_a_memory_only_save_fails_it_on_every_rank(shm, ckpt_d
     assert [r.error for r in results] == [None, None], results
     assert all(r.value == "memory save of step 2" for r in results), results
     assert own_steps(shm) == [1, 0]  # nothing of step 2 committed in memory
+    assert list_committed(open_storage(ckpt_dir)) == [1, 0]  # nor on disk; close() wrote step 1
 
 
 def failing_rank(rank: int, world: int, url: str) -> str:
@@ -196,7 +264,7 @@ def failing_rank(rank: int, world: int, url: str) -> str:
         if name == "memory/files-writing" and rank == 0 and context.get("step") == 2:
             raise OSError("injected: rank 0 cannot write its node's copy")
 
-    with distckpt.CheckpointManager(url, memory_tier=True, disk_every=2, timeout=60) as mgr:
+    with distckpt.CheckpointManager(url, memory_tier=True, disk_every=3, timeout=60) as mgr:
         mgr.save(0, state)
         mgr.save(1, state)
         remove = faults.on_point(fail)
@@ -215,12 +283,12 @@ def test_fsdp2_shards_saved_to_memory_only_resume_bitwise(shm, ckpt_dir):
 
     saved = run_world("test_memory_only_saves:fsdp_save", 2, url=ckpt_dir)
     assert all(r.error is None for r in saved), saved
-    assert list_committed(open_storage(ckpt_dir)) == [2]  # step 3: memory only, its shards with it
-    assert any(n.startswith("shard") for n in os.listdir(os.path.join(shm, "own", mf.step_dir(3))))
+    assert list_committed(open_storage(ckpt_dir)) == [2, 1]  # step 2: memory only, written by close()
+    assert any(n.startswith("shard") for n in os.listdir(os.path.join(shm, "own", mf.step_dir(2))))
     loaded = run_world("test_memory_only_saves:fsdp_load", 2, url=ckpt_dir)
     assert all(r.error is None for r in loaded), loaded
     for s, r in zip(saved, loaded):
-        assert (r.value["step"], r.value["tier"]) == (3, "memory")
+        assert (r.value["step"], r.value["tier"]) == (2, "memory")
         assert r.value["values"] == s.value["values"]
         assert r.value["more"] == s.value["more"]
 
@@ -230,7 +298,7 @@ def fsdp_save(rank: int, world: int, url: str) -> dict:
 
     state = w.build(0)
     with distckpt.CheckpointManager(url, memory_tier=True, disk_every=2, timeout=60) as mgr:
-        for step in (1, 2, 3):  # the 2nd save to disk, the 3rd to memory only
+        for step in (1, 2):  # the first save to disk, the 2nd to memory only
             w.train(state, 1)
             mgr.save(step, state)
         values = w.full_values(state)
