@@ -20,6 +20,7 @@ from distckpt.protocol import fencing
 from distckpt.protocol.commit import ReplacePolicy, clear_step_dir, create_manifest, create_marker
 from distckpt.protocol.coord import Coordinator, run_on_root, run_phase
 from distckpt.protocol.fencing import Lease
+from distckpt.state import sharded
 from distckpt.storage import Storage
 
 _SMALL = (mf.MANIFEST, mf.MARKER, SIGNATURE)
@@ -36,13 +37,17 @@ def flush_to_disk(tier: Any, coord: Coordinator, step: int, durable: Storage, le
     def write_node_files() -> None:
         if tier.leader(tier.node_of[coord.rank]) != coord.rank:
             return
-        files = tier.memory.read_step(tier.memory.own, step, copy=False)  # each verified as it is read
-        marker = mf.Marker.parse(files[mf.MARKER], f"{tier.memory.own.url}/{base}")
-        replicated = mf.replicated_file(marker.generation)
-        for name, data in files.items():
-            if name in _SMALL or (name == replicated and coord.rank != 0):  # rank 0's node writes it once
-                continue
-            durable.write_file(f"{base}/{name}", [data])
+        head = tier.memory.read_step(tier.memory.own, step, names=[])  # the marker and manifest, verified
+        marker = mf.Marker.parse(head[mf.MARKER], f"{tier.memory.own.url}/{base}")
+        listed = mf.Manifest.parse(head[mf.MANIFEST], marker, base).files
+        names = [name for r in tier.ranks_of(tier.node_of[coord.rank])  # the node's ranks' own files
+                 for name in (mf.rank_file(r, marker.generation), sharded.shard_file(r, marker.generation))
+                 if name in listed]
+        if coord.rank == 0:  # rank 0's node writes the replicated file, once
+            names.append(mf.replicated_file(marker.generation))
+        files = tier.memory.read_step(tier.memory.own, step, names, copy=False)  # each verified as it is read
+        for name in names:
+            durable.write_file(f"{base}/{name}", [files[name]])
         if coord.rank == 0:
             small.update({k: bytes(v) for k, v in files.items() if k in _SMALL})
 

@@ -140,6 +140,8 @@ def test_a_step_saved_to_memory_only_resumes_a_replaced_node_from_its_partner(tm
     url, proxy = via_proxy
     tmp, extra = str(tmp_path), ("--disk-every", "4") + (("--async",) if async_save else ())
     finish(launch(tmp, "ref", url + "-ref", proxy.endpoint, 8, 1, extra))
+    # the finished job's close() wrote its last step, saved to memory only, to S3 from both nodes' copies
+    assert list_committed(open_storage(url + "-ref", json.loads(proxy.endpoint))) == [7, 4, 0]
     kill_all(launch(tmp, "run", url, proxy.endpoint, 8, 1, ("--kill-at", "5:0", *extra)))
     assert list_committed(open_storage(url, json.loads(proxy.endpoint))) == [4, 0]  # step 5 in memory only
     shutil.rmtree(os.path.join(tmp, "mem-run", "node1"))
