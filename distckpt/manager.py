@@ -114,7 +114,11 @@ class CheckpointManager:
         self._preemption = PreemptionFlag(self.config.preemption_signals)
         self._uploads = DurableUploads(self._coord, self.storage, self.local, self.tiers, self.config,
                                        self.split_writes, self._leases, self._pruner)  # two tiers (uploads.py)
-        self._memory = MemoryTier(self._coord, settings.memory, settings.trust)  # memory_tier=True (memory_copies.py)
+        try:
+            self._memory = MemoryTier(self._coord, settings.memory, settings.trust)  # memory_tier=True (memory_copies.py)
+        except BaseException:  # a memory root two nodes share: refused on every rank alike
+            self._coord.close()
+            raise
         # last: rank 0's git (for the manifests) runs from here to the first save
         self._session = Session(self._coord, self.run_id, self.config, self.storage, self.local, self.tiers,
                                 self._leases, self._pruner, self._uploads, self._memory)

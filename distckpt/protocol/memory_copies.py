@@ -42,6 +42,7 @@ from distckpt.protocol.coord import (
     attempt_on_root,
     attempt_phase,
     error_of,
+    hostname,
     raise_if_failed,
     run_decided,
     run_phase,
@@ -67,9 +68,10 @@ class MemoryTier:
         self.enabled = settings.enabled
         self.memory = NodeMemory(settings, trust) if settings.enabled else None
         self.trust = trust
-        nodes = [settings.node] if not settings.enabled or coord.world_size == 1 else \
-            coord.all_gather(settings.node, "init/memory-nodes")
-        self.node_of: list[int] = [int(n) for n in nodes]  # by rank
+        places: list[list[Any]] = [[settings.node, hostname(), settings.root]] if not settings.enabled or coord.world_size == 1 else \
+            coord.all_gather([settings.node, hostname(), settings.root], "init/memory-nodes")
+        _check_own_roots(places)
+        self.node_of: list[int] = [int(place[0]) for place in places]  # by rank
         self._saves = 0
         self._told_alone = False
 
@@ -563,6 +565,18 @@ def _lease_of(files: dict[str, bytes]) -> Lease:
     """The lease a repaired copy is committed under: its marker's generation, replacing nothing newer."""
     marker = mf.Marker.parse(files[mf.MARKER], "")
     return Lease(marker.generation, None, marker.run_id)
+
+
+def _check_own_roots(places: list[list[Any]]) -> None:
+    """Every node its own memory root: two nodes on one machine given one DISTCKPT_MEMORY_DIR
+    would commit into each other's copies (the same on every rank: the list is every rank's)."""
+    seen: dict[tuple[str, str], int] = {}
+    for node, host, root in places:
+        other = seen.setdefault((str(host), str(root)), int(node))
+        if other != int(node):
+            raise ConfigError(f"nodes {other} and {node} (GROUP_RANK) on host {host} share the memory root {root}: "
+                              "each node needs its own; give each torchrun agent its own DISTCKPT_MEMORY_DIR, or "
+                              "leave it unset (the default is one per job and node in /dev/shm)")
 
 
 def _record(data: bytes, digest: bool) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable, NoReturn
 
 from distckpt.config import ManagerConfig
-from distckpt.errors import AsyncSaveError, ConfigError, FencedError, StorageError
+from distckpt.errors import AsyncSaveError, ConfigError, FencedError, IncompatibleCheckpointError, StorageError
 from distckpt.io.copying import Prefault
 from distckpt.protocol import doctor_hooks, fencing
 from distckpt.protocol.async_writer import AsyncWriter, WriterStuckError
@@ -436,8 +436,11 @@ class Session:
                 raise refusal  # not reached: refuse_load_request raised
             progress = self._load_memory(entries, state, step)
             if progress is None:
-                progress = load(self.coord, self.durable, entries, state, step, self.config.world_size_policy,
-                                self.rules, self.local)
+                try:
+                    progress = load(self.coord, self.durable, entries, state, step, self.config.world_size_policy,
+                                    self.rules, self.local)
+                except IncompatibleCheckpointError as e:
+                    self._say_the_memory_tier_lacks_it(e, step)
         if progress is not None:  # a memory step may be on the local tier only: made durable next
             self.uploads.resumed("local" if progress.tier in ("memory", "peer") else progress.tier)
         self.leases.resumed(progress.step if progress is not None else None,
@@ -454,6 +457,15 @@ class Session:
             log.info("rank %d: resumed from %s (step %d, epoch %s%s)", self.rank, progress.url,
                      progress.step, progress.epoch, f", {progress.tier} tier" if self.local is not None else "")
         return progress
+
+    def _say_the_memory_tier_lacks_it(self, error: IncompatibleCheckpointError, step: int | None) -> NoReturn:
+        """A named step on no disk tier: with a memory tier, the error says it is not in memory
+        either (a memory-only step whose copies are gone), not only which steps the disk holds."""
+        if step is None or self.memory is None or not self.memory.enabled or "is not committed at" not in str(error):
+            raise error
+        raise IncompatibleCheckpointError(f"{error}; nor does the memory tier hold it on every node (own or partner "
+                                          "copies): a step saved to memory only is lost with both copies of a node. "
+                                          "load_latest(state) resumes the newest step that is") from error
 
     def _load_memory(self, entries: list[Any], state: dict[str, Any], step: int | None) -> Progress | None:
         """The memory tier's newest step every rank is covered for, or `step` where it is

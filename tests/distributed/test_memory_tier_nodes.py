@@ -270,3 +270,16 @@ def test_sigkill_at_a_memory_commit_point_resumes_bitwise(tmp_path, via_proxy, r
     assert [resumes(logs, r)[-1][:2] for r in (0, 1)] == [["3", tier]] * 2
     assert all(losses(logs, r) == losses(reference_8, r) for r in (0, 1))
     assert proxy.bytes_served("GET", r"step-\d+") == 0
+
+
+@pytest.mark.slow
+def test_two_nodes_given_one_memory_dir_are_refused_on_every_rank(tmp_path, via_proxy):
+    url, proxy = via_proxy
+    tmp = str(tmp_path)
+    agents = launch(tmp, "shared", url, proxy.endpoint, 2, 1,
+                    env_extra={"DISTCKPT_MEMORY_DIR": os.path.join(tmp, "one-dir")})
+    outs = [agent.communicate(timeout=240)[0] for agent in agents]
+    assert all(agent.returncode != 0 for agent in agents), [o[-2000:] for o in outs]
+    for out in outs:  # every node's rank says why, at construction, before any save
+        assert "nodes 0 and 1 (GROUP_RANK) on host" in out and "share the memory root" in out, out[-3000:]
+    assert not os.path.exists(os.path.join(tmp, "one-dir", "own")), os.listdir(os.path.join(tmp, "one-dir"))

@@ -312,3 +312,14 @@ def fsdp_load(rank: int, world: int, url: str) -> dict:
     with distckpt.CheckpointManager(url, memory_tier=True, disk_every=2, timeout=60) as mgr:
         progress = mgr.load_latest(state)
     return {"step": progress.step, "tier": progress.tier, "values": w.full_values(state), "more": w.train(state, 2, 3)}
+
+
+def test_load_of_a_memory_only_step_that_is_gone_says_the_memory_tier_lacks_it(shm, ckpt_dir, tmp_path):
+    out = subprocess.run([sys.executable, "-c", KILLED_RUN, ckpt_dir, os.path.dirname(__file__)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "DISTCKPT_MEMORY_DIR": shm})
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    os.rename(shm, str(tmp_path / "gone"))  # step 3 was in memory only
+    with distckpt.CheckpointManager(ckpt_dir, memory_tier=True, disk_every=2) as mgr:
+        with pytest.raises(distckpt.IncompatibleCheckpointError,
+                           match=r"step 3 is not committed at .*\(committed: \[2, 0\]\); nor does the memory tier hold it"):
+            mgr.load(make_state(), 3)
