@@ -68,8 +68,9 @@ class MemoryTier:
         self.enabled = settings.enabled
         self.memory = NodeMemory(settings, trust) if settings.enabled else None
         self.trust = trust
-        places: list[list[Any]] = [[settings.node, hostname(), settings.root]] if not settings.enabled or coord.world_size == 1 else \
-            coord.all_gather([settings.node, hostname(), settings.root], "init/memory-nodes")
+        mine = [settings.node, hostname(), settings.root, self.memory.claim() if self.memory is not None else None]
+        places: list[list[Any]] = [mine] if not settings.enabled or coord.world_size == 1 else \
+            coord.all_gather(mine, "init/memory-nodes")
         _check_own_roots(places)
         self.node_of: list[int] = [int(place[0]) for place in places]  # by rank
         self._saves = 0
@@ -570,8 +571,11 @@ def _lease_of(files: dict[str, bytes]) -> Lease:
 def _check_own_roots(places: list[list[Any]]) -> None:
     """Every node its own memory root: two nodes on one machine given one DISTCKPT_MEMORY_DIR
     would commit into each other's copies (the same on every rank: the list is every rank's)."""
+    problems = [(rank, place[3]) for rank, place in enumerate(places) if len(place) > 3 and place[3]]
+    if problems:
+        raise ConfigError("memory_tier=True: " + "; ".join(f"rank {rank}: {why}" for rank, why in problems))
     seen: dict[tuple[str, str], int] = {}
-    for node, host, root in places:
+    for node, host, root, *_ in places:
         other = seen.setdefault((str(host), str(root)), int(node))
         if other != int(node):
             raise ConfigError(f"nodes {other} and {node} (GROUP_RANK) on host {host} share the memory root {root}: "

@@ -44,6 +44,7 @@ MEMORY_DIR_ENV = "DISTCKPT_MEMORY_DIR"  # this node's memory root, instead of /d
 FREE_BYTES_ENV = "DISTCKPT_MEMORY_FREE_BYTES"  # the free shared memory counted at most
 SHM_ROOT = "/dev/shm/distckpt"
 OWN, PEER, INCOMING = "own", "peer", "incoming"
+JOB_FILE = "JOB"  # the URL of the job whose copies a memory root holds
 # Headroom left free in shared memory besides the step being written: the rest of the node (the
 # job's own /dev/shm users, NCCL, DataLoader workers' shared tensors) must not be starved by it.
 HEADROOM_BYTES = 64 << 20
@@ -60,6 +61,7 @@ class MemorySettings:
     node: int = 0   # this node's rank (torchrun's GROUP_RANK)
     free_limit: int | None = None  # DISTCKPT_MEMORY_FREE_BYTES: the free shared memory counted at most
     disk_every: int = 1  # every Nth save is written to disk too; the others are committed to memory only
+    job: str = ""  # the job's URL: a memory root holds one job's copies (NodeMemory.claim)
 
     @classmethod
     def check(cls, url: str, memory_tier: Any, memory_every: Any, keep_memory: Any,
@@ -83,7 +85,7 @@ class MemorySettings:
             raise ConfigError(f"disk_every={disk} with memory_every={every}: a save that is neither a memory save nor "
                               "a disk save would be lost; with disk_every every save goes to memory (memory_every=1)")
         node = node_rank()
-        return cls(True, every, keep, memory_root(url, node), node, _free_limit(), disk)
+        return cls(True, every, keep, memory_root(url, node), node, _free_limit(), disk, url)
 
 
     def shared(self) -> dict[str, Any]:
@@ -143,6 +145,31 @@ class NodeMemory:
         self.trust = trust  # signing_key / verify_key: a memory copy is signed and verified as any tier
         self.own = self._open(f"{self.root}/{OWN}")
         self._peers: dict[int, Storage] = {}
+
+    def claim(self) -> str | None:
+        """Why this node cannot use its memory root (None: it can): a root that is not a
+        directory, or one holding another job's copies (two jobs given one DISTCKPT_MEMORY_DIR
+        would prune and load each other's steps). The first job to use a root records its URL."""
+        root, job = self.root, self.settings.job
+        if os.path.lexists(root) and not os.path.isdir(root):
+            return f"the memory root {root} is not a directory"
+        path = os.path.join(root, JOB_FILE)
+        try:
+            os.makedirs(root, exist_ok=True)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    holder = f.read(4096)
+            except FileNotFoundError:
+                with open(f"{path}.{os.getpid()}", "w", encoding="utf-8") as f:
+                    f.write(job)
+                os.replace(f"{path}.{os.getpid()}", path)  # ranks of one node race here with the same text
+                return None
+        except OSError as e:
+            return f"the memory root {root} cannot be used: {e}"
+        if holder != job:
+            return (f"the memory root {root} holds the copies of another job ({holder}): give each job its own "
+                    f"{MEMORY_DIR_ENV} (or leave it unset: one per job URL and node), or remove {root} if that job is over")
+        return None
 
     def _open(self, root: str) -> Storage:
         storage = open_storage(root)

@@ -323,3 +323,15 @@ def test_load_of_a_memory_only_step_that_is_gone_says_the_memory_tier_lacks_it(s
         with pytest.raises(distckpt.IncompatibleCheckpointError,
                            match=r"step 3 is not committed at .*\(committed: \[2, 0\]\); nor does the memory tier hold it"):
             mgr.load(make_state(), 3)
+
+
+def test_a_memory_root_holding_another_jobs_copies_or_not_a_directory_is_refused(shm, ckpt_dir, tmp_path, monkeypatch):
+    run(ckpt_dir, range(2))
+    with pytest.raises(distckpt.ConfigError, match=r"memory root .* holds the copies of another job \(.*ckpt\)"):
+        distckpt.CheckpointManager(str(tmp_path / "another-job"), memory_tier=True)
+    assert own_steps(shm) == [1, 0]  # the first job's copies untouched
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    monkeypatch.setenv("DISTCKPT_MEMORY_DIR", str(a_file))
+    with pytest.raises(distckpt.ConfigError, match="is not a directory"):
+        distckpt.CheckpointManager(ckpt_dir, memory_tier=True)
