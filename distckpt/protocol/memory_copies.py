@@ -366,6 +366,11 @@ class MemoryTier:
                        f"for every rank ({candidates[0][0]})")
                 candidates = []
         candidates = candidates[:1]
+        if not candidates and step is None and not disk["dirs"] and not leases and not any(
+                v["own"] or any(v["peers"].values()) for v in by_node.values()):
+            if coord.rank == 0:  # a job's first start: nothing anywhere, nothing to warn of
+                log.info("rank 0: nothing committed in memory or on disk yet: a fresh start")
+            return None
         if not candidates:
             self._fall_back(why)
             return None

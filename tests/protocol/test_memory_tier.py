@@ -165,9 +165,9 @@ def test_an_empty_memory_tier_loads_the_disk_tier_saying_why(shm, ckpt_dir, tmp_
     assert (progress.step, progress.tier) == (1, "durable")
 
 
-def test_a_fresh_start_with_a_memory_tier_is_none(shm, ckpt_dir):
+def test_a_fresh_start_with_a_memory_tier_is_none_and_warns_of_nothing(shm, ckpt_dir):
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", distckpt.CheckpointFallbackWarning)
+        warnings.simplefilter("error", distckpt.CheckpointFallbackWarning)  # nothing was lost: no warning
         progress, _ = resume(ckpt_dir)
     assert progress is None
 
