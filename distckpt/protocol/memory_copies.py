@@ -365,7 +365,10 @@ class MemoryTier:
                 why = (f"the disk tiers hold a newer step ({newer}) than the newest step the memory tier covers "
                        f"for every rank ({candidates[0][0]})")
                 candidates = []
-        candidates = candidates[:1]
+        # the newest, and where its copy does not verify the older memory steps above every step
+        # directory on disk (memory-only saves, disk_every): never an older memory copy over a disk step
+        newest_dir = max(disk["dirs"], default=-1)
+        candidates = candidates[:1] + ([c for c in candidates[1:] if c[0] > newest_dir] if step is None else [])
         if not candidates and step is None and not disk["dirs"] and not leases and not any(
                 v["own"] or any(v["peers"].values()) for v in by_node.values()):
             if coord.rank == 0:  # a job's first start: nothing anywhere, nothing to warn of

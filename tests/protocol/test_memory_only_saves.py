@@ -335,3 +335,23 @@ def test_a_memory_root_holding_another_jobs_copies_or_not_a_directory_is_refused
     monkeypatch.setenv("DISTCKPT_MEMORY_DIR", str(a_file))
     with pytest.raises(distckpt.ConfigError, match="is not a directory"):
         distckpt.CheckpointManager(ckpt_dir, memory_tier=True)
+
+
+def test_a_damaged_newest_memory_step_falls_back_to_the_next_memory_step_above_the_disk(shm, ckpt_dir):
+    state = make_state()
+    with distckpt.CheckpointManager(ckpt_dir, memory_tier=True, disk_every=3, keep_memory=3) as mgr:
+        for step in range(6):  # disk: 0, 3; memory: 3, 4, 5
+            train(state, [step])
+            mgr.save(step, state)
+            if step == 4:
+                expected = {k: str(state[k].state_dict()) for k in ("model", "optimizer")}
+        mgr._session.newest_memory_only = None  # as a killed job: close() writes nothing more
+    ranks = os.path.join(shm, "own", mf.step_dir(5), "ranks")
+    damaged = os.path.join(ranks, os.listdir(ranks)[0])
+    data = bytearray(open(damaged, "rb").read())
+    data[-1] ^= 0xFF
+    open(damaged, "wb").write(bytes(data))
+    with pytest.warns(distckpt.CheckpointFallbackWarning, match="step 5 on the memory tier cannot be loaded"):
+        progress, resumed = resume(ckpt_dir, disk_every=3)
+    assert (progress.step, progress.tier) == (4, "memory")  # not the disk's step 3
+    assert {k: str(resumed[k].state_dict()) for k in ("model", "optimizer")} == expected
