@@ -35,13 +35,13 @@ def node_ip(i: int) -> str:
     return f"{SUBNET}.{10 + i}"
 
 
-def refusal() -> str | None:
-    """Why this machine cannot build the cluster, or None."""
+def refusal(who: str = "bench/cluster.py") -> str | None:
+    """Why this machine cannot build the cluster for `who`, or None."""
     if os.geteuid() != 0:
-        return "bench/cluster.py needs root: it creates network namespaces, veths, a bridge and tc qdiscs"
+        return f"{who} needs root: it creates network namespaces, veths, a bridge and tc qdiscs"
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        return f"bench/cluster.py needs {' and '.join(missing)} (iproute2) on PATH"
+        return f"{who} needs {' and '.join(missing)} (iproute2) on PATH"
     return None
 
 
