@@ -152,7 +152,7 @@ class MemoryTier:
                      [sharded.shard_file(captured.rank, generation), write.boxes],
             "outcome": Outcome(self.rank) if failure is None else Outcome.failure(self.rank, failure)}
         if coord.rank == 0 and failure is None:  # after `mine`: the replicated file is no rank's own file
-            own[mf.replicated_file(generation)] = b"".join(bytes(c) for c in safetensors_chunks(staged.replicated))
+            own[mf.replicated_file(generation)] = b"".join(safetensors_chunks(staged.replicated))
 
         def decide(views: list[dict[str, Any]]) -> dict[str, Any]:
             failed = [v["outcome"] for v in views if not v["outcome"].ok]
@@ -278,8 +278,7 @@ class MemoryTier:
         out = {mf.rank_file(captured.rank, generation): captured.local.rank_file}
         own = captured.own_write
         if own is not None and own.shard_tree is not None:
-            out[sharded.shard_file(captured.rank, generation)] = b"".join(bytes(c) for c in
-                                                                           safetensors_chunks(own.shard_tree))
+            out[sharded.shard_file(captured.rank, generation)] = b"".join(safetensors_chunks(own.shard_tree))
         return out
 
     def _root_parts(self, step: int, staged: Any, target: Storage) -> tuple[str, bytes, dict[str, bytes]]:
@@ -287,7 +286,7 @@ class MemoryTier:
         and marker (and signature)."""
         base = mf.step_dir(step)
         marker = read_marker(target, step)
-        replicated = b"".join(bytes(c) for c in safetensors_chunks(staged.replicated))
+        replicated = b"".join(safetensors_chunks(staged.replicated))
         small = {mf.MANIFEST: target.read_bytes(f"{base}/{mf.MANIFEST}", mf._MAX_MANIFEST_BYTES),
                  mf.MARKER: marker.to_bytes()}
         signature = signed_copy(target, step)  # signing_key: the copies carry the step's signature
