@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distckpt.errors import ConfigError, shown
-from distckpt.io.signing import _pem_of
+from distckpt.io.signing import _pem_of, what_pem_holds
 
 SUFFIX = ".sig"  # model-signing's own default is `model.sig`, beside the model directory
 BUNDLE_MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"
@@ -98,7 +98,7 @@ def load_key(value: Any, name: str = "sign_key") -> Any:
         raise ConfigError(f"{name}: the private key is encrypted; give it unencrypted (`openssl ec -in KEY -out "
                           "PLAIN`), kept readable by you only") from None
     except ValueError:
-        raise ConfigError(f"{name}: expected {accepted}; {_what_pem_holds(pem)}; {MAKE_KEY}") from None
+        raise ConfigError(f"{name}: expected {accepted}; {what_pem_holds(pem)}; {MAKE_KEY}") from None
     except Exception as e:  # cryptography's UnsupportedAlgorithm and the like
         raise ConfigError(f"{name}: expected {accepted}; it holds an unsupported key ({type(e).__name__}); "
                           f"{MAKE_KEY}") from None
@@ -111,13 +111,6 @@ def load_key(value: Any, name: str = "sign_key") -> Any:
         raise ConfigError(f"{name}: expected {accepted}; it holds an elliptic-curve key on {key.curve.name}, "
                           f"which model-signing refuses; {MAKE_KEY}")
     return key
-
-
-def _what_pem_holds(pem: bytes) -> str:
-    if b"-----BEGIN" not in pem:
-        return f"the {len(pem)} bytes given are not PEM"
-    label = pem.split(b"-----BEGIN", 1)[1].split(b"-----", 1)[0].strip()[:40]
-    return f"it holds a PEM block labelled {label.decode('ascii', 'replace')!r} that does not parse as one"
 
 
 def key_hint(public_key: Any) -> str:

@@ -172,7 +172,7 @@ def load_signing_key(value: Any, name: str = "signing_key") -> Any:
                           "readable by the job only") from None
     except ValueError:
         raise ConfigError(f"{name}: expected an Ed25519 private key in PEM (-----BEGIN PRIVATE KEY-----, "
-                          f"e.g. `openssl genpkey -algorithm ed25519`); {_what_pem_holds(pem)}") from None
+                          f"e.g. `openssl genpkey -algorithm ed25519`); {what_pem_holds(pem)}") from None
     except Exception as e:  # cryptography's UnsupportedAlgorithm and the like
         raise ConfigError(f"{name}: expected an Ed25519 private key in PEM; it holds an unsupported key "
                           f"({type(e).__name__})") from None
@@ -198,7 +198,7 @@ def load_verify_key(value: Any, name: str = "verify_key") -> Any:
         key = serialization.load_pem_public_key(pem)
     except (ValueError, TypeError):
         raise ConfigError(f"{name}: expected an Ed25519 public key in PEM (-----BEGIN PUBLIC KEY-----); "
-                          f"{_what_pem_holds(pem)}") from None
+                          f"{what_pem_holds(pem)}") from None
     except Exception as e:
         raise ConfigError(f"{name}: expected an Ed25519 public key in PEM; it holds an unsupported key "
                           f"({type(e).__name__})") from None
@@ -207,7 +207,7 @@ def load_verify_key(value: Any, name: str = "verify_key") -> Any:
     return key
 
 
-def _what_pem_holds(pem: bytes) -> str:
+def what_pem_holds(pem: bytes) -> str:
     """A description of what was given instead, from its PEM label only (never its content)."""
     if b"-----BEGIN" not in pem:
         return f"the {len(pem)} bytes given are not PEM"
