@@ -40,6 +40,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "launch"))
 
+import checkouts  # noqa: E402
 import cluster_net as net  # noqa: E402
 from cluster_report import into_docs, report  # noqa: E402
 
@@ -87,25 +88,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def baseline_checkout(arg: str | None) -> tuple[str | None, str]:
-    """The baseline's root (its distckpt package inside), or None and why."""
-    if arg == "none":
-        return None, "before rows skipped (--baseline none)"
-    if arg:
-        if not os.path.isfile(os.path.join(arg, "distckpt", "__init__.py")):
-            raise SystemExit(f"--baseline {arg}: no distckpt/__init__.py there")
-        return os.path.abspath(arg), f"before: {os.path.abspath(arg)}"
-    path = os.path.join(ROOT, "build", f"cluster-baseline-{BASELINE_COMMIT}")
-    shown = os.path.relpath(path, ROOT)
-    if os.path.isfile(os.path.join(path, "distckpt", "__init__.py")):
-        return path, f"before: {BASELINE_COMMIT} ({shown})"
-    has = subprocess.run(["git", "-C", ROOT, "cat-file", "-e", f"{BASELINE_COMMIT}^{{commit}}"],
-                         capture_output=True).returncode == 0
-    if not has:
-        return None, (f"before rows skipped: commit {BASELINE_COMMIT} is not in this repository's history "
-                      "(pass --baseline PATH to a checkout of the code before)")
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", path, BASELINE_COMMIT],
-                   check=True, capture_output=True)
-    return path, f"before: {BASELINE_COMMIT} ({shown}, made with git worktree add)"
+    return checkouts.baseline_checkout(arg, BASELINE_COMMIT, "cluster-baseline")
 
 
 def start_server(run: Run) -> subprocess.Popen[bytes]:

@@ -48,7 +48,9 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "launch"))
 
-BASELINE_COMMIT = "bf158ce"  # before the S3 client was made at construction
+import checkouts  # noqa: E402
+
+BASELINE_COMMIT = "bf158ce"  # the resume path as kept; the rows beside it measured a variant (benchmarks page)
 BUCKET, URL = "bench", "s3://bench/memory-resume"
 TIERS = ("memory", "durable")
 
@@ -122,22 +124,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def baseline_checkout(arg: str | None) -> tuple[str | None, str]:
-    """The root of the code before (its distckpt package inside), or None, and what it is."""
-    if arg == "none":
-        return None, "before rows skipped (--baseline none)"
-    if arg:
-        if not os.path.isfile(os.path.join(arg, "distckpt", "__init__.py")):
-            raise SystemExit(f"--baseline {arg}: no distckpt/__init__.py there")
-        return os.path.abspath(arg), f"before: {os.path.abspath(arg)}"
-    path = os.path.join(ROOT, "build", f"memory-baseline-{BASELINE_COMMIT}")
-    if not os.path.isfile(os.path.join(path, "distckpt", "__init__.py")):
-        os.makedirs(path, exist_ok=True)
-        archive = subprocess.run(["git", "-C", ROOT, "archive", BASELINE_COMMIT, "distckpt"], capture_output=True)
-        if archive.returncode != 0:
-            raise SystemExit(f"git archive {BASELINE_COMMIT} failed: {archive.stderr.decode().strip()} "
-                             "(pass --baseline PATH to a checkout of the code before, or none)")
-        subprocess.run(["tar", "-x", "-C", path], input=archive.stdout, check=True)
-    return path, f"before: distckpt at {BASELINE_COMMIT} ({os.path.relpath(path, ROOT)})"
+    return checkouts.baseline_checkout(arg, BASELINE_COMMIT, "memory-baseline")
 
 
 def _run(place: Place, script: str, args: list[str], code_path: str | None, cwd: str) -> str:
