@@ -553,6 +553,9 @@ def _covered(tier: MemoryTier, by_node: dict[int, dict[str, Any]],
             out.append((step, sources))
     if out:
         return out, ""
+    if not steps and any(held for v in by_node.values() for held in v["peers"].values()):
+        return [], ("no node holds its own memory copy of any step: the partner copies left hold the nodes' "
+                    "own files, not the replicated file (the model and optimizer), which only own copies keep")
     if not steps:
         return [], "no node holds a committed step in memory"
     step = steps[0]
