@@ -49,7 +49,7 @@ test: $(STAMP)
 FAULT_TESTS = tests/protocol/test_load_memory.py tests/resume/test_loop_zoo.py tests/frameworks/test_accelerate.py tests/frameworks/test_hf_trainer.py tests/frameworks/test_fabric.py tests/frameworks/test_timm.py tests/resume/test_outside_state.py tests/tools/test_doctor.py tests/tools/test_doctor_compare.py tests/protocol/test_tiers.py tests/tools/test_weights.py tests/protocol/test_incremental.py \
 	tests/unit/test_roundtrip_property.py tests/unit/test_hostile_corpus.py tests/protocol/test_overlap.py tests/storage/test_s3_reads.py tests/storage/test_object_stores.py tests/storage/test_storage_contract.py \
 	tests/protocol/test_no_half_restore.py tests/resume/test_loop_patterns.py tests/protocol/test_crash_matrix.py tests/storage/test_powercut.py tests/storage/test_s3_faults.py tests/storage/test_damage.py \
-	tests/protocol/test_memory_tier.py tests/distributed/test_memory_tier_nodes.py \
+	tests/protocol/test_memory_tier.py tests/protocol/test_memory_only_saves.py tests/distributed/test_memory_tier_nodes.py \
 	tests/protocol/test_fencing.py tests/protocol/test_writer_process.py tests/protocol/test_staging_bound.py tests/unit/test_hostile.py tests/distributed/test_distributed.py tests/distributed/test_preemption.py tests/distributed/test_sharded.py \
 	tests/resume/test_exact_resume.py tests/storage/test_s3.py tests/distributed/test_cluster.py tests/distributed/test_cluster_bench.py tests/storage/test_concurrent_readers.py tests/tools/test_cli_people.py tests/protocol/test_interrupts.py tests/distributed/test_preemption_unit.py \
 	tests/protocol/test_manager_local.py::test_a_full_disk_at_every_write_never_damages_the_previous_checkpoint \

@@ -9,9 +9,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_memory_tier import make_state, own_steps, train
 
 import distckpt
@@ -355,3 +358,47 @@ def test_a_damaged_newest_memory_step_falls_back_to_the_next_memory_step_above_t
         progress, resumed = resume(ckpt_dir, disk_every=3)
     assert (progress.step, progress.tier) == (4, "memory")  # not the disk's step 3
     assert {k: str(resumed[k].state_dict()) for k in ("model", "optimizer")} == expected
+
+
+EXAMPLES = int(os.environ.get("DISTCKPT_HYPOTHESIS_EXAMPLES", "12"))
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(disk_every=st.integers(1, 4),
+       incarnations=st.lists(st.tuples(st.integers(1, 5), st.booleans()), min_size=1, max_size=3))
+def test_generated_runs_keep_the_disk_schedule_and_resume_the_newest_step(tmp_path_factory, monkeypatch, disk_every,
+                                                                         incarnations):
+    """Incarnations of generated lengths, each closed or killed (close() not reached): the disk holds
+    each manager's first save, every disk_every-th after it and a closed one's last save; a resume
+    reads the newest save from memory, and with the memory gone the newest disk step, bit for bit."""
+    root = tmp_path_factory.mktemp("gen")
+    url, shm = str(root / "ckpt"), str(root / "shm")
+    monkeypatch.setenv("DISTCKPT_MEMORY_DIR", shm)
+    expected_disk, step = set(), -1
+    for saves, closed in incarnations:
+        state = {"w": torch.zeros(3)}
+        with distckpt.CheckpointManager(url, memory_tier=True, disk_every=disk_every, keep_memory=20) as mgr:
+            progress = mgr.load_latest(state)
+            assert (progress.step if progress else -1) == step
+            assert torch.equal(state["w"], torch.full((3,), float(step)) if progress else torch.zeros(3))
+            for i in range(saves):
+                step += 1
+                state["w"].fill_(step)
+                mgr.save(step, state)
+                if i % disk_every == 0:
+                    expected_disk.add(step)
+            if closed:
+                expected_disk.add(step)
+            else:
+                mgr._session.newest_memory_only = None  # killed: close() never writes the last one
+    assert list_committed(open_storage(url)) == sorted(expected_disk, reverse=True)
+    shutil.rmtree(shm)
+    state = {"w": torch.zeros(3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", distckpt.CheckpointFallbackWarning)
+        with distckpt.CheckpointManager(url, memory_tier=True, disk_every=disk_every) as mgr:
+            progress = mgr.load_latest(state)
+    newest_disk = max(expected_disk)
+    assert (progress.step, progress.tier) == (newest_disk, "durable")
+    assert torch.equal(state["w"], torch.full((3,), float(newest_disk)))
