@@ -581,11 +581,11 @@ def _lease_of(files: dict[str, bytes]) -> Lease:
 def _check_own_roots(places: list[list[Any]]) -> None:
     """Every node its own memory root: two nodes on one machine given one DISTCKPT_MEMORY_DIR
     would commit into each other's copies (the same on every rank: the list is every rank's)."""
-    problems = [(rank, place[3]) for rank, place in enumerate(places) if len(place) > 3 and place[3]]
+    problems = [(rank, place[3]) for rank, place in enumerate(places) if place[3]]
     if problems:
         raise ConfigError("memory_tier=True: " + "; ".join(f"rank {rank}: {why}" for rank, why in problems))
     seen: dict[tuple[str, str], int] = {}
-    for node, host, root, *_ in places:
+    for node, host, root, _ in places:
         other = seen.setdefault((str(host), str(root)), int(node))
         if other != int(node):
             raise ConfigError(f"nodes {other} and {node} (GROUP_RANK) on host {host} share the memory root {root}: "

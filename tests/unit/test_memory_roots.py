@@ -8,13 +8,13 @@ from distckpt.protocol.memory_copies import _check_own_roots
 
 def test_two_nodes_on_one_host_with_one_root_are_refused():
     with pytest.raises(ConfigError, match="nodes 0 and 1 .* on host h share the memory root /dev/shm/x"):
-        _check_own_roots([[0, "h", "/dev/shm/x"], [0, "h", "/dev/shm/x"], [1, "h", "/dev/shm/x"]])
+        _check_own_roots([[0, "h", "/dev/shm/x", None], [0, "h", "/dev/shm/x", None], [1, "h", "/dev/shm/x", None]])
 
 
 @pytest.mark.parametrize("places", [
-    [[0, "h", "/r"], [0, "h", "/r"]],  # two ranks of one node: one root, as it should be
-    [[0, "a", "/r"], [1, "b", "/r"]],  # the same path on two machines: two roots
-    [[0, "h", "/r0"], [1, "h", "/r1"]],  # two agents on one machine, each its own
+    [[0, "h", "/r", None], [0, "h", "/r", None]],  # two ranks of one node: one root, as it should be
+    [[0, "a", "/r", None], [1, "b", "/r", None]],  # the same path on two machines: two roots
+    [[0, "h", "/r0", None], [1, "h", "/r1", None]],  # two agents on one machine, each its own
 ])
 def test_a_root_per_node_is_accepted(places):
     _check_own_roots(places)
