@@ -667,3 +667,29 @@ def test_a_key_named_like_the_headers_metadata_comes_back_at_any_depth(tmp_path,
     (tmp_path / "top.safetensors").write_bytes(data)
     _every_file_opens_with_safetensors(str(tmp_path))
     assert torch.equal(load_tree_file(bytearray(data), "top")["__metadata__"], torch.arange(2.0))
+
+
+_LEAF_VALUES = st.one_of(
+    st.none(), st.booleans(), st.text(max_size=4),
+    st.integers(-(2**64), 2**64),  # across int64's edges: beyond them an int is tagged
+    st.floats(allow_nan=True, allow_infinity=True),  # non-finite floats are tagged
+)
+
+
+@settings(max_examples=EXAMPLES * 2, deadline=None, derandomize=True)
+@given(items=st.one_of(st.lists(_LEAF_VALUES, max_size=40),
+                       st.lists(st.integers(-(2**63) - 2, 2**63 + 1), max_size=700),
+                       st.lists(st.floats(), max_size=40)),
+       as_tuple=st.booleans())
+def test_a_sequence_of_plain_values_encodes_as_its_items_do_one_by_one(items, as_tuple):
+    """A list or tuple whose items all encode as themselves is taken whole (one pass over it, not an
+    encode per item): its node must be exactly what encoding each item alone gives, and come back equal."""
+    value = tuple(items) if as_tuple else list(items)
+    node = encode_tree({"v": value}).node
+    one_by_one = [encode_tree({"v": item}).node["d"][0][1] for item in items]
+    assert node["d"][0][1] == {"t" if as_tuple else "l": one_by_one}
+    back = load_tree_file(b"".join(bytes(c) for c in safetensors_chunks(encode_tree({"v": value}))), "test")["v"]
+    assert type(back) is type(value) and len(back) == len(value)
+    for got, want in zip(back, value):
+        assert type(got) is type(want)
+        assert got == want or (isinstance(want, float) and math.isnan(want) and math.isnan(got))
