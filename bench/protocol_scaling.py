@@ -1,7 +1,7 @@
 """What a tiny-state save and load cost as the ranks grow: the protocol's own cost.
 
     python bench/protocol_scaling.py [--worlds 2 4 8 16] [--rounds 15] [--compare PYTHONPATH]
-    python bench/protocol_scaling.py --bare [--worlds 2 16] [--rounds 60]
+    python bench/protocol_scaling.py --bare [--store] [--worlds 2 16] [--rounds 60]
 
 Each row is a fresh `torchrun --standalone --nproc-per-node N` on this machine (gloo, CPU),
 saving and loading a state of a few bytes (one tensor, one per-rank generator) to local disk:
@@ -13,7 +13,10 @@ that PYTHONPATH too (another checkout of distckpt), interleaved row by row. Belo
 exchanges one save and one load made on the manager's group (where the version counts them), and
 the CPU time of one save and one load, every rank's process time summed (medians): on a machine
 of C cores, that sum over C is a floor under the round's time. With --bare, no distckpt: one
-exchange's gloo gather and broadcast alone, per world (its wall time and a rank's CPU time).
+exchange's gloo gather and broadcast alone, per world (its wall time and a rank's CPU time); with
+--bare --store, beside it the same exchange through the job's key-value store (TCPStore: each rank
+sets its message, rank 0 waits for them, reads them in one multi_get and sets the answer, which the
+others wait for and get; the keys are deleted as a production version would have to).
 """
 
 from __future__ import annotations
@@ -69,7 +72,26 @@ def worker(root: str, rounds: int) -> None:
     dist.destroy_process_group()
 
 
-def bare_worker(rounds: int) -> None:
+def store_exchange(store, key: str, prev: str | None, rank: int, world: int) -> None:
+    """One gather to rank 0 and broadcast back through the store, with the deletes that keep it bounded."""
+    from datetime import timedelta
+
+    store.set(f"{key}/{rank}", b"x" * 300)
+    if rank == 0:
+        keys = [f"{key}/{r}" for r in range(world)]
+        store.wait(keys, timedelta(seconds=300))
+        got = store.multi_get(keys)
+        store.set(f"{key}/a", b"".join(got))
+        for r in range(world):
+            store.delete_key(f"{key}/{r}")
+        if prev is not None:
+            store.delete_key(f"{prev}/a")
+    else:
+        store.wait([f"{key}/a"], timedelta(seconds=300))
+        store.get(f"{key}/a")
+
+
+def bare_worker(rounds: int, through_store: bool = False) -> None:
     """A bare gloo gather of 1 KiB per rank to rank 0 and a broadcast of world_size KiB back (what
     one distckpt exchange moves): its wall time (slowest rank) and one rank's CPU time (mean)."""
     from datetime import timedelta
@@ -81,11 +103,17 @@ def bare_worker(rounds: int) -> None:
     dist.init_process_group("gloo")
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.PrefixStore("bare", dist.distributed_c10d._get_default_store().clone()) if through_store else None
     walls, cpus = [], []
+    prev = None
     for i in range(rounds + 2):
         dist.barrier()
         started, used = time.perf_counter(), time.process_time()
-        for _ in range(5):
+        for j in range(5):
+            if store is not None:
+                store_exchange(store, f"{i}/{j}", prev, rank, world)
+                prev = f"{i}/{j}"
+                continue
             slot = torch.zeros(1032, dtype=torch.uint8)
             dist.gather(slot, [torch.empty_like(slot) for _ in range(world)] if rank == 0 else None, dst=0, group=group)
             dist.broadcast(torch.zeros(8 + world * 1024, dtype=torch.uint8), src=0, group=group)
@@ -101,7 +129,7 @@ def bare_worker(rounds: int) -> None:
     dist.destroy_process_group()
 
 
-def row(world: int, rounds: int, pythonpath: str | None, bare: bool = False) -> dict[str, float]:
+def row(world: int, rounds: int, pythonpath: str | None, bare: bool = False, store: bool = False) -> dict[str, float]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
@@ -109,6 +137,7 @@ def row(world: int, rounds: int, pythonpath: str | None, bare: bool = False) -> 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                os.path.abspath(__file__), "--worker", "--root", os.path.join(root, "run"), "--rounds", str(rounds)]
         cmd += ["--bare"] if bare else []
+        cmd += ["--store"] if store else []
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -123,17 +152,20 @@ def main() -> None:
     parser.add_argument("--compare", default=None, help="PYTHONPATH of another checkout, measured alike")
     parser.add_argument("--bare", action="store_true",
                         help="instead: a bare gloo gather and broadcast of one exchange's size, per world")
+    parser.add_argument("--store", action="store_true",
+                        help="with --bare: also the same exchange through the key-value store")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--root", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        bare_worker(args.rounds) if args.bare else worker(args.root, args.rounds)
+        bare_worker(args.rounds, args.store) if args.bare else worker(args.root, args.rounds)
         return
     if args.bare:
         for world in args.worlds:
-            got = row(world, args.rounds, None, bare=True)
-            print(f"{world} ranks: a bare gather and broadcast {got['bare'] * 1e3:.2f} ms, "
-                  f"{got['bare_cpu'] * 1e3:.3f} ms of CPU per rank")
+            for through_store in (False, True) if args.store else (False,):
+                got = row(world, args.rounds, None, bare=True, store=through_store)
+                print(f"{world} ranks: a bare gather and broadcast {'(key-value store) ' if through_store else ''}"
+                      f"{got['bare'] * 1e3:.2f} ms, {got['bare_cpu'] * 1e3:.3f} ms of CPU per rank")
         return
     print(table(measure(args.worlds, args.rounds, args.compare), args.compare is not None))
 
