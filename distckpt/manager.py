@@ -36,8 +36,8 @@ from distckpt.protocol.session import Session
 from distckpt.protocol.settings import Settings, agree_on_settings, check_save_args
 from distckpt.protocol.uploads import DurableUploads
 from distckpt.runtime.gcpause import collector_paused
+from distckpt.runtime.iterators import track_iterators
 from distckpt.runtime.preemption import PreemptionFlag
-from distckpt.state import loader_hazards
 from distckpt.state.validation import check_step
 
 log = logging.getLogger("distckpt")
@@ -97,7 +97,7 @@ class CheckpointManager:
                                       (memory_tier, memory_every, keep_memory, disk_every))
         except Exception as e:  # a refused argument, an unreachable store: raised on every rank below
             refusal = e
-        loader_hazards.track_iterators()  # a loop's loader left out of `state` is told at the first saves
+        track_iterators()  # a loop's loader left out of `state` is told at the first saves (if no earlier call began it)
         self._coord = make_coordinator(settings.config.timeout if settings is not None else DEFAULT_TIMEOUT_S)
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
         if refusal is not None and self.world_size == 1:

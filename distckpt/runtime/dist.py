@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from distckpt.config import arguments_checked, seconds
 from distckpt.errors import ConfigError, shown
+from distckpt.runtime.iterators import track_iterators
 
 log = logging.getLogger("distckpt")
 
@@ -54,6 +55,7 @@ def init_distributed(backend: str | None = None, timeout: float | timedelta = 60
     if backend is not None and (not isinstance(backend, str) or backend.lower() not in _BACKENDS):
         raise ConfigError(f"backend={shown(backend)}: must be None (NCCL on GPUs, else gloo) or one of "
                           f"{sorted(_BACKENDS)}")
+    track_iterators()  # before the loop builds its loaders: the saves' loader checks see every iterator
     env = os.environ
     try:
         local_rank = int(env.get("LOCAL_RANK", "0"))

@@ -14,11 +14,11 @@ import sys
 import weakref
 from typing import Any
 
-import torch
-
 from distckpt.errors import UnstorableValueError, warn
+from distckpt.runtime.iterators import tracked_iterators
 from distckpt.state.capture import CheckpointWarning, has_class_named
 from distckpt.state.epoch_record import is_torchdata
+from distckpt.state.workers import WorkerRngDataset, WorkerRngIterableDataset
 
 
 def is_hf_iterable(obj: Any) -> bool:
@@ -69,38 +69,12 @@ def warn_lossy_dataset_state(loader: Any, key: str) -> None:
 
 # -- loaders left out of `state` ----------------------------------------------------------------
 
-_ITERATORS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every data loader iterator made since tracking began
 _FABRIC_WRAPPED = "_distckpt_iterated_through_fabric"  # on a loader: Fabric's wrapper made an iterator of it
 _PREFETCHED = "_distckpt_iterated_through_a_prefetcher"  # on a loader: a wrapper holding a batch ahead iterates it
 # Wrappers known to take a batch from the loader before the loop asks for it, by the file and function
 # whose frame makes the loader's iterator: timm's PrefetchLoader (distckpt.integrations.timm's says
 # which batch it holds, and is saved whole)
 _PREFETCHERS = {("timm/data/loader.py", "__iter__"): "timm's PrefetchLoader"}
-
-
-def track_iterators() -> None:
-    """From now on, remember every data loader iterator made (weakly), so a save can tell a
-    loop's loader left out of `state` without a scan of every object in the process (a scan of
-    the collector's ~170,000-250,000 objects cost 25-250 ms at a fresh process's first saves).
-    Installed once, by the first manager."""
-    from torch.utils.data.dataloader import _BaseDataLoaderIter
-
-    original = _BaseDataLoaderIter.__init__
-    if getattr(original, "_distckpt_tracking", False):
-        return
-
-    def init(self: Any, loader: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, loader, *args, **kwargs)
-        try:
-            _ITERATORS.add(self)
-        except TypeError:  # an iterator class that takes no weak reference
-            pass
-        # its base seed came from torch's global stream (no generator= of its own): see first_pass_draws_left_out
-        generator = getattr(loader, "generator", None)
-        self._distckpt_seeded_globally = generator is None or generator is torch.default_generator
-
-    init._distckpt_tracking = True  # type: ignore[attr-defined]
-    _BaseDataLoaderIter.__init__ = init  # type: ignore[method-assign]
 
 
 def note_a_fabric_wrapper(loader: Any) -> None:
@@ -157,7 +131,7 @@ def positions_left_out(loaders: list[Any]) -> list[str]:
     (Lightning Fabric's setup_dataloaders)."""
     covered = {id(getattr(loader, "_iterator", None)) for loader in loaders}
     found = []
-    for iterator in list(_ITERATORS):
+    for iterator in tracked_iterators():
         yielded = getattr(iterator, "_num_yielded", 0)
         if not isinstance(yielded, int) or yielded <= 0 or getattr(iterator, "_finished", False) \
                 or id(iterator) in covered:
@@ -182,15 +156,24 @@ def first_pass_draws_left_out(loaders: list[Any]) -> list[str]:
     made by a pass so far and seeded from torch's global stream. Such a loader draws its workers'
     base seed at its first pass only: a resumed process draws it again at its first pass after
     the resume (an evaluation loader, typically), which the uninterrupted run did not, so every
-    later draw of torch's stream (dropout, drop path, augmentation) is one off, silently."""
+    later draw of torch's stream (dropout, drop path, augmentation) is one off, silently. Also those
+    over a with_worker_rng dataset whatever their generator: their workers' streams go on from pass
+    to pass, and a resumed process starts them anew."""
     return [_described(iterator) for iterator in _first_pass_iterators(loaders)]
 
 
 def _first_pass_iterators(loaders: list[Any]) -> list[Any]:
     covered = {id(getattr(loader, "_iterator", None)) for loader in loaders}
-    return [iterator for iterator in list(_ITERATORS)
+    return [iterator for iterator in tracked_iterators()
             if id(iterator) not in covered and getattr(iterator, "_persistent_workers", False)
-            and getattr(iterator, "_distckpt_seeded_globally", False) and not getattr(iterator, "_shutdown", False)]
+            and (getattr(iterator, "_distckpt_seeded_globally", False) or _draws_in_workers(iterator))
+            and not getattr(iterator, "_shutdown", False)]
+
+
+def _draws_in_workers(iterator: Any) -> bool:
+    """Its dataset was wrapped by with_worker_rng: its workers draw random numbers (augmentation),
+    from streams that persistent workers carry from pass to pass, and a resumed process starts anew."""
+    return isinstance(getattr(iterator, "_dataset", None), (WorkerRngDataset, WorkerRngIterableDataset))
 
 
 def _described(iterator: Any) -> str:
@@ -207,14 +190,23 @@ def warn_first_pass_draws_left_out(loaders: list[Any]) -> list[str]:
         if iterator in _FIRST_PASS_WARNED:
             continue
         _FIRST_PASS_WARNED.add(iterator)
-        message = (f"{_described(iterator)} is not in `state` and drew its workers' base seed from torch's global "
-                   "stream at its first pass: a process resumed from this checkpoint draws it again at that loader's "
-                   "first pass after the resume, which this run does not, so torch's stream is one draw off from "
-                   "there on (dropout, augmentation) and the run does not continue as it did. Put the loader in "
-                   "`state` (a torchdata StatefulDataLoader), or give it a generator of its own "
-                   "(generator=torch.Generator().manual_seed(...)) so that it never draws from the global stream")
-        warn(message, CheckpointWarning)
+        warn(_first_pass_message(iterator), CheckpointWarning)
     return [_described(iterator) for iterator in found]
+
+
+def _first_pass_message(iterator: Any) -> str:
+    if getattr(iterator, "_distckpt_seeded_globally", False):
+        return (f"{_described(iterator)} is not in `state` and drew its workers' base seed from torch's global "
+                "stream at its first pass: a process resumed from this checkpoint draws it again at that loader's "
+                "first pass after the resume, which this run does not, so torch's stream is one draw off from "
+                "there on (dropout, augmentation) and the run does not continue as it did. Put the loader in "
+                "`state` (a torchdata StatefulDataLoader), or give it a generator of its own "
+                "(generator=torch.Generator().manual_seed(...)) so that it never draws from the global stream")
+    return (f"{_described(iterator)} is not in `state`, and its workers draw random numbers (its dataset is "
+            "wrapped by with_worker_rng): in this run they carry their streams from one pass to the next, a "
+            "process resumed from this checkpoint starts them anew, so what they draw (augmentation) differs from "
+            "that loader's first pass after the resume on. Put the loader in `state` (a torchdata "
+            "StatefulDataLoader): its workers' streams are then saved and restored")
 
 
 def warn_positions_left_out(loaders: list[Any]) -> list[str]:

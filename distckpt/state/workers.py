@@ -16,6 +16,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from distckpt.config import arguments_checked
 from distckpt.errors import ConfigError
+from distckpt.runtime.iterators import track_iterators
 from distckpt.runtime.worker_signals import preemption_safe_worker_init, shield_from_preemption  # noqa: F401
 from distckpt.state.rng import capture_process_rng, restore_process_rng
 
@@ -174,6 +175,7 @@ def with_worker_rng(dataset: Any) -> Dataset:
     if not isinstance(dataset, IterableDataset) and not callable(getattr(dataset, "__getitem__", None)):
         raise ConfigError(f"dataset={type(dataset).__name__}: must be a dataset (with __getitem__, or an "
                           "IterableDataset), the one the DataLoader is given")
+    track_iterators()  # the loader over it is built next: the saves' loader checks see its iterators
     if isinstance(dataset, IterableDataset):
         return WorkerRngIterableDataset(dataset)
     return WorkerRngDataset(dataset)
