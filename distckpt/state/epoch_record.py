@@ -20,6 +20,7 @@ from distckpt.state.streams import EPOCH_START, PrivateStream, private_stream_of
 
 EPOCHS_KEY = "_distckpt_sampler_epochs"  # the samplers' epochs at the save, checked at the resumed iter()
 EPOCH_START_ATTR = "_distckpt_epoch_start"  # on an iterator: the streams when its epoch started
+EPOCHS_AT_START_ATTR = "_distckpt_sampler_epochs_at_start"  # on an iterator: its samplers' epochs as its pass began
 LOADER_GENERATOR = "generator"  # the loader's own generator= among its sampling streams (an attribute path)
 
 
@@ -130,11 +131,13 @@ def _private(obj: Any) -> PrivateStream:
 
 # -- recording each epoch's start ------------------------------------------------------------------
 
-def record(iterator: Any, start: dict[str, Any] | None) -> None:
-    """Keep `start` (from `states`) on the iterator its epoch started with; a later epoch that
-    persistent workers start on the same iterator (`_reset`) records its own."""
+def record(iterator: Any, start: dict[str, Any] | None, epochs: dict[str, int] | None = None) -> None:
+    """Keep `start` (from `states`) on the iterator its epoch started with, and `epochs` (from
+    `sampler_epochs`, taken before the iterator was made); a later epoch that persistent workers
+    start on the same iterator (`_reset`) records its own."""
     try:
         setattr(iterator, EPOCH_START_ATTR, start)
+        setattr(iterator, EPOCHS_AT_START_ATTR, epochs)
         if "_reset" not in vars(iterator):  # persistent workers start later epochs by _reset
             iterator._reset = _ResetRecorder(iterator)
     except (AttributeError, TypeError):  # an iterator that takes no attributes: its epochs are not recorded
@@ -154,6 +157,7 @@ class _ResetRecorder:
         iterator = self._iterator()
         assert iterator is not None  # called through the iterator
         setattr(iterator, EPOCH_START_ATTR, {**states(sampling_streams(loader)), "reset": True})
+        setattr(iterator, EPOCHS_AT_START_ATTR, sampler_epochs(loader))
         return type(iterator)._reset(iterator, loader, *args, **kwargs)
 
 
@@ -231,6 +235,14 @@ def capture_epochs(loader: Any, was_dropped: bool, mid_pass: bool | None = None)
     if mid_pass is None:
         mid_pass = (not was_dropped and iterator is not None and not getattr(iterator, "_finished", True)
                     and isinstance(yielded, int) and yielded > 0)
+    at_start = getattr(iterator, EPOCHS_AT_START_ATTR, None)
+    if mid_pass and isinstance(at_start, dict):
+        # A mid-pass position lies in the order the pass began with. A sampler that counts its own
+        # epochs at the end of its iterator (Accelerate's SeedableRandomSampler, the HF Trainer's
+        # default) has counted the next one already when loader workers fetched the pass's last
+        # indices ahead of the loop: a save then recorded the next epoch, and every resume of that
+        # committed step was refused at its iter().
+        epochs = {path: at_start.get(path, epoch) for path, epoch in epochs.items()}
     return {"epochs": epochs, "mid_pass": mid_pass, "seeds": _sampler_seeds(loader, samplers)}
 
 

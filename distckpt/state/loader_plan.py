@@ -18,7 +18,14 @@ from typing import Any, Callable, NamedTuple
 
 from distckpt.errors import warn
 from distckpt.state.capture import CheckpointWarning
-from distckpt.state.epoch_record import check_epochs, is_stateful_dataloader, record, sampling_streams, states
+from distckpt.state.epoch_record import (
+    check_epochs,
+    is_stateful_dataloader,
+    record,
+    sampler_epochs,
+    sampling_streams,
+    states,
+)
 from distckpt.state.loader_hazards import is_hf_iterable, note_a_fabric_wrapper
 from distckpt.state.replay import resumed_iterator
 
@@ -51,14 +58,15 @@ class _IteratorRecorder:
         plan = vars(loader).pop(_PLAN, None)
         if plan is None:
             _forget_a_restored_position(loader)
-            start = states(sampling_streams(loader))
+            start, epochs = states(sampling_streams(loader)), sampler_epochs(loader)
             iterator = create()
         else:
+            epochs = sampler_epochs(loader)  # as restored: the order the resumed pass goes on in
             start, iterator = resumed_iterator(loader, plan, create)
             if plan.get("dropped"):
                 return _anew_after_a_dropped_iterator(loader, iterator, start, create)
             vars(loader)[_RESUMED] = (weakref.ref(iterator), getattr(iterator, "_num_yielded", None))
-        record(iterator, start)
+        record(iterator, start, epochs)
         return iterator
 
 
@@ -111,8 +119,9 @@ def _anew_after_a_dropped_iterator(loader: Any, restored: Any, start: Any, creat
     del restored  # its workers end with it, as the dropped iterator's did
     _forget_a_restored_position(loader)  # the new pass starts at its beginning
     start = states(sampling_streams(loader))  # before create(), which draws the base seed (as above)
+    epochs = sampler_epochs(loader)
     iterator = create()
-    record(iterator, start)
+    record(iterator, start, epochs)
     return iterator
 
 
