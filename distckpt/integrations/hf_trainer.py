@@ -99,6 +99,23 @@ class _Checkpointed:
                 json.dump({"global_step": self._resume_step, "train_batch_size": self._train_batch_size}, f)  # type: ignore[attr-defined]
         return super().train(resume_from_checkpoint=folder, **kwargs)  # type: ignore[misc]
 
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """An evaluation loader built anew at each evaluation, also with
+        `dataloader_persistent_workers=True` (the training loader keeps its workers). The Trainer
+        keeps one persistent evaluation loader from evaluation to evaluation: it draws its workers'
+        base seed from torch's global stream at its first pass only, and its workers carry their
+        streams (a masking collator's) from pass to pass; a resumed process started both anew at
+        its first evaluation, and every training step after it differed from the uninterrupted
+        run's. Built anew, every evaluation draws at the same point in both runs."""
+        args = self.args  # type: ignore[attr-defined]
+        if not getattr(args, "dataloader_persistent_workers", False):
+            return super().get_eval_dataloader(eval_dataset)  # type: ignore[misc]
+        args.dataloader_persistent_workers = False  # neither kept by the Trainer nor persistent
+        try:
+            return super().get_eval_dataloader(eval_dataset)  # type: ignore[misc]
+        finally:
+            args.dataloader_persistent_workers = True
+
     def _build_accelerator_args(self, **kwargs: Any) -> Any:
         config = kwargs.get("dataloader_config")
         if config is not None:  # its prepared loaders over a StatefulDataLoader, whose position is saved

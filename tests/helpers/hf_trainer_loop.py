@@ -3,6 +3,7 @@
 
     torchrun --nproc-per-node N tests/helpers/hf_trainer_loop.py --ckpt DIR --loss-log DIR [--steps N]
         [--workers W] [--accum M] [--async] [--every K] [--kill-at S1,S2] [--kill-rank R]
+        [--eval-every N] [--persistent]
 
 A small model whose forward draws dropout, a dataset drawing augmentation (in the loader workers if
 any), the Trainer's own loader (prepared by Accelerate over a StatefulDataLoader), its AdamW and
@@ -47,6 +48,9 @@ class Regressor(torch.nn.Module):
         return {"loss": loss, "logits": out}
 
 
+EVALUATIONS = 100_000  # an evaluation's line: this plus the optimizer step it followed
+
+
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--ckpt", required=True)
@@ -58,6 +62,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--kill-at", default="")
     p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N optimizer steps (0: never)")
+    p.add_argument("--persistent", action="store_true", help="dataloader_persistent_workers=True")
     return p.parse_args()
 
 
@@ -77,6 +83,8 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def on_log(self, targs, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+            if logs and "eval_loss" in logs:  # compared too: an evaluation after a resume is the uninterrupted run's
+                _log(args.log, info.rank, f"{EVALUATIONS + state.global_step} {float(logs['eval_loss']).hex()}")
             if logs and "loss" in logs:
                 model = kwargs["model"]
                 weights = sum(p.double().sum() for p in model.parameters()).item()
@@ -86,11 +94,14 @@ def main() -> int:
         output_dir=os.path.join(args.ckpt, "trainer-output"), use_cpu=True, max_steps=args.steps,
         per_device_train_batch_size=4, gradient_accumulation_steps=args.accum, learning_rate=1e-2,
         warmup_steps=3, logging_steps=1, save_strategy="no", report_to=[], seed=7,
-        dataloader_num_workers=args.workers, disable_tqdm=True)
+        dataloader_num_workers=args.workers, disable_tqdm=True,
+        dataloader_persistent_workers=args.persistent and args.workers > 0,
+        eval_strategy="steps" if args.eval_every else "no", eval_steps=args.eval_every or None)
     dataset = distckpt.with_worker_rng(Noisy()) if args.workers else Noisy()
     torch.manual_seed(0)  # the model's initial weights
     trainer = hf_trainer.make_trainer(
         model=Regressor(), args=training, train_dataset=dataset, callbacks=[Log()],
+        eval_dataset=(distckpt.with_worker_rng(Noisy()) if args.workers else Noisy()) if args.eval_every else None,
         checkpoints=distckpt.CheckpointManager(args.ckpt, async_save=args.async_save, timeout=60),
         save_every=args.every)
     if trainer.checkpoints.committed_steps():
