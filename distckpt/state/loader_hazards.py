@@ -195,7 +195,7 @@ def warn_first_pass_draws_left_out(loaders: list[Any]) -> list[str]:
 
 
 def _first_pass_message(iterator: Any) -> str:
-    if getattr(iterator, "_distckpt_seeded_globally", False):
+    if getattr(iterator, "_distckpt_seeded_globally", False) and not _draws_in_workers(iterator):
         return (f"{_described(iterator)} is not in `state` and drew its workers' base seed from torch's global "
                 "stream at its first pass: a process resumed from this checkpoint draws it again at that loader's "
                 "first pass after the resume, which this run does not, so torch's stream is one draw off from "
