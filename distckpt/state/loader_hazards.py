@@ -123,13 +123,28 @@ def refuse_a_fabric_wrapper(loader: Any, key: str) -> None:
             "(docs: guides/frameworks.md, Lightning Fabric)")
 
 
+def _covered(loaders: list[Any]) -> set[int]:
+    """The ids of the iterators the loaders in `state` hold, also through a wrapper saved whole
+    that keeps its loader as `.loader` (timm's PrefetchLoader from distckpt.integrations.timm, a
+    prefetcher of your own): its loader's pass was taken for one left out of `state`, and every
+    run of a documented timm loop was warned at its first saves."""
+    covered: set[int] = set()
+    for loader in loaders:
+        for _ in range(4):  # a wrapper of a wrapper
+            covered.add(id(getattr(loader, "_iterator", None)))
+            loader = getattr(loader, "loader", None)
+            if loader is None:
+                break
+    return covered
+
+
 def positions_left_out(loaders: list[Any]) -> list[str]:
     """Data loader iterators in the middle of a pass, in use, that no loader in `loaders` holds:
     a loop that keeps its sampler in `state` but not its loader resumed a mid-epoch save from the
     epoch's first batch, silently (the batches already taken came again, the run ran longer); so
     did one whose `state` held a loader a framework had replaced by another over the same dataset
     (Lightning Fabric's setup_dataloaders)."""
-    covered = {id(getattr(loader, "_iterator", None)) for loader in loaders}
+    covered = _covered(loaders)
     found = []
     for iterator in tracked_iterators():
         yielded = getattr(iterator, "_num_yielded", 0)
@@ -163,7 +178,7 @@ def first_pass_draws_left_out(loaders: list[Any]) -> list[str]:
 
 
 def _first_pass_iterators(loaders: list[Any]) -> list[Any]:
-    covered = {id(getattr(loader, "_iterator", None)) for loader in loaders}
+    covered = _covered(loaders)
     return [iterator for iterator in tracked_iterators()
             if id(iterator) not in covered and getattr(iterator, "_persistent_workers", False)
             and (getattr(iterator, "_distckpt_seeded_globally", False) or _draws_in_workers(iterator))
