@@ -38,6 +38,7 @@ class LocalStorage:
 
     def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> None:
         final = self._abs(path)
+        self._refuse_writing_through_links(final)
         directory = os.path.dirname(final)
         tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
         try:
@@ -60,6 +61,7 @@ class LocalStorage:
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         final = self._abs(path)
+        self._refuse_writing_through_links(final)
         directory = os.path.dirname(final)
         tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
         try:
@@ -119,6 +121,17 @@ class LocalStorage:
             if os.path.islink(current):
                 raise NotAFileError(errno.ELOOP, f"{current} is a symbolic link to a directory; checkpoint "
                                     "directories never are, so it was not followed")
+
+    def _refuse_writing_through_links(self, full: str) -> None:
+        """The readers' rule for writers: no file is written or removed through a symbolic link
+        between the root and it (a `step-N` or `ranks/` link to a directory elsewhere). Followed,
+        a save wrote a whole step outside the root and reported success, and the readers, which
+        never follow such links, could not load it."""
+        try:
+            self._refuse_linked_directories(full)
+        except NotAFileError as e:
+            raise StorageError(errno.ELOOP, f"{e.strerror}: nothing is written or removed through it. Remove the "
+                               "link (its target is not touched) or give the manager another root") from e
 
     def read_buffer(self, path: str) -> memoryview | bytes:
         """The file mapped copy-on-write: no copy out of the page cache, and writes to tensors
@@ -225,6 +238,7 @@ class LocalStorage:
 
     def remove_file(self, path: str) -> None:
         full = self._abs(path)
+        self._refuse_writing_through_links(full)
         try:
             os.unlink(full)
             _fsync_dir(os.path.dirname(full))
