@@ -52,7 +52,27 @@ def numpy_state_into(target: Any, st: dict[str, Any]) -> None:
     restored = dict(st)
     restored["state"] = {"key": np.asarray(st["state"]["key"], dtype=np.uint32),
                          "pos": st["state"]["pos"]}
+    check_mt19937(restored)
     target.set_state(restored)
+
+
+_MT19937_WORDS = 624
+
+
+def check_mt19937(state: Any) -> None:
+    """ValueError for a Mersenne Twister state NumPy would take and then misuse: it sets the
+    position without checking it, and the next draw reads that far into (or before) its 624-word
+    array: numbers from outside it, or a segfault, after a load that reported nothing."""
+    if not isinstance(state, dict) or state.get("bit_generator") != "MT19937":
+        return
+    inner = state.get("state")
+    pos = inner.get("pos") if isinstance(inner, dict) else None
+    pos = int(pos) if isinstance(pos, np.integer) else pos
+    if type(pos) is not int or not 0 <= pos <= _MT19937_WORDS:
+        raise ValueError(f"its Mersenne Twister position is {pos!r}, not an int from 0 to {_MT19937_WORDS}")
+    key = inner.get("key") if isinstance(inner, dict) else None
+    if key is None or np.shape(key) != (_MT19937_WORDS,):
+        raise ValueError(f"its Mersenne Twister state is not {_MT19937_WORDS} words")
 
 
 def numpy_to_plain(value: Any) -> Any:
@@ -210,7 +230,15 @@ class PrivateStream:
 
 
 def _set_bit_generator(generator: np.random.Generator, state: Any) -> None:
-    generator.bit_generator.state = plain_to_numpy(state)
+    state = plain_to_numpy(state)
+    check_mt19937(state)
+    generator.bit_generator.state = state
+
+
+def _set_random_state(stream: np.random.RandomState, state: Any) -> None:
+    state = plain_to_numpy(state)
+    check_mt19937(state)
+    stream.set_state(state)
 
 
 TORCH_GENERATOR = PrivateStream(
@@ -221,7 +249,7 @@ NUMPY_GENERATOR = PrivateStream(
     _set_bit_generator, lambda g: np.random.Generator(type(g.bit_generator)()))
 NUMPY_RANDOM_STATE = PrivateStream(
     np.random.RandomState, "numpy.random.RandomState", lambda r: numpy_to_plain(r.get_state(legacy=False)),
-    lambda r, s: r.set_state(plain_to_numpy(s)), lambda r: np.random.RandomState())
+    _set_random_state, lambda r: np.random.RandomState())
 PYTHON_RANDOM = PrivateStream(
     random.Random, "random.Random", lambda r: r.getstate(), lambda r, s: r.setstate(as_python_state(s)),
     lambda r: random.Random())
