@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -110,15 +111,30 @@ def _pem_of(name: str, value: Any, env: str) -> bytes | None:
     if isinstance(value, str) and value.lstrip().startswith("-----BEGIN"):
         return value.encode()
     if isinstance(value, (str, os.PathLike)):
-        try:
-            with open(value, "rb") as f:
-                data = f.read(65536)
-        except (OSError, ValueError, TypeError) as e:
-            raise ConfigError(f"{name}: a str or path names a PEM key file (or is PEM text starting "
-                              f"'-----BEGIN'); the file cannot be read ({type(e).__name__})") from None
-        return data
+        return _key_file_bytes(name, value)
     raise ConfigError(f"{name}: must be PEM bytes, PEM text, a path to a PEM file, or None; got a "
                       f"{type(value).__name__}")
+
+
+def _key_file_bytes(name: str, path: Any) -> bytes:
+    """A key file's first 64 KiB. Opened without waiting (O_NONBLOCK) and read only if it is a
+    regular file: a FIFO given as the key path held every command and the manager in open() for
+    ever. A symbolic link to a key file is followed (mounted secrets are links)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"{name}: a str or path names a PEM key file (or is PEM text starting "
+                          f"'-----BEGIN'); the file cannot be read ({type(e).__name__})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{name}: the key path names no regular file (a FIFO, device, socket or directory "
+                              "stands there); give the path of a PEM key file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(65536)
+    except OSError as e:
+        raise ConfigError(f"{name}: the key file cannot be read ({type(e).__name__})") from None
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True, repr=False)
