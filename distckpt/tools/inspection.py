@@ -24,6 +24,7 @@ from distckpt.io.serialize import decode_tree, load_tree_file
 from distckpt.protocol import incremental
 from distckpt.protocol.commit import check_not_superseded, list_committed, read_marker, read_verified_manifest
 from distckpt.protocol.fencing import Lease, read_leases
+from distckpt.protocol.payload_trees import check_rank_tree, check_replicated_tree, rank_of_file
 from distckpt.state.kinds import kind_named
 from distckpt.storage import Storage
 
@@ -112,7 +113,12 @@ def verify_step(storage: Storage, step: int, progress: Callable[[int], None] = l
             mf.verify_file(data, record, where, digest=signing.verifies(storage))
             # incremental: the files it shares with older steps are verified as its own
             extra = incremental.resolve(storage, manifest, where) if name == replicated_name else None
-            mf.check_tree_belongs(load_tree_file(data, where, extra), manifest.step, manifest.epoch, where)
+            tree = load_tree_file(data, where, extra)
+            rank = rank_of_file(manifest, name)
+            if rank is None:
+                check_replicated_tree(tree, manifest, where)
+            else:
+                check_rank_tree(tree, rank, manifest, where)
         except (DistCkptError, OSError) as e:
             problems.append(str(e) if where in str(e) else f"{where}: {e}")
         progress(record["size"])

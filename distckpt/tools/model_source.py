@@ -33,6 +33,7 @@ from distckpt.io.serialize import ShardRef, load_tree_file
 from distckpt.protocol import incremental
 from distckpt.protocol.commit import check_not_superseded, list_committed, read_marker, read_verified_manifest, step_candidates
 from distckpt.protocol.fencing import FENCE_DIR, read_leases
+from distckpt.protocol.payload_trees import check_rank_tree, check_replicated_tree, rank_of_file
 from distckpt.state.kinds import kind_named
 from distckpt.state.sharded import ShardReader
 from distckpt.state.validation import check_step
@@ -134,6 +135,7 @@ def _model_of_step(storage: Storage, step: int, entry: str, bounded: bool = Fals
     shared_buffers: list[Any] = []  # incremental: files shared with older steps
     extra = incremental.resolve(storage, manifest, where, _releaser if bounded else None, shared_buffers)
     tree = load_tree_file(data, f"{where}/{name}", extra)
+    check_replicated_tree(tree, manifest, f"{where}/{name}")
     entries = tree.get("entries", {}) if isinstance(tree, dict) else {}
     saved: Any = entries.get(entry)
     if not _holds_weights(saved):
@@ -179,11 +181,14 @@ def _weights_of(saved: Any) -> dict[str, Any] | None:
 
 
 def _verify_rank_files(storage: Storage, manifest: mf.Manifest, where: str) -> None:
-    """The ranks' own files verify too (small: RNG streams, loader positions): a step load_latest
-    would skip as damaged is not exported or loaded as weights either."""
+    """The ranks' own files verify too (small: RNG streams, loader positions), their trees checked
+    as a load checks them: a step load_latest would skip as damaged is not exported or loaded as
+    weights either."""
     for name, record in manifest.files.items():
-        if name.startswith("ranks/"):
-            read_verified(storage, f"{mf.step_dir(manifest.step)}/{name}", record, f"{where}/{name}")
+        rank = rank_of_file(manifest, name)
+        if rank is not None:
+            data = read_verified(storage, f"{mf.step_dir(manifest.step)}/{name}", record, f"{where}/{name}")
+            check_rank_tree(load_tree_file(data, f"{where}/{name}"), rank, manifest, f"{where}/{name}")
 
 
 def _releaser(data: Any) -> Callable[[int, int], None]:
