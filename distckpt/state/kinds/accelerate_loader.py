@@ -203,9 +203,17 @@ def _tapped_iter(inner: Any) -> Any:
             del vars(loader)[_PENDING]  # the saved pass ends here; the next iter() starts the next one
             return iter(())
         resuming = _RESUME_PLAN in vars(loader)
+        shard = vars(loader).get(_SHARD)
+        prepared = shard() if shard is not None else None
+        if resuming and prepared is not None and _finished_pass_replayed_by_workers(loader):
+            # The restore replays the saved pass, which had ended, and the workers' fetch-ahead runs
+            # a sampler that counts its own epochs past its end: it counts the epoch the
+            # uninterrupted run counted already, and the next pass, whose order the workers draw as
+            # its iterator is made (before the epoch is put back below), took the epoch after it.
+            # Counted back first, the replay brings it to the wrapper's epoch.
+            _set_self_counting_epochs(loader, prepared.iteration - 1)
         tap = _Tap(loader, type(loader).__iter__(loader))
         vars(loader)[_TAP] = weakref.ref(tap)
-        shard = vars(loader).get(_SHARD)
         if resuming and shard is not None and shard() is not None:
             # The restore replayed the saved pass's order up to its position; a sampler that counts
             # its own epochs at a pass's end (Accelerate's SeedableRandomSampler) counted that
@@ -215,6 +223,37 @@ def _tapped_iter(inner: Any) -> Any:
         return tap
 
     return tapped
+
+
+def _finished_pass_replayed_by_workers(loader: Any) -> bool:
+    """The loader's restored state is of a pass that had ended, and workers fetch ahead."""
+    plan = vars(loader).get(_RESUME_PLAN)
+    restored = plan.get("restored") if isinstance(plan, dict) else None
+    return (getattr(loader, "num_workers", 0) > 0 and isinstance(restored, Mapping)
+            and restored.get("_iterator_finished") is True)
+
+
+def _set_self_counting_epochs(inner: Any, epoch: int) -> None:
+    """The epoch of every sampler in the loader that counts its own (Accelerate's SeedableRandomSampler)."""
+    if epoch < 0:
+        return
+    for sampler in _samplers_within(inner):
+        if has_class_named(sampler, "SeedableRandomSampler", *ACCELERATE_MODULES):
+            sampler.epoch = epoch
+
+
+def _samplers_within(inner: Any) -> list[Any]:
+    found: list[Any] = []
+    pending: list[Any] = [getattr(inner, "batch_sampler", None), getattr(inner, "sampler", None)]
+    seen: set[int] = set()
+    while pending:
+        sampler = pending.pop()
+        if sampler is None or id(sampler) in seen or len(seen) > 8:
+            continue
+        seen.add(id(sampler))
+        found.append(sampler)
+        pending += [getattr(sampler, "batch_sampler", None), getattr(sampler, "sampler", None)]
+    return found
 
 
 def next_pass_starts_afresh(prepared: Any) -> None:
@@ -241,17 +280,10 @@ def _make_seedable_generators(inner: Any) -> None:
     so that a load finds the stream its saved epoch start names (it found none, and refused)."""
     import torch
 
-    pending: list[Any] = [getattr(inner, "batch_sampler", None), getattr(inner, "sampler", None)]
-    seen: set[int] = set()
-    while pending:
-        sampler = pending.pop()
-        if sampler is None or id(sampler) in seen or len(seen) > 8:
-            continue
-        seen.add(id(sampler))
+    for sampler in _samplers_within(inner):
         if has_class_named(sampler, "SeedableRandomSampler", *ACCELERATE_MODULES) and sampler.generator is None:
             sampler.generator = torch.Generator(device=torch.get_default_device())
             sampler.generator.manual_seed(sampler.initial_seed)
-        pending += [getattr(sampler, "batch_sampler", None), getattr(sampler, "sampler", None)]
 
 
 def _tap_of(inner: Any) -> _Tap | None:
