@@ -31,11 +31,12 @@ Not supported: DeepSpeed and FSDP through the Trainer (their checkpoints are the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, Iterator
 
 from distckpt.errors import ConfigError
 from distckpt.integrations import require
@@ -100,21 +101,22 @@ class _Checkpointed:
         return super().train(resume_from_checkpoint=folder, **kwargs)  # type: ignore[misc]
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
-        """An evaluation loader built anew at each evaluation, also with
-        `dataloader_persistent_workers=True` (the training loader keeps its workers). The Trainer
-        keeps one persistent evaluation loader from evaluation to evaluation: it draws its workers'
-        base seed from torch's global stream at its first pass only, and its workers carry their
-        streams (a masking collator's) from pass to pass; a resumed process started both anew at
-        its first evaluation, and every training step after it differed from the uninterrupted
+        """An evaluation loader built anew at each evaluation, as without persistent workers. The
+        Trainer kept one persistent evaluation loader from evaluation to evaluation: it draws its
+        workers' base seed from torch's global stream at its first pass only, and its workers carry
+        their streams (a masking collator's) from pass to pass; a resumed process started both anew
+        at its first evaluation, and every training step after it differed from the uninterrupted
         run's. Built anew, every evaluation draws at the same point in both runs."""
-        args = self.args  # type: ignore[attr-defined]
-        if not getattr(args, "dataloader_persistent_workers", False):
+        with _workers_not_persistent(self.args):  # type: ignore[attr-defined]
             return super().get_eval_dataloader(eval_dataset)  # type: ignore[misc]
-        args.dataloader_persistent_workers = False  # neither kept by the Trainer nor persistent
-        try:
-            return super().get_eval_dataloader(eval_dataset)  # type: ignore[misc]
-        finally:
-            args.dataloader_persistent_workers = True
+
+    def get_train_dataloader(self) -> Any:
+        """The training loader without persistent workers: kept from pass to pass, they carry their
+        base seed and streams into the next epoch, which a process resumed at an epoch's end
+        started anew (drawing a base seed the uninterrupted run did not): every step after it
+        differed. Its workers start at each pass instead, in both runs alike."""
+        with _workers_not_persistent(self.args):  # type: ignore[attr-defined]
+            return super().get_train_dataloader()  # type: ignore[misc]
 
     def _build_accelerator_args(self, **kwargs: Any) -> Any:
         config = kwargs.get("dataloader_config")
@@ -199,6 +201,21 @@ class _Checkpointed:
                                            "_globalstep_last_logged": self._globalstep_last_logged,
                                            "current_flos": float(self.current_flos)})
         self.checkpoints.save(state.global_step, self._state, epoch=int(state.epoch or 0))
+
+
+@contextlib.contextmanager
+def _workers_not_persistent(args: Any) -> Iterator[None]:
+    """`dataloader_persistent_workers` off while the Trainer builds a loader (it reads the setting
+    there, and keeps an evaluation loader when it is on); the setting itself is left as given."""
+    persistent = getattr(args, "dataloader_persistent_workers", False)
+    if not persistent:
+        yield
+        return
+    args.dataloader_persistent_workers = False
+    try:
+        yield
+    finally:
+        args.dataloader_persistent_workers = persistent
 
 
 def _callback_class() -> type:

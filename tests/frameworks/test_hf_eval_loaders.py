@@ -1,7 +1,7 @@
-"""The Trainer's evaluation loaders under distckpt's Trainer, with dataloader_persistent_workers=True:
-built anew at each evaluation and without persistent workers, as the training loader keeps its own
-(the end-to-end case, killed and resumed bit for bit with evaluations, is
-tests/frameworks/test_hf_trainer.py[persistent-workers-evaluations], in make test-faults)."""
+"""The Trainer's loaders under distckpt's Trainer with dataloader_persistent_workers=True: each
+evaluation's built anew, and none with persistent workers (the end-to-end case, killed and resumed bit
+for bit with evaluations, is tests/frameworks/test_hf_trainer.py[persistent-workers-evaluations], in
+make test-faults)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class Tiny(torch.nn.Module):
         return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
 
 
-def test_each_evaluation_gets_a_loader_of_its_own_without_persistent_workers(tmp_path):
+def test_each_evaluation_gets_a_loader_of_its_own_and_no_loader_keeps_its_workers(tmp_path):
     persistent = True
     transformers = pytest.importorskip("transformers")
     from distckpt.integrations import hf_trainer
@@ -51,4 +51,6 @@ def test_each_evaluation_gets_a_loader_of_its_own_without_persistent_workers(tmp
         for loader in (first, second):
             assert getattr(loader, "persistent_workers", getattr(loader.base_dataloader, "persistent_workers", None)) is False
         assert trainer.args.dataloader_persistent_workers is persistent  # the setting itself is left as given
-        assert trainer.get_train_dataloader().base_dataloader.persistent_workers is persistent
+        # the training loader's workers start at each pass too: kept, they carried their streams into
+        # an epoch that a process resumed at the previous epoch's end started anew
+        assert trainer.get_train_dataloader().base_dataloader.persistent_workers is False
