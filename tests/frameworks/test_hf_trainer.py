@@ -26,6 +26,10 @@ CASES = [
     # evaluation, whose first pass after a resume drew a base seed the uninterrupted run did not
     pytest.param(["--workers", "2", "--persistent", "--eval-every", "2"], "5", id="persistent-workers-evaluations",
                  marks=faults),
+    # persistent workers, resumed from a save at an epoch's end (3 optimizer steps an epoch): kept,
+    # the training loader's workers carried their streams into the next epoch, started anew on resume
+    pytest.param(["--workers", "2", "--persistent", "--every", "3"], "5", id="persistent-workers-epoch-end",
+                 marks=faults),
 ]
 
 
