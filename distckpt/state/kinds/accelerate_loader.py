@@ -59,17 +59,17 @@ class AcceleratePreparedLoader(Loader):
                 "DataLoaderConfiguration(dispatch_batches=False, use_stateful_dataloader=True)")
         if not is_prepared_loader(obj):
             return False
+        if getattr(obj, "skip_batches", 0):
+            raise UnstorableValueError(
+                f"state[{key!r}] was made by accelerator.skip_first_batches(): distckpt restores the position "
+                "itself, and the skip would come on top of it. Put the prepared loader itself in `state` and "
+                "iterate it after load_latest")
         if not is_stateful_dataloader(vars(obj).get("base_dataloader")):
             raise UnstorableValueError(
                 f"state[{key!r}] is Accelerate's prepared loader over a plain DataLoader, which cannot say where it "
                 "is. Build the Accelerator with dataloader_config=DataLoaderConfiguration("
                 "use_stateful_dataloader=True) (distckpt.integrations.accelerate.make_accelerator() does), so that "
                 "it is backed by a torchdata StatefulDataLoader")
-        if getattr(obj, "skip_batches", 0):
-            raise UnstorableValueError(
-                f"state[{key!r}] was made by accelerator.skip_first_batches(): distckpt restores the position "
-                "itself, and the skip would come on top of it. Put the prepared loader itself in `state` and "
-                "iterate it after load_latest")
         return True
 
     def observe(self, target: Any) -> None:
