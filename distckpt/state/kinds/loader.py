@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from distckpt.errors import IncompatibleCheckpointError, UnstorableValueError, warn
+from distckpt.errors import CorruptCheckpointError, IncompatibleCheckpointError, UnstorableValueError, warn
 from distckpt.state import elastic, elastic_rules, epoch_record, loader_hazards, loader_plan, replay, undo
 from distckpt.state.capture import (
     FABRIC_MODULES,
@@ -119,6 +119,7 @@ class Loader(Kind):
                 "torchdata resumes a position only with the same number of workers (a different number "
                 f"failed at the next iter()); build the loader with num_workers={workers}")
         _check_loader_makeup(entry.target, saved.get(_LOADER_MAKEUP), where)
+        _check_positions(entry.target, saved, where)
         replay.check(entry.target, saved.get(replay.REPLAY_KEY), where)
         if _LOADER_GENERATOR in saved:
             generator = _own_generator(entry.target)
@@ -404,6 +405,44 @@ def _own_generator(loader: Any) -> torch.Generator | None:
     if isinstance(generator, torch.Generator) and generator is not torch.default_generator:
         return generator
     return None  # torch's default generator travels with the process's streams
+
+
+# torchdata's counts of where a loader is (batches given, indices drawn, samples a sampler gave):
+# handed to torchdata as they are, a forged one failed at the loop's next batch with a raw TypeError or
+# StopIteration, or (negative) replayed the whole epoch, silently
+_POSITION_COUNTS = frozenset({"_num_yielded", "_sampler_iter_yielded", "samples_yielded", "_steps_since_snapshot"})
+
+
+def _check_positions(loader: Any, saved: dict[str, Any], where: str) -> None:
+    """CorruptCheckpointError for a position count that no pass of this loader reaches: not an
+    int, negative, or beyond the longest of its dataset, sampler and batches; or a pass-ended flag
+    that is not a bool."""
+    bound = max((n for n in (_length(getattr(loader, name, None)) for name in ("dataset", "sampler"))
+                 if n is not None), default=None)
+    loader_length = _length(loader)
+    if bound is not None and loader_length is not None:
+        bound = max(bound, loader_length)
+    pending: list[tuple[Any, int]] = [(saved, 0)]
+    while pending:
+        node, depth = pending.pop()
+        if not isinstance(node, dict) or depth > 6:
+            continue
+        for key, value in node.items():
+            if key in _POSITION_COUNTS and not (type(value) is int and value >= 0 and (bound is None or value <= bound)):
+                raise CorruptCheckpointError(f"{where}: the loader's saved position {key}={value!r} is not a count "
+                                             f"from 0 to {bound if bound is not None else 'its length'}: damaged")
+            if key == "_iterator_finished" and type(value) is not bool:
+                raise CorruptCheckpointError(f"{where}: the loader's saved _iterator_finished={value!r} is not a bool: "
+                                             "damaged")
+            pending.append((value, depth + 1))
+
+
+def _length(obj: Any) -> int | None:
+    try:
+        n = len(obj)
+    except Exception:  # noqa: BLE001  (no length, or one that cannot be computed: no bound from it)
+        return None
+    return n if type(n) is int and n >= 0 else None
 
 
 def _saved_worker_count(saved: dict[str, Any]) -> int | None:
