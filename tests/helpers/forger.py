@@ -54,3 +54,33 @@ def remake(root: str, step: int, raw: dict) -> None:
     old = mf.Marker.parse(open(os.path.join(base, mf.MARKER), "rb").read(), base)
     marker = mf.Marker(step, mf.checksum_of(data), old.run_id, old.generation)
     open(os.path.join(base, mf.MARKER), "wb").write(marker.to_bytes())
+
+
+def rewrite_trees(root: str, step: int, pattern: str, replacement: str, files: str = "") -> int:
+    """`re.subn(pattern, replacement)` over the JSON tree in each payload file of `step` whose name
+    starts with `files`, each changed file's digest and the manifest and marker re-made: how many
+    places changed."""
+    import re
+    import struct
+
+    base = os.path.join(root, mf.step_dir(step))
+    raw = json.loads(open(os.path.join(base, mf.MANIFEST), "rb").read())
+    changed = 0
+    for name in raw["files"]:
+        if not name.startswith(files):
+            continue
+        blob = open(os.path.join(base, name), "rb").read()
+        (n,) = struct.unpack("<Q", blob[:8])
+        header = json.loads(blob[8:8 + n])
+        tree, count = re.subn(pattern, replacement, header["__metadata__"]["distckpt.tree"])
+        if not count:
+            continue
+        changed += count
+        header["__metadata__"]["distckpt.tree"] = tree
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        new = struct.pack("<Q", len(text)) + text + blob[8 + n:]
+        open(os.path.join(base, name), "wb").write(new)
+        raw["files"][name] = {"size": len(new), "xxh3_64": xxhash.xxh3_64_hexdigest(new)}
+    remake(root, step, raw)
+    return changed

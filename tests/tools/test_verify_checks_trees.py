@@ -5,22 +5,17 @@ resume could load. They now check the payload trees as a load does (protocol/pay
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import struct
 import subprocess
 import sys
 
 import pytest
 import torch
-import xxhash
 
 import distckpt
-from distckpt.io import manifest as mf
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers"))
-from forger import remake  # noqa: E402
+from forger import rewrite_trees  # noqa: E402
 
 FORGERIES = {
     "another-rank": (r'\["rank", ?0\]', '["rank", 1]'),
@@ -29,21 +24,7 @@ FORGERIES = {
 
 
 def _forge_rank_file(root: str, step: int, pattern: str, replacement: str) -> None:
-    base = os.path.join(root, mf.step_dir(step))
-    raw = json.load(open(os.path.join(base, mf.MANIFEST)))
-    name = next(n for n in raw["files"] if n.startswith("ranks/"))
-    blob = open(os.path.join(base, name), "rb").read()
-    (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8:8 + n])
-    tree, count = re.subn(pattern, replacement, header["__metadata__"]["distckpt.tree"])
-    assert count >= 1
-    header["__metadata__"]["distckpt.tree"] = tree
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    new = struct.pack("<Q", len(text)) + text + blob[8 + n:]
-    open(os.path.join(base, name), "wb").write(new)
-    raw["files"][name] = {"size": len(new), "xxh3_64": xxhash.xxh3_64_hexdigest(new)}
-    remake(root, step, raw)
+    assert rewrite_trees(root, step, pattern, replacement, files="ranks/") >= 1
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -5,23 +5,18 @@ silently. Now the step is damaged: the load falls back to the older step, which 
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import struct
 import sys
 import warnings
 
 import pytest
-import xxhash
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import distckpt
-from distckpt.io import manifest as mf
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers"))
-from forger import remake  # noqa: E402
+from forger import rewrite_trees  # noqa: E402
 
 
 def _loader() -> StatefulDataLoader:
@@ -30,26 +25,7 @@ def _loader() -> StatefulDataLoader:
 
 
 def _forge_counts(root: str, step: int, value: str) -> int:
-    base = os.path.join(root, mf.step_dir(step))
-    raw = json.load(open(os.path.join(base, mf.MANIFEST)))
-    changed = 0
-    for name in raw["files"]:
-        blob = open(os.path.join(base, name), "rb").read()
-        (n,) = struct.unpack("<Q", blob[:8])
-        header = json.loads(blob[8:8 + n])
-        tree, count = re.subn(r'\["(_num_yielded|_sampler_iter_yielded)", ?\d+\]', rf'["\1", {value}]',
-                              header["__metadata__"]["distckpt.tree"])
-        if not count:
-            continue
-        changed += count
-        header["__metadata__"]["distckpt.tree"] = tree
-        text = json.dumps(header).encode()
-        text += b" " * (-len(text) % 8)
-        new = struct.pack("<Q", len(text)) + text + blob[8 + n:]
-        open(os.path.join(base, name), "wb").write(new)
-        raw["files"][name] = {"size": len(new), "xxh3_64": xxhash.xxh3_64_hexdigest(new)}
-    remake(root, step, raw)
-    return changed
+    return rewrite_trees(root, step, r'\["(_num_yielded|_sampler_iter_yielded)", ?\d+\]', rf'["\1", {value}]')
 
 
 @pytest.mark.parametrize("value", ['"6"', "-8", "4000", "true"])

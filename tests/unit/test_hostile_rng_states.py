@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import struct
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-import xxhash
-
-from distckpt.io import manifest as mf
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers"))
-from forger import remake  # noqa: E402
+from forger import rewrite_trees  # noqa: E402
 
 STATE = """
 import numpy as np, torch, distckpt
@@ -57,26 +52,7 @@ def _run(code: str, root: str) -> subprocess.CompletedProcess:
 
 def _set_every_position(root: str, step: int, pos: int) -> int:
     """Every `["pos", N]` in the step's payload trees set to `pos`, the files and manifest re-signed."""
-    base = os.path.join(root, mf.step_dir(step))
-    raw = json.load(open(os.path.join(base, mf.MANIFEST)))
-    changed = 0
-    for name in raw["files"]:
-        blob = open(os.path.join(base, name), "rb").read()
-        (n,) = struct.unpack("<Q", blob[:8])
-        header = json.loads(blob[8:8 + n])
-        tree = header["__metadata__"]["distckpt.tree"]
-        tree, count = re.subn(r'\["pos", ?-?\d+\]', f'["pos", {pos}]', tree)
-        if not count:
-            continue
-        changed += count
-        header["__metadata__"]["distckpt.tree"] = tree
-        text = json.dumps(header).encode()
-        text += b" " * (-len(text) % 8)
-        new = struct.pack("<Q", len(text)) + text + blob[8 + n:]
-        open(os.path.join(base, name), "wb").write(new)
-        raw["files"][name] = {"size": len(new), "xxh3_64": xxhash.xxh3_64_hexdigest(new)}
-    remake(root, step, raw)
-    return changed
+    return rewrite_trees(root, step, r'\["pos", ?-?\d+\]', f'["pos", {pos}]')
 
 
 @pytest.mark.parametrize("pos", [625, 2**30, -1])
