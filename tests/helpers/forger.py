@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 
 import xxhash
@@ -60,9 +61,6 @@ def rewrite_trees(root: str, step: int, pattern: str, replacement: str, files: s
     """`re.subn(pattern, replacement)` over the JSON tree in each payload file of `step` whose name
     starts with `files`, each changed file's digest and the manifest and marker re-made: how many
     places changed."""
-    import re
-    import struct
-
     base = os.path.join(root, mf.step_dir(step))
     raw = json.loads(open(os.path.join(base, mf.MANIFEST), "rb").read())
     changed = 0
