@@ -262,6 +262,9 @@ def test_a_configured_signal_and_a_manager_built_in_a_thread_hear_the_notice(tmp
     signal_name = "SIGINT" if where == "sigint" else "SIGTERM"
     out = run(f"""
         import os, signal, threading, distckpt
+        # SIGINT as an interactive shell leaves it: a job started in the background by a
+        # non-interactive shell has it ignored, and Python then installs no handler of its own
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         if {where!r} == "sigint":
             mgr = distckpt.CheckpointManager({str(tmp_path)!r}, preemption_signals=("SIGINT",))
             mgr.preemption_requested()
