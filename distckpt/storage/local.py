@@ -152,6 +152,9 @@ class LocalStorage:
             return sorted(os.listdir(self._abs(path)))
         except FileNotFoundError:
             return []
+        except NotADirectoryError as e:  # a file where the root or its fence/ directory goes: no listing says which
+            raise StorageError(e.errno, f"listing {self._abs(path)} failed: a file stands where a directory goes; "
+                               "distckpt never makes one there: move it away (it is not read)") from e
         except OSError as e:
             raise StorageError(e.errno, f"listing {self._abs(path)} failed: {e.strerror or e}") from e
 

@@ -58,3 +58,18 @@ def test_a_linked_fence_directory_is_never_written_through(tmp_path):
         with pytest.raises(distckpt.StorageError, match="symbolic link"):
             mgr.save(10, _state(1.0))
     assert _outside_tree(str(outside)) == []
+
+
+def test_a_file_where_the_fence_directory_goes_is_named_with_what_to_do(tmp_path):
+    """Every reader failed with a bare "Not a directory"."""
+    root = tmp_path / "root"
+    with distckpt.CheckpointManager(str(root)) as mgr:
+        mgr.load_latest(_state(0.0))
+        mgr.save(10, _state(1.0))
+    for entry in (root / "fence").iterdir():
+        entry.unlink()
+    (root / "fence").rmdir()
+    (root / "fence").write_text("not a directory")
+    with pytest.raises(distckpt.StorageError, match="a file stands where a directory goes"):
+        with distckpt.CheckpointManager(str(root)) as mgr:
+            mgr.load_latest(_state(0.0))
