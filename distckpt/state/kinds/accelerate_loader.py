@@ -214,12 +214,12 @@ def _tapped_iter(inner: Any) -> Any:
             _set_self_counting_epochs(loader, prepared.iteration - 1)
         tap = _Tap(loader, type(loader).__iter__(loader))
         vars(loader)[_TAP] = weakref.ref(tap)
-        if resuming and shard is not None and shard() is not None:
+        if resuming and prepared is not None:
             # The restore replayed the saved pass's order up to its position; a sampler that counts
             # its own epochs at a pass's end (Accelerate's SeedableRandomSampler) counted that
             # replay as a pass when it was the last batch's: the wrapper's epoch is put back before
             # the new pass draws its order (at its first batch), as the uninterrupted run had it.
-            shard().set_epoch(shard().iteration)
+            prepared.set_epoch(prepared.iteration)
         return tap
 
     return tapped
